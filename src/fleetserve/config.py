@@ -1,0 +1,202 @@
+"""Frozen configuration dataclasses shared by every layer.
+
+User-facing mistakes raise ValueError naming the field and its allowed range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fleetserve.core.config import SchedulerConfig
+
+__all__ = ["SchedulerConfig"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of float32, float16, bfloat16, got {dtype}")
+        return dtype
+    if dtype == "auto":
+        return torch.float32
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(
+            f"dtype must be one of {sorted(set(_DTYPES))} or 'auto', got {dtype!r}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    dtype: torch.dtype
+    max_model_len: int
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_hf(
+        cls,
+        hf: dict[str, Any],
+        dtype: str | torch.dtype = "float32",
+        max_model_len: int | None = None,
+    ) -> ModelConfig:
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs!r} in config.json; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        head_dim = hf.get("head_dim") or hidden // heads
+        max_pos = int(hf.get("max_position_embeddings", 2048))
+        if max_model_len is None:
+            max_model_len = max_pos
+        if not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        rope_scaling = hf.get("rope_scaling")
+        rope_theta = hf.get("rope_theta")
+        rope_params = hf.get("rope_parameters")
+        if isinstance(rope_params, dict):
+            # transformers >= 5 folds rope_theta/rope_scaling into rope_parameters.
+            rope_theta = rope_theta or rope_params.get("rope_theta")
+            if rope_params.get("rope_type", "default") != "default" and rope_scaling is None:
+                rope_scaling = rope_params
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
+            None,
+            "default",
+        ):
+            rope_scaling = None
+        return cls(
+            architecture=arch,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_hidden_layers=int(hf["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            dtype=parse_dtype(dtype),
+            max_model_len=max_model_len,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            hf_config=dict(hf),
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes; used when num_kv_blocks is None
+    enable_prefix_caching: bool = True
+
+    DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
+        if self.num_kv_blocks is not None and (
+            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1
+        ):
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory!r}")
+
+    def resolve_num_blocks(self, model: ModelConfig, max_num_seqs: int) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        per_block = model.kv_bytes_per_token * self.block_size
+        if self.kv_cache_memory is not None:
+            budget = self.kv_cache_memory
+        else:
+            # Never more than every sequence at full length would need.
+            full = max_num_seqs * -(-model.max_model_len // self.block_size) * per_block
+            budget = min(self.DEFAULT_KV_CACHE_MEMORY, full)
+        num = budget // per_block
+        if num < 1:
+            raise ValueError(
+                f"kv_cache_memory={budget} bytes holds no block of {per_block} bytes; raise it"
+            )
+        return int(num)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    seed: int = 0
+    device: str = "cpu"
+    num_threads: int | None = None

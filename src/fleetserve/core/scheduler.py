@@ -1,0 +1,263 @@
+"""Iteration-level scheduler under one token budget (pure Python).
+
+Each step, running requests are served first (oldest first), then waiting ones. A
+request is given ``min(num_tokens - num_computed_tokens, remaining budget)`` tokens, so
+a long prompt is prefilled over several steps, mixed with other requests' decodes.
+When blocks run out, the newest running request (or the least important one under the
+priority policy) is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from fleetserve.core.config import SchedulerConfig
+from fleetserve.core.block_manager import BlockManager
+from fleetserve.core.request import Request, RequestStatus
+from fleetserve.core.scheduler_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        # Tokens and blocks the model runner already knows per running request.
+        self._sent_tokens: dict[str, int] = {}
+        self._sent_blocks: dict[str, int] = {}
+        self._finished_since_last_step: set[str] = set()
+        self.num_preemptions = 0
+
+    # --------------------------------------------------------------- requests
+    def add_request(self, request: Request) -> None:
+        if request.req_id in self.requests:
+            raise ValueError(f"request_id {request.req_id!r} is already in use")
+        max_len = self.config.max_model_len
+        if request.num_prompt_tokens >= max_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; max_model_len is {max_len} "
+                "(the prompt must leave room for at least one generated token)"
+            )
+        bm = self.block_manager
+        if bm.blocks_needed(min(request.num_prompt_tokens + request.max_tokens, max_len)) > (
+            bm.num_blocks
+        ):
+            raise ValueError(
+                f"request needs more KV blocks than the cache holds ({bm.num_blocks} blocks of "
+                f"{bm.block_size} tokens); lower max_tokens or raise num_kv_blocks"
+            )
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Abort or stop requests (stop strings are found outside the core)."""
+        done = []
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._free(req)
+            done.append(req)
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def _free(self, req: Request) -> None:
+        self.block_manager.free(req)
+        self.requests.pop(req.req_id, None)
+        self._forget(req.req_id)
+
+    def _forget(self, req_id: str) -> None:
+        if self._sent_tokens.pop(req_id, None) is not None:
+            self._finished_since_last_step.add(req_id)
+        self._sent_blocks.pop(req_id, None)
+
+    # ---------------------------------------------------------------- schedule
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req)
+        self._forget(req.req_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, req)
+
+    def _next_waiting(self, skip: set[str]) -> Request | None:
+        candidates = [r for r in self.waiting if r.req_id not in skip]
+        if not candidates:
+            return None
+        if self.config.policy == "priority":
+            return min(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[0]
+
+    def _sibling_prefilling(self, req: Request) -> bool:
+        """n>1 siblings wait until one of them has computed the shared prompt."""
+        if req.group_id is None or not self.block_manager.enable_prefix_caching:
+            return False
+        return any(
+            r.group_id == req.group_id and r.num_computed_tokens < r.num_prompt_tokens
+            for r in self.running
+        )
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        max_len = self.config.max_model_len
+        bm = self.block_manager
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted = False
+
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(num_new, max_len - req.num_computed_tokens)
+            if num_new <= 0:
+                continue
+            while not bm.allocate_slots(req, num_new):
+                victim = self._pick_victim()
+                self._preempt(victim)
+                preempted = True
+                # A victim already given tokens this step gives them back.
+                budget += num_scheduled.pop(victim.req_id, 0)
+                if victim is req:
+                    break
+            if req.status == RequestStatus.RUNNING:
+                num_scheduled[req.req_id] = num_new
+                budget -= num_new
+
+        skip: set[str] = set()
+        while (
+            not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self._next_waiting(skip)
+            if req is None:
+                break
+            if self._sibling_prefilling(req):
+                skip.add(req.req_id)
+                continue
+            hits, num_hit_tokens = bm.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit_tokens
+            if not self.config.chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if not bm.allocate_slots(req, num_new, hits):
+                break
+            self.waiting.remove(req)
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit_tokens
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_hit_tokens
+            num_scheduled[req.req_id] = num_new
+            budget -= num_new
+
+        for req in self.running:
+            n = num_scheduled.get(req.req_id)
+            if n is None:
+                continue
+            block_ids = bm.block_ids(req.req_id)
+            if req.req_id not in self._sent_tokens:
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=req.req_id,
+                        token_ids=list(req.all_token_ids),
+                        num_prompt_tokens=req.num_prompt_tokens,
+                        sampling_params=req.sampling_params,
+                        block_ids=list(block_ids),
+                        num_computed_tokens=req.num_computed_tokens,
+                        num_output_tokens=req.num_output_tokens,
+                    )
+                )
+            else:
+                cached_reqs.append(
+                    CachedRequestData(
+                        req_id=req.req_id,
+                        new_token_ids=req.all_token_ids[self._sent_tokens[req.req_id] :],
+                        new_block_ids=block_ids[self._sent_blocks[req.req_id] :],
+                        num_computed_tokens=req.num_computed_tokens,
+                    )
+                )
+            self._sent_tokens[req.req_id] = req.num_tokens
+            self._sent_blocks[req.req_id] = len(block_ids)
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_since_last_step,
+        )
+        self._finished_since_last_step = set()
+        return out
+
+    # ----------------------------------------------------------------- update
+    def update_from_output(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        max_len = self.config.max_model_len
+        for idx, req_id in enumerate(result.req_ids):
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += sched.num_scheduled_tokens[req_id]
+            self.block_manager.cache_full_blocks(req)
+            new_tokens: list[int] = []
+            new_logprobs = []
+            sampled = result.sampled_token_ids[idx]
+            for j, tok in enumerate(sampled):
+                req.append_token(tok)
+                new_tokens.append(tok)
+                if result.logprobs is not None:
+                    new_logprobs.append(result.logprobs[idx][j])
+                if req.check_stop(max_len):
+                    break
+            prompt_lps = result.prompt_logprobs.get(req_id)
+            if not new_tokens and prompt_lps is None:
+                continue
+            out = EngineCoreOutput(
+                req_id=req_id,
+                new_token_ids=new_tokens,
+                new_logprobs=new_logprobs if result.logprobs is not None else None,
+                new_prompt_logprobs=prompt_lps,
+                num_cached_tokens=req.num_cached_tokens,
+            )
+            if req.finished:
+                out.finish_reason = req.status.finish_reason
+                out.stop_reason = req.stop_reason
+                self.running.remove(req)
+                self._free(req)
+            outputs.append(out)
+        return outputs

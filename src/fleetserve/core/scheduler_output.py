@@ -1,0 +1,71 @@
+"""What crosses the scheduler -> model runner -> scheduler boundary.
+
+Plain dataclasses of lists and ints, so they serialize cheaply between processes. New
+requests travel whole; running ones only as diffs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fleetserve.core.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    token_ids: list[int]  # prompt + any output so far (a resumed request recomputes them)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    # Output tokens the request already had (after preemption): penalties need them.
+    num_output_tokens: int = 0
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    new_token_ids: list[int]  # tokens appended since the runner last saw the request
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the runner should forget (finished, aborted or preempted since last step).
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # One entry per scheduled request; empty when the step ended mid-prompt.
+    sampled_token_ids: list[list[int]]
+    # Per request, per sampled token: {token_id: logprob} (sampled token + top-N).
+    logprobs: list[list[dict[int, float]]] | None = None
+    # Per request with prompt_logprobs: entries for the prompt positions this step covered.
+    prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None = None
+    new_prompt_logprobs: list[dict[int, float] | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,74 @@
+"""User-facing engine arguments -> frozen EngineConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fleetserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from fleetserve.core.config import SchedulerConfig
+from fleetserve.models.loader import ModelSource, resolve_model
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    device: str = "cpu"
+    num_threads: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def resolve(self) -> tuple[EngineConfig, ModelSource]:
+        path = self.model
+        if path is None:
+            from fleetserve.models.default_model import default_model_path
+
+            path = default_model_path()
+        source = resolve_model(path)
+        hf = source.hf_config
+        max_len = self.max_model_len
+        if max_len is None:
+            max_len = min(int(hf.get("max_position_embeddings", 2048)), DEFAULT_MAX_MODEL_LEN)
+        model_cfg = ModelConfig.from_hf(hf, dtype=self.dtype, max_model_len=max_len)
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 1024 if self.enable_chunked_prefill else max_len
+        config = EngineConfig(
+            model_path=path,
+            model=model_cfg,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                num_kv_blocks=self.num_kv_blocks,
+                kv_cache_memory=self.kv_cache_memory,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=budget,
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=max_len,
+                chunked_prefill=self.enable_chunked_prefill,
+                policy=self.scheduling_policy,
+            ),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+            ),
+            seed=self.seed,
+            device=self.device,
+            num_threads=self.num_threads,
+        )
+        return config, source

@@ -1,0 +1,132 @@
+"""LLMEngine: tokenize, validate, step, detokenize, all in the caller's process.
+
+The server drives the same calls (add_request / step / abort_request) from its engine
+process; LLM.generate drives them in a loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fleetserve.core.request import Request
+from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.engine.arg_utils import EngineArgs
+from fleetserve.engine.core import EngineCore
+from fleetserve.engine.output_processor import OutputProcessor
+from fleetserve.outputs import RequestOutput
+from fleetserve.tokenizer import Tokenizer
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.config, self.source = args.resolve()
+        self.tokenizer = Tokenizer.from_source(self.source)
+        self.core = EngineCore(self.config, self.source)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = tuple(
+            sorted(set(self.config.model.eos_token_ids) | set(self.tokenizer.stop_token_ids))
+        )
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                text = prompt.get("prompt")
+            elif "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            else:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        else:
+            ids, text = prompt, None
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        if not ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        return text, list(ids)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        vocab = self.config.model.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        max_len = self.max_model_len
+        if len(prompt_ids) >= max_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}"
+            )
+        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > max_len:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} plus the prompt's {len(prompt_ids)} tokens "
+                f"exceeds max_model_len={max_len}"
+            )
+        if params.stop_token_ids and any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        text, ids = self.tokenize_prompt(prompt)
+        self.validate(ids, params)
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - len(ids)
+        child_ids = self.output_processor.add_request(request_id, text, ids, params)
+        try:
+            for cid in child_ids:
+                self.core.add_request(
+                    Request(
+                        cid,
+                        ids,
+                        params,
+                        eos_token_ids=self.eos_token_ids,
+                        priority=priority,
+                        arrival_time=arrival_time,
+                        group_id=request_id if len(child_ids) > 1 else None,
+                    )
+                )
+        except ValueError:
+            self.abort_request(request_id)
+            raise
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        for rid in ids:
+            children = self.output_processor.child_ids(rid)
+            self.core.abort_requests(children)
+            self.output_processor.abort(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished() or self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.core.step()
+        outputs, to_stop = self.output_processor.process(core_outputs)
+        if to_stop:
+            self.core.stop_requests(to_stop)
+        return outputs
+
+    def stats(self) -> dict[str, float]:
+        return self.core.stats()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

@@ -1,0 +1,70 @@
+"""Paged attention: write this step's K/V into cache slots, then attend.
+
+The reference backend is plain torch (SDPA), which runs on CPU and GPU alike. Decodes
+are attended in one padded batch; prefill chunks one request at a time with a causal
+mask offset by the request's cached context.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fleetserve.forward_context import get_forward_context
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        # Bound by the model runner: [num_blocks * block_size, num_kv_heads, head_dim] views.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        meta = get_forward_context()
+        k_cache, v_cache = self.k_cache, self.v_cache
+        assert k_cache is not None and v_cache is not None, "KV cache not bound"
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        gqa = self.num_heads != self.num_kv_heads
+        nd = meta.num_decodes
+        if nd:
+            assert meta.decode_kv_slots is not None
+            qd = q[:nd].unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
+            kd = k_cache[meta.decode_kv_slots].transpose(1, 2)  # [nd, kv_heads, len, hd]
+            vd = v_cache[meta.decode_kv_slots].transpose(1, 2)
+            od = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=meta.decode_kv_mask, scale=self.scale, enable_gqa=gqa
+            )
+            out[:nd] = od.squeeze(2)
+        qsl = meta.query_start_loc
+        for i in range(nd, len(meta.seq_lens)):
+            start, end = qsl[i], qsl[i + 1]
+            qi = q[start:end].transpose(0, 1)  # [num_heads, q_len, head_dim]
+            slots = meta.prefill_kv_slots[i - nd]
+            if slots is None:
+                # No cached context: the chunk attends only to itself.
+                ki = k[start:end].transpose(0, 1)
+                vi = v[start:end].transpose(0, 1)
+                oi = F.scaled_dot_product_attention(
+                    qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=gqa
+                )
+            else:
+                ki = k_cache[slots].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
+                vi = v_cache[slots].transpose(0, 1)
+                ctx, q_len = meta.context_lens[i], end - start
+                # Query row j sits at position ctx + j and sees keys 0..ctx + j.
+                mask = torch.arange(ctx + q_len, device=q.device)[None, :] <= (
+                    ctx + torch.arange(q_len, device=q.device)[:, None]
+                )
+                oi = F.scaled_dot_product_attention(
+                    qi, ki, vi, attn_mask=mask, scale=self.scale, enable_gqa=gqa
+                )
+            out[start:end] = oi.transpose(0, 1)
+        return out

@@ -1,0 +1,211 @@
+"""Runs one scheduler step on the model: flattened batch in, sampled tokens out.
+
+The runner mirrors the scheduler's view of each running request (token ids, block ids,
+computed count), updated from the diffs in each SchedulerOutput.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from fleetserve.config import EngineConfig
+from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from fleetserve.forward_context import AttentionMetadata, set_forward_context
+from fleetserve.layers.sampler import Sampler, SamplingRow, top_logprobs
+from fleetserve.models.loader import ModelSource
+from fleetserve.models.registry import model_class
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, num_blocks: int) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.cache.block_size
+        mcfg = config.model
+        t0 = time.perf_counter()
+        with torch.device("meta"):
+            model = model_class(mcfg)(mcfg)
+        model = model.to_empty(device=self.device).to(mcfg.dtype)
+        # Buffers (rotary tables) were on meta: rebuild them for real.
+        with torch.device(self.device):
+            fresh_rope = type(model.model.layers[0].self_attn.rope)(
+                mcfg.head_dim, mcfg.max_model_len + 1, mcfg.rope_theta, mcfg.rope_scaling
+            )
+        for layer in model.model.layers:
+            layer.self_attn.rope = fresh_rope
+        model.load_weights(source.iter_tensors(mcfg.dtype))
+        self.model = model.eval()
+        self.load_seconds = time.perf_counter() - t0
+        self.num_blocks = num_blocks
+        num_slots = num_blocks * self.block_size
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for attn in model.attention_layers():
+            shape = (num_slots, attn.num_kv_heads, attn.head_dim)
+            k = torch.zeros(shape, dtype=mcfg.dtype, device=self.device)
+            v = torch.zeros(shape, dtype=mcfg.dtype, device=self.device)
+            attn.k_cache, attn.v_cache = k, v
+            self.kv_caches.append((k, v))
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, RequestState] = {}
+
+    # ------------------------------------------------------------ state diffs
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = RequestState(
+                req_id=new.req_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for cached in so.scheduled_cached_reqs:
+            st = self.requests[cached.req_id]
+            st.token_ids.extend(cached.new_token_ids)
+            st.block_ids.extend(cached.new_block_ids)
+            st.num_computed_tokens = cached.num_computed_tokens
+
+    def _slots(self, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+        """Flat KV slots of positions 0..length-1 for a block table [..., num_blocks]."""
+        bs = self.block_size
+        offsets = torch.arange(bs, device=block_ids.device)
+        slots = (block_ids.unsqueeze(-1) * bs + offsets).flatten(-2)
+        return slots[..., :length]
+
+    # ---------------------------------------------------------------- execute
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        sched = so.num_scheduled_tokens
+        states = [self.requests[r] for r in sched]
+        # Decodes first: they are attended together in one padded batch.
+        decodes = [s for s in states if sched[s.req_id] == 1 and s.num_computed_tokens > 0]
+        prefills = [s for s in states if not (sched[s.req_id] == 1 and s.num_computed_tokens > 0)]
+        ordered = decodes + prefills
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        qsl = [0]
+        ctx_lens, seq_lens = [], []
+        for s in ordered:
+            n = sched[s.req_id]
+            c = s.num_computed_tokens
+            input_ids.extend(s.token_ids[c : c + n])
+            positions.extend(range(c, c + n))
+            qsl.append(qsl[-1] + n)
+            ctx_lens.append(c)
+            seq_lens.append(c + n)
+        dev = self.device
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        bs = self.block_size
+        slot_mapping = torch.empty_like(pos_t)
+        decode_slots = decode_mask = None
+        nd = len(decodes)
+        if nd:
+            max_len = max(seq_lens[:nd])
+            nblk = -(-max_len // bs)
+            table = torch.tensor(
+                [s.block_ids[:nblk] + [0] * (nblk - len(s.block_ids[:nblk])) for s in decodes],
+                dtype=torch.long,
+                device=dev,
+            )
+            decode_slots = self._slots(table, max_len)
+            lens = torch.tensor(seq_lens[:nd], device=dev)
+            decode_mask = (torch.arange(max_len, device=dev)[None, :] < lens[:, None])[
+                :, None, None, :
+            ]
+            slot_mapping[:nd] = decode_slots.gather(1, (lens - 1)[:, None]).squeeze(1)
+        prefill_slots: list[torch.Tensor | None] = []
+        for i, s in enumerate(prefills, start=nd):
+            table = torch.tensor(s.block_ids, dtype=torch.long, device=dev)
+            slots = self._slots(table, seq_lens[i])
+            slot_mapping[qsl[i] : qsl[i + 1]] = slots[ctx_lens[i] :]
+            prefill_slots.append(slots if ctx_lens[i] > 0 else None)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            context_lens=ctx_lens,
+            num_decodes=nd,
+            decode_kv_slots=decode_slots,
+            decode_kv_mask=decode_mask,
+            prefill_kv_slots=prefill_slots,
+        )
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        with set_forward_context(meta):
+            hidden = self.model(ids_t, pos_t)
+
+        # Rows to sample: the last token of each request whose step reaches its end.
+        sample_rows, sample_states = [], []
+        for i, s in enumerate(ordered):
+            if seq_lens[i] == len(s.token_ids):
+                sample_rows.append(qsl[i + 1] - 1)
+                sample_states.append(s)
+        sampled: dict[str, list[int]] = {s.req_id: [] for s in ordered}
+        lp_by_req: dict[str, list[dict[int, float]]] = {s.req_id: [] for s in ordered}
+        want_logprobs = any(s.params.logprobs is not None for s in ordered)
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            rows = [
+                SamplingRow(s.params, s.token_ids[: s.num_prompt_tokens],
+                            s.token_ids[s.num_prompt_tokens :])
+                for s in sample_states
+            ]
+            tokens, lps = self.sampler(logits, rows)
+            for j, s in enumerate(sample_states):
+                sampled[s.req_id] = [tokens[j]]
+                if lps is not None:
+                    lp_by_req[s.req_id] = [lps[j]]
+        prompt_lps = self._prompt_logprobs(ordered, qsl, ctx_lens, hidden)
+        req_ids = list(sched)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=[sampled[r] for r in req_ids],
+            logprobs=[lp_by_req[r] for r in req_ids] if want_logprobs else None,
+            prompt_logprobs=prompt_lps,
+        )
+
+    def _prompt_logprobs(
+        self,
+        ordered: list[RequestState],
+        qsl: list[int],
+        ctx_lens: list[int],
+        hidden: torch.Tensor,
+    ) -> dict[str, list[dict[int, float] | None]]:
+        """Logprob of each prompt token given the ones before it, chunk by chunk."""
+        out: dict[str, list[dict[int, float] | None]] = {}
+        for i, s in enumerate(ordered):
+            n = s.params.prompt_logprobs
+            c = ctx_lens[i]
+            if n is None or c >= s.num_prompt_tokens:
+                continue
+            end = min(qsl[i + 1] - qsl[i], s.num_prompt_tokens - c)
+            entries: list[dict[int, float] | None] = [None] if c == 0 else []
+            # Position p predicts token p + 1; the last prompt position predicts output.
+            last = min(end, s.num_prompt_tokens - 1 - c)
+            if last > 0:
+                lp = torch.log_softmax(
+                    self.model.compute_logits(hidden[qsl[i] : qsl[i] + last]), dim=-1
+                )
+                for j in range(last):
+                    entries.append(top_logprobs(lp[j], s.token_ids[c + j + 1], n))
+            out[s.req_id] = entries
+        return out
