@@ -1,0 +1,48 @@
+"""Command-line flags shared by every command that builds an engine."""
+
+from __future__ import annotations
+
+import argparse
+
+from fleetserve.engine.arg_utils import EngineArgs
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: SmolLM2)")
+    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument(
+        "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false"
+    )
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        seed=args.seed,
+        device=args.device,
+        num_threads=args.num_threads,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+    )
