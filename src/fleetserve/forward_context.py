@@ -27,11 +27,12 @@ class AttentionMetadata:
     seq_lens: list[int]  # [num_reqs] tokens with K/V after this step
     context_lens: list[int]  # [num_reqs] tokens with K/V before this step
     num_decodes: int  # leading requests with exactly one new token and some context
-    # Decode batch: KV slots per request padded to the longest, and which are real.
-    decode_kv_slots: torch.Tensor | None  # [num_decodes, max_seq_len]
-    decode_kv_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_seq_len] bool
-    # Prefill requests that have context: KV slots for their whole sequence.
-    prefill_kv_slots: list[torch.Tensor | None]  # [num_reqs - num_decodes]
+    block_size: int
+    # Decode batch: block tables padded to the longest, and which positions are real.
+    decode_block_table: torch.Tensor | None  # [num_decodes, max_num_blocks]
+    decode_kv_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_num_blocks * block_size]
+    # Prefill requests that have cached context: their block tables (None: no context).
+    prefill_block_tables: list[torch.Tensor | None]  # [num_reqs - num_decodes]
 
 
 _CONTEXT: AttentionMetadata | None = None

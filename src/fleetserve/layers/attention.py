@@ -34,11 +34,18 @@ class Attention(torch.nn.Module):
         out = torch.empty_like(q)
         gqa = self.num_heads != self.num_kv_heads
         nd = meta.num_decodes
+        # Gather whole blocks (block_size contiguous slots each), not single slots.
+        bs = meta.block_size
+        k_blocks = k_cache.view(-1, bs, self.num_kv_heads, self.head_dim)
+        v_blocks = v_cache.view(-1, bs, self.num_kv_heads, self.head_dim)
         if nd:
-            assert meta.decode_kv_slots is not None
+            table = meta.decode_block_table
+            assert table is not None
             qd = q[:nd].unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
-            kd = k_cache[meta.decode_kv_slots].transpose(1, 2)  # [nd, kv_heads, len, hd]
-            vd = v_cache[meta.decode_kv_slots].transpose(1, 2)
+            shape = (nd, -1, self.num_kv_heads, self.head_dim)
+            flat = table.flatten()
+            kd = k_blocks.index_select(0, flat).view(shape).transpose(1, 2)  # [nd, kvh, L, hd]
+            vd = v_blocks.index_select(0, flat).view(shape).transpose(1, 2)
             od = F.scaled_dot_product_attention(
                 qd, kd, vd, attn_mask=meta.decode_kv_mask, scale=self.scale, enable_gqa=gqa
             )
@@ -47,8 +54,8 @@ class Attention(torch.nn.Module):
         for i in range(nd, len(meta.seq_lens)):
             start, end = qsl[i], qsl[i + 1]
             qi = q[start:end].transpose(0, 1)  # [num_heads, q_len, head_dim]
-            slots = meta.prefill_kv_slots[i - nd]
-            if slots is None:
+            table = meta.prefill_block_tables[i - nd]
+            if table is None:
                 # No cached context: the chunk attends only to itself.
                 ki = k[start:end].transpose(0, 1)
                 vi = v[start:end].transpose(0, 1)
@@ -56,11 +63,14 @@ class Attention(torch.nn.Module):
                     qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=gqa
                 )
             else:
-                ki = k_cache[slots].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
-                vi = v_cache[slots].transpose(0, 1)
                 ctx, q_len = meta.context_lens[i], end - start
+                seq_len = ctx + q_len
+                ki = k_blocks.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)
+                vi = v_blocks.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)
+                ki = ki[:seq_len].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
+                vi = vi[:seq_len].transpose(0, 1)
                 # Query row j sits at position ctx + j and sees keys 0..ctx + j.
-                mask = torch.arange(ctx + q_len, device=q.device)[None, :] <= (
+                mask = torch.arange(seq_len, device=q.device)[None, :] <= (
                     ctx + torch.arange(q_len, device=q.device)[:, None]
                 )
                 oi = F.scaled_dot_product_attention(

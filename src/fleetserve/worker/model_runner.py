@@ -81,13 +81,6 @@ class ModelRunner:
             st.block_ids.extend(cached.new_block_ids)
             st.num_computed_tokens = cached.num_computed_tokens
 
-    def _slots(self, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-        """Flat KV slots of positions 0..length-1 for a block table [..., num_blocks]."""
-        bs = self.block_size
-        offsets = torch.arange(bs, device=block_ids.device)
-        slots = (block_ids.unsqueeze(-1) * bs + offsets).flatten(-2)
-        return slots[..., :length]
-
     # ---------------------------------------------------------------- execute
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -117,37 +110,40 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         bs = self.block_size
         slot_mapping = torch.empty_like(pos_t)
-        decode_slots = decode_mask = None
+        decode_table = decode_mask = None
         nd = len(decodes)
         if nd:
-            max_len = max(seq_lens[:nd])
-            nblk = -(-max_len // bs)
-            table = torch.tensor(
+            nblk = -(-max(seq_lens[:nd]) // bs)
+            # Padding entries point at block 0; the mask hides them.
+            decode_table = torch.tensor(
                 [s.block_ids[:nblk] + [0] * (nblk - len(s.block_ids[:nblk])) for s in decodes],
                 dtype=torch.long,
                 device=dev,
             )
-            decode_slots = self._slots(table, max_len)
             lens = torch.tensor(seq_lens[:nd], device=dev)
-            decode_mask = (torch.arange(max_len, device=dev)[None, :] < lens[:, None])[
+            decode_mask = (torch.arange(nblk * bs, device=dev)[None, :] < lens[:, None])[
                 :, None, None, :
             ]
-            slot_mapping[:nd] = decode_slots.gather(1, (lens - 1)[:, None]).squeeze(1)
-        prefill_slots: list[torch.Tensor | None] = []
+            last = lens - 1
+            slot_mapping[:nd] = decode_table.gather(1, (last // bs)[:, None]).squeeze(1) * bs + (
+                last % bs
+            )
+        prefill_tables: list[torch.Tensor | None] = []
         for i, s in enumerate(prefills, start=nd):
             table = torch.tensor(s.block_ids, dtype=torch.long, device=dev)
-            slots = self._slots(table, seq_lens[i])
-            slot_mapping[qsl[i] : qsl[i + 1]] = slots[ctx_lens[i] :]
-            prefill_slots.append(slots if ctx_lens[i] > 0 else None)
+            pos = pos_t[qsl[i] : qsl[i + 1]]
+            slot_mapping[qsl[i] : qsl[i + 1]] = table[pos // bs] * bs + pos % bs
+            prefill_tables.append(table if ctx_lens[i] > 0 else None)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=qsl,
             seq_lens=seq_lens,
             context_lens=ctx_lens,
             num_decodes=nd,
-            decode_kv_slots=decode_slots,
+            block_size=bs,
+            decode_block_table=decode_table,
             decode_kv_mask=decode_mask,
-            prefill_kv_slots=prefill_slots,
+            prefill_block_tables=prefill_tables,
         )
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
         with set_forward_context(meta):
