@@ -122,10 +122,10 @@ class Scheduler:
         """n>1 siblings wait until one of them has computed the shared prompt."""
         if req.group_id is None or not self.block_manager.enable_prefix_caching:
             return False
-        return any(
-            r.group_id == req.group_id and r.num_computed_tokens < r.num_prompt_tokens
-            for r in self.running
-        )
+        # Once one sibling has the prompt, all the others may start at once: a sibling
+        # admitted on its cache hits is still short of its prompt's last token.
+        siblings = [r for r in self.running if r.group_id == req.group_id]
+        return bool(siblings) and all(r.num_computed_tokens < r.num_prompt_tokens for r in siblings)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
