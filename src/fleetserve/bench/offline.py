@@ -1,0 +1,216 @@
+"""`fleetserve bench offline`: throughput of one LLM.generate over a seeded workload.
+
+With ``--compare hf`` the same workload runs through HF transformers ``generate`` in the
+same process right after (batches of 16, left padding), and the ratio is printed along
+with how many requests produced identical greedy tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from typing import Any
+
+from fleetserve.bench.workloads import (
+    BenchRequest,
+    default_workload,
+    load_workload,
+    shared_prefix_workload,
+)
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint (default: the bench Llama, made once)")
+    p.add_argument(
+        "--workload",
+        default="default",
+        help="default | shared-prefix | PATH.json (shaped like shared/bench/workload.json)",
+    )
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare", choices=["hf"], default=None)
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
+    p.add_argument("--json", default=None, help="write the figures here")
+
+
+def bench_model_path() -> str:
+    """The bench Llama (random weights), written once into the cache folder."""
+    from fleetserve.models.make_model import make_model
+
+    root = os.environ.get("FLEETSERVE_CACHE", os.path.expanduser("~/.cache/fleetserve"))
+    path = os.path.join(root, "models", "bench-llama")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        print(f"writing the bench model to {path} ...", flush=True)
+        make_model(path, arch="llama", size="bench", seed=0)
+    return path
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_fleetserve(
+    model: str, reqs: list[BenchRequest], args: argparse.Namespace, prefix_caching: bool
+) -> dict[str, Any]:
+    import torch
+
+    from fleetserve import LLM, SamplingParams
+
+    torch.set_num_threads(args.num_threads)
+    max_len = args.max_model_len or max(len(r.prompt_token_ids) + r.output_len for r in reqs) + 16
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=model,
+        max_model_len=max_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=prefix_caching,
+        num_threads=args.num_threads,
+        seed=args.seed,
+    )
+    startup = time.perf_counter() - t0
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs
+    ]
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+    # Warm-up, not timed (first-call allocations), then drop its cache entries.
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.engine.core.block_manager.reset_prefix_cache()
+    bm = llm.engine.core.block_manager
+    q0, h0 = bm.num_queried_tokens, bm.num_hit_tokens
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    wall = time.perf_counter() - t0
+    kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in llm.engine.core.executor.runner.kv_caches)
+    queried = bm.num_queried_tokens - q0
+    result = _figures("fleetserve", reqs, wall, [o.outputs[0].token_ids for o in outs])
+    result.update(
+        startup_s=startup,
+        prefix_caching=prefix_caching,
+        prefix_cache_hit_rate=(bm.num_hit_tokens - h0) / queried if queried else 0.0,
+        num_preemptions=llm.engine.core.scheduler.num_preemptions,
+        kv_cache_mib=kv_bytes / 2**20,
+        peak_rss_mib=_peak_rss_mib(),
+    )
+    llm.engine.shutdown()
+    return result
+
+
+def run_hf(model: str, reqs: list[BenchRequest], args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.num_threads)
+    t0 = time.perf_counter()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # ignore_eos
+    hf.generation_config.pad_token_id = 0
+    startup = time.perf_counter() - t0
+    outputs: list[list[int]] = []
+    bsz = args.hf_batch_size
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(reqs), bsz):
+            batch = reqs[i : i + bsz]
+            width = max(len(r.prompt_token_ids) for r in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for j, r in enumerate(batch):  # left padding
+                n = len(r.prompt_token_ids)
+                ids[j, width - n :] = torch.tensor(r.prompt_token_ids)
+                mask[j, width - n :] = 1
+            new = max(r.output_len for r in batch)
+            out = hf.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                do_sample=False,
+            )
+            for j, r in enumerate(batch):
+                outputs.append(out[j, width : width + r.output_len].tolist())
+            print(f"  hf batch {i // bsz + 1}/{-(-len(reqs) // bsz)} done", flush=True)
+    wall = time.perf_counter() - t0
+    result = _figures("hf-transformers", reqs, wall, outputs)
+    result.update(startup_s=startup, peak_rss_mib=_peak_rss_mib())
+    return result
+
+
+def _figures(
+    engine: str, reqs: list[BenchRequest], wall: float, outputs: list[list[int]]
+) -> dict[str, Any]:
+    n_in = sum(len(r.prompt_token_ids) for r in reqs)
+    n_out = sum(len(o) for o in outputs)
+    return {
+        "engine": engine,
+        "num_requests": len(reqs),
+        "prompt_tokens": n_in,
+        "output_tokens": n_out,
+        "wall_s": wall,
+        "requests_per_s": len(reqs) / wall,
+        "output_tok_per_s": n_out / wall,
+        "total_tok_per_s": (n_in + n_out) / wall,
+        "outputs": outputs,
+    }
+
+
+def _print(r: dict[str, Any]) -> None:
+    print(
+        f"{r['engine']:>16}: {r['wall_s']:7.1f} s  {r['requests_per_s']:6.2f} req/s  "
+        f"{r['output_tok_per_s']:7.1f} out tok/s  {r['total_tok_per_s']:7.1f} total tok/s  "
+        f"start-up {r.get('startup_s', 0):.1f} s  peak RSS {r.get('peak_rss_mib', 0):.0f} MiB"
+        + (f" (KV cache {r['kv_cache_mib']:.0f} MiB)" if "kv_cache_mib" in r else ""),
+        flush=True,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    model = args.model or bench_model_path()
+    if args.workload == "default":
+        reqs = default_workload(args.num_prompts, args.seed)
+    elif args.workload == "shared-prefix":
+        reqs = shared_prefix_workload(args.num_prompts, args.seed)
+    else:
+        reqs = load_workload(args.workload)[: args.num_prompts]
+    print(
+        f"workload {args.workload}: {len(reqs)} requests, "
+        f"{sum(len(r.prompt_token_ids) for r in reqs)} prompt tokens, "
+        f"{sum(r.output_len for r in reqs)} output tokens; model {model}",
+        flush=True,
+    )
+    results: dict[str, Any] = {"workload": args.workload, "model": model, "runs": []}
+    ours = run_fleetserve(model, reqs, args, args.prefix_caching)
+    _print(ours)
+    results["runs"].append(ours)
+    if args.workload == "shared-prefix":
+        print(f"prefix-cache hit rate: {ours['prefix_cache_hit_rate']:.1%}", flush=True)
+        off = run_fleetserve(model, reqs, args, prefix_caching=False)
+        off["engine"] = "fleetserve (no prefix cache)"
+        _print(off)
+        results["runs"].append(off)
+        speedup = off["wall_s"] / ours["wall_s"]
+        results["prefix_caching_speedup"] = speedup
+        print(f"prefix caching speedup: {speedup:.2f}x", flush=True)
+    if args.compare == "hf":
+        hf = run_hf(model, reqs, args)
+        _print(hf)
+        results["runs"].append(hf)
+        same = sum(a == b for a, b in zip(ours["outputs"], hf["outputs"], strict=True))
+        ratio = ours["output_tok_per_s"] / hf["output_tok_per_s"]
+        results["speedup_vs_hf"] = ratio
+        results["identical_greedy_outputs"] = same
+        print(f"fleetserve / HF output tok/s: {ratio:.2f}x; identical greedy outputs: "
+              f"{same}/{len(reqs)}", flush=True)
+    if args.json:
+        for r in results["runs"]:
+            r.pop("outputs", None)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
