@@ -30,7 +30,8 @@ test: setup
 	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider
 
 test-slow: setup
-	$(PY) -m pytest -q -m slow -p no:cacheprovider
+	# Exit code 5 means no test carries the mark yet: not a failure.
+	$(PY) -m pytest -q -m slow -p no:cacheprovider || [ $$? -eq 5 ]
 
 lint: setup
 	$(VENV)/bin/ruff check src tests
