@@ -1,0 +1,339 @@
+"""AsyncEngine: the API process's client of one EngineCore process.
+
+Tokenization, validation, detokenization and stop strings happen here (OutputProcessor);
+the core process only schedules and steps. Requests go out on a ZeroMQ PUSH socket;
+outputs come back on a PULL socket read by one asyncio task, which hands each request's
+latest (cumulative) RequestOutput to that request's queue. A request's stream that is
+closed before it finishes (client gone, handler cancelled) aborts the request in the core.
+
+Safe to call only from the event loop thread that ran `start()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.engine.arg_utils import EngineArgs
+from fleetserve.engine.core_proc import (
+    AbortRequests,
+    AddRequest,
+    CoreFailure,
+    CoreMessage,
+    CoreOutputs,
+    CoreReady,
+    EngineSpec,
+    Shutdown,
+    StopRequests,
+    params_to_wire,
+)
+from fleetserve.engine.llm_engine import LLMEngine, PromptType
+from fleetserve.engine.output_processor import OutputProcessor
+from fleetserve.metrics import ServerMetrics
+from fleetserve.outputs import RequestOutput
+from fleetserve.tokenizer import Tokenizer
+
+
+class EngineDeadError(RuntimeError):
+    """The core process is gone; no request can be served any more."""
+
+
+class EngineNotReadyError(RuntimeError):
+    """The model is still loading."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are waiting; the caller should retry later."""
+
+
+class RequestStream:
+    """One request's outputs, newest first-come; `close()` aborts it if unfinished."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, n: int) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.n = n
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.started = False  # the first output arrived
+        self.finished = False
+        self.closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self.closed:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        # Outputs are cumulative, so a consumer that fell behind only needs the newest.
+        while not self.queue.empty() and not isinstance(item, BaseException):
+            item = self.queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.engine._release(self)
+
+
+class AsyncEngine:
+    # Validation is the offline engine's, so both paths accept and refuse the same input.
+    tokenize_prompt = LLMEngine.tokenize_prompt
+    validate = LLMEngine.validate
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        max_waiting_requests: int = 256,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
+        self.args = args
+        self.config, self.source = args.resolve()
+        self.tokenizer = Tokenizer.from_source(self.source)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = sorted(
+            set(self.config.model.eos_token_ids) | set(self.tokenizer.stop_token_ids)
+        )
+        self.max_waiting_requests = max_waiting_requests
+        self.metrics = metrics
+        self.num_kv_blocks: int | None = None
+        self.dead_reason: str | None = None
+        self.stats: dict[str, float] = {}
+        self._streams: dict[str, RequestStream] = {}
+        self._num_unstarted = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._tmpdir: str | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    @property
+    def is_ready(self) -> bool:
+        return self.num_kv_blocks is not None and self.dead_reason is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------- lifecycle
+    async def start(self, timeout_s: float = 600.0) -> None:
+        self._tmpdir = tempfile.mkdtemp(prefix="fleetserve-")
+        in_addr = f"ipc://{self._tmpdir}/input"
+        out_addr = f"ipc://{self._tmpdir}/output"
+        self._ctx = zmq.asyncio.Context()
+        self._in_sock = self._ctx.socket(zmq.PUSH)
+        self._in_sock.setsockopt(zmq.SNDHWM, 0)  # bounded by max_waiting_requests instead
+        self._in_sock.setsockopt(zmq.LINGER, 0)
+        self._in_sock.bind(in_addr)
+        self._out_sock = self._ctx.socket(zmq.PULL)
+        self._out_sock.setsockopt(zmq.LINGER, 0)
+        self._out_sock.bind(out_addr)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CoreMessage)  # type: ignore[arg-type]
+        spec = EngineSpec(asdict(self.args), in_addr, out_addr, os.getpid())
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "fleetserve.engine.core_proc", msgspec.json.encode(spec)],
+        )
+        self._tasks.append(asyncio.create_task(self._watch_process()))
+        try:
+            msg = await asyncio.wait_for(self._recv(), timeout_s)
+        except (TimeoutError, asyncio.TimeoutError):
+            raise RuntimeError(f"the engine did not load within {timeout_s:.0f} s") from None
+        if isinstance(msg, CoreFailure):
+            raise RuntimeError(msg.message)
+        if not isinstance(msg, CoreReady):
+            raise RuntimeError(f"unexpected first message from the engine: {msg!r}")
+        self.num_kv_blocks = msg.num_kv_blocks
+        self._block_size = msg.block_size
+        self._tasks.append(asyncio.create_task(self._output_loop()))
+
+    async def _recv(self) -> CoreMessage:
+        while True:
+            if self.dead_reason is not None:
+                raise EngineDeadError(self.dead_reason)
+            if await self._out_sock.poll(200):
+                return self._decoder.decode(await self._out_sock.recv())
+
+    async def _watch_process(self) -> None:
+        assert self._proc is not None
+        while self._proc.poll() is None:
+            await asyncio.sleep(0.2)
+        if self.dead_reason is None:
+            self._fail_all(f"the engine process exited (code {self._proc.returncode})")
+
+    def _fail_all(self, reason: str) -> None:
+        self.dead_reason = reason
+        for stream in list(self._streams.values()):
+            stream.queue.put_nowait(EngineDeadError(reason))
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        for task in self._tasks:
+            task.cancel()
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            self.dead_reason = self.dead_reason or "the engine is shutting down"
+            self._send(Shutdown())
+            for signal_step in (None, proc.terminate, proc.kill):
+                if signal_step is not None:
+                    signal_step()
+                try:
+                    await asyncio.to_thread(proc.wait, timeout_s / 2)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if self._ctx is not None:
+            self._in_sock.close(0)
+            self._out_sock.close(0)
+            self._ctx.term()
+            self._ctx = None
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.poll() if self._proc is not None else None
+
+    def kill_core_for_tests(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+
+    @property
+    def core_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # -------------------------------------------------------------- requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Validate and submit; raises ValueError for bad input before anything is sent."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if self.num_kv_blocks is None:
+            raise EngineNotReadyError("the model is still loading")
+        if self._num_unstarted >= self.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"{self._num_unstarted} requests are already waiting; try again later"
+            )
+        text, ids = self.tokenize_prompt(prompt)
+        self.validate(ids, params)
+        capacity = self.num_kv_blocks * self._block_size
+        room = min(self.max_model_len, capacity) - len(ids)
+        if room < 1:
+            raise ValueError(f"the prompt's {len(ids)} tokens do not fit the KV cache")
+        if params.max_tokens is None:
+            params.max_tokens = room
+        elif params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
+                f"the KV cache capacity of {capacity} tokens"
+            )
+        child_ids = self.output_processor.add_request(request_id, text, ids, params)
+        stream = RequestStream(self, request_id, params.n)
+        self._streams[request_id] = stream
+        self._num_unstarted += 1
+        if self.metrics is not None:
+            self.metrics.add_prompt_tokens(len(ids))
+        wire_params = params_to_wire(params)
+        group = request_id if len(child_ids) > 1 else None
+        for cid in child_ids:
+            self._send(AddRequest(cid, ids, wire_params, self.eos_token_ids, priority, group))
+        return stream
+
+    async def generate(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        stream = self.add_request(request_id, prompt, params, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.close()
+
+    def abort_all(self, reason: str) -> None:
+        for stream in list(self._streams.values()):
+            stream.queue.put_nowait(EngineDeadError(reason))
+
+    def _release(self, stream: RequestStream) -> None:
+        """A stream was closed: forget it, and abort it in the core if it was unfinished."""
+        if self._streams.pop(stream.request_id, None) is None:
+            return
+        if not stream.started:
+            self._num_unstarted -= 1
+        if stream.finished:
+            return
+        child_ids = self.output_processor.child_ids(stream.request_id)
+        self.output_processor.abort(stream.request_id)
+        if child_ids and self.dead_reason is None:
+            self._send(AbortRequests(child_ids))
+        if self.metrics is not None and child_ids:
+            self.metrics.add_finished("abort", len(child_ids))
+
+    def _send(self, msg: Any) -> None:
+        # PUSH with no high-water mark never blocks; the returned future is already done.
+        self._in_sock.send(self._encoder.encode(msg), copy=False)
+
+    async def _output_loop(self) -> None:
+        while True:
+            try:
+                msg = await self._recv()
+            except EngineDeadError:
+                return
+            if isinstance(msg, CoreOutputs):
+                self._handle_outputs(msg)
+
+    def _handle_outputs(self, msg: CoreOutputs) -> None:
+        self.stats = msg.stats
+        if self.metrics is not None:
+            self.metrics.set_engine_stats(msg.stats)
+        for req_id, reason in msg.rejected:
+            parent = self.output_processor.child_to_parent.get(req_id)
+            stream = self._streams.get(parent) if parent is not None else None
+            if stream is not None:
+                stream.queue.put_nowait(ValueError(reason))
+        core_outputs = [w.to_core_output() for w in msg.outputs]
+        if self.metrics is not None:
+            self.metrics.add_generation_tokens(sum(len(o.new_token_ids) for o in core_outputs))
+        outputs, to_stop = self.output_processor.process(core_outputs)
+        if to_stop:
+            self._send(StopRequests(to_stop))
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if not stream.started:
+                stream.started = True
+                self._num_unstarted -= 1
+            if out.finished and self.metrics is not None:
+                self.metrics.observe_finished(out)
+            stream.queue.put_nowait(out)

@@ -1,0 +1,158 @@
+"""POST /v1/chat/completions: the tokenizer's chat template, then the same engine path."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from fleetserve.entrypoints.openai.errors import APIError, from_value_error
+from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest
+from fleetserve.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    ServingContext,
+    collect,
+    finite,
+    merged,
+    new_id,
+    now,
+    parse,
+    read_json,
+    sse,
+    sse_error,
+    submit,
+    token_text,
+    top_entries,
+    unless_disconnected,
+    usage,
+)
+from fleetserve.outputs import CompletionOutput, RequestOutput
+
+
+def _prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
+    messages = [m.as_template_dict() for m in req.messages]
+    try:
+        ids = ctx.engine.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+    except ValueError as e:
+        raise APIError(400, str(e), "messages") from None
+    except Exception as e:  # jinja2 errors: the template refused these messages
+        raise APIError(
+            400, f"the chat template failed on these messages: {e}", "messages"
+        ) from None
+    if not ids:
+        raise APIError(400, "messages render to an empty prompt", "messages")
+    return ids
+
+
+async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
+    req = parse(ChatCompletionRequest, await read_json(request, ctx.max_body_bytes))
+    ctx.check_model(req.model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    try:
+        base = req.sampling_params(max_tokens, logprobs)
+    except ValueError as e:
+        raise from_value_error(e) from None
+    prompt = {"prompt_token_ids": _prompt_ids(ctx, req)}
+    request_id = new_id("chatcmpl")
+    streams = submit(ctx, request_id, [prompt], lambda: copy.copy(base), req.priority)
+    if req.stream:
+        return StreamingResponse(
+            _stream(ctx, req, request_id, streams), media_type="text/event-stream"
+        )
+    (final,) = await unless_disconnected(request, collect(streams))
+    choices = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": _logprobs(ctx, req, c, 0) if req.logprobs else None,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        for c in final.outputs
+    ]
+    num_completion = sum(len(c.token_ids) for c in final.outputs)
+    return JSONResponse(
+        {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": now(),
+            "model": ctx.served_model_name,
+            "choices": choices,
+            "usage": usage(len(final.prompt_token_ids), num_completion),
+        }
+    )
+
+
+async def _stream(
+    ctx: ServingContext, req: ChatCompletionRequest, request_id: str, streams: list[Any]
+) -> AsyncIterator[str]:
+    created = now()
+    extra = {"usage": None} if req.include_usage else {}
+
+    def chunk(choices: list[Any], more: dict[str, Any] | None = None) -> str:
+        body = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": ctx.served_model_name,
+            "choices": choices,
+            **extra,
+            **(more or {}),
+        }
+        return sse(body)
+
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    last: RequestOutput | None = None
+    try:
+        for i in range(req.n):
+            role = {"role": "assistant", "content": ""}
+            yield chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}])
+        async for _, out in merged(streams):
+            last = out
+            for c in out.outputs:
+                start_text, start_tok = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
+                delta = c.text[start_text:]
+                if delta or len(c.token_ids) > start_tok or c.finish_reason is not None:
+                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                    choice = {
+                        "index": c.index,
+                        "delta": {"content": delta} if delta else {},
+                        "logprobs": _logprobs(ctx, req, c, start_tok) if req.logprobs else None,
+                        "finish_reason": c.finish_reason,
+                    }
+                    if c.finish_reason is not None:
+                        choice["stop_reason"] = c.stop_reason
+                    yield chunk([choice])
+        if req.include_usage and last is not None:
+            num_completion = sum(len(c.token_ids) for c in last.outputs)
+            yield chunk([], {"usage": usage(len(last.prompt_token_ids), num_completion)})
+    except Exception as e:
+        yield sse_error(e)
+    finally:
+        for s in streams:
+            s.close()
+    yield SSE_DONE
+
+
+def _logprobs(
+    ctx: ServingContext, req: ChatCompletionRequest, c: CompletionOutput, start_tok: int
+) -> dict[str, Any]:
+    k = req.top_logprobs or 0
+
+    def entry(tid: int, lp: float) -> dict[str, Any]:
+        text = token_text(ctx.engine, tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for tid, lps in zip(c.token_ids[start_tok:], (c.logprobs or [])[start_tok:], strict=False):
+        item = entry(tid, finite(lps.get(tid)))
+        item["top_logprobs"] = [entry(t, lp) for t, lp in top_entries(lps, k)]
+        content.append(item)
+    return {"content": content}

@@ -1,0 +1,232 @@
+"""What the completion and chat handlers share: body parsing, engine errors, disconnects,
+merging several prompts' streams, SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from fleetserve.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineNotReadyError,
+    EngineOverloadedError,
+    RequestStream,
+)
+from fleetserve.entrypoints.openai.errors import (
+    APIError,
+    error_body,
+    from_validation_error,
+    from_value_error,
+)
+from fleetserve.outputs import RequestOutput
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    served_model_name: str
+    max_body_bytes: int
+    draining: bool = False
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.served_model_name:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.served_model_name!r}",
+                "model",
+                "model_not_found",
+            )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object; 413 past max_bytes, 400 if not a JSON object."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"the request body is larger than {max_bytes} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(413, f"the request body is larger than {max_bytes} bytes")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    return body
+
+
+def parse(model: type[M], body: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def engine_error(e: Exception) -> APIError:
+    """Maps what AsyncEngine.add_request and streams raise to API errors."""
+    if isinstance(e, EngineOverloadedError):
+        return APIError(503, str(e), code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, EngineNotReadyError):
+        return APIError(503, str(e), code="loading", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"the engine is unavailable: {e}", code="engine_unavailable")
+    if isinstance(e, ValueError):
+        return from_value_error(e)
+    raise e
+
+
+def submit(
+    ctx: ServingContext, request_id: str, prompts: list[Any], params_for: Any, priority: int
+) -> list[RequestStream]:
+    """Adds one engine request per prompt; all or none."""
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            streams.append(
+                ctx.engine.add_request(f"{request_id}-{i}", prompt, params_for(), priority)
+            )
+    except Exception as e:
+        for s in streams:
+            s.close()
+        raise engine_error(e) from None
+    return streams
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                queue.put_nowait((i, out))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(streams)
+        while live:
+            i, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.close()
+
+
+async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        async for i, out in merged(streams):
+            finals[i] = out
+    except Exception as e:
+        raise engine_error(e) from None
+    finally:
+        for s in streams:
+            s.close()
+    assert all(f is not None for f in finals)
+    return finals  # type: ignore[return-value]
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Runs `work`, cancelling it (which aborts its requests) if the client goes away."""
+
+    async def wait_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientGone()
+    return task.result()
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(e: Exception) -> str:
+    try:
+        err = e if isinstance(e, APIError) else engine_error(e)
+    except Exception:  # noqa: BLE001 -- a bug must still end the stream with a message
+        err = APIError(500, "internal error")
+    return sse(error_body(err.status, err.message, err.param, err.code))
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def token_text(engine: AsyncEngine, token_id: int) -> str:
+    return engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+# JSON has no -Infinity; OpenAI reports impossible tokens with this floor instead.
+LOGPROB_FLOOR = -9999.0
+
+
+def finite(lp: float | None) -> float:
+    if lp is None or lp != lp or lp < LOGPROB_FLOOR:  # lp != lp: NaN
+        return LOGPROB_FLOOR
+    return lp
+
+
+def top_entries(lps: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k most likely entries of one position (the dict also holds the sampled token)."""
+    best = sorted(lps.items(), key=lambda kv: kv[1], reverse=True)[:k]
+    return [(t, finite(lp)) for t, lp in best]

@@ -1,0 +1,211 @@
+"""POST /v1/completions (the legacy text completions API)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from fleetserve.entrypoints.openai.errors import APIError, from_value_error
+from fleetserve.entrypoints.openai.protocol import MAX_N, CompletionRequest
+from fleetserve.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    ServingContext,
+    collect,
+    finite,
+    merged,
+    new_id,
+    now,
+    parse,
+    read_json,
+    sse,
+    sse_error,
+    submit,
+    token_text,
+    top_entries,
+    unless_disconnected,
+    usage,
+)
+from fleetserve.outputs import CompletionOutput, Logprobs, RequestOutput
+
+
+def _prompts(prompt: Any) -> list[Any]:
+    """One engine prompt per entry: a string, or {"prompt_token_ids": [...]}."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    if isinstance(prompt[0], int):
+        return [{"prompt_token_ids": prompt}]
+    if isinstance(prompt[0], str):
+        return list(prompt)
+    return [{"prompt_token_ids": ids} for ids in prompt]
+
+
+async def create_completion(ctx: ServingContext, request: Request) -> Response:
+    req = parse(CompletionRequest, await read_json(request, ctx.max_body_bytes))
+    ctx.check_model(req.model)
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of is not supported (it must equal n)", "best_of")
+    prompts = _prompts(req.prompt)
+    if len(prompts) * req.n > MAX_N:
+        raise APIError(400, f"len(prompt) * n must be at most {MAX_N}", "prompt")
+    echo_lps = req.logprobs if req.echo and req.logprobs is not None else None
+    try:
+        base = req.sampling_params(req.max_tokens, req.logprobs, echo_lps)
+    except ValueError as e:
+        raise from_value_error(e) from None
+    request_id = new_id("cmpl")
+    streams = submit(ctx, request_id, prompts, lambda: copy.copy(base), req.priority)
+    if req.stream:
+        return StreamingResponse(
+            _stream(ctx, req, request_id, streams), media_type="text/event-stream"
+        )
+    finals = await unless_disconnected(request, collect(streams))
+    return JSONResponse(_full_response(ctx, req, request_id, finals))
+
+
+def _full_response(
+    ctx: ServingContext, req: CompletionRequest, request_id: str, finals: list[RequestOutput]
+) -> dict[str, Any]:
+    choices = []
+    num_prompt = num_completion = 0
+    for i, out in enumerate(finals):
+        num_prompt += len(out.prompt_token_ids)
+        prompt_text = _prompt_text(ctx, out) if req.echo else ""
+        for c in out.outputs:
+            num_completion += len(c.token_ids)
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = _logprobs(ctx, req, out, c, 0, 0, include_prompt=req.echo)
+            choices.append(
+                {
+                    "index": i * req.n + c.index,
+                    "text": prompt_text + c.text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": now(),
+        "model": ctx.served_model_name,
+        "choices": choices,
+        "usage": usage(num_prompt, num_completion),
+    }
+
+
+async def _stream(
+    ctx: ServingContext, req: CompletionRequest, request_id: str, streams: list[Any]
+) -> AsyncIterator[str]:
+    created = now()
+    # Per choice: characters and tokens already sent (echo sends the prompt first).
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    num_prompt: dict[int, int] = {}
+    num_completion: dict[int, int] = {}
+    extra = {"usage": None} if req.include_usage else {}
+    try:
+        async for i, out in merged(streams):
+            num_prompt[i] = len(out.prompt_token_ids)
+            for c in out.outputs:
+                index = i * req.n + c.index
+                first = index not in sent_text
+                prefix = _prompt_text(ctx, out) if first and req.echo else ""
+                delta = prefix + c.text[sent_text.get(index, 0) :]
+                start_tok = sent_tokens.get(index, 0)
+                if not delta and len(c.token_ids) == start_tok and c.finish_reason is None:
+                    continue
+                logprobs = None
+                if req.logprobs is not None:
+                    echoed = len(_prompt_text(ctx, out)) if req.echo and not first else 0
+                    offset = echoed + sent_text.get(index, 0)
+                    logprobs = _logprobs(ctx, req, out, c, start_tok, offset, first and req.echo)
+                sent_text[index] = len(c.text)
+                sent_tokens[index] = len(c.token_ids)
+                num_completion[index] = len(c.token_ids)
+                choice = {
+                    "index": index,
+                    "text": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                yield sse(_chunk(ctx, request_id, created, [choice], extra))
+        if req.include_usage:
+            u = usage(sum(num_prompt.values()), sum(num_completion.values()))
+            yield sse(_chunk(ctx, request_id, created, [], {"usage": u}))
+    except Exception as e:
+        yield sse_error(e)
+    finally:
+        for s in streams:
+            s.close()
+    yield SSE_DONE
+
+
+def _chunk(
+    ctx: ServingContext, request_id: str, created: int, choices: list[Any], extra: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": ctx.served_model_name,
+        "choices": choices,
+        **extra,
+    }
+
+
+def _prompt_text(ctx: ServingContext, out: RequestOutput) -> str:
+    if out.prompt is not None:
+        return out.prompt
+    return ctx.engine.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+
+def _logprobs(
+    ctx: ServingContext,
+    req: CompletionRequest,
+    out: RequestOutput,
+    c: CompletionOutput,
+    start_tok: int,
+    text_offset: int,
+    include_prompt: bool,
+) -> dict[str, Any]:
+    """OpenAI's completions logprobs for output tokens [start_tok:], plus the prompt's on echo."""
+    k = req.logprobs or 0
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    pos = text_offset
+
+    def add(tid: int, lps: Logprobs | None) -> None:
+        nonlocal pos
+        text = token_text(ctx.engine, tid)
+        tokens.append(text)
+        token_lps.append(finite(lps.get(tid)) if lps else None)
+        tops.append(
+            {token_text(ctx.engine, t): lp for t, lp in top_entries(lps, k)} if lps else None
+        )
+        offsets.append(pos)
+        pos += len(text)
+
+    if include_prompt:
+        plps = out.prompt_logprobs or []
+        for j, tid in enumerate(out.prompt_token_ids):
+            add(tid, plps[j] if j < len(plps) else None)
+    for tid, lps in zip(c.token_ids[start_tok:], (c.logprobs or [])[start_tok:], strict=False):
+        add(tid, lps)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
