@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fleetserve.models.gguf_file import GGUFTensorInfo, read_gguf
 from fleetserve.models.loader import ModelSource, check_slice
 
 logger = logging.getLogger(__name__)
@@ -82,9 +83,11 @@ def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 class GGUFWeights:
     """Dequantizes GGUF tensors on request; the file itself is memory-mapped by gguf."""
 
-    def __init__(self, reader: Any, arch: str, num_heads: int, num_kv_heads: int) -> None:
-        self._tensors: dict[str, Any] = {}  # HF name -> gguf ReaderTensor
-        for tensor in reader.tensors:
+    def __init__(
+        self, tensors: list[GGUFTensorInfo], arch: str, num_heads: int, num_kv_heads: int
+    ) -> None:
+        self._tensors: dict[str, GGUFTensorInfo] = {}  # HF name -> GGUF tensor
+        for tensor in tensors:
             hf_name = hf_tensor_name(tensor.name)
             if hf_name is None:
                 if tensor.name.rpartition(".")[0] not in _IGNORED_NAMES:
@@ -98,7 +101,7 @@ class GGUFWeights:
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
 
-    def _tensor(self, name: str) -> Any:
+    def _tensor(self, name: str) -> GGUFTensorInfo:
         try:
             return self._tensors[name]
         except KeyError:
@@ -121,7 +124,7 @@ class GGUFWeights:
 
     def get_slice(self, name: str, dim: int, start: int, end: int) -> torch.Tensor:
         tensor = self._tensor(name)
-        shape = [int(n) for n in reversed(tensor.shape)]
+        shape = list(tensor.shape)
         check_slice(name, shape, dim, start, end)
         if dim == 0 and len(shape) == 2 and self._heads_to_unpermute(name) is None:
             # Quantized blocks run along a row, so whole rows can be dequantized alone.
@@ -130,28 +133,18 @@ class GGUFWeights:
         return self.get_tensor(name).narrow(dim, start, end - start)
 
 
-def _dequantize(tensor: Any, data: np.ndarray, rows: int | None = None) -> torch.Tensor:
+def _dequantize(tensor: GGUFTensorInfo, data: np.ndarray, rows: int | None = None) -> torch.Tensor:
+    from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    # GGUF lists dims innermost first: [576, 49152] there is [49152, 576] in torch.
-    shape = [int(n) for n in reversed(tensor.shape)]
+    shape = list(tensor.shape)
     if rows is not None:
         shape[0] = rows
-    values = dequantize(data, tensor.tensor_type).reshape(shape)
+    values = dequantize(data, GGMLQuantizationType(tensor.qtype)).reshape(shape)
     if values.dtype != np.float32 or not values.flags.writeable:
         # F32/F16 tensors come back as read-only views of the memory map.
         values = np.array(values, dtype=np.float32)
     return torch.from_numpy(values)
-
-
-def _fields(reader: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        # The big tokenizer arrays are needed only by the one-time tokenizer conversion.
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
-            continue
-        out[key] = field.contents()
-    return out
 
 
 def gguf_hf_config(meta: dict[str, Any], tensor_names: set[str], vocab_rows: int) -> dict:
@@ -247,18 +240,17 @@ def _convert_tokenizer(gguf_path: str, chat_template: str | None, out_dir: str) 
 
 
 def resolve_gguf(path: str) -> ModelSource:
-    from gguf import GGUFReader
-
     path = os.path.abspath(path)
-    reader = GGUFReader(path)
-    meta = _fields(reader)
-    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    meta, tensors = read_gguf(path)
+    embed = next((t for t in tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise ValueError(f"{path} has no token_embd.weight tensor; not a language model GGUF")
-    names = {hf_tensor_name(t.name) for t in reader.tensors}
-    hf_config = gguf_hf_config(meta, names, vocab_rows=int(embed.shape[-1]))
+    if "tokenizer.ggml.model" not in meta:
+        raise ValueError(f"{path} carries no tokenizer (no tokenizer.ggml.model field)")
+    names = {hf_tensor_name(t.name) for t in tensors}
+    hf_config = gguf_hf_config(meta, names, vocab_rows=embed.shape[0])
     weights = GGUFWeights(
-        reader,
+        tensors,
         meta["general.architecture"],
         hf_config["num_attention_heads"],
         hf_config["num_key_value_heads"],

@@ -260,10 +260,7 @@ def make_model(
     return out_dir
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="fleetserve make-model", description="Write a random-weight HF checkpoint."
-    )
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--arch", choices=ARCHITECTURES, default="llama")
     parser.add_argument("--size", choices=SIZES, default="tiny")
@@ -276,18 +273,29 @@ def main(argv: list[str] | None = None) -> None:
         metavar="KEY=JSON",
         help="config field override, e.g. --override num_key_value_heads=1 (repeatable)",
     )
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     overrides = {}
     for item in args.override:
         key, sep, value = item.partition("=")
         if not sep:
-            parser.error(f"--override must be KEY=JSON, got {item!r}")
+            raise ValueError(f"--override must be KEY=JSON, got {item!r}")
         overrides[key] = json.loads(value)
     out = make_model(
         args.out_dir, args.arch, args.size, args.seed, args.max_shard_size, **overrides
     )
     print(out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fleetserve make-model", description="Write a random-weight HF checkpoint."
+    )
+    add_cli_args(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
