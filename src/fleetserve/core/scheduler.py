@@ -198,6 +198,7 @@ class Scheduler:
                         block_ids=list(block_ids),
                         num_computed_tokens=req.num_computed_tokens,
                         num_output_tokens=req.num_output_tokens,
+                        eos_token_ids=req.eos_token_ids,
                     )
                 )
             else:

@@ -21,6 +21,8 @@ class NewRequestData:
     num_computed_tokens: int
     # Output tokens the request already had (after preemption): penalties need them.
     num_output_tokens: int = 0
+    # Banned from sampling until min_tokens outputs (unless ignore_eos).
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass

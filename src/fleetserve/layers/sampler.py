@@ -20,6 +20,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def _row_generator(params: SamplingParams, position: int) -> torch.Generator | None:
@@ -47,6 +48,21 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
             out = torch.tensor(row.output_token_ids, dtype=torch.long)
             counts = torch.bincount(out, minlength=logits.shape[1])[: logits.shape[1]].float()
             logits[i] -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Before min_tokens outputs, EOS and stop_token_ids cannot be sampled (vLLM's rule):
+    merely not stopping on them would leave them inside the output."""
+    for i, row in enumerate(rows):
+        sp = row.params
+        if len(row.output_token_ids) >= sp.min_tokens:
+            continue
+        banned = set(sp.stop_token_ids or ())
+        if not sp.ignore_eos:
+            banned.update(row.eos_token_ids)
+        if banned:
+            logits[i, sorted(banned)] = float("-inf")
     return logits
 
 
@@ -93,6 +109,8 @@ class Sampler:
         )
         if any(r.params.needs_penalties for r in rows):
             logits = apply_penalties(logits.clone(), rows)
+        if any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
+            logits = apply_min_tokens(logits.clone(), rows)
         tokens = logits.argmax(dim=-1)
         random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_idx:

@@ -28,6 +28,7 @@ class RequestState:
     params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
 
 
 class ModelRunner:
@@ -74,6 +75,7 @@ class ModelRunner:
                 params=new.sampling_params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                eos_token_ids=new.eos_token_ids,
             )
         for cached in so.scheduled_cached_reqs:
             st = self.requests[cached.req_id]
@@ -162,7 +164,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[sample_rows])
             rows = [
                 SamplingRow(s.params, s.token_ids[: s.num_prompt_tokens],
-                            s.token_ids[s.num_prompt_tokens :])
+                            s.token_ids[s.num_prompt_tokens :], s.eos_token_ids)
                 for s in sample_states
             ]
             tokens, lps = self.sampler(logits, rows)
