@@ -153,6 +153,9 @@ class OutputProcessor:
                 if out.cumulative_logprob is not None:
                     out.cumulative_logprob += lp.get(tok, 0.0)
         child.full_text += child.detok.add_tokens(eo.new_token_ids)
+        if eo.finish_reason is not None:
+            # A sequence cut mid-character still owes its last bytes.
+            child.full_text += child.detok.flush()
         stops = params.stop_strings
         stopped = False
         if stops and len(out.token_ids) >= params.min_tokens:
