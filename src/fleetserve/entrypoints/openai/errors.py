@@ -71,7 +71,7 @@ def from_validation_error(e: ValidationError) -> APIError:
 def from_value_error(e: ValueError) -> APIError:
     """SamplingParams and the engine name the field first: 'top_p must be in (0, 1]'."""
     msg = str(e)
-    m = re.match(r"([a-z_]+) ", msg)
+    m = re.match(r"([a-z_]+)(?=[ =])", msg)
     param = m.group(1) if m and m.group(1) not in ("the", "request", "prompt") else None
     if msg.startswith(("prompt", "the prompt")):
         param = "prompt"
