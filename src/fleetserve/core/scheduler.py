@@ -9,7 +9,7 @@ priority policy) is preempted: its blocks are freed and it is recomputed later.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 
 from fleetserve.core.config import SchedulerConfig
 from fleetserve.core.block_manager import BlockManager
@@ -127,7 +127,15 @@ class Scheduler:
         siblings = [r for r in self.running if r.group_id == req.group_id]
         return bool(siblings) and all(r.num_computed_tokens < r.num_prompt_tokens for r in siblings)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(
+        self, skip_req_ids: Set[str] = frozenset(), max_num_reqs: int | None = None
+    ) -> SchedulerOutput:
+        """One step's batch. With pipeline parallelism the engine keeps several batches in
+        flight: `skip_req_ids` are in one (never scheduled, nor re-admitted after a
+        preemption, until it returns) and `max_num_reqs` caps the batch so that the running
+        requests spread over the in-flight batches."""
+        if max_num_reqs is None:
+            max_num_reqs = self.config.max_num_seqs
         budget = self.config.max_num_batched_tokens
         max_len = self.config.max_model_len
         bm = self.block_manager
@@ -137,10 +145,10 @@ class Scheduler:
         preempted = False
 
         for req in list(self.running):
-            if budget <= 0:
+            if budget <= 0 or len(num_scheduled) >= max_num_reqs:
                 break
-            if req.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if req.status != RequestStatus.RUNNING or req.req_id in skip_req_ids:
+                continue  # preempted earlier in this loop, or in flight
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             num_new = min(num_new, max_len - req.num_computed_tokens)
             if num_new <= 0:
@@ -157,9 +165,12 @@ class Scheduler:
                 num_scheduled[req.req_id] = num_new
                 budget -= num_new
 
-        skip: set[str] = set()
+        skip: set[str] = set(skip_req_ids)
         while (
-            not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs
+            not preempted
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and len(num_scheduled) < max_num_reqs
         ):
             req = self._next_waiting(skip)
             if req is None:

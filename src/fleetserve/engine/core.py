@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from fleetserve.config import EngineConfig
 from fleetserve.core.block_manager import BlockManager
 from fleetserve.core.request import Request, RequestStatus
 from fleetserve.core.scheduler import Scheduler
-from fleetserve.core.scheduler_output import EngineCoreOutput
-from fleetserve.executor.base import Executor
+from fleetserve.core.scheduler_output import EngineCoreOutput, SchedulerOutput
+from fleetserve.executor.base import Executor, ModelOutputFuture
 from fleetserve.models.loader import ModelSource
 
 
@@ -35,6 +36,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.last_step_seconds = 0.0
         self.num_steps = 0
+        # Pipeline parallelism: submitted steps not yet taken back, oldest first.
+        self._in_flight: deque[tuple[SchedulerOutput, ModelOutputFuture]] = deque()
+        self._in_flight_req_ids: set[str] = set()
 
     def add_request(self, request: Request) -> None:
         vocab = self.config.model.vocab_size
@@ -51,14 +55,43 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.executor.max_concurrent_batches > 1:
+            return self._step_pipelined()
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty and not sched_out.finished_req_ids:
             return []
         result = self.executor.execute_model(sched_out)
+        outputs = self.scheduler.update_from_output(sched_out, result)
+        self.last_step_seconds = time.perf_counter() - t0
+        self.num_steps += 1
+        return outputs
+
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """Submit a new batch while fewer than `max_concurrent_batches` are in flight and
+        return at once, so that the next call can fill the next pipeline stage; otherwise
+        take back the oldest batch. A request rides in at most one in-flight batch, and
+        each batch holds at most 1/PP of the requests so that decodes spread over stages."""
+        t0 = time.perf_counter()
+        depth = self.executor.max_concurrent_batches
+        if len(self._in_flight) < depth:
+            sched = self.scheduler
+            cap = -(-(sched.num_running + sched.num_waiting) // depth)
+            sched_out = sched.schedule(self._in_flight_req_ids, max(1, cap))
+            if not sched_out.is_empty or sched_out.finished_req_ids:
+                future = self.executor.execute_model_async(sched_out)
+                self._in_flight.append((sched_out, future))
+                self._in_flight_req_ids.update(sched_out.num_scheduled_tokens)
+                if not sched_out.is_empty and len(self._in_flight) < depth:
+                    return []
+        if not self._in_flight:
+            return []
+        sched_out, future = self._in_flight.popleft()
+        result = future.result()
+        self._in_flight_req_ids.difference_update(sched_out.num_scheduled_tokens)
         outputs = self.scheduler.update_from_output(sched_out, result)
         self.last_step_seconds = time.perf_counter() - t0
         self.num_steps += 1

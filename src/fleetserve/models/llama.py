@@ -116,13 +116,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Tensor parallelism swaps in a gather of the vocab shards (models/sharding.py).
+        self.logits_gather: nn.Module = nn.Identity()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.logits_gather(F.linear(hidden, weight)).float()
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

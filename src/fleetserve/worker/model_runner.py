@@ -14,10 +14,12 @@ import torch
 from fleetserve.config import EngineConfig
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from fleetserve.distributed.parallel_state import ParallelContext
 from fleetserve.forward_context import AttentionMetadata, set_forward_context
 from fleetserve.layers.sampler import Sampler, SamplingRow, top_logprobs
 from fleetserve.models.loader import ModelSource
 from fleetserve.models.registry import model_class
+from fleetserve.models.sharding import load_shards, shard_model
 
 
 @dataclass
@@ -32,14 +34,24 @@ class RequestState:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource, num_blocks: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        source: ModelSource,
+        num_blocks: int,
+        parallel: ParallelContext | None = None,
+    ) -> None:
+        """`parallel`: this rank's place in a TP x PP replica; None runs the whole model."""
         self.config = config
+        self.parallel = parallel
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         mcfg = config.model
         t0 = time.perf_counter()
         with torch.device("meta"):
             model = model_class(mcfg)(mcfg)
+            if parallel is not None:
+                shard_model(model, parallel)
         model = model.to_empty(device=self.device).to(mcfg.dtype)
         # Buffers (rotary tables) were on meta: rebuild them for real.
         with torch.device(self.device):
@@ -48,7 +60,10 @@ class ModelRunner:
             )
         for layer in model.model.layers:
             layer.self_attn.rope = fresh_rope
-        model.load_weights(source.iter_tensors(mcfg.dtype))
+        if parallel is None:
+            model.load_weights(source.iter_tensors(mcfg.dtype))
+        else:
+            load_shards(model, source, parallel)
         self.model = model.eval()
         self.load_seconds = time.perf_counter() - t0
         self.num_blocks = num_blocks
@@ -147,9 +162,17 @@ class ModelRunner:
             decode_kv_mask=decode_mask,
             prefill_block_tables=prefill_tables,
         )
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        x = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pp = self.parallel
+        if pp is not None and not pp.is_first_stage:
+            # A later stage starts from the previous stage's hidden states, not token ids.
+            mcfg = self.config.model
+            x = pp.recv_prev((len(input_ids), mcfg.hidden_size), mcfg.dtype, dev)
         with set_forward_context(meta):
-            hidden = self.model(ids_t, pos_t)
+            hidden = self.model(x, pos_t)
+        if pp is not None and not pp.is_last_stage:
+            pp.send_next(hidden)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
         # Rows to sample: the last token of each request whose step reaches its end.
         sample_rows, sample_states = [], []

@@ -1,0 +1,1 @@
+"""Process groups and collectives for tensor and pipeline parallel replicas."""
