@@ -166,7 +166,7 @@ def test_auth(srv: ServerProc) -> None:
 def test_overload_gives_503_with_retry_after(srv: ServerProc) -> None:
     """max_num_seqs=1, max_waiting_requests=2: of a burst, one runs, two wait, the rest are
     refused at once (the accepted ones take far longer than the burst takes to arrive)."""
-    body = {"prompt": "the cat", "max_tokens": 240, "ignore_eos": True}
+    body = {"prompt": "the cat", "max_tokens": 120, "ignore_eos": True}
 
     async def main() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=srv.url, headers=AUTH, timeout=60) as ac:

@@ -1,0 +1,149 @@
+"""SIGTERM drain, a dead engine process, a dead API process: no hang, no orphans."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from server_proc import ServerProc, pid_alive, wait_until
+
+
+@pytest.fixture
+def fresh_server(tiny_llama: str) -> Iterator[Any]:
+    """`start(*args) -> ServerProc`, each one stopped (and its children reaped) at the end."""
+    started: list[ServerProc] = []
+
+    def start(*args: str) -> ServerProc:
+        srv = ServerProc(tiny_llama, *args)
+        started.append(srv)
+        return srv
+
+    yield start
+    for srv in started:
+        srv.stop(timeout_s=10)
+
+
+class StreamReader(threading.Thread):
+    """Reads one streaming completion in the background; records its events."""
+
+    def __init__(self, url: str, body: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.events: list[Any] = []
+        self.first = threading.Event()
+        self.status: int | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with httpx.stream(
+                "POST", f"{self.url}/v1/completions", json=self.body, timeout=60
+            ) as r:
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        data = line[len("data: ") :]
+                        self.events.append(data if data == "[DONE]" else json.loads(data))
+                        self.first.set()
+        except BaseException as e:  # noqa: BLE001 -- the test inspects it
+            self.error = e
+        finally:
+            self.first.set()
+
+    @property
+    def finish_reason(self) -> str | None:
+        for ev in self.events:
+            if isinstance(ev, dict) and ev.get("choices") and ev["choices"][0]["finish_reason"]:
+                return ev["choices"][0]["finish_reason"]
+        return None
+
+    @property
+    def error_event(self) -> dict[str, Any] | None:
+        return next((e["error"] for e in self.events if isinstance(e, dict) and "error" in e), None)
+
+
+def test_sigterm_drains(fresh_server: Any) -> None:
+    srv = fresh_server("--drain-timeout", "3", "--max-num-seqs", "4")
+    srv.wait_ready()
+    core_pid = srv.core_pid
+    assert core_pid is not None and pid_alive(core_pid)
+    short = StreamReader(
+        srv.url, {"prompt": "a", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    )
+    long = StreamReader(
+        srv.url, {"prompt": "b", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    )
+    short.start()
+    long.start()
+    assert short.first.wait(30) and long.first.wait(30)
+    t0 = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    # Draining: not ready, new work refused, liveness still fine.
+    assert wait_until(lambda: httpx.get(f"{srv.url}/ready").status_code == 503, 5)
+    refused = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "draining"
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+    # The short request finishes normally; the long one is cut at the drain timeout.
+    short.join(30)
+    assert short.finish_reason == "length" and short.events[-1] == "[DONE]"
+    long.join(30)
+    assert not long.is_alive()
+    assert long.events[-1] == "[DONE]"
+    assert long.error_event is not None and long.error_event["code"] == "engine_unavailable"
+    assert srv.proc.wait(30) == 0
+    assert time.monotonic() - t0 < 25
+    assert wait_until(lambda: not pid_alive(core_pid), 5)
+
+
+def test_engine_killed_under_load(fresh_server: Any) -> None:
+    srv = fresh_server().wait_ready()
+    core_pid = srv.core_pid
+    assert core_pid is not None
+    body = {"prompt": "c", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    readers = [StreamReader(srv.url, body) for _ in range(4)]
+    for r in readers:
+        r.start()
+    assert all(r.first.wait(30) for r in readers)
+    non_streaming: dict[str, httpx.Response] = {}
+
+    def post() -> None:
+        non_streaming["r"] = httpx.post(
+            f"{srv.url}/v1/completions", json={**body, "stream": False}, timeout=60
+        )
+
+    t = threading.Thread(target=post, daemon=True)
+    t.start()
+    time.sleep(0.5)
+    import os
+
+    os.kill(core_pid, signal.SIGKILL)
+    for r in readers:
+        r.join(15)
+        assert not r.is_alive(), "a stream hung after the engine died"
+        assert r.error_event is not None and r.error_event["code"] == "engine_unavailable"
+        assert r.events[-1] == "[DONE]"
+    t.join(15)
+    assert non_streaming["r"].status_code == 503
+    assert "engine" in non_streaming["r"].json()["error"]["message"]
+    assert httpx.get(f"{srv.url}/health").status_code == 503
+    new = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert new.status_code == 503
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(30) == 1  # exits, and says the engine failed
+    assert srv.descendants() == []
+
+
+def test_core_exits_when_api_process_dies(fresh_server: Any) -> None:
+    srv = fresh_server().wait_ready()
+    core_pid = srv.core_pid
+    assert core_pid is not None
+    srv.proc.kill()
+    srv.proc.wait(10)
+    assert wait_until(lambda: not pid_alive(core_pid), 10), "orphaned engine process"
