@@ -93,8 +93,10 @@ def test_prefix_hit_shares_full_blocks_and_counts_references() -> None:
     bm.check_invariants()
     assert bm.block_ids("b") == [0, 1, 3]
     assert refs(bm, [0, 1, 2, 3]) == [2, 2, 1, 1]
-    assert bm.num_hit_tokens == 8
-    assert bm.num_queried_tokens == a.num_tokens + b.num_tokens
+    # A lookup alone counts nothing: the scheduler records each admitted request once.
+    assert bm.num_hit_tokens == 0 and bm.num_queried_tokens == 0
+    bm.record_lookup(b.num_tokens, num_hit_tokens)
+    assert bm.hit_rate == 8 / b.num_tokens
 
 
 def test_partial_last_block_is_never_shared() -> None:

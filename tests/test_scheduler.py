@@ -383,3 +383,18 @@ def test_stopping_a_running_request_frees_its_blocks() -> None:
     h.run()
     assert len(h.tokens["a"]) == 2 and len(h.tokens["b"]) == 3
     assert h.all_free()
+
+
+def test_prefix_hit_rate_counts_each_admitted_request_once() -> None:
+    # c waits three steps behind a and b; its lookups while waiting must not count.
+    h = Harness(max_num_seqs=2)
+    shared = [7] * 8  # two full blocks
+    h.add("a", shared + [1], max_tokens=3)
+    h.run()
+    h.add("b", 5, max_tokens=3)
+    h.add("x", 5, max_tokens=3)
+    h.add("c", shared + [2], max_tokens=3)
+    h.run()
+    # Queried: a (9) + b (5) + x (5) + c (9) tokens; hit: c's two cached blocks.
+    assert h.bm.num_queried_tokens == 9 + 5 + 5 + 9
+    assert h.bm.num_hit_tokens == 8

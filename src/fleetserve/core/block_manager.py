@@ -90,9 +90,12 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        self.num_queried_tokens += request.num_tokens
-        self.num_hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's prefix-cache lookup (for the hit-rate metric)."""
+        self.num_queried_tokens += num_tokens
+        self.num_hit_tokens += num_hit_tokens
 
     # ------------------------------------------------------------- allocation
     def allocate_slots(

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Set
 
-from fleetserve.core.config import SchedulerConfig
 from fleetserve.core.block_manager import BlockManager
+from fleetserve.core.config import SchedulerConfig
 from fleetserve.core.request import Request, RequestStatus
 from fleetserve.core.scheduler_output import (
     CachedRequestData,
@@ -191,6 +191,8 @@ class Scheduler:
             req.num_computed_tokens = num_hit_tokens
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_hit_tokens
+            if bm.enable_prefix_caching:
+                bm.record_lookup(req.num_tokens, num_hit_tokens)
             num_scheduled[req.req_id] = num_new
             budget -= num_new
 
