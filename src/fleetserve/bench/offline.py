@@ -91,7 +91,9 @@ def run_fleetserve(
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     wall = time.perf_counter() - t0
-    kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in llm.engine.core.executor.runner.kv_caches)
+    kv_bytes = sum(
+        k.numel() * k.element_size() * 2 for k, _ in llm.engine.core.executor.runner.kv_caches
+    )
     queried = bm.num_queried_tokens - q0
     result = _figures("fleetserve", reqs, wall, [o.outputs[0].token_ids for o in outs])
     result.update(
@@ -131,7 +133,10 @@ def run_hf(model: str, reqs: list[BenchRequest], args: argparse.Namespace) -> di
                 mask[j, width - n :] = 1
             new = max(r.output_len for r in batch)
             out = hf.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
                 do_sample=False,
             )
             for j, r in enumerate(batch):
@@ -206,8 +211,11 @@ def run(args: argparse.Namespace) -> int:
         ratio = ours["output_tok_per_s"] / hf["output_tok_per_s"]
         results["speedup_vs_hf"] = ratio
         results["identical_greedy_outputs"] = same
-        print(f"fleetserve / HF output tok/s: {ratio:.2f}x; identical greedy outputs: "
-              f"{same}/{len(reqs)}", flush=True)
+        print(
+            f"fleetserve / HF output tok/s: {ratio:.2f}x; identical greedy outputs: "
+            f"{same}/{len(reqs)}",
+            flush=True,
+        )
     if args.json:
         for r in results["runs"]:
             r.pop("outputs", None)

@@ -66,9 +66,7 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         max_len = self.max_model_len
         if len(prompt_ids) >= max_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}"
-            )
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}")
         if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > max_len:
             raise ValueError(
                 f"max_tokens={params.max_tokens} plus the prompt's {len(prompt_ids)} tokens "

@@ -17,9 +17,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument(
-        "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false"
-    )
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="cpu")

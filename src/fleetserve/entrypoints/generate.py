@@ -23,7 +23,9 @@ def run(args: argparse.Namespace) -> int:
     from fleetserve.engine.llm_engine import LLMEngine
 
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
         seed=args.seed if args.temperature > 0 else None,
     )
     t0 = time.perf_counter()

@@ -16,7 +16,9 @@ class UniprocExecutor(Executor):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        self.num_blocks = config.cache.resolve_num_blocks(config.model, config.scheduler.max_num_seqs)
+        self.num_blocks = config.cache.resolve_num_blocks(
+            config.model, config.scheduler.max_num_seqs
+        )
         self.runner = ModelRunner(config, source, self.num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -87,9 +87,10 @@ def filter_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     if any(m > 0 for m in min_p):
         probs = logits.softmax(dim=-1)
-        floor = torch.tensor(min_p, dtype=probs.dtype).unsqueeze(1) * probs.max(
-            dim=-1, keepdim=True
-        ).values
+        floor = (
+            torch.tensor(min_p, dtype=probs.dtype).unsqueeze(1)
+            * probs.max(dim=-1, keepdim=True).values
+        )
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 

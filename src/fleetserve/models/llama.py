@@ -158,7 +158,9 @@ class LlamaForCausalLM(nn.Module):
                 filled_key = target
             param = params.get(target)
             if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
+                )
             dest = param.data if size is None else param.data.narrow(0, offset, size)
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(
@@ -179,6 +181,4 @@ class LlamaForCausalLM(nn.Module):
                 expected.add(pname)
         missing = sorted(expected - filled)
         if missing:
-            raise ValueError(
-                f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}"
-            )
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -186,8 +186,12 @@ class ModelRunner:
         if sample_rows:
             logits = self.model.compute_logits(hidden[sample_rows])
             rows = [
-                SamplingRow(s.params, s.token_ids[: s.num_prompt_tokens],
-                            s.token_ids[s.num_prompt_tokens :], s.eos_token_ids)
+                SamplingRow(
+                    s.params,
+                    s.token_ids[: s.num_prompt_tokens],
+                    s.token_ids[s.num_prompt_tokens :],
+                    s.eos_token_ids,
+                )
                 for s in sample_states
             ]
             tokens, lps = self.sampler(logits, rows)
