@@ -141,7 +141,23 @@ def test_engine_killed_under_load(fresh_server: Any) -> None:
 
 
 def test_core_exits_when_api_process_dies(fresh_server: Any) -> None:
-    srv = fresh_server().wait_ready()
+    srv = fresh_server()
+
+    def alive() -> bool:
+        try:
+            return httpx.get(f"{srv.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    # While the engine loads, HTTP already answers: alive, not ready, requests get 503.
+    assert wait_until(alive, 60)
+    if httpx.get(f"{srv.url}/ready").status_code == 503:
+        resp = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"}, timeout=10)
+        assert resp.status_code in (200, 503)  # 200 if loading finished in between
+        if resp.status_code == 503:
+            assert resp.json()["error"]["code"] == "loading"
+            assert resp.headers["Retry-After"].isdigit()
+    srv.wait_ready()
     core_pid = srv.core_pid
     assert core_pid is not None
     srv.proc.kill()

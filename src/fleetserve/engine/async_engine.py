@@ -59,7 +59,8 @@ class EngineOverloadedError(RuntimeError):
 
 
 class RequestStream:
-    """One request's outputs, newest first-come; `close()` aborts it if unfinished."""
+    """One request's outputs in order (a slow reader skips to the newest cumulative one);
+    `close()` aborts the request in the core if it has not finished."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, n: int) -> None:
         self.engine = engine
@@ -215,10 +216,6 @@ class AsyncEngine:
     def returncode(self) -> int | None:
         return self._proc.poll() if self._proc is not None else None
 
-    def kill_core_for_tests(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-
     @property
     def core_pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
@@ -281,6 +278,7 @@ class AsyncEngine:
             stream.close()
 
     def abort_all(self, reason: str) -> None:
+        """Ends every open stream with EngineDeadError(reason); closing them aborts them."""
         for stream in list(self._streams.values()):
             stream.queue.put_nowait(EngineDeadError(reason))
 

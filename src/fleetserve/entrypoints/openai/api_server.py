@@ -282,7 +282,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     engine_args = engine_args_from(args)
     api_key = args.api_key or os.environ.get("FLEETSERVE_API_KEY") or None
-    engine = AsyncEngine(engine_args, args.max_waiting_requests)
+    try:
+        engine = AsyncEngine(engine_args, args.max_waiting_requests)
+    except OSError as e:  # a missing checkpoint or default model: a user error, no traceback
+        raise ValueError(str(e)) from e
     name = args.served_model_name or default_served_name(engine.config.model_path)
     metrics = ServerMetrics(name)
     engine.metrics = metrics

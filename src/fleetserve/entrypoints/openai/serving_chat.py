@@ -7,13 +7,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from fleetserve.entrypoints.openai.errors import APIError, from_value_error
 from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest
 from fleetserve.entrypoints.openai.serving_common import (
     SSE_DONE,
     ServingContext,
+    SSEResponse,
     collect,
     finite,
     merged,
@@ -62,9 +63,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     request_id = new_id("chatcmpl")
     streams = submit(ctx, request_id, [prompt], lambda: copy.copy(base), req.priority)
     if req.stream:
-        return StreamingResponse(
-            _stream(ctx, req, request_id, streams), media_type="text/event-stream"
-        )
+        return SSEResponse(_stream(ctx, req, request_id, streams))
     (final,) = await unless_disconnected(request, collect(streams))
     choices = [
         {

@@ -4,6 +4,7 @@ merging several prompts' streams, SSE framing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -11,7 +12,9 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import anyio
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from fleetserve.engine.async_engine import (
@@ -187,6 +190,27 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             await asyncio.gather(task, return_exceptions=True)
             raise ClientGone()
     return task.result()
+
+
+class SSEResponse(StreamingResponse):
+    """text/event-stream that always watches for the client leaving, even before the first
+    byte (a queued request writes nothing for a while); leaving cancels the generator,
+    whose cleanup aborts the request. Starlette does this only for older ASGI servers."""
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def stream() -> None:
+                with contextlib.suppress(OSError):
+                    await self.stream_response(send)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            tg.cancel_scope.cancel()
 
 
 def sse(data: dict[str, Any]) -> str:

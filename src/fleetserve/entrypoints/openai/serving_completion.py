@@ -7,13 +7,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from fleetserve.entrypoints.openai.errors import APIError, from_value_error
 from fleetserve.entrypoints.openai.protocol import MAX_N, CompletionRequest
 from fleetserve.entrypoints.openai.serving_common import (
     SSE_DONE,
     ServingContext,
+    SSEResponse,
     collect,
     finite,
     merged,
@@ -63,9 +64,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     request_id = new_id("cmpl")
     streams = submit(ctx, request_id, prompts, lambda: copy.copy(base), req.priority)
     if req.stream:
-        return StreamingResponse(
-            _stream(ctx, req, request_id, streams), media_type="text/event-stream"
-        )
+        return SSEResponse(_stream(ctx, req, request_id, streams))
     finals = await unless_disconnected(request, collect(streams))
     return JSONResponse(_full_response(ctx, req, request_id, finals))
 
