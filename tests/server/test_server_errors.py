@@ -9,12 +9,12 @@ from typing import Any
 
 import httpx
 import pytest
-from server_proc import ServerProc
+from server_proc import ServerProc, metric, scrape, wait_until
 
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-MAX_MODEL_LEN = 256
-MAX_BYTES = 8192
+MAX_MODEL_LEN = 2048
+MAX_BYTES = 16384
 CHAT = [{"role": "user", "content": "hi"}]
 
 
@@ -48,7 +48,7 @@ def check_error(resp: httpx.Response, status: int, param: str | None = None) -> 
     return err
 
 
-LONG_PROMPT = "the cat " * 400  # well over 256 tokens, under the body limit
+LONG_PROMPT = "the cat " * 1100  # over MAX_MODEL_LEN tokens, under the body limit
 
 BAD_COMPLETIONS: list[tuple[dict[str, Any], str | None]] = [
     ({"prompt": 5}, "prompt"),
@@ -180,6 +180,29 @@ def test_overload_gives_503_with_retry_after(srv: ServerProc) -> None:
     for r in refused:
         assert check_error(r, 503)["code"] == "overloaded"
         assert r.headers["Retry-After"].isdigit()
+
+
+def test_queued_client_that_leaves_is_aborted(srv: ServerProc) -> None:
+    """max_num_seqs=1: B waits behind A and has sent no byte yet when its client leaves."""
+    long = {"prompt": "the cat", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+
+    def waiting() -> float:
+        return metric(scrape(srv.url, AUTH), "fleetserve:num_requests_waiting")
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=srv.url, headers=AUTH, timeout=60) as ac:
+            async with ac.stream("POST", "/v1/completions", json=long) as a:
+                lines = a.aiter_lines()
+                await lines.__anext__()
+                b = asyncio.create_task(ac.post("/v1/completions", json=long))
+                assert await asyncio.to_thread(wait_until, lambda: waiting() == 1, 10)
+                b.cancel()
+                await asyncio.gather(b, return_exceptions=True)
+                assert await asyncio.to_thread(wait_until, lambda: waiting() == 0, 5)
+                # A is still running all along.
+                assert metric(scrape(srv.url, AUTH), "fleetserve:num_requests_running") == 1
+
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def test_still_serving_after_bad_input(http: httpx.Client) -> None:

@@ -25,6 +25,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from fleetserve.config import EngineConfig
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.core_proc import (
@@ -95,11 +96,16 @@ class RequestStream:
         self.engine._release(self)
 
 
-class AsyncEngine:
-    # Validation is the offline engine's, so both paths accept and refuse the same input.
-    tokenize_prompt = LLMEngine.tokenize_prompt
-    validate = LLMEngine.validate
+class _PromptRules(LLMEngine):
+    """LLMEngine's tokenize/validate rules without its in-process core, so the offline and
+    the online API accept and refuse the same input."""
 
+    def __init__(self, tokenizer: Tokenizer, config: EngineConfig) -> None:  # no super(): no core
+        self.tokenizer = tokenizer
+        self.config = config
+
+
+class AsyncEngine:
     def __init__(
         self,
         args: EngineArgs,
@@ -110,6 +116,7 @@ class AsyncEngine:
         self.config, self.source = args.resolve()
         self.tokenizer = Tokenizer.from_source(self.source)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._rules = _PromptRules(self.tokenizer, self.config)
         self.eos_token_ids = sorted(
             set(self.config.model.eos_token_ids) | set(self.tokenizer.stop_token_ids)
         )
@@ -237,8 +244,8 @@ class AsyncEngine:
             raise EngineOverloadedError(
                 f"{self._num_unstarted} requests are already waiting; try again later"
             )
-        text, ids = self.tokenize_prompt(prompt)
-        self.validate(ids, params)
+        text, ids = self._rules.tokenize_prompt(prompt)
+        self._rules.validate(ids, params)
         capacity = self.num_kv_blocks * self._block_size
         room = min(self.max_model_len, capacity) - len(ids)
         if room < 1:
