@@ -172,9 +172,10 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
             and len(num_scheduled) < max_num_reqs
         ):
-            req = self._next_waiting(skip)
-            if req is None:
+            nxt = self._next_waiting(skip)
+            if nxt is None:
                 break
+            req = nxt
             if self._sibling_prefilling(req):
                 skip.add(req.req_id)
                 continue
