@@ -37,7 +37,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None)
-    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--num-threads", type=int, default=2, help="in all (split among TP x PP ranks)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
     p.add_argument("--json", default=None, help="write the figures here")
 
@@ -77,6 +79,8 @@ def run_fleetserve(
         enable_prefix_caching=prefix_caching,
         num_threads=args.num_threads,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
     )
     startup = time.perf_counter() - t0
     params = [
@@ -88,12 +92,20 @@ def run_fleetserve(
     llm.engine.core.block_manager.reset_prefix_cache()
     bm = llm.engine.core.block_manager
     q0, h0 = bm.num_queried_tokens, bm.num_hit_tokens
+    executor = llm.engine.core.executor
+    parallel = hasattr(executor, "collect_stats")  # MultiprocExecutor (TP or PP > 1)
+    if parallel:
+        executor.collect_stats(reset=True)
+    steps0 = llm.engine.core.num_steps
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     wall = time.perf_counter() - t0
-    kv_bytes = sum(
-        k.numel() * k.element_size() * 2 for k, _ in llm.engine.core.executor.runner.kv_caches
-    )
+    if parallel:
+        # Summed over ranks: each holds its own KV heads of its own layers.
+        kv_bytes = bm.num_blocks * bm.block_size * llm.engine.config.model.kv_bytes_per_token
+        rank_stats = executor.collect_stats()
+    else:
+        kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in executor.runner.kv_caches)
     queried = bm.num_queried_tokens - q0
     result = _figures("fleetserve", reqs, wall, [o.outputs[0].token_ids for o in outs])
     result.update(
@@ -103,9 +115,29 @@ def run_fleetserve(
         num_preemptions=llm.engine.core.scheduler.num_preemptions,
         kv_cache_mib=kv_bytes / 2**20,
         peak_rss_mib=_peak_rss_mib(),
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        num_engine_steps=llm.engine.core.num_steps - steps0,
     )
+    if parallel:
+        result["ranks"] = rank_stats
+        _print_ranks(rank_stats)
     llm.engine.shutdown()
     return result
+
+
+def _print_ranks(ranks: list[dict[str, Any]]) -> None:
+    """Per-rank busy time and host-side communication time per worker step."""
+    for r in ranks:
+        n = max(r["num_steps"], 1)
+        print(
+            f"  rank {r['rank']}: {r['num_steps']} steps, busy {r['busy_s']:.2f} s of "
+            f"{r['window_s']:.2f} s (idle {r['idle_fraction']:.0%}); per step: all-reduce "
+            f"{1e3 * r['all_reduce_s'] / n:.2f} ms ({r['num_all_reduces'] / n:.0f} calls), "
+            f"logit all-gather {1e3 * r['all_gather_s'] / n:.2f} ms, send "
+            f"{1e3 * r['send_s'] / n:.2f} ms, recv wait {1e3 * r['recv_s'] / n:.2f} ms",
+            flush=True,
+        )
 
 
 def run_hf(model: str, reqs: list[BenchRequest], args: argparse.Namespace) -> dict[str, Any]:

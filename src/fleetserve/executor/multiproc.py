@@ -161,11 +161,11 @@ class MultiprocExecutor(Executor):
             if self._inbox[rank]:
                 break
             for sentinel in ready:
-                r = sentinels.get(sentinel)  # type: ignore[arg-type]
-                if r is not None:
+                dead = sentinels.get(sentinel)  # type: ignore[arg-type]
+                if dead is not None:
                     self._fail(
-                        f"worker rank {r} (pid {self._procs[r].pid}) died with exit code "
-                        f"{self._procs[r].exitcode}; the replica is shut down"
+                        f"worker rank {dead} (pid {self._procs[dead].pid}) died with exit "
+                        f"code {self._procs[dead].exitcode}; the replica is shut down"
                     )
         got, payload = self._inbox[rank].popleft()
         if got != kind:

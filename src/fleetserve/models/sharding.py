@@ -23,6 +23,7 @@ from fleetserve.distributed.parallel_state import (
 )
 from fleetserve.layers.attention import Attention
 from fleetserve.layers.parallel import LogitsGather, RowParallelLinear, VocabParallelEmbedding
+from fleetserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from fleetserve.models.loader import ModelSource
 
 
@@ -47,21 +48,21 @@ def check_parallel_config(cfg: ModelConfig, parallel: ParallelConfig) -> None:
         )
 
 
-def shard_model(model: nn.Module, ctx: ParallelContext) -> None:
+def shard_model(model: LlamaForCausalLM, ctx: ParallelContext) -> None:
     """Cut a meta-device LlamaForCausalLM down to this rank's share, in place.
 
     Call under `torch.device("meta")` so that the new modules allocate nothing.
     """
-    cfg: ModelConfig = model.config
+    cfg = model.config
     tp, hd, hidden = ctx.tp_size, cfg.head_dim, cfg.hidden_size
     inner = model.model
     layers = stage_layers(cfg.num_hidden_layers, ctx.pp_size, ctx.pp_rank)
     inner.layers = nn.ModuleList([inner.layers[i] for i in layers])
-    model.start_layer = layers.start
     num_heads = cfg.num_attention_heads // tp
     num_kv_heads = len(kv_head_range(cfg.num_key_value_heads, tp, ctx.tp_rank))
     inter = cfg.intermediate_size // tp
     for layer in inner.layers:
+        assert isinstance(layer, LlamaDecoderLayer)
         attn = layer.self_attn
         attn.num_heads, attn.num_kv_heads = num_heads, num_kv_heads
         attn.q_size, attn.kv_size = num_heads * hd, num_kv_heads * hd
@@ -74,11 +75,11 @@ def shard_model(model: nn.Module, ctx: ParallelContext) -> None:
         mlp.down_proj = RowParallelLinear(inter, hidden, ctx)
 
     if ctx.is_first_stage:
-        inner.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, hidden, ctx)
+        inner.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, hidden, ctx)  # type: ignore[assignment]
     else:
-        inner.embed_tokens = nn.Identity()
+        inner.embed_tokens = nn.Identity()  # type: ignore[assignment]
     if not ctx.is_last_stage:
-        inner.norm = nn.Identity()
+        inner.norm = nn.Identity()  # type: ignore[assignment]
         model.lm_head = None
     elif model.lm_head is not None or not ctx.is_first_stage:
         # A tied head on a stage without the embedding gets its own copy of those rows.
@@ -93,9 +94,9 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _Piece = tuple[str, int, int, int, int]
 
 
-def _pieces(name: str, model: nn.Module, ctx: ParallelContext) -> list[_Piece] | None:
+def _pieces(name: str, model: LlamaForCausalLM, ctx: ParallelContext) -> list[_Piece] | None:
     """Where parameter `name` of the sharded model comes from; None: the whole tensor."""
-    cfg: ModelConfig = model.config
+    cfg = model.config
     tp, r, hd = ctx.tp_size, ctx.tp_rank, cfg.head_dim
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         start, end, _ = vocab_range(cfg.vocab_size, tp, r)
@@ -104,7 +105,8 @@ def _pieces(name: str, model: nn.Module, ctx: ParallelContext) -> list[_Piece] |
     m = _LAYER.match(name)
     if m is None:
         return None
-    prefix = f"model.layers.{int(m.group(1)) + model.start_layer}."
+    start_layer = stage_layers(cfg.num_hidden_layers, ctx.pp_size, ctx.pp_rank).start
+    prefix = f"model.layers.{int(m.group(1)) + start_layer}."
     rest = m.group(2)
     leaf = rest.rsplit(".", 1)[-1]  # weight | bias
     if rest.startswith("self_attn.qkv_proj."):
@@ -131,7 +133,7 @@ def _pieces(name: str, model: nn.Module, ctx: ParallelContext) -> list[_Piece] |
 
 
 @torch.no_grad()
-def load_shards(model: nn.Module, source: ModelSource, ctx: ParallelContext) -> None:
+def load_shards(model: LlamaForCausalLM, source: ModelSource, ctx: ParallelContext) -> None:
     """Fill every parameter of a sharded model, reading only its slice of each tensor."""
     dtype = model.config.dtype
     for name, param in model.named_parameters():
