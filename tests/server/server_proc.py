@@ -78,7 +78,9 @@ class ServerProc:
         for k in kids:
             if k.is_running():
                 k.kill()
-        self.log.close()
+        if not self.log.closed:
+            self.final_output = self.output()
+            self.log.close()
         return code
 
 

@@ -29,7 +29,8 @@ def srv(tiny_llama: str) -> Iterator[ServerProc]:
     try:
         yield s.wait_ready()
     finally:
-        assert s.stop() == 0
+        code = s.stop()
+        assert code == 0, s.final_output
 
 
 @pytest.fixture(scope="module")
@@ -190,17 +191,19 @@ def test_queued_client_that_leaves_is_aborted(srv: ServerProc) -> None:
         return metric(scrape(srv.url, AUTH), "fleetserve:num_requests_waiting")
 
     async def main() -> None:
-        async with httpx.AsyncClient(base_url=srv.url, headers=AUTH, timeout=60) as ac:
-            async with ac.stream("POST", "/v1/completions", json=long) as a:
-                lines = a.aiter_lines()
-                await lines.__anext__()
-                b = asyncio.create_task(ac.post("/v1/completions", json=long))
-                assert await asyncio.to_thread(wait_until, lambda: waiting() == 1, 10)
-                b.cancel()
-                await asyncio.gather(b, return_exceptions=True)
-                assert await asyncio.to_thread(wait_until, lambda: waiting() == 0, 5)
-                # A is still running all along.
-                assert metric(scrape(srv.url, AUTH), "fleetserve:num_requests_running") == 1
+        async with (
+            httpx.AsyncClient(base_url=srv.url, headers=AUTH, timeout=60) as ac,
+            ac.stream("POST", "/v1/completions", json=long) as a,
+        ):
+            lines = a.aiter_lines()
+            await lines.__anext__()
+            b = asyncio.create_task(ac.post("/v1/completions", json=long))
+            assert await asyncio.to_thread(wait_until, lambda: waiting() == 1, 10)
+            b.cancel()
+            await asyncio.gather(b, return_exceptions=True)
+            assert await asyncio.to_thread(wait_until, lambda: waiting() == 0, 5)
+            # A is still running all along.
+            assert metric(scrape(srv.url, AUTH), "fleetserve:num_requests_running") == 1
 
     asyncio.run(asyncio.wait_for(main(), 60))
 

@@ -124,6 +124,7 @@ class AsyncEngine:
         self.metrics = metrics
         self.num_kv_blocks: int | None = None
         self.dead_reason: str | None = None
+        self.crashed = False  # the core process exited without being asked to
         self.stats: dict[str, float] = {}
         self._streams: dict[str, RequestStream] = {}
         self._num_unstarted = 0
@@ -188,6 +189,7 @@ class AsyncEngine:
         while self._proc.poll() is None:
             await asyncio.sleep(0.2)
         if self.dead_reason is None:
+            self.crashed = True
             self._fail_all(f"the engine process exited (code {self._proc.returncode})")
 
     def _fail_all(self, reason: str) -> None:

@@ -304,6 +304,6 @@ def run(args: argparse.Namespace) -> int:
     server = DrainingServer(config, state)
     state.server = server
     server.run()
-    if engine.returncode not in (0, None) and state.exit_code == 0:
+    if engine.crashed and state.exit_code == 0:
         state.exit_code = 1  # the engine process crashed or was killed
     return state.exit_code
