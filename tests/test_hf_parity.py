@@ -295,3 +295,15 @@ def test_random_engine_settings_match_hf(tiny_model_factory: Callable[..., str],
             for got, want in zip(lps[rid]["logprobs"], seeded_lps[rid]["logprobs"], strict=True):
                 assert got.keys() == want.keys()
                 assert all(abs(got[t] - want[t]) < 1e-4 for t in got), kw
+
+
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_decode_groups_match_hf(
+    arch_model: str, group_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Decodes are attended in length-sorted groups; tiny groups make every batch of
+    # prompts span several groups with different padded lengths.
+    import fleetserve.worker.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "DECODE_GROUP_SIZE", group_size)
+    assert_parity(arch_model, "prefix_caching", n=2)

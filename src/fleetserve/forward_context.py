@@ -14,6 +14,16 @@ import torch
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows ``start:end`` with block tables padded to the group's longest."""
+
+    start: int
+    end: int
+    block_table: torch.Tensor  # [num_rows, max_num_blocks]
+    kv_mask: torch.Tensor  # [num_rows, 1, 1, max_num_blocks * block_size] bool
+
+
+@dataclass
 class AttentionMetadata:
     """Where this step's tokens live in the paged KV cache.
 
@@ -28,9 +38,8 @@ class AttentionMetadata:
     context_lens: list[int]  # [num_reqs] tokens with K/V before this step
     num_decodes: int  # leading requests with exactly one new token and some context
     block_size: int
-    # Decode batch: block tables padded to the longest, and which positions are real.
-    decode_block_table: torch.Tensor | None  # [num_decodes, max_num_blocks]
-    decode_kv_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_num_blocks * block_size]
+    # Decodes, in groups of similar length attended in one padded batch each.
+    decode_groups: list[DecodeGroup]
     # Prefill requests that have cached context: their block tables (None: no context).
     prefill_block_tables: list[torch.Tensor | None]  # [num_reqs - num_decodes]
 

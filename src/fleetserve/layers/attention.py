@@ -38,18 +38,17 @@ class Attention(torch.nn.Module):
         bs = meta.block_size
         k_blocks = k_cache.view(-1, bs, self.num_kv_heads, self.head_dim)
         v_blocks = v_cache.view(-1, bs, self.num_kv_heads, self.head_dim)
-        if nd:
-            table = meta.decode_block_table
-            assert table is not None
-            qd = q[:nd].unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
-            shape = (nd, -1, self.num_kv_heads, self.head_dim)
-            flat = table.flatten()
-            kd = k_blocks.index_select(0, flat).view(shape).transpose(1, 2)  # [nd, kvh, L, hd]
+        for group in meta.decode_groups:
+            rows = slice(group.start, group.end)
+            qd = q[rows].unsqueeze(2)  # [rows, num_heads, 1, head_dim]
+            shape = (group.end - group.start, -1, self.num_kv_heads, self.head_dim)
+            flat = group.block_table.flatten()
+            kd = k_blocks.index_select(0, flat).view(shape).transpose(1, 2)  # [rows, kvh, L, hd]
             vd = v_blocks.index_select(0, flat).view(shape).transpose(1, 2)
             od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=meta.decode_kv_mask, scale=self.scale, enable_gqa=gqa
+                qd, kd, vd, attn_mask=group.kv_mask, scale=self.scale, enable_gqa=gqa
             )
-            out[:nd] = od.squeeze(2)
+            out[rows] = od.squeeze(2)
         qsl = meta.query_start_loc
         for i in range(nd, len(meta.seq_lens)):
             start, end = qsl[i], qsl[i + 1]

@@ -15,11 +15,15 @@ from fleetserve.config import EngineConfig
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from fleetserve.distributed.parallel_state import ParallelContext
-from fleetserve.forward_context import AttentionMetadata, set_forward_context
+from fleetserve.forward_context import AttentionMetadata, DecodeGroup, set_forward_context
 from fleetserve.layers.sampler import Sampler, SamplingRow, top_logprobs
 from fleetserve.models.loader import ModelSource
 from fleetserve.models.registry import model_class
 from fleetserve.models.sharding import load_shards, shard_model
+
+
+# Decodes attended in one padded SDPA call at most (sorted by length first).
+DECODE_GROUP_SIZE = 16
 
 
 @dataclass
@@ -108,6 +112,9 @@ class ModelRunner:
         states = [self.requests[r] for r in sched]
         # Decodes first: they are attended together in one padded batch.
         decodes = [s for s in states if sched[s.req_id] == 1 and s.num_computed_tokens > 0]
+        # Sorted by length, decodes are padded in small groups of similar lengths: less
+        # padding to gather and attend than one group padded to the longest.
+        decodes.sort(key=lambda s: s.num_computed_tokens)
         prefills = [s for s in states if not (sched[s.req_id] == 1 and s.num_computed_tokens > 0)]
         ordered = decodes + prefills
 
@@ -127,24 +134,24 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         bs = self.block_size
         slot_mapping = torch.empty_like(pos_t)
-        decode_table = decode_mask = None
+        decode_groups: list[DecodeGroup] = []
         nd = len(decodes)
-        if nd:
-            nblk = -(-max(seq_lens[:nd]) // bs)
+        for start in range(0, nd, DECODE_GROUP_SIZE):
+            end = min(start + DECODE_GROUP_SIZE, nd)
+            nblk = -(-max(seq_lens[start:end]) // bs)
             # Padding entries point at block 0; the mask hides them.
-            decode_table = torch.tensor(
-                [s.block_ids[:nblk] + [0] * (nblk - len(s.block_ids[:nblk])) for s in decodes],
+            table = torch.tensor(
+                [s.block_ids[:nblk] + [0] * (nblk - len(s.block_ids)) for s in decodes[start:end]],
                 dtype=torch.long,
                 device=dev,
             )
-            lens = torch.tensor(seq_lens[:nd], device=dev)
-            decode_mask = (torch.arange(nblk * bs, device=dev)[None, :] < lens[:, None])[
-                :, None, None, :
-            ]
+            lens = torch.tensor(seq_lens[start:end], device=dev)
+            mask = (torch.arange(nblk * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
             last = lens - 1
-            slot_mapping[:nd] = decode_table.gather(1, (last // bs)[:, None]).squeeze(1) * bs + (
+            slot_mapping[start:end] = table.gather(1, (last // bs)[:, None]).squeeze(1) * bs + (
                 last % bs
             )
+            decode_groups.append(DecodeGroup(start, end, table, mask))
         prefill_tables: list[torch.Tensor | None] = []
         for i, s in enumerate(prefills, start=nd):
             table = torch.tensor(s.block_ids, dtype=torch.long, device=dev)
@@ -158,8 +165,7 @@ class ModelRunner:
             context_lens=ctx_lens,
             num_decodes=nd,
             block_size=bs,
-            decode_block_table=decode_table,
-            decode_kv_mask=decode_mask,
+            decode_groups=decode_groups,
             prefill_block_tables=prefill_tables,
         )
         x = torch.tensor(input_ids, dtype=torch.long, device=dev)
