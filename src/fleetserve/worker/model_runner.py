@@ -21,7 +21,6 @@ from fleetserve.models.loader import ModelSource
 from fleetserve.models.registry import model_class
 from fleetserve.models.sharding import load_shards, shard_model
 
-
 # Decodes attended in one padded SDPA call at most (sorted by length first).
 DECODE_GROUP_SIZE = 16
 
