@@ -78,7 +78,7 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
-        self._model_name = model_name
+        self.model_name = model_name
         for reason in ("stop", "length", "abort"):
             self._finished.labels(model_name, reason)
 
@@ -95,7 +95,7 @@ class ServerMetrics:
             self._generation_tokens.inc(num_tokens)
 
     def add_finished(self, finish_reason: str, count: int = 1) -> None:
-        self._finished.labels(self._model_name, finish_reason).inc(count)
+        self._finished.labels(self.model_name, finish_reason).inc(count)
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Latencies and finish reasons of a request that finished normally."""

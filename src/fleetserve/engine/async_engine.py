@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -111,8 +111,10 @@ class AsyncEngine:
         args: EngineArgs,
         max_waiting_requests: int = 256,
         metrics: ServerMetrics | None = None,
+        data_parallel_rank: int = 0,
     ) -> None:
         self.args = args
+        self.data_parallel_rank = data_parallel_rank
         self.config, self.source = args.resolve()
         self.tokenizer = Tokenizer.from_source(self.source)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -126,6 +128,8 @@ class AsyncEngine:
         self.dead_reason: str | None = None
         self.crashed = False  # the core process exited without being asked to
         self.stats: dict[str, float] = {}
+        # Called with every step's stats (a data-parallel frontend tracks its replicas).
+        self.on_stats: Callable[[dict[str, float]], None] | None = None
         self._streams: dict[str, RequestStream] = {}
         self._num_unstarted = 0
         self._proc: subprocess.Popen[bytes] | None = None
@@ -160,7 +164,9 @@ class AsyncEngine:
         self._out_sock.bind(out_addr)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)  # type: ignore[arg-type]
-        spec = EngineSpec(asdict(self.args), in_addr, out_addr, os.getpid())
+        spec = EngineSpec(
+            asdict(self.args), in_addr, out_addr, os.getpid(), self.data_parallel_rank
+        )
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "fleetserve.engine.core_proc", msgspec.json.encode(spec)],
         )
@@ -323,6 +329,8 @@ class AsyncEngine:
         self.stats = msg.stats
         if self.metrics is not None:
             self.metrics.set_engine_stats(msg.stats)
+        if self.on_stats is not None:
+            self.on_stats(msg.stats)
         for req_id, reason in msg.rejected:
             parent = self.output_processor.child_to_parent.get(req_id)
             stream = self._streams.get(parent) if parent is not None else None

@@ -108,6 +108,7 @@ class EngineCore:
             "prefix_cache_hits": bm.num_hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "last_step_seconds": self.last_step_seconds,
+            "num_steps": self.num_steps,
         }
 
     def shutdown(self) -> None:

@@ -17,6 +17,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -28,6 +29,29 @@ from fleetserve.core.scheduler_output import EngineCoreOutput
 
 # How long an idle core waits on input before checking that its parent is still alive.
 _IDLE_POLL_MS = 500
+
+# Test/debug hook, read here only: a core sleeps this long after every step that ran, as
+# if its device were slower, and reports the sleep as step time. "0.05" slows every core;
+# "1:0.05,2:0.1" slows data-parallel ranks 1 and 2 (straggler tests). Never set in production.
+DEBUG_STEP_DELAY_ENV = "FLEETSERVE_DEBUG_STEP_DELAY_S"
+
+
+def debug_step_delay_s(value: str | None, rank: int) -> float:
+    """The delay `value` (the env var's format) gives data-parallel rank `rank`."""
+    if not value:
+        return 0.0
+    try:
+        for part in value.split(","):
+            ranks, sep, seconds = part.rpartition(":")
+            if not sep:
+                return float(part)
+            if int(ranks) == rank:
+                return float(seconds)
+    except ValueError:
+        raise ValueError(
+            f"{DEBUG_STEP_DELAY_ENV}={value!r}: expected SECONDS or RANK:SECONDS[,RANK:SECONDS]"
+        ) from None
+    return 0.0
 
 
 # ------------------------------------------------------------------ wire format
@@ -163,6 +187,7 @@ class EngineSpec(msgspec.Struct):
     input_address: str
     output_address: str
     parent_pid: int
+    data_parallel_rank: int = 0
 
 
 # ------------------------------------------------------------------ the loop
@@ -192,6 +217,9 @@ def run_core(spec: EngineSpec) -> int:
     core = None
     try:
         try:
+            step_delay_s = debug_step_delay_s(
+                os.environ.get(DEBUG_STEP_DELAY_ENV), spec.data_parallel_rank
+            )
             config, source = EngineArgs(**spec.engine_args).resolve()
             core = EngineCore(config, source)
         except Exception as e:
@@ -206,7 +234,7 @@ def run_core(spec: EngineSpec) -> int:
                 )
             )
         )
-        _loop(core, in_sock, out_sock, encoder, decoder, spec.parent_pid)
+        _loop(core, in_sock, out_sock, encoder, decoder, spec.parent_pid, step_delay_s)
         return 0
     except _Terminated:
         return 0
@@ -221,7 +249,15 @@ def run_core(spec: EngineSpec) -> int:
         ctx.term()
 
 
-def _loop(core: Any, in_sock: Any, out_sock: Any, encoder: Any, decoder: Any, ppid: int) -> None:
+def _loop(
+    core: Any,
+    in_sock: Any,
+    out_sock: Any,
+    encoder: Any,
+    decoder: Any,
+    ppid: int,
+    step_delay_s: float = 0.0,
+) -> None:
     import zmq
 
     poller = zmq.Poller()
@@ -247,9 +283,14 @@ def _loop(core: Any, in_sock: Any, out_sock: Any, encoder: Any, decoder: Any, pp
             return  # the frontend is gone; nobody will read what we produce
         if not got_input and not core.has_unfinished_requests():
             continue
+        num_steps = core.num_steps
         outputs = core.step()
+        stats = core.stats()
+        if step_delay_s and core.num_steps != num_steps:
+            time.sleep(step_delay_s)
+            stats["last_step_seconds"] += step_delay_s
         wire = [output_to_wire(o) for o in outputs]
-        out_sock.send(encoder.encode(CoreOutputs(wire, core.stats(), rejected)))
+        out_sock.send(encoder.encode(CoreOutputs(wire, stats, rejected)))
 
 
 def _handle(core: Any, msg: CoreInput, rejected: list[tuple[str, str]]) -> None:

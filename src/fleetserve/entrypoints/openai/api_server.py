@@ -32,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.async_engine import AsyncEngine
 from fleetserve.entrypoints.engine_args_cli import add_engine_args, engine_args_from
 from fleetserve.entrypoints.openai.errors import APIError, error_body, error_response
@@ -39,6 +40,7 @@ from fleetserve.entrypoints.openai.serving_chat import create_chat_completion
 from fleetserve.entrypoints.openai.serving_common import ClientGone, ServingContext
 from fleetserve.entrypoints.openai.serving_completion import create_completion
 from fleetserve.metrics import CONTENT_TYPE, ServerMetrics
+from fleetserve.serve.policies import POLICY_NAMES
 
 _OPEN_PATHS = ("/health", "/ready")
 _CLIENT_CLOSED = 499  # nginx's code for "client closed request"; nobody reads it
@@ -68,6 +70,20 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024)
     g.add_argument("--log-level", default="info")
+    dp = p.add_argument_group("data parallel")
+    dp.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine replicas (each its own engine process, TP x PP ranks) behind this API",
+    )
+    dp.add_argument(
+        "--routing",
+        default="least_loaded",
+        choices=POLICY_NAMES,
+        help="how requests are spread over the replicas (with --data-parallel-size > 1)",
+    )
     add_engine_args(p)
 
 
@@ -275,6 +291,19 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def _make_engine(engine_args: EngineArgs, args: argparse.Namespace) -> Any:
+    """A plain AsyncEngine, or K of them behind a router (same surface to the handlers)."""
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size == 1:
+        return AsyncEngine(engine_args, args.max_waiting_requests)
+    from fleetserve.serve.dp_engine import DataParallelEngine
+
+    return DataParallelEngine(
+        engine_args, args.data_parallel_size, args.routing, args.max_waiting_requests
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     if args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
@@ -283,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
     engine_args = engine_args_from(args)
     api_key = args.api_key or os.environ.get("FLEETSERVE_API_KEY") or None
     try:
-        engine = AsyncEngine(engine_args, args.max_waiting_requests)
+        engine = _make_engine(engine_args, args)
     except OSError as e:  # a missing checkpoint or default model: a user error, no traceback
         raise ValueError(str(e)) from e
     name = args.served_model_name or default_served_name(engine.config.model_path)

@@ -1,0 +1,141 @@
+"""ReplicaHandle: one engine replica (an AsyncEngine and its core process) as the frontend
+sees it, with the load figures the router reads.
+
+The handle owns those figures and changes them only through its own methods, all called
+on the event loop thread: `submit` adds a request's work, its `ReplicaStream` retires the
+work as outputs arrive (the first output means the prompt is prefilled; each generated
+token is one fewer to go) and settles the rest when the request ends, and every stats
+message of the core (one per engine step) updates the step-latency EWMA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.engine.async_engine import AsyncEngine, RequestStream
+from fleetserve.engine.llm_engine import PromptType
+from fleetserve.outputs import RequestOutput
+
+
+class ReplicaHandle:
+    def __init__(self, index: int, engine: AsyncEngine, ewma_alpha: float = 0.3) -> None:
+        if not 0.0 < ewma_alpha <= 1.0:
+            raise ValueError(f"ewma_alpha must be in (0, 1], got {ewma_alpha}")
+        self.index = index
+        self.engine = engine
+        self.ewma_alpha = ewma_alpha
+        self.num_outstanding_requests = 0
+        self.num_outstanding_tokens = 0
+        self.num_routed = 0
+        self.step_latency_s: float | None = None
+        self.num_steps = 0
+        self.stats: dict[str, float] = {}
+        # Called after each stats update (the data-parallel engine republishes gauges).
+        self.on_stats: Callable[[ReplicaHandle], None] | None = None
+        engine.on_stats = self._update_stats
+
+    @property
+    def healthy(self) -> bool:
+        return self.engine.is_ready
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting in the core's scheduler at its last step."""
+        return int(self.stats.get("num_requests_waiting", 0))
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        queries = self.stats.get("prefix_cache_queries", 0.0)
+        return self.stats.get("prefix_cache_hits", 0.0) / queries if queries else 0.0
+
+    def _update_stats(self, stats: dict[str, float]) -> None:
+        self.stats = stats
+        num_steps = int(stats.get("num_steps", 0))
+        if num_steps > self.num_steps:  # stats also come after steps that ran nothing
+            latest = stats.get("last_step_seconds", 0.0)
+            prev = self.step_latency_s
+            a = self.ewma_alpha
+            self.step_latency_s = latest if prev is None else a * latest + (1 - a) * prev
+            self.num_steps = num_steps
+        if self.on_stats is not None:
+            self.on_stats(self)
+
+    def submit(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int,
+        num_prompt_tokens: int,
+    ) -> ReplicaStream:
+        """Hands the request to this replica's engine (raising what `add_request` raises)."""
+        inner = self.engine.add_request(request_id, prompt, params, priority)
+        # add_request has filled in max_tokens when the client left it out.
+        num_new_tokens = (params.max_tokens or 0) * params.n
+        self.num_outstanding_requests += 1
+        self.num_outstanding_tokens += num_prompt_tokens + num_new_tokens
+        self.num_routed += 1
+        return ReplicaStream(self, inner, num_prompt_tokens, num_new_tokens)
+
+    def _retire(self, num_tokens: int) -> None:
+        self.num_outstanding_tokens -= num_tokens
+
+    def _finish(self, num_tokens_left: int) -> None:
+        self.num_outstanding_tokens -= num_tokens_left
+        self.num_outstanding_requests -= 1
+
+
+class ReplicaStream:
+    """A replica's RequestStream that retires the request's outstanding work on its
+    replica as outputs arrive; same iteration and `close()` as RequestStream."""
+
+    def __init__(
+        self, replica: ReplicaHandle, inner: RequestStream, num_prompt_tokens: int, num_new: int
+    ) -> None:
+        self.replica = replica
+        self.inner = inner
+        self.request_id = inner.request_id
+        self.n = inner.n
+        self._num_unprefilled = num_prompt_tokens
+        self._num_ungenerated = num_new
+        self._num_generated = 0
+        self._settled = False
+
+    def __aiter__(self) -> ReplicaStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        try:
+            out = await self.inner.__anext__()
+        except Exception:  # StopAsyncIteration included: the request is over either way
+            self._settle()
+            raise
+        self._observe(out)
+        return out
+
+    def _observe(self, out: RequestOutput) -> None:
+        if self._settled:
+            return
+        # Outputs are cumulative (a slow reader may skip some), so count from the total.
+        num_generated = sum(len(c.token_ids) for c in out.outputs)
+        new = min(max(num_generated - self._num_generated, 0), self._num_ungenerated)
+        self._num_generated = num_generated
+        self.replica._retire(self._num_unprefilled + new)
+        self._num_unprefilled = 0
+        self._num_ungenerated -= new
+        if out.finished:
+            self._settle()
+
+    def _settle(self) -> None:
+        if not self._settled:
+            self._settled = True
+            self.replica._finish(self._num_unprefilled + self._num_ungenerated)
+
+    def close(self) -> None:
+        self.inner.close()
+        self._settle()
+
+    def __getattr__(self, name: str) -> Any:  # started, finished, closed, queue, ...
+        return getattr(self.inner, name)

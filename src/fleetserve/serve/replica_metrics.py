@@ -1,0 +1,61 @@
+"""Per-replica Prometheus series (label `replica`), read from the handles at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from fleetserve.serve.replica import ReplicaHandle
+from fleetserve.serve.router import Router
+
+_LABELS = ["model_name", "replica"]
+
+
+class ReplicaCollector(Collector):
+    def __init__(
+        self, model_name: str, replicas: Sequence[ReplicaHandle], router: Router[Any]
+    ) -> None:
+        self.model_name = model_name
+        self.replicas = replicas
+        self.router = router
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"fleetserve:replica_{name}", doc, labels=_LABELS)
+
+        def counter(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(f"fleetserve:replica_{name}", doc, labels=_LABELS)
+
+        latency = gauge("step_latency_seconds", "EWMA of the replica's engine step time.")
+        tokens = gauge(
+            "outstanding_tokens",
+            "Prompt tokens not yet prefilled plus tokens still to generate, routed to it.",
+        )
+        requests = gauge("outstanding_requests", "Requests routed to it and not finished.")
+        waiting = gauge("num_requests_waiting", "Requests waiting in its scheduler.")
+        hit_rate = gauge(
+            "prefix_cache_hit_rate", "Fraction of its queried prompt tokens found cached."
+        )
+        healthy = gauge("healthy", "1 while its engine process is up and serving.")
+        straggler = gauge("straggler", "1 while routed around as much slower than its peers.")
+        routed = counter("requests_routed", "Requests the router sent to it.")
+        queried = counter("prefix_cache_queries", "Prompt tokens looked up in its prefix cache.")
+        hits = counter("prefix_cache_hits", "Prompt tokens found in its prefix cache.")
+        slow = {r.index for r in self.router.stragglers()}
+        for r in self.replicas:
+            labels = [self.model_name, str(r.index)]
+            latency.add_metric(labels, r.step_latency_s or 0.0)
+            tokens.add_metric(labels, r.num_outstanding_tokens)
+            requests.add_metric(labels, r.num_outstanding_requests)
+            waiting.add_metric(labels, r.queue_depth)
+            hit_rate.add_metric(labels, r.prefix_cache_hit_rate)
+            healthy.add_metric(labels, 1.0 if r.healthy else 0.0)
+            straggler.add_metric(labels, 1.0 if r.index in slow else 0.0)
+            routed.add_metric(labels, r.num_routed)
+            queried.add_metric(labels, r.stats.get("prefix_cache_queries", 0.0))
+            hits.add_metric(labels, r.stats.get("prefix_cache_hits", 0.0))
+        yield from (latency, tokens, requests, waiting, hit_rate, healthy, straggler)
+        yield from (routed, queried, hits)
