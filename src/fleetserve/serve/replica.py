@@ -20,16 +20,23 @@ from fleetserve.outputs import RequestOutput
 
 
 class ReplicaHandle:
-    def __init__(self, index: int, engine: AsyncEngine, ewma_alpha: float = 0.3) -> None:
+    """`ewma_alpha` is the weight of each new step time. Step time grows with the work in
+    the step (a long prefill chunk), so the EWMA is slow to move and is reported only after
+    `warmup_steps` steps: a few heavy steps alone should not make a replica a straggler."""
+
+    def __init__(
+        self, index: int, engine: AsyncEngine, ewma_alpha: float = 0.1, warmup_steps: int = 8
+    ) -> None:
         if not 0.0 < ewma_alpha <= 1.0:
             raise ValueError(f"ewma_alpha must be in (0, 1], got {ewma_alpha}")
         self.index = index
         self.engine = engine
         self.ewma_alpha = ewma_alpha
+        self.warmup_steps = warmup_steps
         self.num_outstanding_requests = 0
         self.num_outstanding_tokens = 0
         self.num_routed = 0
-        self.step_latency_s: float | None = None
+        self._step_latency_ewma: float | None = None
         self.num_steps = 0
         self.stats: dict[str, float] = {}
         # Called after each stats update (the data-parallel engine republishes gauges).
@@ -39,6 +46,11 @@ class ReplicaHandle:
     @property
     def healthy(self) -> bool:
         return self.engine.is_ready
+
+    @property
+    def step_latency_s(self) -> float | None:
+        """EWMA of the core's step time; None until `warmup_steps` steps have run."""
+        return self._step_latency_ewma if self.num_steps >= self.warmup_steps else None
 
     @property
     def queue_depth(self) -> int:
@@ -55,9 +67,9 @@ class ReplicaHandle:
         num_steps = int(stats.get("num_steps", 0))
         if num_steps > self.num_steps:  # stats also come after steps that ran nothing
             latest = stats.get("last_step_seconds", 0.0)
-            prev = self.step_latency_s
+            prev = self._step_latency_ewma
             a = self.ewma_alpha
-            self.step_latency_s = latest if prev is None else a * latest + (1 - a) * prev
+            self._step_latency_ewma = latest if prev is None else a * latest + (1 - a) * prev
             self.num_steps = num_steps
         if self.on_stats is not None:
             self.on_stats(self)

@@ -1,7 +1,8 @@
 """Router: which replicas may take a request now (health, stragglers), then the policy picks.
 
 A replica is a *straggler* when its step-latency EWMA is more than `straggler_factor`
-times the median of the other measured healthy replicas' EWMAs. Stragglers are routed
+times the median of the other measured healthy replicas' EWMAs, and more than
+`straggler_min_gap_s` above it (twice a millisecond is scheduling noise). Stragglers are routed
 around: they are candidates only when every other healthy replica is overloaded (has
 `overload_requests` or more requests outstanding, i.e. a full batch). A straggler's
 latency is only refreshed by its own steps, so one that has sat idle, ejected, for
@@ -31,6 +32,7 @@ class Router(Generic[R]):
         *,
         overload_requests: int,
         straggler_factor: float = 2.0,
+        straggler_min_gap_s: float = 0.01,
         probe_interval_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -44,6 +46,7 @@ class Router(Generic[R]):
         self.policy = policy
         self.overload_requests = overload_requests
         self.straggler_factor = straggler_factor
+        self.straggler_min_gap_s = straggler_min_gap_s
         self.probe_interval_s = probe_interval_s
         self._clock = clock
         # Straggler index -> when it was ejected or last probed.
@@ -60,7 +63,9 @@ class Router(Generic[R]):
             others = [s for i, s in latency.items() if i != r.index]
             if r.index not in latency or not others:
                 continue
-            if latency[r.index] > self.straggler_factor * statistics.median(others):
+            median = statistics.median(others)
+            mine = latency[r.index]
+            if mine > self.straggler_factor * median and mine > median + self.straggler_min_gap_s:
                 slow.append(r)
         return slow
 
