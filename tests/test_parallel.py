@@ -140,8 +140,7 @@ def test_parallel_matches_single_process(
     assert len(pids) == tp * pp
     try:
         assert_same_outputs(run_workload(llm), want)
-        # A second round on the same engine: prefix-cache hits and reused request slots.
-        assert_same_outputs(run_workload(llm), want)
+        assert llm.engine.core.block_manager.num_hit_tokens > 0  # the shared prefix
     finally:
         llm.engine.shutdown()
     assert_gone(pids)
