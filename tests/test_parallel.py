@@ -23,7 +23,11 @@ import pytest
 import torch
 
 from fleetserve import LLM, SamplingParams
-from fleetserve.core.scheduler_output import SchedulerOutput
+from fleetserve.core.block_manager import BlockManager
+from fleetserve.core.config import SchedulerConfig
+from fleetserve.core.request import Request
+from fleetserve.core.scheduler import Scheduler
+from fleetserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from fleetserve.executor.base import ModelOutputFuture
 from fleetserve.executor.uniproc import UniprocExecutor
 
@@ -147,6 +151,22 @@ def test_parallel_matches_single_process(
 
 
 # ------------------------------------------ pipelined stepping, in one process
+def test_scheduler_spreads_requests_over_in_flight_batches() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64), bm)
+    for rid in "abcd":
+        sched.add_request(Request(rid, [3, 4, 5], SamplingParams(max_tokens=4)))
+    first = sched.schedule(max_num_reqs=2)
+    assert first.num_scheduled_tokens == {"a": 3, "b": 3}
+    second = sched.schedule(skip_req_ids={"a", "b"}, max_num_reqs=2)
+    assert second.num_scheduled_tokens == {"c": 3, "d": 3}
+    assert sched.schedule(skip_req_ids={"a", "b", "c", "d"}).is_empty
+    sched.update_from_output(first, ModelRunnerOutput(["a", "b"], [[7], [8]]))
+    third = sched.schedule(skip_req_ids={"c", "d"}, max_num_reqs=2)
+    assert third.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert [c.new_token_ids for c in third.scheduled_cached_reqs] == [[7], [8]]
+
+
 class _Deferred(ModelOutputFuture):
     def __init__(self, executor: DeferredExecutor, so: SchedulerOutput) -> None:
         self.executor, self.so = executor, so
