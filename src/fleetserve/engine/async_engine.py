@@ -25,7 +25,6 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from fleetserve.config import EngineConfig
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.core_proc import (
@@ -40,7 +39,7 @@ from fleetserve.engine.core_proc import (
     StopRequests,
     params_to_wire,
 )
-from fleetserve.engine.llm_engine import LLMEngine, PromptType
+from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.engine.output_processor import OutputProcessor
 from fleetserve.metrics import ServerMetrics
 from fleetserve.outputs import RequestOutput
@@ -96,15 +95,6 @@ class RequestStream:
         self.engine._release(self)
 
 
-class _PromptRules(LLMEngine):
-    """LLMEngine's tokenize/validate rules without its in-process core, so the offline and
-    the online API accept and refuse the same input."""
-
-    def __init__(self, tokenizer: Tokenizer, config: EngineConfig) -> None:  # no super(): no core
-        self.tokenizer = tokenizer
-        self.config = config
-
-
 class AsyncEngine:
     def __init__(
         self,
@@ -118,7 +108,7 @@ class AsyncEngine:
         self.config, self.source = args.resolve()
         self.tokenizer = Tokenizer.from_source(self.source)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._rules = _PromptRules(self.tokenizer, self.config)
+        self._rules = PromptRules(self.tokenizer, self.config)
         self.eos_token_ids = sorted(
             set(self.config.model.eos_token_ids) | set(self.tokenizer.stop_token_ids)
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fleetserve.config import EngineConfig
 from fleetserve.core.request import Request
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
@@ -19,20 +20,13 @@ from fleetserve.tokenizer import Tokenizer
 PromptType = str | list[int] | dict[str, Any]
 
 
-class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
-        self.args = args
-        self.config, self.source = args.resolve()
-        self.tokenizer = Tokenizer.from_source(self.source)
-        self.core = EngineCore(self.config, self.source)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.eos_token_ids = tuple(
-            sorted(set(self.config.model.eos_token_ids) | set(self.tokenizer.stop_token_ids))
-        )
+class PromptRules:
+    """Which prompts and sampling settings an engine accepts. The offline LLMEngine and
+    the server's AsyncEngine share one instance type, so both refuse the same input."""
 
-    @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        return cls(args)
+    def __init__(self, tokenizer: Tokenizer, config: EngineConfig) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
 
     @property
     def max_model_len(self) -> int:
@@ -74,6 +68,33 @@ class LLMEngine:
             )
         if params.stop_token_ids and any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.config, self.source = args.resolve()
+        self.tokenizer = Tokenizer.from_source(self.source)
+        self.rules = PromptRules(self.tokenizer, self.config)
+        self.core = EngineCore(self.config, self.source)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = tuple(
+            sorted(set(self.config.model.eos_token_ids) | set(self.tokenizer.stop_token_ids))
+        )
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        return self.rules.tokenize_prompt(prompt)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.rules.validate(prompt_ids, params)
 
     def add_request(
         self,

@@ -26,9 +26,8 @@ from fleetserve.engine.async_engine import (
     EngineDeadError,
     EngineNotReadyError,
     EngineOverloadedError,
-    _PromptRules,
 )
-from fleetserve.engine.llm_engine import PromptType
+from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.metrics import ServerMetrics
 from fleetserve.serve.base import RouteRequest
 from fleetserve.serve.policies import make_policy
@@ -63,7 +62,7 @@ class DataParallelEngine:
         self.args = args
         self.config, self.source = first.config, first.source
         self.tokenizer = first.tokenizer
-        self._rules = _PromptRules(self.tokenizer, self.config)
+        self._rules = PromptRules(self.tokenizer, self.config)
         policy = make_policy(
             routing,
             block_size=self.config.cache.block_size,
