@@ -163,10 +163,10 @@ def run_step(
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
 
-def assert_parity(path: str, setting: str, n: int = 1) -> EngineCore:
+def assert_parity(path: str, setting: str, n: int = 1, **extra: Any) -> EngineCore:
     kw, must_preempt = SETTINGS[setting]
     ref = hf_greedy(path)
-    tokens, core, _ = run_engine(path, GREEDY, n=n, **kw)
+    tokens, core, _ = run_engine(path, GREEDY, n=n, **kw, **extra)
     for i, expected in enumerate(ref):
         for k in range(n):
             rid = f"{i}#{k}" if n > 1 else str(i)
@@ -189,6 +189,19 @@ def arch_model(request: pytest.FixtureRequest, tiny_model_factory: Callable[...,
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_matches_hf(arch_model: str, setting: str) -> None:
     assert_parity(arch_model, setting)
+
+
+@pytest.mark.parametrize("setting", ["chunked_prefill", "small_kv_cache"])
+def test_torch_attention_backend_matches_hf(arch_model: str, setting: str) -> None:
+    # The plain-torch reference backend (the one GPUs run) under the settings that give
+    # decodes and prefill chunks with cached context; the default above is the C kernel.
+    core = assert_parity(arch_model, setting, n=2, attention_backend="torch")
+    assert not core.executor.runner.use_cpu_kernel
+
+
+def test_default_backend_is_the_cpu_kernel(arch_model: str) -> None:
+    core = assert_parity(arch_model, "prefix_caching")
+    assert core.executor.runner.use_cpu_kernel
 
 
 @pytest.mark.parametrize("setting", ["prefix_caching", "small_kv_cache"])
@@ -306,4 +319,4 @@ def test_decode_groups_match_hf(
     import fleetserve.worker.model_runner as model_runner
 
     monkeypatch.setattr(model_runner, "DECODE_GROUP_SIZE", group_size)
-    assert_parity(arch_model, "prefix_caching", n=2)
+    assert_parity(arch_model, "prefix_caching", n=2, attention_backend="torch")

@@ -190,6 +190,9 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+ATTENTION_BACKENDS = ("auto", "cpu", "torch")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
@@ -200,3 +203,12 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     num_threads: int | None = None
+    # "auto": the C kernel on the CPU in float32, else plain torch; "cpu" | "torch" force.
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )

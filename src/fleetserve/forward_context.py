@@ -24,23 +24,38 @@ class DecodeGroup:
 
 
 @dataclass
+class PagedSeqs:
+    """Requests attended straight from the paged cache by the CPU kernel: every request
+    with cached context (decodes and later prefill chunks)."""
+
+    q_starts: torch.Tensor  # int64 [n] first query row in the flat batch
+    q_lens: torch.Tensor  # int64 [n]
+    seq_lens: torch.Tensor  # int64 [n] tokens in the cache after this step's write
+    block_tables: torch.Tensor  # int64 [n, max_num_blocks], padded with block 0
+
+
+@dataclass
 class AttentionMetadata:
     """Where this step's tokens live in the paged KV cache.
 
+    The caches are ``[num_blocks, num_kv_heads, block_size, head_dim]`` per layer.
     Requests are laid out back to back in the flattened batch: request i owns rows
     ``query_start_loc[i]:query_start_loc[i + 1]``. Decode requests (one new token) come
-    first so that they can be attended in one batched call.
+    first so that the plain-torch path can attend them in batched calls.
     """
 
-    slot_mapping: torch.Tensor  # [num_tokens] flat KV slot each new token is written to
+    slot_blocks: torch.Tensor  # [num_tokens] block each new token's K/V is written to
+    slot_offsets: torch.Tensor  # [num_tokens] offset within that block
     query_start_loc: list[int]  # [num_reqs + 1]
     seq_lens: list[int]  # [num_reqs] tokens with K/V after this step
     context_lens: list[int]  # [num_reqs] tokens with K/V before this step
     num_decodes: int  # leading requests with exactly one new token and some context
     block_size: int
-    # Decodes, in groups of similar length attended in one padded batch each.
+    # CPU kernel path (None: the plain-torch path, below).
+    paged: PagedSeqs | None
+    # Plain-torch path: decodes in groups of similar length attended in one padded
+    # batch each, and the block tables of prefills with cached context (None: none).
     decode_groups: list[DecodeGroup]
-    # Prefill requests that have cached context: their block tables (None: no context).
     prefill_block_tables: list[torch.Tensor | None]  # [num_reqs - num_decodes]
 
 

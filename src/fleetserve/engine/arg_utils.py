@@ -27,6 +27,7 @@ class EngineArgs:
     seed: int = 0
     device: str = "cpu"
     num_threads: int | None = None
+    attention_backend: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
 
@@ -70,5 +71,6 @@ class EngineArgs:
             seed=self.seed,
             device=self.device,
             num_threads=self.num_threads,
+            attention_backend=self.attention_backend,
         )
         return config, source

@@ -22,6 +22,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="cpu")
     g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "cpu", "torch"],
+        help="cpu: the C paged-attention kernel (float32 on the CPU); torch: plain SDPA",
+    )
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
 
@@ -41,6 +47,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         seed=args.seed,
         device=args.device,
         num_threads=args.num_threads,
+        attention_backend=args.attention_backend,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
     )

@@ -1,8 +1,11 @@
 """Paged attention: write this step's K/V into cache slots, then attend.
 
-The reference backend is plain torch (SDPA), which runs on CPU and GPU alike. Decodes
-are attended in one padded batch; prefill chunks one request at a time with a causal
-mask offset by the request's cached context.
+Two backends share this layer. On the CPU in float32, requests with cached context
+(decodes, later prefill chunks) are attended by a C kernel that reads K/V blocks in
+place (fleetserve/kernels). The reference backend is plain torch (SDPA), which runs on
+CPU and GPU alike: it gathers each request's blocks and attends decodes in padded
+groups. Prefill chunks without cached context attend only to themselves through SDPA's
+causal path in both.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fleetserve.forward_context import get_forward_context
+from fleetserve.forward_context import AttentionMetadata, get_forward_context
+from fleetserve.kernels import cpu as cpu_kernels
 
 
 class Attention(torch.nn.Module):
@@ -20,7 +24,7 @@ class Attention(torch.nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        # Bound by the model runner: [num_blocks * block_size, num_kv_heads, head_dim] views.
+        # Bound by the model runner: [num_blocks, num_kv_heads, block_size, head_dim].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -29,51 +33,75 @@ class Attention(torch.nn.Module):
         meta = get_forward_context()
         k_cache, v_cache = self.k_cache, self.v_cache
         assert k_cache is not None and v_cache is not None, "KV cache not bound"
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
+        v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+        q = q.contiguous()
         out = torch.empty_like(q)
-        gqa = self.num_heads != self.num_kv_heads
         nd = meta.num_decodes
-        # Gather whole blocks (block_size contiguous slots each), not single slots.
-        bs = meta.block_size
-        k_blocks = k_cache.view(-1, bs, self.num_kv_heads, self.head_dim)
-        v_blocks = v_cache.view(-1, bs, self.num_kv_heads, self.head_dim)
-        for group in meta.decode_groups:
-            rows = slice(group.start, group.end)
-            qd = q[rows].unsqueeze(2)  # [rows, num_heads, 1, head_dim]
-            shape = (group.end - group.start, -1, self.num_kv_heads, self.head_dim)
-            flat = group.block_table.flatten()
-            kd = k_blocks.index_select(0, flat).view(shape).transpose(1, 2)  # [rows, kvh, L, hd]
-            vd = v_blocks.index_select(0, flat).view(shape).transpose(1, 2)
-            od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=group.kv_mask, scale=self.scale, enable_gqa=gqa
-            )
-            out[rows] = od.squeeze(2)
+        if meta.paged is not None:
+            p = meta.paged
+            cpu_kernels.paged_attention(
+                q, k_cache, v_cache, out, p.q_starts, p.q_lens, p.seq_lens,
+                p.block_tables, meta.block_size, self.scale,
+            )  # fmt: skip
+        else:
+            self._decodes_torch(meta, q, out)
         qsl = meta.query_start_loc
         for i in range(nd, len(meta.seq_lens)):
             start, end = qsl[i], qsl[i + 1]
-            qi = q[start:end].transpose(0, 1)  # [num_heads, q_len, head_dim]
-            table = meta.prefill_block_tables[i - nd]
-            if table is None:
-                # No cached context: the chunk attends only to itself.
-                ki = k[start:end].transpose(0, 1)
-                vi = v[start:end].transpose(0, 1)
+            if meta.context_lens[i] == 0:
+                # No cached context: the chunk attends only to itself. (4-D inputs:
+                # on the CPU, 3-D ones fall to SDPA's slow math path.)
+                qi = q[start:end].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
+                ki = k[start:end].transpose(0, 1)[None]
+                vi = v[start:end].transpose(0, 1)[None]
                 oi = F.scaled_dot_product_attention(
-                    qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=gqa
-                )
-            else:
-                ctx, q_len = meta.context_lens[i], end - start
-                seq_len = ctx + q_len
-                ki = k_blocks.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)
-                vi = v_blocks.index_select(0, table).view(-1, self.num_kv_heads, self.head_dim)
-                ki = ki[:seq_len].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
-                vi = vi[:seq_len].transpose(0, 1)
-                # Query row j sits at position ctx + j and sees keys 0..ctx + j.
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= (
-                    ctx + torch.arange(q_len, device=q.device)[:, None]
-                )
-                oi = F.scaled_dot_product_attention(
-                    qi, ki, vi, attn_mask=mask, scale=self.scale, enable_gqa=gqa
-                )
-            out[start:end] = oi.transpose(0, 1)
+                    qi, ki, vi, is_causal=True, scale=self.scale,
+                    enable_gqa=self.num_heads != self.num_kv_heads,
+                )  # fmt: skip
+                out[start:end] = oi[0].transpose(0, 1)
+            elif meta.paged is None:
+                self._prefill_torch(meta, i, q, out)
         return out
+
+    # ------------------------------------------------------ plain-torch backend
+    def _gather(self, cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """Blocks of `table` ([rows, nblk]) as [rows, kv_heads, nblk * block_size, hd]."""
+        rows, nblk = table.shape
+        blocks = cache.index_select(0, table.flatten())  # [rows * nblk, kvh, bs, hd]
+        blocks = blocks.view(rows, nblk, self.num_kv_heads, -1, self.head_dim)
+        return blocks.transpose(1, 2).reshape(rows, self.num_kv_heads, -1, self.head_dim)
+
+    def _decodes_torch(self, meta: AttentionMetadata, q: torch.Tensor, out: torch.Tensor) -> None:
+        assert self.k_cache is not None and self.v_cache is not None
+        group = self.num_heads // self.num_kv_heads
+        for g in meta.decode_groups:
+            rows = g.end - g.start
+            # The query heads sharing a kv head attend as rows of one [group, hd] query.
+            qd = q[g.start : g.end].view(rows, self.num_kv_heads, group, self.head_dim)
+            kd = self._gather(self.k_cache, g.block_table)
+            vd = self._gather(self.v_cache, g.block_table)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.kv_mask, scale=self.scale)
+            out[g.start : g.end] = od.reshape(rows, self.num_heads, self.head_dim)
+
+    def _prefill_torch(
+        self, meta: AttentionMetadata, i: int, q: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """A prefill chunk that follows cached context: attend to the gathered blocks."""
+        assert self.k_cache is not None and self.v_cache is not None
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        table = meta.prefill_block_tables[i - meta.num_decodes]
+        assert table is not None
+        ctx, q_len = meta.context_lens[i], end - start
+        seq_len = ctx + q_len
+        ki = self._gather(self.k_cache, table[None])[0, :, :seq_len]  # [kvh, seq_len, hd]
+        vi = self._gather(self.v_cache, table[None])[0, :, :seq_len]
+        # Query row j sits at position ctx + j and sees keys 0..ctx + j.
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= (
+            ctx + torch.arange(q_len, device=q.device)[:, None]
+        )
+        oi = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1)[None], ki[None], vi[None], attn_mask=mask,
+            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # fmt: skip
+        out[start:end] = oi[0].transpose(0, 1)

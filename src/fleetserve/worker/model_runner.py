@@ -15,7 +15,13 @@ from fleetserve.config import EngineConfig
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from fleetserve.distributed.parallel_state import ParallelContext
-from fleetserve.forward_context import AttentionMetadata, DecodeGroup, set_forward_context
+from fleetserve.forward_context import (
+    AttentionMetadata,
+    DecodeGroup,
+    PagedSeqs,
+    set_forward_context,
+)
+from fleetserve.kernels import cpu as cpu_kernels
 from fleetserve.layers.sampler import Sampler, SamplingRow, top_logprobs
 from fleetserve.models.loader import ModelSource
 from fleetserve.models.registry import model_class
@@ -70,15 +76,25 @@ class ModelRunner:
         self.model = model.eval()
         self.load_seconds = time.perf_counter() - t0
         self.num_blocks = num_blocks
-        num_slots = num_blocks * self.block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         for attn in model.attention_layers():
-            shape = (num_slots, attn.num_kv_heads, attn.head_dim)
+            shape = (num_blocks, attn.num_kv_heads, self.block_size, attn.head_dim)
             k = torch.zeros(shape, dtype=mcfg.dtype, device=self.device)
             v = torch.zeros(shape, dtype=mcfg.dtype, device=self.device)
             attn.k_cache, attn.v_cache = k, v
             self.kv_caches.append((k, v))
         self.sampler = Sampler(config.seed)
+        # Attend from the paged cache in place with the C kernel where it applies.
+        self.use_cpu_kernel = (
+            self.device.type == "cpu"
+            and mcfg.dtype == torch.float32
+            and config.attention_backend in ("auto", "cpu")
+            and cpu_kernels.load() is not None
+        )
+        if config.attention_backend == "cpu" and not self.use_cpu_kernel:
+            raise ValueError(
+                "attention_backend='cpu' needs a float32 model on the CPU and a C compiler"
+            )
         self.requests: dict[str, RequestState] = {}
 
     # ------------------------------------------------------------ state diffs
@@ -132,38 +148,59 @@ class ModelRunner:
         dev = self.device
         pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         bs = self.block_size
-        slot_mapping = torch.empty_like(pos_t)
-        decode_groups: list[DecodeGroup] = []
         nd = len(decodes)
-        for start in range(0, nd, DECODE_GROUP_SIZE):
-            end = min(start + DECODE_GROUP_SIZE, nd)
-            nblk = -(-max(seq_lens[start:end]) // bs)
-            # Padding entries point at block 0; the mask hides them.
-            table = torch.tensor(
-                [s.block_ids[:nblk] + [0] * (nblk - len(s.block_ids)) for s in decodes[start:end]],
-                dtype=torch.long,
-                device=dev,
-            )
-            lens = torch.tensor(seq_lens[start:end], device=dev)
-            mask = (torch.arange(nblk * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
-            last = lens - 1
-            slot_mapping[start:end] = table.gather(1, (last // bs)[:, None]).squeeze(1) * bs + (
-                last % bs
-            )
-            decode_groups.append(DecodeGroup(start, end, table, mask))
+        # Where each new token's K/V goes: (block, offset within it).
+        slot_blocks: list[int] = []
+        for i, s in enumerate(ordered):
+            ids = s.block_ids
+            slot_blocks.extend(ids[p // bs] for p in range(ctx_lens[i], seq_lens[i]))
+        paged = None
+        decode_groups: list[DecodeGroup] = []
         prefill_tables: list[torch.Tensor | None] = []
-        for i, s in enumerate(prefills, start=nd):
-            table = torch.tensor(s.block_ids, dtype=torch.long, device=dev)
-            pos = pos_t[qsl[i] : qsl[i + 1]]
-            slot_mapping[qsl[i] : qsl[i + 1]] = table[pos // bs] * bs + pos % bs
-            prefill_tables.append(table if ctx_lens[i] > 0 else None)
+        if self.use_cpu_kernel:
+            with_ctx = [i for i in range(len(ordered)) if ctx_lens[i] > 0]
+            if with_ctx:
+                nblk = -(-max(seq_lens[i] for i in with_ctx) // bs)
+                tables = [ordered[i].block_ids[:nblk] for i in with_ctx]
+                paged = PagedSeqs(
+                    q_starts=torch.tensor([qsl[i] for i in with_ctx], dtype=torch.long),
+                    q_lens=torch.tensor([qsl[i + 1] - qsl[i] for i in with_ctx], dtype=torch.long),
+                    seq_lens=torch.tensor([seq_lens[i] for i in with_ctx], dtype=torch.long),
+                    block_tables=torch.tensor(
+                        [row + [0] * (nblk - len(row)) for row in tables], dtype=torch.long
+                    ),
+                )
+        else:
+            for start in range(0, nd, DECODE_GROUP_SIZE):
+                end = min(start + DECODE_GROUP_SIZE, nd)
+                nblk = -(-max(seq_lens[start:end]) // bs)
+                # Padding entries point at block 0; the mask hides them.
+                rows = [
+                    s.block_ids[:nblk] + [0] * (nblk - len(s.block_ids)) for s in decodes[start:end]
+                ]
+                lens = torch.tensor(seq_lens[start:end], device=dev)
+                mask = torch.arange(nblk * bs, device=dev)[None, :] < lens[:, None]
+                decode_groups.append(
+                    DecodeGroup(
+                        start,
+                        end,
+                        torch.tensor(rows, dtype=torch.long, device=dev),
+                        mask[:, None, None, :],
+                    )
+                )
+            for i, s in enumerate(prefills, start=nd):
+                has_ctx = ctx_lens[i] > 0
+                ids = torch.tensor(s.block_ids, dtype=torch.long, device=dev) if has_ctx else None
+                prefill_tables.append(ids)
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
+            slot_offsets=pos_t % bs,
             query_start_loc=qsl,
             seq_lens=seq_lens,
             context_lens=ctx_lens,
             num_decodes=nd,
             block_size=bs,
+            paged=paged,
             decode_groups=decode_groups,
             prefill_block_tables=prefill_tables,
         )

@@ -1,0 +1,153 @@
+"""Build and load the C kernels for the CPU.
+
+The source ships with the package; the first use compiles it with the system C compiler
+into ``$FLEETSERVE_CACHE/kernels`` (default ``~/.cache/fleetserve/kernels``), keyed by a
+hash of the source, the flags and the CPU, so later starts load it in milliseconds. No
+torch headers are involved: tensors are passed as raw pointers through ctypes. When no
+compiler is found, or ``FLEETSERVE_CPU_KERNELS=0``, ``load()`` returns None and callers
+use their plain-torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SRC = Path(__file__).with_name("paged_attention.c")
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("FLEETSERVE_CACHE", os.path.expanduser("~/.cache/fleetserve"))
+    return Path(root) / "kernels"
+
+
+def _build(cc: str) -> Path:
+    src = _SRC.read_bytes()
+    key = hashlib.sha256(
+        src + " ".join([cc, *_FLAGS, platform.machine(), _cpu_signature()]).encode()
+    ).hexdigest()[:16]
+    out = _cache_dir() / f"paged_attention-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent first starts never see half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [cc, *_FLAGS, str(_SRC), "-o", tmp, "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library, or None when it cannot be used here."""
+    if os.environ.get("FLEETSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler found: attention runs on the plain-torch path")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        log.warning("CPU kernels unavailable (%s): using the plain-torch path", detail.strip())
+        return None
+    p, i64p = ctypes.c_void_p, ctypes.c_void_p
+    lib.paged_attention.argtypes = [
+        p, p, p, p,  # q, k_cache, v_cache, out
+        ctypes.c_int, i64p, i64p, i64p, i64p, ctypes.c_int64,  # seqs, starts, lens, tables
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # heads, kv heads, hd, bs
+        ctypes.c_float, ctypes.c_int,  # scale, threads
+    ]  # fmt: skip
+    lib.paged_attention.restype = ctypes.c_int
+    return lib
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> None:
+    """Attend the given sequences' query rows of ``q`` into the same rows of ``out``.
+
+    q/out: [num_tokens, num_heads, head_dim]; caches: [num_slots, num_kv_heads, head_dim];
+    q_starts/q_lens/seq_lens: int64 [num_seqs]; block_tables: int64 [num_seqs, max_blocks].
+    All float32, contiguous, on the CPU.
+    """
+    lib = load()
+    assert lib is not None, "CPU kernels not available"
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
+    for name, t in (
+        ("q_starts", q_starts),
+        ("q_lens", q_lens),
+        ("seq_lens", seq_lens),
+        ("block_tables", block_tables),
+    ):
+        if t.dtype != torch.int64 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int64 tensor")
+    num_seqs = q_starts.numel()
+    if num_seqs == 0:
+        return
+    rc = lib.paged_attention(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        num_seqs,
+        q_starts.data_ptr(),
+        q_lens.data_ptr(),
+        seq_lens.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        q.shape[1],
+        k_cache.shape[1],
+        q.shape[2],
+        block_size,
+        scale,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise MemoryError("paged_attention: could not allocate its score buffers")

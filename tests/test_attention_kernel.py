@@ -1,0 +1,112 @@
+"""The C paged-attention kernel against dense causal attention computed in plain torch.
+
+Random caches and block tables (blocks scattered on purpose), query heads sharing kv
+heads in several ratios, head sizes that are and are not multiples of the vector width,
+block sizes from 1 up, decodes and prefill chunks with cached context in one call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fleetserve.kernels import cpu as cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
+
+
+def dense_reference(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: int, scale: float
+) -> torch.Tensor:
+    """q: [q_len, H, hd]; keys/values: [seq_len, KVH, hd] in order. Row j sees 0..ctx+j."""
+    q_len, heads, _ = q.shape
+    group = heads // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1).double()  # [H, L, hd]
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1).double()
+    scores = torch.einsum("qhd,hld->hql", q.double(), k) * scale
+    allowed = torch.arange(keys.shape[0])[None, :] <= ctx + torch.arange(q_len)[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hql,hld->qhd", scores.softmax(-1), v).float()
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(12, 4, 64, 16), (8, 8, 32, 4), (6, 1, 12, 3), (4, 2, 20, 1), (9, 3, 128, 8)],
+)
+def test_kernel_matches_dense_attention(
+    heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    g = torch.Generator().manual_seed(heads * 1000 + head_dim)
+    # (query rows, cached context): decodes, then prefill chunks that follow context,
+    # including chunks longer than the kernel's query tile and a context of one token.
+    shapes = [(1, 5), (1, 40), (1, 1), (1, 77), (7, 9), (33, 50), (17, 1)]
+    num_blocks = sum(-(-(q + c) // block_size) for q, c in shapes) + 5
+    k_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    total_q = sum(q for q, _ in shapes)
+    q = torch.randn(total_q, heads, head_dim, generator=g)
+    tables, starts, row = [], [], 0
+    for q_len, ctx in shapes:
+        tables.append([free.pop() for _ in range(-(-(q_len + ctx) // block_size))])
+        starts.append(row)
+        row += q_len
+    width = max(len(t) for t in tables)
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    cpu_kernels.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        out,
+        torch.tensor(starts),
+        torch.tensor([s[0] for s in shapes]),
+        torch.tensor([s[0] + s[1] for s in shapes]),
+        torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        block_size,
+        scale,
+    )
+    for (q_len, ctx), table, start in zip(shapes, tables, starts, strict=True):
+        seq_len = q_len + ctx
+        keys = k_cache[table].transpose(1, 2).reshape(-1, kv_heads, head_dim)[:seq_len]
+        values = v_cache[table].transpose(1, 2).reshape(-1, kv_heads, head_dim)[:seq_len]
+        want = dense_reference(q[start : start + q_len], keys, values, ctx, scale)
+        torch.testing.assert_close(out[start : start + q_len], want, atol=2e-5, rtol=1e-4)
+
+
+def test_kernel_rows_outside_the_call_are_untouched() -> None:
+    q = torch.randn(3, 2, 8)
+    cache = torch.randn(2, 1, 4, 8)
+    out = torch.zeros_like(q)
+    cpu_kernels.paged_attention(
+        q, cache, cache, out, torch.tensor([1]), torch.tensor([1]), torch.tensor([3]),
+        torch.tensor([[1]]), 4, 0.5,
+    )  # fmt: skip
+    assert out[0].abs().sum() == 0 and out[2].abs().sum() == 0
+    assert out[1].abs().sum() > 0
+
+
+def test_kernel_refuses_wrong_dtype_or_layout() -> None:
+    q = torch.randn(1, 2, 8)
+    cache = torch.randn(2, 1, 4, 8)
+    args = (torch.tensor([0]), torch.tensor([1]), torch.tensor([1]), torch.tensor([[0]]), 4, 0.5)
+    with pytest.raises(ValueError, match="q must be"):
+        cpu_kernels.paged_attention(q.double(), cache, cache, torch.empty_like(q), *args)
+    with pytest.raises(ValueError, match="k_cache must be"):
+        cpu_kernels.paged_attention(
+            q, torch.randn(2, 4, 2, 8).transpose(1, 2), cache, torch.empty_like(q), *args
+        )
+    with pytest.raises(ValueError, match="block_tables must be"):
+        cpu_kernels.paged_attention(
+            q, cache, cache, torch.empty_like(q), *args[:3], torch.tensor([[0.0]]), 4, 0.5
+        )
+
+
+def test_kernel_builds_into_the_cache_folder(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("FLEETSERVE_CACHE", str(tmp_path))
+    cc = cpu_kernels.shutil.which("cc") or cpu_kernels.shutil.which("gcc")
+    assert cc is not None
+    built = cpu_kernels._build(cc)
+    assert built.parent == tmp_path / "kernels" and built.exists()
+    assert cpu_kernels._build(cc) == built  # second start: found, not rebuilt
+    assert [p.name for p in built.parent.iterdir()] == [built.name]  # no temp files left
