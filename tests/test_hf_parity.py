@@ -200,6 +200,10 @@ def test_torch_attention_backend_matches_hf(arch_model: str, setting: str) -> No
 
 
 def test_default_backend_is_the_cpu_kernel(arch_model: str) -> None:
+    from fleetserve.kernels import cpu as cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler here: the plain-torch backend is the default")
     core = assert_parity(arch_model, "prefix_caching")
     assert core.executor.runner.use_cpu_kernel
 
