@@ -37,19 +37,19 @@ static inline void axpy(float *y, float a, const float *x, int n) {
     for (int i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-/* Offset of kv head `kvh`'s rows in the block holding key t0; the next block's rows
+/* Kv head `kvh`'s rows in the block holding key t0 of `cache`; the next block's rows
  * (if the sequence goes on) are prefetched, since blocks are scattered in memory and
  * the hardware prefetcher stops at each jump. */
-static inline int64_t block_rows(const int64_t *table, int64_t t0, int64_t n_keys, int kvh,
-                                 int num_kv_heads, int block_size, int head_dim,
-                                 const float *cache) {
+static inline const float *block_rows(const float *cache, const int64_t *table, int64_t t0,
+                                      int64_t n_keys, int kvh, int num_kv_heads,
+                                      int block_size, int head_dim) {
     const int64_t span = (int64_t)block_size * head_dim;
     const int64_t b = t0 / block_size;
     if (t0 + block_size < n_keys) {
         const float *next = cache + (table[b + 1] * num_kv_heads + kvh) * span;
         for (int64_t i = 0; i < span; i += 16) __builtin_prefetch(next + i);
     }
-    return (table[b] * num_kv_heads + kvh) * span;
+    return cache + (table[b] * num_kv_heads + kvh) * span;
 }
 
 /* Attend query rows [r0, r1) of one sequence for the query heads of kv head `kvh`.
@@ -71,8 +71,8 @@ static inline __attribute__((always_inline)) void attend_tile(
          * that four independent sums are in flight. */
         for (int64_t t0 = 0; t0 < n_keys; t0 += block_size) {
             const int64_t t1 = t0 + block_size < n_keys ? t0 + block_size : n_keys;
-            const float *kb = k_cache + block_rows(table, t0, n_keys, kvh, num_kv_heads,
-                                                   block_size, head_dim, k_cache);
+            const float *kb =
+                block_rows(k_cache, table, t0, n_keys, kvh, num_kv_heads, block_size, head_dim);
             for (int g = 0; g < group; g++) {
                 const float *qg = qr + g * head_dim;
                 float *sg = scores + g * n_keys;
@@ -116,8 +116,8 @@ static inline __attribute__((always_inline)) void attend_tile(
          * (registers, for a constant head_dim) and added to the output once per block. */
         for (int64_t t0 = 0; t0 < n_keys; t0 += block_size) {
             const int64_t t1 = t0 + block_size < n_keys ? t0 + block_size : n_keys;
-            const float *vb = v_cache + block_rows(table, t0, n_keys, kvh, num_kv_heads,
-                                                   block_size, head_dim, v_cache);
+            const float *vb =
+                block_rows(v_cache, table, t0, n_keys, kvh, num_kv_heads, block_size, head_dim);
             for (int g = 0; g < group; g++) {
                 const float *pg = scores + g * n_keys;
                 float acc[head_dim];
