@@ -57,6 +57,9 @@ class AttentionMetadata:
     # batch each, and the block tables of prefills with cached context (None: none).
     decode_groups: list[DecodeGroup]
     prefill_block_tables: list[torch.Tensor | None]  # [num_reqs - num_decodes]
+    # float32 on the CPU with the C kernels built: norms, rotary, silu*mul and the
+    # cache write run as fused C calls too (fleetserve/kernels/fused_ops.c).
+    cpu_kernels: bool = False
 
 
 _CONTEXT: AttentionMetadata | None = None
@@ -70,6 +73,11 @@ def set_forward_context(meta: AttentionMetadata | None) -> Iterator[None]:
         yield
     finally:
         _CONTEXT = prev
+
+
+def cpu_kernels_active() -> bool:
+    """Whether the current forward runs the fused C kernels (False outside a forward)."""
+    return _CONTEXT is not None and _CONTEXT.cpu_kernels
 
 
 def get_forward_context() -> AttentionMetadata:

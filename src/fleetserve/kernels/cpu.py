@@ -25,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SRC = Path(__file__).with_name("paged_attention.c")
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "fused_ops.c")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 
@@ -46,11 +46,11 @@ def _cache_dir() -> Path:
 
 
 def _build(cc: str) -> Path:
-    src = _SRC.read_bytes()
+    src = b"".join(f.read_bytes() for f in _SOURCES)
     key = hashlib.sha256(
         src + " ".join([cc, *_FLAGS, platform.machine(), _cpu_signature()]).encode()
     ).hexdigest()[:16]
-    out = _cache_dir() / f"paged_attention-{key}.so"
+    out = _cache_dir() / f"cpu_kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -59,7 +59,7 @@ def _build(cc: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [cc, *_FLAGS, str(_SRC), "-o", tmp, "-lm"],
+            [cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -94,7 +94,91 @@ def load() -> ctypes.CDLL | None:
         ctypes.c_float, ctypes.c_int,  # scale, threads
     ]  # fmt: skip
     lib.paged_attention.restype = ctypes.c_int
+    i64, i32, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.rms_norm.argtypes = [p, i64, p, p, p, i64, i64, f32, i32]
+    lib.silu_mul.argtypes = [p, i64, p, i64, i64, i32]
+    lib.rotary.argtypes = [p, i64, i32, p, i64, i32, i32, p, p, p, i64, i32]
+    lib.cache_write.argtypes = [p, i64, p, i64, p, p, p, p, i64, i32, i32, i32]
+    for fn in (lib.rms_norm, lib.silu_mul, lib.rotary, lib.cache_write):
+        fn.restype = None
     return lib
+
+
+def _lib() -> ctypes.CDLL:
+    lib = load()
+    assert lib is not None, "CPU kernels not available"
+    return lib
+
+
+def _rows(name: str, t: torch.Tensor) -> int:
+    """Row stride of a 2-D float32 CPU tensor whose rows are contiguous."""
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or t.stride(1) != 1:
+        raise ValueError(f"{name} must be a float32 CPU matrix with contiguous rows")
+    return t.stride(0)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm of the rows of ``x`` ([rows, n]); with ``residual`` ([rows, n],
+    contiguous), first ``residual += x`` in place and normalise the sum instead."""
+    rows, n = x.shape
+    x_stride = _rows("x", x)
+    if residual is not None and (not residual.is_contiguous() or residual.shape != x.shape):
+        raise ValueError("residual must be contiguous and shaped like x")
+    out = torch.empty(rows, n)
+    _lib().rms_norm(
+        x.data_ptr(), x_stride, None if residual is None else residual.data_ptr(),
+        out.data_ptr(), weight.data_ptr(), rows, n, eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, where each row of ``gate_up`` is [gate | up]."""
+    rows, two_n = gate_up.shape
+    stride = _rows("gate_up", gate_up)
+    out = torch.empty(rows, two_n // 2)
+    _lib().silu_mul(
+        gate_up.data_ptr(), stride, out.data_ptr(), rows, two_n // 2, torch.get_num_threads()
+    )
+    return out
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:  # fmt: skip
+    """Rotate q ([tokens, heads, head_dim]) and k ([tokens, kv_heads, head_dim]) in place;
+    each token's heads must be contiguous, tokens may be strided. cos/sin:
+    [max_position, head_dim / 2] contiguous; positions int64."""
+    tokens, heads, head_dim = q.shape
+    for name, t in (("q", q), ("k", k)):
+        if t.dtype != torch.float32 or t.stride(2) != 1 or t.stride(1) != head_dim:
+            raise ValueError(f"{name} must be float32 with each token's heads contiguous")
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        raise ValueError("positions must be a contiguous int64 tensor")
+    _lib().rotary(
+        q.data_ptr(), q.stride(0), heads, k.data_ptr(), k.stride(0), k.shape[1], head_dim,
+        positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, torch.get_num_threads(),
+    )  # fmt: skip
+
+
+def cache_write(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
+) -> None:  # fmt: skip
+    """k_cache[slot_blocks, :, slot_offsets] = k (and v likewise); k, v: [tokens,
+    kv_heads, head_dim] with each token's heads contiguous."""
+    tokens, kv_heads, head_dim = k.shape
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != torch.float32 or t.stride(2) != 1 or t.stride(1) != head_dim:
+            raise ValueError(f"{name} must be float32 with each token's heads contiguous")
+    _lib().cache_write(
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+        v_cache.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(), tokens,
+        kv_heads, head_dim, k_cache.shape[2],
+    )  # fmt: skip
 
 
 def paged_attention(

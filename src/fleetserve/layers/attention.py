@@ -33,8 +33,13 @@ class Attention(torch.nn.Module):
         meta = get_forward_context()
         k_cache, v_cache = self.k_cache, self.v_cache
         assert k_cache is not None and v_cache is not None, "KV cache not bound"
-        k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
-        v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+        if meta.cpu_kernels:
+            cpu_kernels.cache_write(
+                k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets
+            )  # fmt: skip
+        else:
+            k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
+            v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
         q = q.contiguous()
         out = torch.empty_like(q)
         nd = meta.num_decodes

@@ -1,8 +1,16 @@
-"""RMSNorm computed in float32 like the reference implementations."""
+"""RMSNorm computed in float32 like the reference implementations.
+
+``forward_residual`` folds the residual add that precedes every norm inside a decoder
+layer into the norm: on the CPU kernel path both happen in one C pass, the residual
+updated in place.
+"""
 
 from __future__ import annotations
 
 import torch
+
+from fleetserve.forward_context import cpu_kernels_active
+from fleetserve.kernels import cpu as cpu_kernels
 
 
 class RMSNorm(torch.nn.Module):
@@ -12,7 +20,18 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels_active() and x.dim() == 2:
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def forward_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x). ``residual`` may be updated in place."""
+        if cpu_kernels_active():
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, residual), residual
+        residual = residual + x
+        return self.forward(residual), residual

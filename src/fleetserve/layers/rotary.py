@@ -7,6 +7,9 @@ from typing import Any
 
 import torch
 
+from fleetserve.forward_context import cpu_kernels_active
+from fleetserve.kernels import cpu as cpu_kernels
+
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -50,6 +53,9 @@ class RotaryEmbedding(torch.nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
+        if cpu_kernels_active():
+            cpu_kernels.rotary(q, k, positions, self.cos, self.sin)  # in place
+            return q, k
         cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim / 2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

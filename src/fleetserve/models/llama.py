@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleetserve.config import ModelConfig
+from fleetserve.forward_context import cpu_kernels_active
+from fleetserve.kernels import cpu as cpu_kernels
 from fleetserve.layers.attention import Attention
 from fleetserve.layers.norm import RMSNorm
 from fleetserve.layers.rotary import RotaryEmbedding
@@ -61,7 +63,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_kernels_active():
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -73,9 +78,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Takes and returns the hidden state as (x, residual), their sum the stream
+        itself: the add is folded into the next norm. residual None: x is the stream."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.forward_residual(x, residual)
+        h = self.self_attn(positions, h)
+        h, residual = self.post_attention_layernorm.forward_residual(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -92,8 +107,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            x = layer(positions, x)
+            x, residual = layer(positions, x, residual)
+        if residual is not None:
+            x = x + residual
         return self.norm(x)
 
 

@@ -84,7 +84,8 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = k, v
             self.kv_caches.append((k, v))
         self.sampler = Sampler(config.seed)
-        # Attend from the paged cache in place with the C kernel where it applies.
+        # Attend from the paged cache in place with the C kernel where it applies (and
+        # run the fused C norms, rotary and silu*mul beside it).
         self.use_cpu_kernel = (
             self.device.type == "cpu"
             and mcfg.dtype == torch.float32
@@ -203,6 +204,7 @@ class ModelRunner:
             paged=paged,
             decode_groups=decode_groups,
             prefill_block_tables=prefill_tables,
+            cpu_kernels=self.use_cpu_kernel,
         )
         x = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pp = self.parallel

@@ -1,0 +1,92 @@
+"""The fused C ops (norm, silu*mul, rotary, cache write) against the plain-torch layers.
+
+Inputs are slices of wider buffers where the model passes such slices (q/k/v of the
+fused qkv projection, gate/up halves), so the strided cases are the ones tested.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fleetserve.kernels import cpu as cpu_kernels
+from fleetserve.layers.norm import RMSNorm
+from fleetserve.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
+
+
+@pytest.mark.parametrize(("rows", "n"), [(1, 768), (5, 20), (300, 576)])
+def test_rms_norm_with_and_without_residual(rows: int, n: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(n, 1e-5)
+    norm.weight.data = torch.randn(n, generator=g)
+    wide = torch.randn(rows, n + 7, generator=g) * 3
+    x = wide[:, 3 : 3 + n]  # strided rows
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, norm.weight, 1e-5), norm(x))
+
+    residual = torch.randn(rows, n, generator=g)
+    expect_res = residual + x
+    expect = norm(expect_res)
+    got = cpu_kernels.rms_norm(x, norm.weight, 1e-5, residual)
+    torch.testing.assert_close(residual, expect_res)  # updated in place
+    torch.testing.assert_close(got, expect)
+
+
+@pytest.mark.parametrize(("rows", "n"), [(1, 2048), (3, 13), (200, 96)])
+def test_silu_mul(rows: int, n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    gate_up = torch.randn(rows, 2 * n, generator=g) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 4, 64), (3, 1, 10), (8, 8, 128)])
+def test_rotary_in_place_on_qkv_slices(heads: int, kv_heads: int, head_dim: int) -> None:
+    g = torch.Generator().manual_seed(heads)
+    rope = RotaryEmbedding(head_dim, 600, 10000.0, None)
+    tokens = 37
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=g)
+    positions = torch.randint(0, 600, (tokens,), generator=g)
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(tokens, heads, head_dim)
+    k = k.view(tokens, kv_heads, head_dim)
+    expect_q, expect_k = rope(positions, q.clone(), k.clone())  # torch path
+    v_before = qkv[:, q_size + kv_size :].clone()
+    cpu_kernels.rotary(q, k, positions, rope.cos, rope.sin)
+    torch.testing.assert_close(q, expect_q)
+    torch.testing.assert_close(k, expect_k)
+    assert torch.equal(qkv[:, q_size + kv_size :], v_before)  # v untouched
+
+
+def test_cache_write_matches_index_put() -> None:
+    g = torch.Generator().manual_seed(0)
+    blocks, kv_heads, bs, hd, tokens = 9, 2, 4, 8, 11
+    kv = torch.randn(tokens, 2 * kv_heads * hd, generator=g)
+    k = kv[:, : kv_heads * hd].view(tokens, kv_heads, hd)
+    v = kv[:, kv_heads * hd :].view(tokens, kv_heads, hd)
+    slots = torch.randperm(blocks * bs, generator=g)[:tokens]
+    slot_blocks, slot_offsets = slots // bs, slots % bs
+    k_cache = torch.zeros(blocks, kv_heads, bs, hd)
+    v_cache = torch.zeros(blocks, kv_heads, bs, hd)
+    cpu_kernels.cache_write(k, v, k_cache, v_cache, slot_blocks, slot_offsets)
+    k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    k_ref[slot_blocks, :, slot_offsets] = k
+    v_ref[slot_blocks, :, slot_offsets] = v
+    assert torch.equal(k_cache, k_ref)
+    assert torch.equal(v_cache, v_ref)
+
+
+def test_bad_layouts_are_refused() -> None:
+    w = torch.ones(8)
+    with pytest.raises(ValueError, match="x must be"):
+        cpu_kernels.rms_norm(torch.ones(8, 4).t(), w, 1e-5)
+    with pytest.raises(ValueError, match="x must be"):
+        cpu_kernels.rms_norm(torch.ones(4, 8, dtype=torch.float64), w, 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        cpu_kernels.rms_norm(torch.ones(4, 8), w, 1e-5, torch.ones(8, 4).t())
+    q = torch.ones(3, 2, 8).transpose(1, 2).contiguous().transpose(1, 2)  # heads strided
+    with pytest.raises(ValueError, match="q must be"):
+        cpu_kernels.rotary(q, torch.ones(3, 1, 8), torch.zeros(3, dtype=torch.long), w, w)
