@@ -90,3 +90,38 @@ def test_bad_layouts_are_refused() -> None:
     q = torch.ones(3, 2, 8).transpose(1, 2).contiguous().transpose(1, 2)  # heads strided
     with pytest.raises(ValueError, match="q must be"):
         cpu_kernels.rotary(q, torch.ones(3, 1, 8), torch.zeros(3, dtype=torch.long), w, w)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    # single rows, tails in rows and in columns (n not a multiple of the panel width),
+    # more rows than one packed block, a vocab-sized output
+    [(1, 64, 16), (5, 70, 33), (13, 1280, 768), (130, 96, 200), (3, 32000, 64)],
+)
+def test_packed_linear_matches_f_linear(m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(m * n + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g)
+    wide = torch.randn(m, k + 5, generator=g)
+    x = wide[:, 2 : 2 + k]  # strided rows
+    packed = cpu_kernels.PackedWeight(w)
+    torch.testing.assert_close(
+        cpu_kernels.packed_linear(x, packed, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4
+    )
+    torch.testing.assert_close(
+        cpu_kernels.packed_linear(x, packed), F.linear(x, w), rtol=1e-4, atol=1e-4
+    )
+    assert cpu_kernels.packed_linear(x[:0], packed).shape == (0, n)
+    with pytest.raises(ValueError, match="features"):
+        cpu_kernels.packed_linear(torch.ones(2, k + 1), packed)
+
+
+def test_packed_linear_layer_drops_the_row_major_weight() -> None:
+    from fleetserve.layers.linear import Linear
+
+    layer = Linear(24, 40, bias=True)
+    x = torch.randn(6, 24)
+    expect = layer(x)
+    layer.pack_for_cpu()
+    assert layer.weight.numel() == 0 and layer.packed is not None
+    torch.testing.assert_close(layer(x), expect, rtol=1e-5, atol=1e-5)

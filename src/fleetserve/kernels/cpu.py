@@ -25,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "fused_ops.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "fused_ops.c", "gemm.c")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 
@@ -99,8 +99,13 @@ def load() -> ctypes.CDLL | None:
     lib.silu_mul.argtypes = [p, i64, p, i64, i64, i32]
     lib.rotary.argtypes = [p, i64, i32, p, i64, i32, i32, p, p, p, i64, i32]
     lib.cache_write.argtypes = [p, i64, p, i64, p, p, p, p, i64, i32, i32, i32]
-    for fn in (lib.rms_norm, lib.silu_mul, lib.rotary, lib.cache_write):
+    lib.gemm_pack_weight.argtypes = [p, i64, i64, p, i32]
+    for fn in (lib.rms_norm, lib.silu_mul, lib.rotary, lib.cache_write, lib.gemm_pack_weight):
         fn.restype = None
+    lib.gemm_packed.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i32]
+    lib.gemm_packed.restype = ctypes.c_int
+    lib.gemm_panel_width.argtypes = []
+    lib.gemm_panel_width.restype = ctypes.c_int
     return lib
 
 
@@ -235,3 +240,49 @@ def paged_attention(
     )
     if rc != 0:
         raise MemoryError("paged_attention: could not allocate its score buffers")
+
+
+class PackedWeight:
+    """A linear layer's weight ([out_features, in_features]) in the GEMM kernel's
+    panel layout (see gemm.c); ``data`` owns the memory."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+            raise ValueError("weight must be a float32 CPU matrix")
+        lib = _lib()
+        w = weight.detach().contiguous()
+        self.out_features, self.in_features = w.shape
+        nr = lib.gemm_panel_width()
+        panels = -(-self.out_features // nr)
+        self.data = torch.empty(panels * self.in_features * nr)
+        lib.gemm_pack_weight(
+            w.data_ptr(), self.out_features, self.in_features, self.data.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+
+
+def packed_linear(
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` for x [..., in_features] with W packed."""
+    k = weight.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight takes {k}")
+    x2 = x.reshape(-1, k)
+    if x2.dtype != torch.float32 or x2.device.type != "cpu":
+        raise ValueError("x must be a float32 CPU tensor")
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise ValueError("bias must be a contiguous float32 tensor")
+    m, n = x2.shape[0], weight.out_features
+    out = torch.empty(m, n)
+    if m:
+        rc = _lib().gemm_packed(
+            x2.data_ptr(), x2.stride(0), weight.data.data_ptr(),
+            None if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n, k,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("gemm_packed: could not allocate its row buffer")
+    return out.view(*x.shape[:-1], n)

@@ -1,7 +1,7 @@
 """Tensor-parallel layers: each rank holds a slice of the weight and communicates once.
 
 Column-parallel projections (fused q/k/v, gate/up) need no layer of their own: a plain
-`nn.Linear` over this rank's output rows. What follows them is row-parallel (o_proj,
+`Linear` over this rank's output rows. What follows them is row-parallel (o_proj,
 down_proj): a partial product over this rank's input columns, summed across ranks.
 """
 
@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleetserve.distributed.parallel_state import ParallelContext, vocab_range
+from fleetserve.layers.linear import Linear
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """y = all_reduce(x_shard @ W_shard^T): x and W are split along the input features."""
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext) -> None:
@@ -22,7 +23,7 @@ class RowParallelLinear(nn.Linear):
         self.ctx = ctx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ctx.all_reduce(F.linear(x, self.weight))
+        return self.ctx.all_reduce(super().forward(x))
 
 
 class VocabParallelEmbedding(nn.Module):

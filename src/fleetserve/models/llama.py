@@ -18,6 +18,7 @@ from fleetserve.config import ModelConfig
 from fleetserve.forward_context import cpu_kernels_active
 from fleetserve.kernels import cpu as cpu_kernels
 from fleetserve.layers.attention import Attention
+from fleetserve.layers.linear import Linear, pack_linears
 from fleetserve.layers.norm import RMSNorm
 from fleetserve.layers.rotary import RotaryEmbedding
 
@@ -30,10 +31,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -59,8 +60,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -133,7 +134,8 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.packed_tied_head: cpu_kernels.PackedWeight | None = None
         # Tensor parallelism swaps in a gather of the vocab shards (models/sharding.py).
         self.logits_gather: nn.Module = nn.Identity()
 
@@ -141,8 +143,20 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.logits_gather(F.linear(hidden, weight)).float()
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden)
+        elif self.packed_tied_head is not None:
+            logits = cpu_kernels.packed_linear(hidden, self.packed_tied_head)
+        else:
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        return self.logits_gather(logits).float()
+
+    def pack_for_cpu(self) -> None:
+        """Repack the projections for the CPU GEMM kernel (see layers/linear.py). A tied
+        head gets a packed copy: the embedding still looks rows up in its own table."""
+        pack_linears(self)
+        if self.lm_head is None and isinstance(self.model.embed_tokens.weight, torch.Tensor):
+            self.packed_tied_head = cpu_kernels.PackedWeight(self.model.embed_tokens.weight)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

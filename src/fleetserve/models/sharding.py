@@ -22,6 +22,7 @@ from fleetserve.distributed.parallel_state import (
     vocab_range,
 )
 from fleetserve.layers.attention import Attention
+from fleetserve.layers.linear import Linear
 from fleetserve.layers.parallel import LogitsGather, RowParallelLinear, VocabParallelEmbedding
 from fleetserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from fleetserve.models.loader import ModelSource
@@ -66,12 +67,12 @@ def shard_model(model: LlamaForCausalLM, ctx: ParallelContext) -> None:
         attn = layer.self_attn
         attn.num_heads, attn.num_kv_heads = num_heads, num_kv_heads
         attn.q_size, attn.kv_size = num_heads * hd, num_kv_heads * hd
-        attn.qkv_proj = nn.Linear(hidden, attn.q_size + 2 * attn.kv_size, bias=cfg.attention_bias)
+        attn.qkv_proj = Linear(hidden, attn.q_size + 2 * attn.kv_size, bias=cfg.attention_bias)
         attn.o_proj = RowParallelLinear(attn.q_size, hidden, ctx)
         attn.attn = Attention(num_heads, num_kv_heads, hd, attn.attn.scale)
         mlp = layer.mlp
         mlp.intermediate_size = inter
-        mlp.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        mlp.gate_up_proj = Linear(hidden, 2 * inter, bias=False)
         mlp.down_proj = RowParallelLinear(inter, hidden, ctx)
 
     if ctx.is_first_stage:
@@ -84,7 +85,7 @@ def shard_model(model: LlamaForCausalLM, ctx: ParallelContext) -> None:
     elif model.lm_head is not None or not ctx.is_first_stage:
         # A tied head on a stage without the embedding gets its own copy of those rows.
         rows = vocab_range(cfg.vocab_size, tp, ctx.tp_rank)[2]
-        model.lm_head = nn.Linear(hidden, rows, bias=False)
+        model.lm_head = Linear(hidden, rows, bias=False)
     if ctx.is_last_stage:
         model.logits_gather = LogitsGather(cfg.vocab_size, ctx)
 

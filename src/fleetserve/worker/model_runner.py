@@ -96,6 +96,9 @@ class ModelRunner:
             raise ValueError(
                 "attention_backend='cpu' needs a float32 model on the CPU and a C compiler"
             )
+        if self.use_cpu_kernel and hasattr(model, "pack_for_cpu"):
+            # Weights move into the CPU GEMM kernel's panel layout (layers/linear.py).
+            model.pack_for_cpu()
         self.requests: dict[str, RequestState] = {}
 
     # ------------------------------------------------------------ state diffs
