@@ -125,3 +125,12 @@ def test_packed_linear_layer_drops_the_row_major_weight() -> None:
     layer.pack_for_cpu()
     assert layer.weight.numel() == 0 and layer.packed is not None
     torch.testing.assert_close(layer(x), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_huge_is_a_plain_tensor() -> None:
+    t = cpu_kernels.empty_huge(3, 1 << 20)  # 12 MiB: has a 2 MiB-aligned interior
+    assert t.shape == (3, 1 << 20) and t.dtype == torch.float32 and t.is_contiguous()
+    t.fill_(2.0)
+    assert float(t.sum()) == 2.0 * t.numel()
+    small = cpu_kernels.empty_huge(5, dtype=torch.float64)  # too small to advise: fine too
+    assert small.shape == (5,) and small.dtype == torch.float64

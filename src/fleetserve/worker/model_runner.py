@@ -79,8 +79,13 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         for attn in model.attention_layers():
             shape = (num_blocks, attn.num_kv_heads, self.block_size, attn.head_dim)
-            k = torch.zeros(shape, dtype=mcfg.dtype, device=self.device)
-            v = torch.zeros(shape, dtype=mcfg.dtype, device=self.device)
+            if self.device.type == "cpu":
+                # Huge pages where the OS allows: decodes stream the cache every step.
+                k = cpu_kernels.empty_huge(*shape, dtype=mcfg.dtype).zero_()
+                v = cpu_kernels.empty_huge(*shape, dtype=mcfg.dtype).zero_()
+            else:
+                k = torch.zeros(shape, dtype=mcfg.dtype, device=self.device)
+                v = torch.zeros(shape, dtype=mcfg.dtype, device=self.device)
             attn.k_cache, attn.v_cache = k, v
             self.kv_caches.append((k, v))
         self.sampler = Sampler(config.seed)
