@@ -278,6 +278,14 @@ def empty_huge(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return t
 
 
+def gemm_worthwhile() -> bool:
+    """Whether gemm.c beats torch's BLAS here: it relies on wide vectors, so an x86 CPU
+    without AVX2 keeps the BLAS (gemm.c is correct there, only slow)."""
+    if platform.machine() not in ("x86_64", "AMD64", "i686"):
+        return True
+    return " avx2" in _cpu_signature()
+
+
 class PackedWeight:
     """A linear layer's weight ([out_features, in_features]) in the GEMM kernel's
     panel layout (see gemm.c); ``data`` owns the memory."""

@@ -101,7 +101,7 @@ class ModelRunner:
             raise ValueError(
                 "attention_backend='cpu' needs a float32 model on the CPU and a C compiler"
             )
-        if self.use_cpu_kernel and hasattr(model, "pack_for_cpu"):
+        if self.use_cpu_kernel and cpu_kernels.gemm_worthwhile() and hasattr(model, "pack_for_cpu"):
             # Weights move into the CPU GEMM kernel's panel layout (layers/linear.py).
             model.pack_for_cpu()
         self.requests: dict[str, RequestState] = {}
