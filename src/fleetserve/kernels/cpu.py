@@ -123,6 +123,14 @@ def _rows(name: str, t: torch.Tensor) -> int:
     return t.stride(0)
 
 
+def _check_heads(**tensors: torch.Tensor) -> None:
+    """[tokens, heads, head_dim] float32 tensors whose heads are contiguous within each
+    token (tokens may be strided: slices of a fused qkv projection)."""
+    for name, t in tensors.items():
+        if t.dtype != torch.float32 or t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            raise ValueError(f"{name} must be float32 with each token's heads contiguous")
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -159,9 +167,7 @@ def rotary(
     each token's heads must be contiguous, tokens may be strided. cos/sin:
     [max_position, head_dim / 2] contiguous; positions int64."""
     tokens, heads, head_dim = q.shape
-    for name, t in (("q", q), ("k", k)):
-        if t.dtype != torch.float32 or t.stride(2) != 1 or t.stride(1) != head_dim:
-            raise ValueError(f"{name} must be float32 with each token's heads contiguous")
+    _check_heads(q=q, k=k)
     if positions.dtype != torch.int64 or not positions.is_contiguous():
         raise ValueError("positions must be a contiguous int64 tensor")
     _lib().rotary(
@@ -177,9 +183,7 @@ def cache_write(
     """k_cache[slot_blocks, :, slot_offsets] = k (and v likewise); k, v: [tokens,
     kv_heads, head_dim] with each token's heads contiguous."""
     tokens, kv_heads, head_dim = k.shape
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != torch.float32 or t.stride(2) != 1 or t.stride(1) != head_dim:
-            raise ValueError(f"{name} must be float32 with each token's heads contiguous")
+    _check_heads(k=k, v=v)
     _lib().cache_write(
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
         v_cache.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(), tokens,

@@ -31,9 +31,8 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Pack every `Linear` of ``model`` for the CPU kernel; returns how many."""
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    for layer in layers:
-        layer.pack_for_cpu()
-    return len(layers)
+def pack_linears(model: nn.Module) -> None:
+    """Pack every `Linear` of ``model`` for the CPU kernel."""
+    for layer in model.modules():
+        if isinstance(layer, Linear):
+            layer.pack_for_cpu()

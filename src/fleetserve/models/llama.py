@@ -155,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
         """Repack the projections for the CPU GEMM kernel (see layers/linear.py). A tied
         head gets a packed copy: the embedding still looks rows up in its own table."""
         pack_linears(self)
-        if self.lm_head is None and isinstance(self.model.embed_tokens.weight, torch.Tensor):
+        if self.lm_head is None:  # tied: this stage holds the embedding (sharding.py)
             self.packed_tied_head = cpu_kernels.PackedWeight(self.model.embed_tokens.weight)
 
     def attention_layers(self) -> list[Attention]:
