@@ -19,8 +19,8 @@ def fresh_server(tiny_llama: str) -> Iterator[Any]:
     """`start(*args) -> ServerProc`, each one stopped (and its children reaped) at the end."""
     started: list[ServerProc] = []
 
-    def start(*args: str) -> ServerProc:
-        srv = ServerProc(tiny_llama, *args)
+    def start(*args: str, env: dict[str, str] | None = None) -> ServerProc:
+        srv = ServerProc(tiny_llama, *args, env=env)
         started.append(srv)
         return srv
 
@@ -69,7 +69,12 @@ class StreamReader(threading.Thread):
 
 
 def test_sigterm_drains(fresh_server: Any) -> None:
-    srv = fresh_server("--drain-timeout", "4", "--max-num-seqs", "4")
+    # Paced steps (10 ms each): the 60-token request ends well inside the 4 s drain window,
+    # the 2040-token one cannot, however fast the engine has become on this machine.
+    srv = fresh_server(
+        "--drain-timeout", "4", "--max-num-seqs", "4",
+        env={"FLEETSERVE_DEBUG_STEP_DELAY_S": "0.01"},
+    )  # fmt: skip
     srv.wait_ready()
     core_pid = srv.core_pid
     assert core_pid is not None and pid_alive(core_pid)
