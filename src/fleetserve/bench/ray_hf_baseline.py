@@ -265,7 +265,8 @@ class Replica(HFCompletions):
 
 def build_app(args: argparse.Namespace, model_path: str, served_name: str) -> Any:
     """The Ray Serve application: one `Replica` deployment behind its FastAPI ingress."""
-    deployment = Replica.options(
+    # `serve.deployment` turns the class into a Deployment; its stubs do not say so.
+    deployment = Replica.options(  # type: ignore[attr-defined]
         num_replicas=args.num_replicas,
         max_ongoing_requests=args.max_ongoing_requests,
         ray_actor_options={"num_cpus": args.num_cpus / args.num_replicas},

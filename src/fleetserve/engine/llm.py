@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
@@ -67,11 +67,14 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        conversations = cast(
+            "list[list[dict[str, str]]]",
+            messages if messages and isinstance(messages[0], list) else [messages],
+        )
         tok = self.engine.tokenizer
         prompts: list[PromptType] = [
             {"prompt_token_ids": tok.apply_chat_template(conv, add_generation_prompt)}
-            for conv in conversations  # type: ignore[misc]
+            for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -123,9 +123,8 @@ def read_gguf(path: str, max_array_len: int = 64) -> tuple[dict[str, Any], list[
         row_bytes = _bytes_per_row(qtype, dims[0])
         num_rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
         start = data_start + offset
-        raw = whole[start : start + row_bytes * num_rows].reshape(num_rows, row_bytes)
-        if len(dims) == 1:
-            raw = raw.reshape(row_bytes)
+        flat = whole[start : start + row_bytes * num_rows]
+        raw = flat if len(dims) == 1 else flat.reshape(num_rows, row_bytes)
         tensors.append(GGUFTensorInfo(name, tuple(reversed(dims)), qtype, raw))
     buf.close()
     return meta, tensors

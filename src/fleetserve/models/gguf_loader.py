@@ -247,7 +247,7 @@ def resolve_gguf(path: str) -> ModelSource:
         raise ValueError(f"{path} has no token_embd.weight tensor; not a language model GGUF")
     if "tokenizer.ggml.model" not in meta:
         raise ValueError(f"{path} carries no tokenizer (no tokenizer.ggml.model field)")
-    names = {hf_tensor_name(t.name) for t in tensors}
+    names = {n for t in tensors if (n := hf_tensor_name(t.name)) is not None}
     hf_config = gguf_hf_config(meta, names, vocab_rows=embed.shape[0])
     weights = GGUFWeights(
         tensors,

@@ -9,6 +9,7 @@ fused into one matmul each, filled from HF's separate tensors by ``load_weights`
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -158,8 +159,11 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:  # tied: this stage holds the embedding (sharding.py)
             self.packed_tied_head = cpu_kernels.PackedWeight(self.model.embed_tokens.weight)
 
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        return [cast(LlamaDecoderLayer, layer) for layer in self.model.layers]
+
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.decoder_layers()]
 
     def _shard_sizes(self, fused: str) -> list[int]:
         cfg = self.config

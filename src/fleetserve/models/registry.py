@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from fleetserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from fleetserve.models.llama import LlamaForCausalLM
 
 # Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm) differ from Llama only by config flags.
-_REGISTRY: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
+_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES
+}
 
 
-def model_class(cfg: ModelConfig) -> type[nn.Module]:
+def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
     try:
         return _REGISTRY[cfg.architecture]
     except KeyError:

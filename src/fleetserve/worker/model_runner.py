@@ -64,10 +64,10 @@ class ModelRunner:
         model = model.to_empty(device=self.device).to(mcfg.dtype)
         # Buffers (rotary tables) were on meta: rebuild them for real.
         with torch.device(self.device):
-            fresh_rope = type(model.model.layers[0].self_attn.rope)(
+            fresh_rope = type(model.decoder_layers()[0].self_attn.rope)(
                 mcfg.head_dim, mcfg.max_model_len + 1, mcfg.rope_theta, mcfg.rope_scaling
             )
-        for layer in model.model.layers:
+        for layer in model.decoder_layers():
             layer.self_attn.rope = fresh_rope
         if parallel is None:
             model.load_weights(source.iter_tensors(mcfg.dtype))
@@ -199,8 +199,8 @@ class ModelRunner:
                 )
             for i, s in enumerate(prefills, start=nd):
                 has_ctx = ctx_lens[i] > 0
-                ids = torch.tensor(s.block_ids, dtype=torch.long, device=dev) if has_ctx else None
-                prefill_tables.append(ids)
+                table = torch.tensor(s.block_ids, dtype=torch.long, device=dev) if has_ctx else None
+                prefill_tables.append(table)
         meta = AttentionMetadata(
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
             slot_offsets=pos_t % bs,
@@ -237,7 +237,7 @@ class ModelRunner:
         want_logprobs = any(s.params.logprobs is not None for s in ordered)
         if sample_rows:
             logits = self.model.compute_logits(hidden[sample_rows])
-            rows = [
+            sampling_rows = [
                 SamplingRow(
                     s.params,
                     s.token_ids[: s.num_prompt_tokens],
@@ -246,7 +246,7 @@ class ModelRunner:
                 )
                 for s in sample_states
             ]
-            tokens, lps = self.sampler(logits, rows)
+            tokens, lps = self.sampler(logits, sampling_rows)
             for j, s in enumerate(sample_states):
                 sampled[s.req_id] = [tokens[j]]
                 if lps is not None:
