@@ -41,7 +41,10 @@ def test_kernel_matches_dense_attention(
     # including chunks longer than the kernel's query tile and a context of one token.
     shapes = [(1, 5), (1, 40), (1, 1), (1, 77), (7, 9), (33, 50), (17, 1)]
     num_blocks = sum(-(-(q + c) // block_size) for q, c in shapes) + 5
-    k_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g)
+    # Keys are stored d-major within a block (the kernel layout); k_rows is the same
+    # cache token-major, for the reference.
+    k_rows = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g)
+    k_cache = k_rows.transpose(2, 3).contiguous()
     v_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g)
     free = torch.randperm(num_blocks, generator=g).tolist()
     total_q = sum(q for q, _ in shapes)
@@ -68,7 +71,7 @@ def test_kernel_matches_dense_attention(
     )
     for (q_len, ctx), table, start in zip(shapes, tables, starts, strict=True):
         seq_len = q_len + ctx
-        keys = k_cache[table].transpose(1, 2).reshape(-1, kv_heads, head_dim)[:seq_len]
+        keys = k_rows[table].transpose(1, 2).reshape(-1, kv_heads, head_dim)[:seq_len]
         values = v_cache[table].transpose(1, 2).reshape(-1, kv_heads, head_dim)[:seq_len]
         want = dense_reference(q[start : start + q_len], keys, values, ctx, scale)
         torch.testing.assert_close(out[start : start + q_len], want, atol=2e-5, rtol=1e-4)
@@ -76,10 +79,10 @@ def test_kernel_matches_dense_attention(
 
 def test_kernel_rows_outside_the_call_are_untouched() -> None:
     q = torch.randn(3, 2, 8)
-    cache = torch.randn(2, 1, 4, 8)
+    k_cache, v_cache = torch.randn(2, 1, 8, 4), torch.randn(2, 1, 4, 8)
     out = torch.zeros_like(q)
     cpu_kernels.paged_attention(
-        q, cache, cache, out, torch.tensor([1]), torch.tensor([1]), torch.tensor([3]),
+        q, k_cache, v_cache, out, torch.tensor([1]), torch.tensor([1]), torch.tensor([3]),
         torch.tensor([[1]]), 4, 0.5,
     )  # fmt: skip
     assert out[0].abs().sum() == 0 and out[2].abs().sum() == 0
@@ -88,17 +91,22 @@ def test_kernel_rows_outside_the_call_are_untouched() -> None:
 
 def test_kernel_refuses_wrong_dtype_or_layout() -> None:
     q = torch.randn(1, 2, 8)
-    cache = torch.randn(2, 1, 4, 8)
+    k_cache, v_cache = torch.randn(2, 1, 8, 4), torch.randn(2, 1, 4, 8)
     args = (torch.tensor([0]), torch.tensor([1]), torch.tensor([1]), torch.tensor([[0]]), 4, 0.5)
     with pytest.raises(ValueError, match="q must be"):
-        cpu_kernels.paged_attention(q.double(), cache, cache, torch.empty_like(q), *args)
+        cpu_kernels.paged_attention(q.double(), k_cache, v_cache, torch.empty_like(q), *args)
     with pytest.raises(ValueError, match="k_cache must be"):
         cpu_kernels.paged_attention(
-            q, torch.randn(2, 4, 2, 8).transpose(1, 2), cache, torch.empty_like(q), *args
+            q, torch.randn(2, 1, 4, 8).transpose(2, 3), v_cache, torch.empty_like(q), *args
         )
+    # Keys token-major (the torch backend's layout) instead of d-major.
+    with pytest.raises(ValueError, match="keys d-major"):
+        cpu_kernels.paged_attention(q, v_cache.clone(), v_cache, torch.empty_like(q), *args)
+    with pytest.raises(ValueError, match="block_size 8 does not match"):
+        cpu_kernels.paged_attention(q, k_cache, v_cache, torch.empty_like(q), *args[:4], 8, 0.5)
     with pytest.raises(ValueError, match="block_tables must be"):
         cpu_kernels.paged_attention(
-            q, cache, cache, torch.empty_like(q), *args[:3], torch.tensor([[0.0]]), 4, 0.5
+            q, k_cache, v_cache, torch.empty_like(q), *args[:3], torch.tensor([[0.0]]), 4, 0.5
         )
 
 

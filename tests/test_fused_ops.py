@@ -69,14 +69,20 @@ def test_cache_write_matches_index_put() -> None:
     v = kv[:, kv_heads * hd :].view(tokens, kv_heads, hd)
     slots = torch.randperm(blocks * bs, generator=g)[:tokens]
     slot_blocks, slot_offsets = slots // bs, slots % bs
-    k_cache = torch.zeros(blocks, kv_heads, bs, hd)
-    v_cache = torch.zeros(blocks, kv_heads, bs, hd)
+    k_shape, v_shape = cpu_kernels.kv_cache_shapes(blocks, kv_heads, bs, hd)
+    assert k_shape == (blocks, kv_heads, hd, bs) and v_shape == (blocks, kv_heads, bs, hd)
+    k_cache, v_cache = torch.zeros(k_shape), torch.zeros(v_shape)
     cpu_kernels.cache_write(k, v, k_cache, v_cache, slot_blocks, slot_offsets)
-    k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    # Keys land d-major within their block, values token-major.
+    k_ref, v_ref = torch.zeros(v_shape), torch.zeros(v_shape)
     k_ref[slot_blocks, :, slot_offsets] = k
     v_ref[slot_blocks, :, slot_offsets] = v
-    assert torch.equal(k_cache, k_ref)
+    assert torch.equal(k_cache, k_ref.transpose(2, 3))
     assert torch.equal(v_cache, v_ref)
+    with pytest.raises(ValueError, match="keys d-major"):
+        cpu_kernels.cache_write(k, v, v_cache.clone(), v_cache, slot_blocks, slot_offsets)
+    with pytest.raises(ValueError, match="slot_offsets must be"):
+        cpu_kernels.cache_write(k, v, k_cache, v_cache, slot_blocks, slot_offsets[:-1])
 
 
 def test_bad_layouts_are_refused() -> None:

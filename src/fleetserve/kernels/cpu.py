@@ -180,15 +180,50 @@ def cache_write(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
 ) -> None:  # fmt: skip
-    """k_cache[slot_blocks, :, slot_offsets] = k (and v likewise); k, v: [tokens,
-    kv_heads, head_dim] with each token's heads contiguous."""
+    """Write this step's keys and values into their cache slots, in the kernel layout
+    (see `paged_attention`): ``k_cache[slot_blocks, :, :, slot_offsets] = k`` and
+    ``v_cache[slot_blocks, :, slot_offsets] = v``. k, v: [tokens, kv_heads, head_dim]
+    with each token's heads contiguous."""
     tokens, kv_heads, head_dim = k.shape
     _check_heads(k=k, v=v)
+    block_size = _check_caches(k_cache, v_cache, kv_heads, head_dim)
+    for name, t in (("slot_blocks", slot_blocks), ("slot_offsets", slot_offsets)):
+        if t.dtype != torch.int64 or not t.is_contiguous() or t.numel() != tokens:
+            raise ValueError(f"{name} must be a contiguous int64 tensor, one entry per token")
     _lib().cache_write(
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
         v_cache.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(), tokens,
-        kv_heads, head_dim, k_cache.shape[2],
+        kv_heads, head_dim, block_size,
     )  # fmt: skip
+
+
+def kv_cache_shapes(
+    num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the (k, v) caches the kernels read: keys d-major within a block."""
+    return (
+        (num_blocks, num_kv_heads, head_dim, block_size),
+        (num_blocks, num_kv_heads, block_size, head_dim),
+    )
+
+
+def _check_caches(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, kv_heads: int, head_dim: int
+) -> int:
+    """The block size of a (k, v) cache pair in the kernel layout; ValueError otherwise."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
+    num_blocks, _, block_size, _ = v_cache.shape
+    want_k, want_v = kv_cache_shapes(num_blocks, kv_heads, block_size, head_dim)
+    if tuple(k_cache.shape) != want_k or tuple(v_cache.shape) != want_v:
+        raise ValueError(
+            f"k_cache/v_cache must be shaped {want_k} / {want_v} (keys d-major), got "
+            f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
+        )
+    return block_size
 
 
 def paged_attention(
@@ -205,15 +240,19 @@ def paged_attention(
 ) -> None:
     """Attend the given sequences' query rows of ``q`` into the same rows of ``out``.
 
-    q/out: [num_tokens, num_heads, head_dim]; caches: [num_slots, num_kv_heads, head_dim];
-    q_starts/q_lens/seq_lens: int64 [num_seqs]; block_tables: int64 [num_seqs, max_blocks].
-    All float32, contiguous, on the CPU.
+    q/out: [num_tokens, num_heads, head_dim]; k_cache: [num_blocks, num_kv_heads,
+    head_dim, block_size] (d-major within a block); v_cache: [num_blocks, num_kv_heads,
+    block_size, head_dim] (`kv_cache_shapes`); q_starts/q_lens/seq_lens: int64
+    [num_seqs]; block_tables: int64 [num_seqs, max_blocks]. All float32, contiguous, on
+    the CPU.
     """
     lib = load()
     assert lib is not None, "CPU kernels not available"
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+    for name, t in (("q", q), ("out", out)):
         if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
+    if _check_caches(k_cache, v_cache, k_cache.shape[1], q.shape[2]) != block_size:
+        raise ValueError(f"block_size {block_size} does not match the caches")
     for name, t in (
         ("q_starts", q_starts),
         ("q_lens", q_lens),

@@ -83,8 +83,9 @@ void rotary(float *q, int64_t q_stride, int num_heads, float *k, int64_t k_strid
     rotate_heads(k, k_stride, num_kv_heads, head_dim, positions, cos_t, sin_t, tokens, threads);
 }
 
-/* Caches are [num_blocks, num_kv_heads, block_size, head_dim]; token t goes to block
- * slot_blocks[t], row slot_offsets[t] of each kv head. */
+/* The caches in paged_attention.c's layout: k [num_blocks, num_kv_heads, head_dim,
+ * block_size] (d-major), v [num_blocks, num_kv_heads, block_size, head_dim]. Token t
+ * goes to block slot_blocks[t], slot slot_offsets[t] of each kv head. */
 void cache_write(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                  float *k_cache, float *v_cache, const int64_t *slot_blocks,
                  const int64_t *slot_offsets, int64_t tokens, int num_kv_heads, int head_dim,
@@ -92,10 +93,12 @@ void cache_write(const float *k, int64_t k_stride, const float *v, int64_t v_str
     const size_t row = (size_t)head_dim * sizeof(float);
     for (int64_t t = 0; t < tokens; t++) {
         for (int h = 0; h < num_kv_heads; h++) {
-            const int64_t dst =
-                ((slot_blocks[t] * num_kv_heads + h) * block_size + slot_offsets[t]) * head_dim;
-            memcpy(k_cache + dst, k + t * k_stride + (int64_t)h * head_dim, row);
-            memcpy(v_cache + dst, v + t * v_stride + (int64_t)h * head_dim, row);
+            const int64_t head_block = (slot_blocks[t] * num_kv_heads + h) * block_size * head_dim;
+            const float *kh = k + t * k_stride + (int64_t)h * head_dim;
+            float *kt = k_cache + head_block + slot_offsets[t];
+            for (int d = 0; d < head_dim; d++) kt[(int64_t)d * block_size] = kh[d];
+            memcpy(v_cache + head_block + slot_offsets[t] * head_dim,
+                   v + t * v_stride + (int64_t)h * head_dim, row);
         }
     }
 }

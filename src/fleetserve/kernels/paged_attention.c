@@ -3,9 +3,13 @@
  *
  * Layout (float32, contiguous):
  *   q, out       [num_tokens, num_heads, head_dim]
- *   k/v cache    [num_blocks, num_kv_heads, block_size, head_dim]: one kv head's rows
- *                of one block are contiguous (block_size * head_dim floats)
+ *   k cache      [num_blocks, num_kv_heads, head_dim, block_size]: d-major within a
+ *                block, so the scores of a block's keys are block_size-wide vector FMAs
+ *                with no horizontal sums
+ *   v cache      [num_blocks, num_kv_heads, block_size, head_dim]: token-major, so a
+ *                value row is added into a head_dim-wide accumulator
  *   tables       [num_seqs, max_blocks] block ids (int64), row i for sequence i
+ * Either way one kv head's part of a block is contiguous (block_size * head_dim floats).
  * Sequence i owns query rows q_starts[i] .. q_starts[i] + q_lens[i]; its cache holds
  * seq_lens[i] tokens, the last q_lens[i] of which are these queries (causal: row j sees
  * keys 0 .. seq_lens[i] - q_lens[i] + j).
@@ -25,80 +29,141 @@
 
 #define Q_TILE 16
 
-static inline float dot(const float *a, const float *b, int n) {
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vfu __attribute__((vector_size(VL * 4), aligned(4))); /* unaligned access */
 
-static inline void axpy(float *y, float a, const float *x, int n) {
+/* s[j] = scale * qg . key_j for the first nk keys of a block whose keys are stored
+ * d-major (kt[d * block_size + j]). A 16-key block (the default block size) is one or
+ * two vectors of keys, summed in four independent chains over d; other block sizes take
+ * a plain loop. */
+static inline __attribute__((always_inline)) void block_scores(const float *qg, const float *kt,
+                                                               int nk, const int head_dim,
+                                                               int block_size, float scale,
+                                                               float *s) {
+    if (block_size == 16) {
+        enum { NV = 16 / VL };
+        vf a[4][NV];
+        for (int c = 0; c < 4; c++)
+            for (int u = 0; u < NV; u++) a[c][u] = (vf){0};
+        int d = 0;
+        for (; d + 4 <= head_dim; d += 4)
+            for (int c = 0; c < 4; c++)
+                for (int u = 0; u < NV; u++)
+                    a[c][u] += qg[d + c] * *(const vfu *)(kt + (d + c) * 16 + u * VL);
+        for (; d < head_dim; d++)
+            for (int u = 0; u < NV; u++) a[0][u] += qg[d] * *(const vfu *)(kt + d * 16 + u * VL);
+        float tmp[16];
+        for (int u = 0; u < NV; u++) {
+            const vf r = ((a[0][u] + a[1][u]) + (a[2][u] + a[3][u])) * scale;
+            if (nk == 16)
+                *(vfu *)(s + u * VL) = r;
+            else
+                *(vfu *)(tmp + u * VL) = r;
+        }
+        for (int j = 0; j < nk && nk < 16; j++) s[j] = tmp[j];
+        return;
+    }
+    for (int j = 0; j < nk; j++) s[j] = 0.f;
+    for (int d = 0; d < head_dim; d++) {
+        const float qd = qg[d];
+        const float *row = kt + (int64_t)d * block_size;
 #pragma omp simd
-    for (int i = 0; i < n; i++) y[i] += a * x[i];
+        for (int j = 0; j < nk; j++) s[j] += qd * row[j];
+    }
+    for (int j = 0; j < nk; j++) s[j] *= scale;
 }
 
-/* Kv head `kvh`'s rows in the block holding key t0 of `cache`; the next block's rows
- * (if the sequence goes on) are prefetched, since blocks are scattered in memory and
- * the hardware prefetcher stops at each jump. */
-static inline const float *block_rows(const float *cache, const int64_t *table, int64_t t0,
-                                      int64_t n_keys, int kvh, int num_kv_heads,
-                                      int block_size, int head_dim) {
+/* og += sum_j p[j] * value_j over the first nk values of a block (token-major rows).
+ * For head sizes of up to 8 vectors the sums are kept in vector registers (two chains
+ * over alternate keys when they fit), and added to og once per block. */
+static inline __attribute__((always_inline)) void block_values(const float *p, const float *vb,
+                                                               int nk, const int head_dim,
+                                                               float *og) {
+    if (head_dim % VL == 0 && head_dim <= 8 * VL) {
+        const int nv = head_dim / VL;
+        const int chains = nv <= 4 ? 2 : 1;
+        vf a[2][8];
+        for (int c = 0; c < chains; c++)
+            for (int u = 0; u < nv; u++) a[c][u] = (vf){0};
+        int j = 0;
+        for (; j + chains <= nk; j += chains)
+            for (int c = 0; c < chains; c++) {
+                const float pj = p[j + c];
+                const float *row = vb + (int64_t)(j + c) * head_dim;
+                for (int u = 0; u < nv; u++) a[c][u] += pj * *(const vfu *)(row + u * VL);
+            }
+        for (; j < nk; j++)
+            for (int u = 0; u < nv; u++)
+                a[0][u] += p[j] * *(const vfu *)(vb + (int64_t)j * head_dim + u * VL);
+        for (int u = 0; u < nv; u++) {
+            vf sum = a[0][u];
+            if (chains == 2) sum += a[1][u];
+            *(vfu *)(og + u * VL) += sum;
+        }
+        return;
+    }
+    for (int j = 0; j < nk; j++) {
+        const float pj = p[j];
+        const float *row = vb + (int64_t)j * head_dim;
+#pragma omp simd
+        for (int d = 0; d < head_dim; d++) og[d] += pj * row[d];
+    }
+}
+
+/* Kv heads [h0, h1) of the block holding key t0 of `cache` (contiguous: kv head h0's
+ * rows first). The same heads of the sequence's next block are prefetched, since a
+ * sequence's blocks may lie anywhere and the hardware prefetcher stops at each jump. */
+static inline const float *block_heads(const float *cache, const int64_t *table, int64_t t0,
+                                       int64_t n_keys, int h0, int h1, int num_kv_heads,
+                                       int block_size, int head_dim) {
     const int64_t span = (int64_t)block_size * head_dim;
     const int64_t b = t0 / block_size;
     if (t0 + block_size < n_keys) {
-        const float *next = cache + (table[b + 1] * num_kv_heads + kvh) * span;
-        for (int64_t i = 0; i < span; i += 16) __builtin_prefetch(next + i);
+        const float *next = cache + (table[b + 1] * num_kv_heads + h0) * span;
+        for (int64_t i = 0; i < (h1 - h0) * span; i += 16) __builtin_prefetch(next + i);
     }
-    return cache + (table[b] * num_kv_heads + kvh) * span;
+    return cache + (table[b] * num_kv_heads + h0) * span;
 }
 
-/* Attend query rows [r0, r1) of one sequence for the query heads of kv head `kvh`.
+/* Attend query rows [r0, r1) of one sequence for the query heads of kv heads [h0, h1).
+ * Each work item takes as many kv heads as it can: a decode row takes all of them, so
+ * each block is read as one contiguous run of num_kv_heads * block_size * head_dim
+ * floats (4x the bytes per jump of one head, which this memory system rewards); a tile
+ * of prefill rows takes one, so the context it rereads per row stays in L2.
  * Always inlined into attend_tile_dispatch so that common head sizes get a copy with
  * head_dim a constant: fixed-length loops the compiler unrolls into vector registers. */
 static inline __attribute__((always_inline)) void attend_tile(
     const float *q, const float *k_cache, const float *v_cache, float *out,
     const int64_t *table, int64_t q_start, int64_t q_len, int64_t seq_len, int64_t r0,
-    int64_t r1, int kvh, int num_heads, int num_kv_heads, const int head_dim,
+    int64_t r1, int h0, int h1, int num_heads, int num_kv_heads, const int head_dim,
     int block_size, float scale, float *scores) {
     const int group = num_heads / num_kv_heads;
+    const int heads = (h1 - h0) * group; /* query heads handled here */
+    const int64_t span = (int64_t)block_size * head_dim;
     const int64_t ctx = seq_len - q_len;
     const int64_t row_stride = (int64_t)num_heads * head_dim;
     for (int64_t r = r0; r < r1; r++) {
         const int64_t n_keys = ctx + r + 1;
-        const float *qr = q + (q_start + r) * row_stride + (int64_t)kvh * group * head_dim;
-        float *orow = out + (q_start + r) * row_stride + (int64_t)kvh * group * head_dim;
-        /* Pass 1: scores[g * n_keys + t] = scale * q_g . k_t, four keys at a time so
-         * that four independent sums are in flight. */
+        const float *qr = q + (q_start + r) * row_stride + (int64_t)h0 * group * head_dim;
+        float *orow = out + (q_start + r) * row_stride + (int64_t)h0 * group * head_dim;
+        /* Pass 1: scores[h * n_keys + t] = scale * q_h . k_t, a block of keys at a time
+         * (a kv head's keys stay in L1 across the query heads that share it). */
         for (int64_t t0 = 0; t0 < n_keys; t0 += block_size) {
-            const int64_t t1 = t0 + block_size < n_keys ? t0 + block_size : n_keys;
-            const float *kb =
-                block_rows(k_cache, table, t0, n_keys, kvh, num_kv_heads, block_size, head_dim);
-            for (int g = 0; g < group; g++) {
-                const float *qg = qr + g * head_dim;
-                float *sg = scores + g * n_keys;
-                int64_t t = t0;
-                for (; t + 4 <= t1; t += 4) {
-                    const float *k0 = kb + (t - t0) * head_dim;
-                    const float *k1 = k0 + head_dim, *k2 = k1 + head_dim, *k3 = k2 + head_dim;
-                    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-                    for (int d = 0; d < head_dim; d++) {
-                        s0 += qg[d] * k0[d];
-                        s1 += qg[d] * k1[d];
-                        s2 += qg[d] * k2[d];
-                        s3 += qg[d] * k3[d];
-                    }
-                    sg[t] = scale * s0;
-                    sg[t + 1] = scale * s1;
-                    sg[t + 2] = scale * s2;
-                    sg[t + 3] = scale * s3;
-                }
-                for (; t < t1; t++) sg[t] = scale * dot(qg, kb + (t - t0) * head_dim, head_dim);
-            }
+            const int nk = (int)(t0 + block_size < n_keys ? block_size : n_keys - t0);
+            const float *kb = block_heads(k_cache, table, t0, n_keys, h0, h1, num_kv_heads,
+                                          block_size, head_dim);
+            for (int h = 0; h < heads; h++)
+                block_scores(qr + h * head_dim, kb + (h / group) * span, nk, head_dim,
+                             block_size, scale, scores + h * n_keys + t0);
         }
         /* Softmax per head. */
-        for (int g = 0; g < group; g++) {
-            float *s = scores + g * n_keys;
+        for (int h = 0; h < heads; h++) {
+            float *s = scores + h * n_keys;
             float m = s[0];
             for (int64_t t = 1; t < n_keys; t++) m = s[t] > m ? s[t] : m;
             float sum = 0.f;
@@ -110,23 +175,16 @@ static inline __attribute__((always_inline)) void attend_tile(
             const float inv = 1.f / sum;
 #pragma omp simd
             for (int64_t t = 0; t < n_keys; t++) s[t] *= inv;
-            memset(orow + g * head_dim, 0, sizeof(float) * head_dim);
+            memset(orow + h * head_dim, 0, sizeof(float) * head_dim);
         }
-        /* Pass 2: out_g = sum_t p_g[t] * v_t, summed per block in a local accumulator
-         * (registers, for a constant head_dim) and added to the output once per block. */
+        /* Pass 2: out_h = sum_t p_h[t] * v_t, a block at a time. */
         for (int64_t t0 = 0; t0 < n_keys; t0 += block_size) {
-            const int64_t t1 = t0 + block_size < n_keys ? t0 + block_size : n_keys;
-            const float *vb =
-                block_rows(v_cache, table, t0, n_keys, kvh, num_kv_heads, block_size, head_dim);
-            for (int g = 0; g < group; g++) {
-                const float *pg = scores + g * n_keys;
-                float acc[head_dim];
-                memset(acc, 0, sizeof(float) * head_dim);
-                for (int64_t t = t0; t < t1; t++) axpy(acc, pg[t], vb + (t - t0) * head_dim, head_dim);
-                float *og = orow + g * head_dim;
-#pragma omp simd
-                for (int d = 0; d < head_dim; d++) og[d] += acc[d];
-            }
+            const int nk = (int)(t0 + block_size < n_keys ? block_size : n_keys - t0);
+            const float *vb = block_heads(v_cache, table, t0, n_keys, h0, h1, num_kv_heads,
+                                          block_size, head_dim);
+            for (int h = 0; h < heads; h++)
+                block_values(scores + h * n_keys + t0, vb + (h / group) * span, nk, head_dim,
+                             orow + h * head_dim);
         }
     }
 }
@@ -134,10 +192,10 @@ static inline __attribute__((always_inline)) void attend_tile(
 static void attend_tile_dispatch(const float *q, const float *k_cache, const float *v_cache,
                                  float *out, const int64_t *table, int64_t q_start,
                                  int64_t q_len, int64_t seq_len, int64_t r0, int64_t r1,
-                                 int kvh, int num_heads, int num_kv_heads, int head_dim,
+                                 int h0, int h1, int num_heads, int num_kv_heads, int head_dim,
                                  int block_size, float scale, float *scores) {
-#define ATTEND(HD)                                                                       \
-    attend_tile(q, k_cache, v_cache, out, table, q_start, q_len, seq_len, r0, r1, kvh,   \
+#define ATTEND(HD)                                                                          \
+    attend_tile(q, k_cache, v_cache, out, table, q_start, q_len, seq_len, r0, r1, h0, h1,   \
                 num_heads, num_kv_heads, HD, block_size, scale, scores)
     switch (head_dim) {
         case 64: ATTEND(64); break;
@@ -153,40 +211,45 @@ int paged_attention(const float *q, const float *k_cache, const float *v_cache, 
                     const int64_t *seq_lens, const int64_t *tables, int64_t max_blocks,
                     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                     int num_threads) {
-    /* Work items: (sequence, kv head, query tile), numbered through a prefix sum. */
-    int64_t *tile_start = malloc(sizeof(int64_t) * (num_seqs + 1));
-    if (!tile_start) return -1;
+    /* Work items, numbered through a prefix sum: a decode (one query row) is one item
+     * over all kv heads; a longer query is one item per (tile of rows, kv head). */
+    int64_t *item_start = malloc(sizeof(int64_t) * (num_seqs + 1));
+    if (!item_start) return -1;
     int64_t max_len = 1;
-    tile_start[0] = 0;
+    item_start[0] = 0;
     for (int i = 0; i < num_seqs; i++) {
-        tile_start[i + 1] = tile_start[i] + (q_lens[i] + Q_TILE - 1) / Q_TILE;
+        const int64_t n = q_lens[i] == 1 ? 1 : (q_lens[i] + Q_TILE - 1) / Q_TILE * num_kv_heads;
+        item_start[i + 1] = item_start[i] + n;
         if (seq_lens[i] > max_len) max_len = seq_lens[i];
     }
-    const int64_t tiles = tile_start[num_seqs];
-    const int64_t items = tiles * num_kv_heads;
-    const int group = num_heads / num_kv_heads;
+    const int64_t items = item_start[num_seqs];
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * group * max_len);
+        float *scores = malloc(sizeof(float) * num_heads * max_len);
         if (!scores) failed = 1;
         int seq = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
             if (!scores) continue;
-            const int64_t tile = item / num_kv_heads;
-            const int kvh = (int)(item % num_kv_heads);
             /* Items arrive in increasing order within a thread: walk seq forward. */
-            if (tile < tile_start[seq]) seq = 0;
-            while (tile >= tile_start[seq + 1]) seq++;
-            const int64_t r0 = (tile - tile_start[seq]) * Q_TILE;
-            const int64_t r1 = r0 + Q_TILE < q_lens[seq] ? r0 + Q_TILE : q_lens[seq];
+            if (item < item_start[seq]) seq = 0;
+            while (item >= item_start[seq + 1]) seq++;
+            int64_t r0 = 0, r1 = 1;
+            int h0 = 0, h1 = num_kv_heads;
+            if (q_lens[seq] != 1) {
+                const int64_t local = item - item_start[seq];
+                h0 = (int)(local % num_kv_heads);
+                h1 = h0 + 1;
+                r0 = local / num_kv_heads * Q_TILE;
+                r1 = r0 + Q_TILE < q_lens[seq] ? r0 + Q_TILE : q_lens[seq];
+            }
             attend_tile_dispatch(q, k_cache, v_cache, out, tables + (int64_t)seq * max_blocks,
-                        q_starts[seq], q_lens[seq], seq_lens[seq], r0, r1, kvh, num_heads,
-                        num_kv_heads, head_dim, block_size, scale, scores);
+                                 q_starts[seq], q_lens[seq], seq_lens[seq], r0, r1, h0, h1,
+                                 num_heads, num_kv_heads, head_dim, block_size, scale, scores);
         }
         free(scores);
     }
-    free(tile_start);
+    free(item_start);
     return failed ? -1 : 0;
 }

@@ -76,19 +76,6 @@ class ModelRunner:
         self.model = model.eval()
         self.load_seconds = time.perf_counter() - t0
         self.num_blocks = num_blocks
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for attn in model.attention_layers():
-            shape = (num_blocks, attn.num_kv_heads, self.block_size, attn.head_dim)
-            if self.device.type == "cpu":
-                # Huge pages where the OS allows: decodes stream the cache every step.
-                k = cpu_kernels.empty_huge(*shape, dtype=mcfg.dtype).zero_()
-                v = cpu_kernels.empty_huge(*shape, dtype=mcfg.dtype).zero_()
-            else:
-                k = torch.zeros(shape, dtype=mcfg.dtype, device=self.device)
-                v = torch.zeros(shape, dtype=mcfg.dtype, device=self.device)
-            attn.k_cache, attn.v_cache = k, v
-            self.kv_caches.append((k, v))
-        self.sampler = Sampler(config.seed)
         # Attend from the paged cache in place with the C kernel where it applies (and
         # run the fused C norms, rotary and silu*mul beside it).
         self.use_cpu_kernel = (
@@ -101,6 +88,21 @@ class ModelRunner:
             raise ValueError(
                 "attention_backend='cpu' needs a float32 model on the CPU and a C compiler"
             )
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for attn in model.attention_layers():
+            shape = (num_blocks, attn.num_kv_heads, self.block_size, attn.head_dim)
+            if self.use_cpu_kernel:
+                # The kernels' layout (keys d-major within a block), on huge pages where
+                # the OS allows: decodes stream the cache every step.
+                k_shape, v_shape = cpu_kernels.kv_cache_shapes(*shape)
+                k = cpu_kernels.empty_huge(*k_shape, dtype=mcfg.dtype).zero_()
+                v = cpu_kernels.empty_huge(*v_shape, dtype=mcfg.dtype).zero_()
+            else:
+                k = torch.zeros(shape, dtype=mcfg.dtype, device=self.device)
+                v = torch.zeros(shape, dtype=mcfg.dtype, device=self.device)
+            attn.k_cache, attn.v_cache = k, v
+            self.kv_caches.append((k, v))
+        self.sampler = Sampler(config.seed)
         if self.use_cpu_kernel and cpu_kernels.gemm_worthwhile() and hasattr(model, "pack_for_cpu"):
             # Weights move into the CPU GEMM kernel's panel layout (layers/linear.py).
             model.pack_for_cpu()
