@@ -26,7 +26,7 @@ class DecodeGroup:
 @dataclass
 class PagedSeqs:
     """Requests attended straight from the paged cache by the CPU kernel: every request
-    with cached context (decodes and later prefill chunks)."""
+    of the step, in the batch's order (decodes and prefill chunks)."""
 
     q_starts: torch.Tensor  # int64 [n] first query row in the flat batch
     q_lens: torch.Tensor  # int64 [n]
@@ -38,7 +38,9 @@ class PagedSeqs:
 class AttentionMetadata:
     """Where this step's tokens live in the paged KV cache.
 
-    The caches are ``[num_blocks, num_kv_heads, block_size, head_dim]`` per layer.
+    The caches are ``[num_blocks, num_kv_heads, block_size, head_dim]`` per layer (on the
+    CPU kernel path the key cache is ``[num_blocks, num_kv_heads, head_dim, block_size]``,
+    see ``kernels.cpu.kv_cache_shapes``).
     Requests are laid out back to back in the flattened batch: request i owns rows
     ``query_start_loc[i]:query_start_loc[i + 1]``. Decode requests (one new token) come
     first so that the plain-torch path can attend them in batched calls.

@@ -1,11 +1,11 @@
 """Paged attention: write this step's K/V into cache slots, then attend.
 
-Two backends share this layer. On the CPU in float32, requests with cached context
-(decodes, later prefill chunks) are attended by a C kernel that reads K/V blocks in
-place (fleetserve/kernels). The reference backend is plain torch (SDPA), which runs on
-CPU and GPU alike: it gathers each request's blocks and attends decodes in padded
-groups. Prefill chunks without cached context attend only to themselves through SDPA's
-causal path in both.
+Two backends share this layer. On the CPU in float32, every request of the step
+(decodes and prefill chunks alike) is attended in one call by a C kernel that reads K/V
+blocks in place (fleetserve/kernels; there the key cache is d-major within a block). The
+reference backend is plain torch (SDPA), which runs on CPU and GPU alike: it gathers
+each request's blocks and attends decodes in padded groups; prefill chunks without
+cached context attend only to themselves through SDPA's causal path.
 """
 
 from __future__ import annotations
@@ -42,15 +42,16 @@ class Attention(torch.nn.Module):
             v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
         q = q.contiguous()
         out = torch.empty_like(q)
-        nd = meta.num_decodes
         if meta.paged is not None:
+            # CPU kernels: every sequence (decodes and prefill chunks) in one call.
             p = meta.paged
             cpu_kernels.paged_attention(
                 q, k_cache, v_cache, out, p.q_starts, p.q_lens, p.seq_lens,
                 p.block_tables, meta.block_size, self.scale,
             )  # fmt: skip
-        else:
-            self._decodes_torch(meta, q, out)
+            return out
+        nd = meta.num_decodes
+        self._decodes_torch(meta, q, out)
         qsl = meta.query_start_loc
         for i in range(nd, len(meta.seq_lens)):
             start, end = qsl[i], qsl[i + 1]
@@ -65,7 +66,7 @@ class Attention(torch.nn.Module):
                     enable_gqa=self.num_heads != self.num_kv_heads,
                 )  # fmt: skip
                 out[start:end] = oi[0].transpose(0, 1)
-            elif meta.paged is None:
+            else:
                 self._prefill_torch(meta, i, q, out)
         return out
 

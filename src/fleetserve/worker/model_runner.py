@@ -169,18 +169,18 @@ class ModelRunner:
         decode_groups: list[DecodeGroup] = []
         prefill_tables: list[torch.Tensor | None] = []
         if self.use_cpu_kernel:
-            with_ctx = [i for i in range(len(ordered)) if ctx_lens[i] > 0]
-            if with_ctx:
-                nblk = -(-max(seq_lens[i] for i in with_ctx) // bs)
-                tables = [ordered[i].block_ids[:nblk] for i in with_ctx]
-                paged = PagedSeqs(
-                    q_starts=torch.tensor([qsl[i] for i in with_ctx], dtype=torch.long),
-                    q_lens=torch.tensor([qsl[i + 1] - qsl[i] for i in with_ctx], dtype=torch.long),
-                    seq_lens=torch.tensor([seq_lens[i] for i in with_ctx], dtype=torch.long),
-                    block_tables=torch.tensor(
-                        [row + [0] * (nblk - len(row)) for row in tables], dtype=torch.long
-                    ),
-                )
+            # The C kernel attends every sequence from the cache, prefill chunks without
+            # context included (their K/V are written before attention runs).
+            nblk = -(-max(seq_lens) // bs)
+            tables = [s.block_ids[:nblk] for s in ordered]
+            paged = PagedSeqs(
+                q_starts=torch.tensor(qsl[:-1], dtype=torch.long),
+                q_lens=torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(ordered))]),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.long),
+                block_tables=torch.tensor(
+                    [row + [0] * (nblk - len(row)) for row in tables], dtype=torch.long
+                ),
+            )
         else:
             for start in range(0, nd, DECODE_GROUP_SIZE):
                 end = min(start + DECODE_GROUP_SIZE, nd)
