@@ -99,7 +99,7 @@ def load() -> ctypes.CDLL | None:
     lib.rms_norm.argtypes = [p, i64, p, p, p, i64, i64, f32, i32]
     lib.silu_mul.argtypes = [p, i64, p, i64, i64, i32]
     lib.rotary.argtypes = [p, i64, i32, p, i64, i32, i32, p, p, p, i64, i32]
-    lib.cache_write.argtypes = [p, i64, p, i64, p, p, p, p, i64, i32, i32, i32]
+    lib.cache_write.argtypes = [p, i64, p, i64, p, p, p, p, i64, i32, i32, i32, i32]
     lib.gemm_pack_weight.argtypes = [p, i64, i64, p, i32]
     for fn in (lib.rms_norm, lib.silu_mul, lib.rotary, lib.cache_write, lib.gemm_pack_weight):
         fn.restype = None
@@ -193,7 +193,7 @@ def cache_write(
     _lib().cache_write(
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
         v_cache.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(), tokens,
-        kv_heads, head_dim, block_size,
+        kv_heads, head_dim, block_size, torch.get_num_threads(),
     )  # fmt: skip
 
 

@@ -89,10 +89,12 @@ void rotary(float *q, int64_t q_stride, int num_heads, float *k, int64_t k_strid
 void cache_write(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                  float *k_cache, float *v_cache, const int64_t *slot_blocks,
                  const int64_t *slot_offsets, int64_t tokens, int num_kv_heads, int head_dim,
-                 int block_size) {
+                 int block_size, int threads) {
     const size_t row = (size_t)head_dim * sizeof(float);
-    for (int64_t t = 0; t < tokens; t++) {
-        for (int h = 0; h < num_kv_heads; h++) {
+    /* Split by kv head: each thread writes its own heads' parts of the blocks. */
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens > 1)
+    for (int h = 0; h < num_kv_heads; h++) {
+        for (int64_t t = 0; t < tokens; t++) {
             const int64_t head_block = (slot_blocks[t] * num_kv_heads + h) * block_size * head_dim;
             const float *kh = k + t * k_stride + (int64_t)h * head_dim;
             float *kt = k_cache + head_block + slot_offsets[t];
