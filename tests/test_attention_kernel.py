@@ -31,7 +31,20 @@ def dense_reference(
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
-    [(12, 4, 64, 16), (8, 8, 32, 4), (6, 1, 12, 3), (4, 2, 20, 1), (9, 3, 128, 8)],
+    [
+        (12, 4, 64, 16),
+        (8, 8, 32, 4),
+        (6, 1, 12, 3),
+        (4, 2, 20, 1),
+        (9, 3, 128, 8),
+        # Block size 16 (vector path) with groups of 2, 4, 6 and 8 query heads per kv
+        # head, head sizes that are and are not multiples of the vector width.
+        (16, 4, 128, 16),
+        (12, 2, 32, 16),
+        (8, 1, 48, 16),
+        (6, 3, 20, 16),
+        (5, 5, 33, 16),
+    ],  # fmt: skip
 )
 def test_kernel_matches_dense_attention(
     heads: int, kv_heads: int, head_dim: int, block_size: int

@@ -37,82 +37,139 @@
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vfu __attribute__((vector_size(VL * 4), aligned(4))); /* unaligned access */
 
-/* s[j] = scale * qg . key_j for the first nk keys of a block whose keys are stored
- * d-major (kt[d * block_size + j]). A 16-key block (the default block size) is one or
- * two vectors of keys, summed in four independent chains over d; other block sizes take
- * a plain loop. */
-static inline __attribute__((always_inline)) void block_scores(const float *qg, const float *kt,
+/* Scores of G query heads against the first nk keys of one block whose keys are
+ * stored d-major (kt[d * block_size + j]): s[h * s_stride + j] = scale * q_h . key_j,
+ * q_h = q + h * head_dim. The G heads share a kv head, so each vector of keys is loaded
+ * once for all of them. A 16-key block (the default block size) is one or two vectors
+ * of keys per head, summed in independent chains over d; G is a constant (1..4) where
+ * this is inlined, so the sums live in registers. Other block sizes take a plain loop. */
+static inline __attribute__((always_inline)) void block_scores(const float *q, const float *kt,
                                                                int nk, const int head_dim,
                                                                int block_size, float scale,
-                                                               float *s) {
+                                                               float *s, int64_t s_stride,
+                                                               const int G) {
     if (block_size == 16) {
         enum { NV = 16 / VL };
-        vf a[4][NV];
-        for (int c = 0; c < 4; c++)
-            for (int u = 0; u < NV; u++) a[c][u] = (vf){0};
+        const int CH = G == 1 ? 4 : (G * NV <= 4 ? 2 : 1); /* chains over d */
+        vf a[4][4][NV];
+        for (int h = 0; h < G; h++)
+            for (int c = 0; c < CH; c++)
+                for (int u = 0; u < NV; u++) a[h][c][u] = (vf){0};
         int d = 0;
-        for (; d + 4 <= head_dim; d += 4)
-            for (int c = 0; c < 4; c++)
-                for (int u = 0; u < NV; u++)
-                    a[c][u] += qg[d + c] * *(const vfu *)(kt + (d + c) * 16 + u * VL);
+        for (; d + CH <= head_dim; d += CH)
+            for (int c = 0; c < CH; c++) {
+                vf kv[NV];
+                for (int u = 0; u < NV; u++) kv[u] = *(const vfu *)(kt + (d + c) * 16 + u * VL);
+                for (int h = 0; h < G; h++)
+                    for (int u = 0; u < NV; u++) a[h][c][u] += q[h * head_dim + d + c] * kv[u];
+            }
         for (; d < head_dim; d++)
-            for (int u = 0; u < NV; u++) a[0][u] += qg[d] * *(const vfu *)(kt + d * 16 + u * VL);
-        float tmp[16];
-        for (int u = 0; u < NV; u++) {
-            const vf r = ((a[0][u] + a[1][u]) + (a[2][u] + a[3][u])) * scale;
-            if (nk == 16)
-                *(vfu *)(s + u * VL) = r;
-            else
-                *(vfu *)(tmp + u * VL) = r;
+            for (int h = 0; h < G; h++)
+                for (int u = 0; u < NV; u++)
+                    a[h][0][u] += q[h * head_dim + d] * *(const vfu *)(kt + d * 16 + u * VL);
+        for (int h = 0; h < G; h++) {
+            float tmp[16];
+            float *dst = nk == 16 ? s + h * s_stride : tmp;
+            for (int u = 0; u < NV; u++) {
+                vf r = a[h][0][u];
+                for (int c = 1; c < CH; c++) r += a[h][c][u];
+                *(vfu *)(dst + u * VL) = r * scale;
+            }
+            for (int j = 0; j < nk && nk < 16; j++) s[h * s_stride + j] = tmp[j];
         }
-        for (int j = 0; j < nk && nk < 16; j++) s[j] = tmp[j];
         return;
     }
-    for (int j = 0; j < nk; j++) s[j] = 0.f;
-    for (int d = 0; d < head_dim; d++) {
-        const float qd = qg[d];
-        const float *row = kt + (int64_t)d * block_size;
+    for (int h = 0; h < G; h++) {
+        const float *qh = q + h * head_dim;
+        float *sh = s + h * s_stride;
+        for (int j = 0; j < nk; j++) sh[j] = 0.f;
+        for (int d = 0; d < head_dim; d++) {
+            const float qd = qh[d];
+            const float *row = kt + (int64_t)d * block_size;
 #pragma omp simd
-        for (int j = 0; j < nk; j++) s[j] += qd * row[j];
+            for (int j = 0; j < nk; j++) sh[j] += qd * row[j];
+        }
+        for (int j = 0; j < nk; j++) sh[j] *= scale;
     }
-    for (int j = 0; j < nk; j++) s[j] *= scale;
 }
 
-/* og += sum_j p[j] * value_j over the first nk values of a block (token-major rows).
- * For head sizes of up to 8 vectors the sums are kept in vector registers (two chains
- * over alternate keys when they fit), and added to og once per block. */
-static inline __attribute__((always_inline)) void block_values(const float *p, const float *vb,
-                                                               int nk, const int head_dim,
-                                                               float *og) {
+/* og_h += sum_j p_h[j] * value_j over the first nk values of a block (token-major rows),
+ * for G query heads: p_h = p + h * p_stride, og_h = og + h * head_dim. Each value row is
+ * loaded once for the G heads. For head sizes of up to 8 vectors the sums live in
+ * registers (G is a constant where this is inlined) and are added to og once per
+ * block. */
+static inline __attribute__((always_inline)) void block_values(const float *p, int64_t p_stride,
+                                                               const float *vb, int nk,
+                                                               const int head_dim, float *og,
+                                                               const int G) {
     if (head_dim % VL == 0 && head_dim <= 8 * VL) {
         const int nv = head_dim / VL;
-        const int chains = nv <= 4 ? 2 : 1;
-        vf a[2][8];
-        for (int c = 0; c < chains; c++)
-            for (int u = 0; u < nv; u++) a[c][u] = (vf){0};
-        int j = 0;
-        for (; j + chains <= nk; j += chains)
-            for (int c = 0; c < chains; c++) {
-                const float pj = p[j + c];
-                const float *row = vb + (int64_t)(j + c) * head_dim;
-                for (int u = 0; u < nv; u++) a[c][u] += pj * *(const vfu *)(row + u * VL);
+        vf a[4][8];
+        for (int h = 0; h < G; h++)
+            for (int u = 0; u < nv; u++) a[h][u] = (vf){0};
+        for (int j = 0; j < nk; j++) {
+            const float *row = vb + (int64_t)j * head_dim;
+            vf vr[8];
+            for (int u = 0; u < nv; u++) vr[u] = *(const vfu *)(row + u * VL);
+            for (int h = 0; h < G; h++) {
+                const float pj = p[h * p_stride + j];
+                for (int u = 0; u < nv; u++) a[h][u] += pj * vr[u];
             }
-        for (; j < nk; j++)
-            for (int u = 0; u < nv; u++)
-                a[0][u] += p[j] * *(const vfu *)(vb + (int64_t)j * head_dim + u * VL);
-        for (int u = 0; u < nv; u++) {
-            vf sum = a[0][u];
-            if (chains == 2) sum += a[1][u];
-            *(vfu *)(og + u * VL) += sum;
         }
+        for (int h = 0; h < G; h++)
+            for (int u = 0; u < nv; u++) *(vfu *)(og + h * head_dim + u * VL) += a[h][u];
         return;
     }
-    for (int j = 0; j < nk; j++) {
-        const float pj = p[j];
-        const float *row = vb + (int64_t)j * head_dim;
+    for (int h = 0; h < G; h++)
+        for (int j = 0; j < nk; j++) {
+            const float pj = p[h * p_stride + j];
+            const float *row = vb + (int64_t)j * head_dim;
+            float *o = og + h * head_dim;
 #pragma omp simd
-        for (int d = 0; d < head_dim; d++) og[d] += pj * row[d];
+            for (int d = 0; d < head_dim; d++) o[d] += pj * row[d];
+        }
+}
+
+/* Registers for value sums: 16 of AVX-512's 32 vectors, 8 of AVX2's 16. */
+#define VALUE_ACCS (VL == 16 ? 16 : 8)
+
+/* The query heads [0, group) sharing one kv head, against one block: in chunks of at
+ * most 4 heads (fewer for values of wide heads), each chunk size a constant. */
+static inline __attribute__((always_inline)) void group_scores(const float *q, const float *kt,
+                                                               int nk, const int head_dim,
+                                                               int block_size, float scale,
+                                                               float *s, int64_t s_stride,
+                                                               int group) {
+    int h = 0;
+    for (; h + 4 <= group; h += 4)
+        block_scores(q + h * head_dim, kt, nk, head_dim, block_size, scale, s + h * s_stride,
+                     s_stride, 4);
+    switch (group - h) {
+#define REST(n)                                                                          \
+    case n:                                                                              \
+        block_scores(q + h * head_dim, kt, nk, head_dim, block_size, scale,              \
+                     s + h * s_stride, s_stride, n);                                     \
+        break;
+        REST(1) REST(2) REST(3)
+#undef REST
     }
+}
+
+static inline __attribute__((always_inline)) void group_values(const float *p, int64_t p_stride,
+                                                               const float *vb, int nk,
+                                                               const int head_dim, float *og,
+                                                               int group) {
+    const int nv = head_dim % VL == 0 ? head_dim / VL : 8;
+    const int chunk = nv >= VALUE_ACCS ? 1 : (VALUE_ACCS / nv > 4 ? 4 : VALUE_ACCS / nv);
+    int h = 0;
+#define CHUNK(n)                                                                         \
+    block_values(p + h * p_stride, p_stride, vb, nk, head_dim, og + h * head_dim, n)
+    if (chunk == 4)
+        for (; h + 4 <= group; h += 4) CHUNK(4);
+    if (chunk >= 2)
+        for (; h + 2 <= group; h += 2) CHUNK(2);
+    for (; h < group; h++) CHUNK(1);
+#undef CHUNK
 }
 
 /* Kv heads [h0, h1) of the block holding key t0 of `cache` (contiguous: kv head h0's
@@ -159,9 +216,10 @@ static inline __attribute__((always_inline)) void attend_tile(
             const int nk = (int)(t0 + block_size < n_keys ? block_size : n_keys - t0);
             const float *kb = block_heads(k_cache, table, t0, n_keys, h0, h1, num_kv_heads,
                                           block_size, head_dim);
-            for (int h = 0; h < heads; h++)
-                block_scores(qr + h * head_dim, kb + (h / group) * span, nk, head_dim,
-                             block_size, scale, scores + h * n_keys + t0);
+            for (int kv = 0; kv < h1 - h0; kv++)
+                group_scores(qr + kv * group * head_dim, kb + kv * span, nk, head_dim,
+                             block_size, scale, scores + kv * group * n_keys + t0, n_keys,
+                             group);
         }
         /* Softmax per head. */
         for (int h = 0; h < heads; h++) {
@@ -184,9 +242,9 @@ static inline __attribute__((always_inline)) void attend_tile(
             const int nk = (int)(t0 + block_size < n_keys ? block_size : n_keys - t0);
             const float *vb = block_heads(v_cache, table, t0, n_keys, h0, h1, num_kv_heads,
                                           block_size, head_dim);
-            for (int h = 0; h < heads; h++)
-                block_values(scores + h * n_keys + t0, vb + (h / group) * span, nk, head_dim,
-                             orow + h * head_dim);
+            for (int kv = 0; kv < h1 - h0; kv++)
+                group_values(scores + kv * group * n_keys + t0, n_keys, vb + kv * span, nk,
+                             head_dim, orow + kv * group * head_dim, group);
         }
     }
 }
