@@ -75,8 +75,10 @@ static inline __attribute__((always_inline)) void tile(const float *xt, const fl
 #pragma GCC unroll 4
     for (int64_t kk = 0; kk < k; kk++) {
         if (next) {
-            __builtin_prefetch(next + kk * NR);
-            __builtin_prefetch(next + kk * NR + 64 / sizeof(float));
+            /* A whole panel ahead is more than L1 holds: fetch into L2 (prefetcht1).
+             * Into L1 it ran ~10% slower at 8 rows and ~6% at 34 (interleaved runs). */
+            __builtin_prefetch(next + kk * NR, 0, 2);
+            __builtin_prefetch(next + kk * NR + 64 / sizeof(float), 0, 2);
         }
         const vf w0 = *(const vf *)(panel + kk * NR);
         const vf w1 = *(const vf *)(panel + kk * NR + VL);
