@@ -7,6 +7,8 @@ function of the request's tokens so far, so a recomputed request yields the same
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 
 from fleetserve.core.block_manager import BlockManager
@@ -94,7 +96,11 @@ class Harness:
         self, req_id: str, prompt: list[int] | int, max_tokens: int = 4, **kw: object
     ) -> Request:
         if isinstance(prompt, int):
-            prompt = [(hash(req_id) + i) % 50 + 100 for i in range(prompt)]
+            # Same id, same prompt; different ids start with different tokens, so no two
+            # requests share a cached block by chance. (Python's str hash is salted per
+            # process, which once let such a share through in ~4% of runs.)
+            base = 100 + 50 * (zlib.crc32(req_id.encode()) % 1000)
+            prompt = [base + i % 50 for i in range(prompt)]
         self._arrival += 1.0
         kw.setdefault("arrival_time", self._arrival)
         req = Request(req_id, prompt, SamplingParams(max_tokens=max_tokens), **kw)  # type: ignore[arg-type]
