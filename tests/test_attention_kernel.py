@@ -61,7 +61,10 @@ def test_kernel_matches_dense_attention(
     v_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g)
     free = torch.randperm(num_blocks, generator=g).tolist()
     total_q = sum(q for q, _ in shapes)
-    q = torch.randn(total_q, heads, head_dim, generator=g)
+    # q read in place from a slice of a wider row (as from the fused qkv projection).
+    wide = torch.randn(total_q, (heads + 2) * head_dim, generator=g)
+    q = wide[:, head_dim : (heads + 1) * head_dim].view(total_q, heads, head_dim)
+    assert not q.is_contiguous()
     tables, starts, row = [], [], 0
     for q_len, ctx in shapes:
         tables.append([free.pop() for _ in range(-(-(q_len + ctx) // block_size))])

@@ -16,6 +16,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chat", dest="chat", action="store_false", help="skip the chat template")
     p.add_argument("--system", default=None, help="optional system message")
     add_engine_args(p)
+    # One request: a KV cache sized for one sequence at full length, not the serving
+    # default of 64 (the cache is allocated and faulted in at start-up).
+    p.set_defaults(max_num_seqs=1)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -89,7 +89,7 @@ def load() -> ctypes.CDLL | None:
         return None
     p, i64p = ctypes.c_void_p, ctypes.c_void_p
     lib.paged_attention.argtypes = [
-        p, p, p, p,  # q, k_cache, v_cache, out
+        p, ctypes.c_int64, p, p, p,  # q, its row stride, k_cache, v_cache, out
         ctypes.c_int, i64p, i64p, i64p, i64p, ctypes.c_int64,  # seqs, starts, lens, tables
         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # heads, kv heads, hd, bs
         ctypes.c_float, ctypes.c_int,  # scale, threads
@@ -240,17 +240,25 @@ def paged_attention(
 ) -> None:
     """Attend the given sequences' query rows of ``q`` into the same rows of ``out``.
 
-    q/out: [num_tokens, num_heads, head_dim]; k_cache: [num_blocks, num_kv_heads,
-    head_dim, block_size] (d-major within a block); v_cache: [num_blocks, num_kv_heads,
-    block_size, head_dim] (`kv_cache_shapes`); q_starts/q_lens/seq_lens: int64
-    [num_seqs]; block_tables: int64 [num_seqs, max_blocks]. All float32, contiguous, on
-    the CPU.
+    q/out: [num_tokens, num_heads, head_dim] (q's tokens may be strided, e.g. a slice of
+    the fused qkv output, each token's heads contiguous); k_cache: [num_blocks,
+    num_kv_heads, head_dim, block_size] (d-major within a block); v_cache: [num_blocks,
+    num_kv_heads, block_size, head_dim] (`kv_cache_shapes`); q_starts/q_lens/seq_lens:
+    int64 [num_seqs]; block_tables: int64 [num_seqs, max_blocks]. All float32 on the
+    CPU, contiguous but for q.
     """
     lib = load()
     assert lib is not None, "CPU kernels not available"
-    for name, t in (("q", q), ("out", out)):
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
+    if q.device.type != "cpu" or q.dim() != 3:
+        raise ValueError("q must be a [tokens, heads, head_dim] float32 CPU tensor")
+    _check_heads(q=q)
+    if (
+        out.dtype != torch.float32
+        or not out.is_contiguous()
+        or out.device.type != "cpu"
+        or out.shape != q.shape
+    ):
+        raise ValueError("out must be a contiguous float32 CPU tensor shaped like q")
     if _check_caches(k_cache, v_cache, k_cache.shape[1], q.shape[2]) != block_size:
         raise ValueError(f"block_size {block_size} does not match the caches")
     for name, t in (
@@ -266,6 +274,7 @@ def paged_attention(
         return
     rc = lib.paged_attention(
         q.data_ptr(),
+        q.stride(0),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         out.data_ptr(),

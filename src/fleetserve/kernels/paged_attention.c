@@ -1,8 +1,9 @@
 /* Paged attention for the CPU: each query row reads its request's keys and values
  * straight from the paged KV cache, block by block, with no gathered copy.
  *
- * Layout (float32, contiguous):
- *   q, out       [num_tokens, num_heads, head_dim]
+ * Layout (float32, contiguous but for q's rows):
+ *   q, out       [num_tokens, num_heads, head_dim]; q's token rows q_stride floats apart
+ *                (a slice of the fused qkv projection), each row's heads contiguous
  *   k cache      [num_blocks, num_kv_heads, head_dim, block_size]: d-major within a
  *                block, so the scores of a block's keys are block_size-wide vector FMAs
  *                with no horizontal sums
@@ -197,7 +198,7 @@ static inline const float *block_heads(const float *cache, const int64_t *table,
  * Always inlined into attend_tile_dispatch so that common head sizes get a copy with
  * head_dim a constant: fixed-length loops the compiler unrolls into vector registers. */
 static inline __attribute__((always_inline)) void attend_tile(
-    const float *q, const float *k_cache, const float *v_cache, float *out,
+    const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, float *out,
     const int64_t *table, int64_t q_start, int64_t q_len, int64_t seq_len, int64_t r0,
     int64_t r1, int h0, int h1, int num_heads, int num_kv_heads, const int head_dim,
     int block_size, float scale, float *scores) {
@@ -208,7 +209,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int64_t row_stride = (int64_t)num_heads * head_dim;
     for (int64_t r = r0; r < r1; r++) {
         const int64_t n_keys = ctx + r + 1;
-        const float *qr = q + (q_start + r) * row_stride + (int64_t)h0 * group * head_dim;
+        const float *qr = q + (q_start + r) * q_stride + (int64_t)h0 * group * head_dim;
         float *orow = out + (q_start + r) * row_stride + (int64_t)h0 * group * head_dim;
         /* Pass 1: scores[h * n_keys + t] = scale * q_h . k_t, a block of keys at a time
          * (a kv head's keys stay in L1 across the query heads that share it). */
@@ -249,13 +250,13 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
 }
 
-static void attend_tile_dispatch(const float *q, const float *k_cache, const float *v_cache,
+static void attend_tile_dispatch(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                                  float *out, const int64_t *table, int64_t q_start,
                                  int64_t q_len, int64_t seq_len, int64_t r0, int64_t r1,
                                  int h0, int h1, int num_heads, int num_kv_heads, int head_dim,
                                  int block_size, float scale, float *scores) {
 #define ATTEND(HD)                                                                          \
-    attend_tile(q, k_cache, v_cache, out, table, q_start, q_len, seq_len, r0, r1, h0, h1,   \
+    attend_tile(q, q_stride, k_cache, v_cache, out, table, q_start, q_len, seq_len, r0, r1, h0, h1,   \
                 num_heads, num_kv_heads, HD, block_size, scale, scores)
     switch (head_dim) {
         case 64: ATTEND(64); break;
@@ -266,7 +267,7 @@ static void attend_tile_dispatch(const float *q, const float *k_cache, const flo
 }
 
 /* Returns 0, or -1 if a score buffer could not be allocated. */
-int paged_attention(const float *q, const float *k_cache, const float *v_cache, float *out,
+int paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, float *out,
                     int num_seqs, const int64_t *q_starts, const int64_t *q_lens,
                     const int64_t *seq_lens, const int64_t *tables, int64_t max_blocks,
                     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
@@ -304,7 +305,7 @@ int paged_attention(const float *q, const float *k_cache, const float *v_cache, 
                 r0 = local / num_kv_heads * Q_TILE;
                 r1 = r0 + Q_TILE < q_lens[seq] ? r0 + Q_TILE : q_lens[seq];
             }
-            attend_tile_dispatch(q, k_cache, v_cache, out, tables + (int64_t)seq * max_blocks,
+            attend_tile_dispatch(q, q_stride, k_cache, v_cache, out, tables + (int64_t)seq * max_blocks,
                                  q_starts[seq], q_lens[seq], seq_lens[seq], r0, r1, h0, h1,
                                  num_heads, num_kv_heads, head_dim, block_size, scale, scores);
         }

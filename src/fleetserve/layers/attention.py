@@ -40,16 +40,18 @@ class Attention(torch.nn.Module):
         else:
             k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
             v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
-        q = q.contiguous()
-        out = torch.empty_like(q)
         if meta.paged is not None:
-            # CPU kernels: every sequence (decodes and prefill chunks) in one call.
+            # CPU kernels: every sequence (decodes and prefill chunks) in one call, q read
+            # in place from the fused qkv output.
+            out = torch.empty(q.shape, dtype=q.dtype)
             p = meta.paged
             cpu_kernels.paged_attention(
                 q, k_cache, v_cache, out, p.q_starts, p.q_lens, p.seq_lens,
                 p.block_tables, meta.block_size, self.scale,
             )  # fmt: skip
             return out
+        q = q.contiguous()
+        out = torch.empty_like(q)
         nd = meta.num_decodes
         self._decodes_torch(meta, q, out)
         qsl = meta.query_start_loc
