@@ -177,7 +177,9 @@ class ModelRunner:
             tables = [s.block_ids[:nblk] for s in ordered]
             paged = PagedSeqs(
                 q_starts=torch.tensor(qsl[:-1], dtype=torch.long),
-                q_lens=torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(ordered))]),
+                q_lens=torch.tensor(
+                    [qsl[i + 1] - qsl[i] for i in range(len(ordered))], dtype=torch.long
+                ),
                 seq_lens=torch.tensor(seq_lens, dtype=torch.long),
                 block_tables=torch.tensor(
                     [row + [0] * (nblk - len(row)) for row in tables], dtype=torch.long
