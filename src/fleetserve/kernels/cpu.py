@@ -247,8 +247,7 @@ def paged_attention(
     int64 [num_seqs]; block_tables: int64 [num_seqs, max_blocks]. All float32 on the
     CPU, contiguous but for q.
     """
-    lib = load()
-    assert lib is not None, "CPU kernels not available"
+    lib = _lib()
     if q.device.type != "cpu" or q.dim() != 3:
         raise ValueError("q must be a [tokens, heads, head_dim] float32 CPU tensor")
     _check_heads(q=q)

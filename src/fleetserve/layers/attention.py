@@ -34,22 +34,21 @@ class Attention(torch.nn.Module):
         k_cache, v_cache = self.k_cache, self.v_cache
         assert k_cache is not None and v_cache is not None, "KV cache not bound"
         if meta.cpu_kernels:
+            # Every sequence (decodes and prefill chunks) in one kernel call, q read in
+            # place from the fused qkv output.
+            p = meta.paged
+            assert p is not None, "the runner builds `paged` whenever cpu_kernels is set"
             cpu_kernels.cache_write(
                 k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets
             )  # fmt: skip
-        else:
-            k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
-            v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
-        if meta.paged is not None:
-            # CPU kernels: every sequence (decodes and prefill chunks) in one call, q read
-            # in place from the fused qkv output.
             out = torch.empty(q.shape, dtype=q.dtype)
-            p = meta.paged
             cpu_kernels.paged_attention(
                 q, k_cache, v_cache, out, p.q_starts, p.q_lens, p.seq_lens,
                 p.block_tables, meta.block_size, self.scale,
             )  # fmt: skip
             return out
+        k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
+        v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
         q = q.contiguous()
         out = torch.empty_like(q)
         nd = meta.num_decodes
