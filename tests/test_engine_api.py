@@ -167,6 +167,8 @@ def test_min_tokens_defers_eos(llm: LLM) -> None:
         ({"logprobs": 21}, "logprobs"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"stop": [""]}, "stop"),
+        ({"stop": "\udbff"}, "stop"),
+        ({"stop": ["ok", "\ud800"]}, "stop"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kw: dict[str, Any], field: str) -> None:
@@ -184,6 +186,9 @@ def test_bad_sampling_params_name_the_field(kw: dict[str, Any], field: str) -> N
         ({"prompt_token_ids": [5, 100_000]}, None, "vocab"),
         ({"prompt_token_ids": [5, -1]}, None, "vocab"),
         ("the cat", SamplingParams(stop_token_ids=[100_000]), "stop_token_ids"),
+        ("the \ud800 cat", None, "^prompt .*Unicode"),
+        ({"prompt": "a\udfff"}, None, "^prompt .*Unicode"),
+        ({"prompt_token_ids": [5, 6], "prompt": "\ud800"}, None, "^prompt .*Unicode"),
     ],
 )
 def test_bad_requests_raise_and_leave_the_engine_usable(

@@ -87,6 +87,10 @@ class ServerMetrics:
             if key in stats:
                 gauge.set(stats[key])
 
+    def clear_engine_stats(self) -> None:
+        for gauge in self._gauges.values():
+            gauge.set(0.0)
+
     def add_prompt_tokens(self, num_tokens: int) -> None:
         self._prompt_tokens.inc(num_tokens)
 

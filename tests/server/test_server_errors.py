@@ -145,7 +145,8 @@ def test_body_too_large(http: httpx.Client) -> None:
             yield b"y" * 1000
         yield b'"}'
 
-    check_error(http.post("/v1/completions", content=chunks()), 413)
+    json_type = {"Content-Type": "application/json"}
+    check_error(http.post("/v1/completions", content=chunks(), headers=json_type), 413)
 
 
 def test_unknown_route_and_method(http: httpx.Client) -> None:

@@ -8,6 +8,15 @@ MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
 
 
+def is_valid_unicode(text: str) -> bool:
+    """False for text UTF-8 cannot encode (lone UTF-16 surrogates, e.g. from JSON "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclass
 class SamplingParams:
     """What to generate and how, in vLLM's vocabulary.
@@ -86,6 +95,8 @@ class SamplingParams:
             raise bad("stop", f"at most {MAX_STOP_STRINGS} strings", len(self._stop_list))
         if any(not isinstance(s, str) or s == "" for s in self._stop_list):
             raise bad("stop", "non-empty strings", self.stop)
+        if not all(is_valid_unicode(s) for s in self._stop_list):
+            raise ValueError("stop holds text that is not valid Unicode (a lone surrogate)")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):

@@ -190,6 +190,8 @@ class AsyncEngine:
 
     def _fail_all(self, reason: str) -> None:
         self.dead_reason = reason
+        if self.metrics is not None:
+            self.metrics.clear_engine_stats()  # a dead engine runs and holds nothing
         for stream in list(self._streams.values()):
             stream.queue.put_nowait(EngineDeadError(reason))
 
@@ -256,15 +258,33 @@ class AsyncEngine:
                 f"the KV cache capacity of {capacity} tokens"
             )
         child_ids = self.output_processor.add_request(request_id, text, ids, params)
+        try:
+            # Encoded before anything is counted: a message that cannot be encoded fails
+            # here and leaves no trace.
+            wire_params = params_to_wire(params)
+            group = request_id if len(child_ids) > 1 else None
+            messages = [
+                self._encoder.encode(
+                    AddRequest(cid, ids, wire_params, self.eos_token_ids, priority, group)
+                )
+                for cid in child_ids
+            ]
+        except Exception:
+            self.output_processor.abort(request_id)
+            raise
+        # The waiting slot is taken here and given back in one place, `_release` (via
+        # stream.close()) or the first output; if sending fails, closing gives it back.
         stream = RequestStream(self, request_id, params.n)
         self._streams[request_id] = stream
         self._num_unstarted += 1
+        try:
+            for raw in messages:
+                self._in_sock.send(raw, copy=False)
+        except BaseException:
+            stream.close()
+            raise
         if self.metrics is not None:
             self.metrics.add_prompt_tokens(len(ids))
-        wire_params = params_to_wire(params)
-        group = request_id if len(child_ids) > 1 else None
-        for cid in child_ids:
-            self._send(AddRequest(cid, ids, wire_params, self.eos_token_ids, priority, group))
         return stream
 
     async def generate(

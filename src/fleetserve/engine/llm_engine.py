@@ -10,7 +10,7 @@ from typing import Any
 
 from fleetserve.config import EngineConfig
 from fleetserve.core.request import Request
-from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.core.sampling_params import SamplingParams, is_valid_unicode
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.core import EngineCore
 from fleetserve.engine.output_processor import OutputProcessor
@@ -36,6 +36,8 @@ class PromptRules:
         if isinstance(prompt, str):
             if prompt == "":
                 raise ValueError("prompt must not be empty")
+            if not is_valid_unicode(prompt):
+                raise ValueError("prompt holds text that is not valid Unicode (a lone surrogate)")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -51,6 +53,8 @@ class PromptRules:
             raise ValueError("prompt_token_ids must be a list of integers")
         if not ids:
             raise ValueError("prompt_token_ids must not be empty")
+        if text is not None and (not isinstance(text, str) or not is_valid_unicode(text)):
+            raise ValueError("prompt must be a string of valid Unicode")
         return text, list(ids)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -98,6 +98,11 @@ class DataParallelEngine:
         metrics.registry.register(ReplicaCollector(metrics.model_name, self.replicas, self.router))
 
     @property
+    def max_waiting_requests(self) -> int:
+        """Requests the replicas queue at most, together."""
+        return sum(r.engine.max_waiting_requests for r in self.replicas)
+
+    @property
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len
 

@@ -23,7 +23,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import uvicorn
@@ -31,18 +31,23 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.async_engine import AsyncEngine
 from fleetserve.entrypoints.engine_args_cli import add_engine_args, engine_args_from
+from fleetserve.entrypoints.openai.body import ClientGone
 from fleetserve.entrypoints.openai.errors import APIError, error_body, error_response
+from fleetserve.entrypoints.openai.http_protocol import FrontDoorH11Protocol
+from fleetserve.entrypoints.openai.openapi import install_request_schemas
+from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from fleetserve.entrypoints.openai.serving_chat import create_chat_completion
-from fleetserve.entrypoints.openai.serving_common import ClientGone, ServingContext
+from fleetserve.entrypoints.openai.serving_common import ServingContext
 from fleetserve.entrypoints.openai.serving_completion import create_completion
 from fleetserve.metrics import CONTENT_TYPE, ServerMetrics
 from fleetserve.serve.policies import POLICY_NAMES
 
-_OPEN_PATHS = ("/health", "/ready")
+_OPEN_PATHS = ("/health", "/ready", "/live")
 _CLIENT_CLOSED = 499  # nginx's code for "client closed request"; nobody reads it
 
 
@@ -69,6 +74,19 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests may take after SIGTERM",
     )
     g.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024)
+    g.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=15.0,
+        help="seconds a client may take to send a request's headers, and then its body",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=[],
+        metavar="ORIGIN",
+        help="web origins (https://app.example) whose pages may call the API (CORS); default: none",
+    )
     g.add_argument("--log-level", default="info")
     dp = p.add_argument_group("data parallel")
     dp.add_argument(
@@ -103,7 +121,9 @@ class ServerState:
         self.server: DrainingServer | None = None
 
 
-def build_app(state: ServerState, drain_timeout: float) -> FastAPI:
+def build_app(
+    state: ServerState, drain_timeout: float, allowed_origins: Sequence[str] = ()
+) -> FastAPI:
     engine = state.ctx.engine
 
     @contextlib.asynccontextmanager
@@ -136,13 +156,18 @@ def build_app(state: ServerState, drain_timeout: float) -> FastAPI:
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
         return JSONResponse(error_body(400, str(exc)), 400)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if engine.dead_reason is not None and not state.draining:
             return JSONResponse(error_body(503, engine.dead_reason), 503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/ready")
+    @app.api_route("/live", methods=["GET", "HEAD"])
+    async def live() -> Response:
+        """Liveness: the process answers. Restart it only when this fails."""
+        return JSONResponse({"status": "ok"})
+
+    @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready() -> Response:
         ok = engine.is_ready and not state.draining
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
@@ -153,6 +178,8 @@ def build_app(state: ServerState, drain_timeout: float) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
+        if engine.dead_reason is not None:  # a model that cannot answer is not listed
+            return JSONResponse({"object": "list", "data": []})
         card = {
             "id": state.ctx.served_model_name,
             "object": "model",
@@ -171,7 +198,19 @@ def build_app(state: ServerState, drain_timeout: float) -> FastAPI:
     async def chat(request: Request) -> Response:
         return await create_chat_completion(state.ctx, request)
 
-    return GuardMiddleware(app, state)  # type: ignore[return-value]
+    install_request_schemas(
+        app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+    )
+    guarded: Any = GuardMiddleware(app, state)
+    if allowed_origins:
+        # Outside the guard, so that preflights (which carry no credentials) are answered.
+        guarded = CORSMiddleware(
+            guarded,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "X-Fleetserve-Class"],
+        )
+    return guarded  # type: ignore[no-any-return]
 
 
 class GuardMiddleware:
@@ -304,13 +343,33 @@ def _make_engine(engine_args: EngineArgs, args: argparse.Namespace) -> Any:
     )
 
 
+def api_key_from(flag: str | None, env: Mapping[str, str]) -> str | None:
+    """The key from --api-key, else $FLEETSERVE_API_KEY, else None (no auth). An empty key
+    or one with surrounding spaces is refused: the first would turn auth off without a
+    word, the second could never match (clients strip the header value)."""
+    source, key = ("--api-key", flag) if flag is not None else ("FLEETSERVE_API_KEY", None)
+    if flag is None:
+        key = env.get("FLEETSERVE_API_KEY")
+    if key is None:
+        return None
+    if key == "":
+        raise ValueError(f"{source} is empty; give a key, or leave it out to serve without auth")
+    if key != key.strip():
+        raise ValueError(f"{source} has leading or trailing whitespace, so it could never match")
+    if not key.isprintable() or not key.isascii():
+        raise ValueError(f"{source} must be printable ASCII (it travels in an HTTP header)")
+    return key
+
+
 def run(args: argparse.Namespace) -> int:
     if args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if not args.request_read_timeout > 0:
+        raise ValueError(f"--request-read-timeout must be > 0, got {args.request_read_timeout}")
+    api_key = api_key_from(args.api_key, os.environ)
     engine_args = engine_args_from(args)
-    api_key = args.api_key or os.environ.get("FLEETSERVE_API_KEY") or None
     try:
         engine = _make_engine(engine_args, args)
     except OSError as e:  # a missing checkpoint or default model: a user error, no traceback
@@ -318,13 +377,14 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or default_served_name(engine.config.model_path)
     metrics = ServerMetrics(name)
     engine.metrics = metrics
-    ctx = ServingContext(engine, name, args.max_request_bytes)
+    ctx = ServingContext(engine, name, args.max_request_bytes, args.request_read_timeout)
     state = ServerState(ctx, metrics, api_key)
-    app = build_app(state, args.drain_timeout)
+    app = build_app(state, args.drain_timeout, args.allowed_origins)
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
+        http=FrontDoorH11Protocol.with_header_timeout(args.request_read_timeout),
         log_level=args.log_level,
         lifespan="on",
         timeout_graceful_shutdown=5,

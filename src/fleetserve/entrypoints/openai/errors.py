@@ -65,6 +65,10 @@ def from_validation_error(e: ValidationError) -> APIError:
     msg = first.get("msg", "invalid value")
     if first.get("type") == "missing":
         return APIError(400, f"{param} is required", param)
+    if first.get("type") == "extra_forbidden":
+        return APIError(
+            400, f"{param} is not supported by fleetserve", param, code="unsupported_field"
+        )
     return APIError(400, f"{param}: {msg}" if param else msg, param)
 
 

@@ -21,7 +21,7 @@ from fleetserve.entrypoints.openai.serving_common import (
     new_id,
     now,
     parse,
-    read_json,
+    read_body,
     sse,
     sse_error,
     submit,
@@ -49,7 +49,7 @@ def _prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
-    req = parse(ChatCompletionRequest, await read_json(request, ctx.max_body_bytes))
+    req = parse(ChatCompletionRequest, await read_body(ctx, request))
     ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")

@@ -24,6 +24,7 @@ from fleetserve.engine.async_engine import (
     EngineOverloadedError,
     RequestStream,
 )
+from fleetserve.entrypoints.openai.body import ClientGone, read_json
 from fleetserve.entrypoints.openai.errors import (
     APIError,
     error_body,
@@ -36,6 +37,8 @@ M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
 RETRY_AFTER_S = 1
+# A dead engine comes back only when an orchestrator replaces the server: retry later.
+RETRY_AFTER_DEAD_S = 10
 
 
 @dataclass
@@ -43,16 +46,27 @@ class ServingContext:
     engine: AsyncEngine
     served_model_name: str
     max_body_bytes: int
+    read_timeout_s: float = 15.0
     draining: bool = False
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model_name:
             raise APIError(
                 404,
-                f"the model {name!r} does not exist; this server serves {self.served_model_name!r}",
+                f"the model {shorten(name)!r} does not exist; this server serves "
+                f"{self.served_model_name!r}",
                 "model",
                 "model_not_found",
             )
+
+
+def shorten(text: str, limit: int = 200) -> str:
+    """User text echoed in an error message, cut so a huge field is not sent back whole."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+async def read_body(ctx: ServingContext, request: Request) -> dict[str, Any]:
+    return await read_json(request, ctx.max_body_bytes, ctx.read_timeout_s)
 
 
 def new_id(prefix: str) -> str:
@@ -61,26 +75,6 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
-
-
-async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object; 413 past max_bytes, 400 if not a JSON object."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise APIError(413, f"the request body is larger than {max_bytes} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"the request body is larger than {max_bytes} bytes")
-        chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks))
-    except (ValueError, RecursionError) as e:
-        raise APIError(400, f"the body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the body must be a JSON object")
-    return body
 
 
 def parse(model: type[M], body: dict[str, Any]) -> M:
@@ -97,7 +91,12 @@ def engine_error(e: Exception) -> APIError:
     if isinstance(e, EngineNotReadyError):
         return APIError(503, str(e), code="loading", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(e, EngineDeadError):
-        return APIError(503, f"the engine is unavailable: {e}", code="engine_unavailable")
+        return APIError(
+            503,
+            f"the engine is unavailable: {e}",
+            code="engine_unavailable",
+            headers={"Retry-After": str(RETRY_AFTER_DEAD_S)},
+        )
     if isinstance(e, ValueError):
         return from_value_error(e)
     raise e
@@ -107,6 +106,15 @@ def submit(
     ctx: ServingContext, request_id: str, prompts: list[Any], params_for: Any, priority: int
 ) -> list[RequestStream]:
     """Adds one engine request per prompt; all or none."""
+    bound = ctx.engine.max_waiting_requests
+    if len(prompts) > bound:
+        # It could never be admitted whole: a client error, not a retryable overload.
+        raise APIError(
+            400,
+            f"prompt: this server queues at most {bound} prompts at a time; "
+            f"got {len(prompts)} in one request",
+            "prompt",
+        )
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
@@ -166,10 +174,6 @@ async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
             s.close()
     assert all(f is not None for f in finals)
     return finals  # type: ignore[return-value]
-
-
-class ClientGone(Exception):
-    pass
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

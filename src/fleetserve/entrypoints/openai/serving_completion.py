@@ -21,7 +21,7 @@ from fleetserve.entrypoints.openai.serving_common import (
     new_id,
     now,
     parse,
-    read_json,
+    read_body,
     sse,
     sse_error,
     submit,
@@ -47,7 +47,7 @@ def _prompts(prompt: Any) -> list[Any]:
 
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
-    req = parse(CompletionRequest, await read_json(request, ctx.max_body_bytes))
+    req = parse(CompletionRequest, await read_body(ctx, request))
     ctx.check_model(req.model)
     if req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
