@@ -208,12 +208,12 @@ class Scheduler:
             if batch_full or len(self.running) >= self.config.max_num_seqs:
                 # Full batch: only a more important request gets in, in a victim's seat
                 # (one of this batch's, when it is the batch that is full).
-                victim = self._victim_for(req, skip_req_ids, num_scheduled if batch_full else None)
-                if victim is None:
+                seat = self._victim_for(req, skip_req_ids, num_scheduled if batch_full else None)
+                if seat is None:
                     break
-                self._preempt(victim)
-                budget += num_scheduled.pop(victim.req_id, 0)
-                skip.add(victim.req_id)  # not back in this step
+                self._preempt(seat)
+                budget += num_scheduled.pop(seat.req_id, 0)
+                skip.add(seat.req_id)  # not back in this step
             while True:
                 hits, num_hit_tokens = bm.get_computed_blocks(req)
                 num_new = req.num_tokens - num_hit_tokens
@@ -222,13 +222,13 @@ class Scheduler:
                 if fits and bm.allocate_slots(req, num_new, hits):
                     break
                 # Out of blocks (or budget): a more important request takes a victim's.
-                victim = self._victim_for(req, skip_req_ids)
-                if victim is None:
+                donor = self._victim_for(req, skip_req_ids)
+                if donor is None:
                     num_new = 0
                     break
-                self._preempt(victim)
-                budget += num_scheduled.pop(victim.req_id, 0)
-                skip.add(victim.req_id)
+                self._preempt(donor)
+                budget += num_scheduled.pop(donor.req_id, 0)
+                skip.add(donor.req_id)
             if num_new == 0:
                 break
             self._admit(req, num_hit_tokens)
