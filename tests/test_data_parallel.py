@@ -28,7 +28,7 @@ from fleetserve.serve.policies import (
     RoundRobin,
     make_policy,
 )
-from fleetserve.serve.replica import ReplicaHandle
+from fleetserve.serve.replica import LocalReplica
 from fleetserve.serve.router import NoHealthyReplicaError, Router
 
 sys.path.insert(0, str(Path(__file__).parent / "server"))
@@ -234,7 +234,7 @@ def output(lengths: list[int], finished: bool) -> RequestOutput:
     return RequestOutput("x", None, [1, 2, 3], choices, finished)
 
 
-def make_handle(outs: list[RequestOutput]) -> tuple[ReplicaHandle, FakeStream]:
+def make_handle(outs: list[RequestOutput]) -> tuple[LocalReplica, FakeStream]:
     stream = FakeStream(outs)
 
     def add_request(rid: str, prompt: Any, params: SamplingParams, priority: int) -> FakeStream:
@@ -243,7 +243,7 @@ def make_handle(outs: list[RequestOutput]) -> tuple[ReplicaHandle, FakeStream]:
         return stream
 
     engine = SimpleNamespace(is_ready=True, on_stats=None, add_request=add_request)
-    return ReplicaHandle(0, engine, ewma_alpha=0.5, warmup_steps=2), stream  # type: ignore[arg-type]
+    return LocalReplica(0, engine, ewma_alpha=0.5, warmup_steps=2), stream  # type: ignore[arg-type]
 
 
 def test_replica_handle_load_accounting() -> None:
