@@ -108,9 +108,7 @@ def test_engine_priority_orders_class_before_request_priority() -> None:
 
 ops = st.lists(
     st.one_of(
-        st.tuples(
-            st.just("push"), st.sampled_from(["interactive", "batch"]), st.integers(-2, 2)
-        ),
+        st.tuples(st.just("push"), st.sampled_from(["interactive", "batch"]), st.integers(-2, 2)),
         st.tuples(st.just("pop")),
         st.tuples(st.just("remove"), st.integers(0, 50)),
         st.tuples(st.just("tick"), st.floats(0.0, 3.0)),
