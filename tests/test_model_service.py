@@ -208,9 +208,11 @@ def test_bad_class_and_priority_under_fcfs_are_refused(tiny_llama: str) -> None:
     async def main() -> None:
         svc = service(tiny_llama, policy="fcfs")
         await svc.start()
-        with pytest.raises(ValueError, match="unknown service class 'gold'"):
+        with pytest.raises(ValueError, match="service_tier 'gold' is not a service class"):
             await admit(svc, "a", "gold")
-        with pytest.raises(ValueError, match="priority: this model schedules first-come"):
+        with pytest.raises(
+            ValueError, match="priority is not honoured by 'm': it schedules first-come"
+        ):
             await admit(svc, "a", None, priority=3)
         await admit(svc, "ok", None, priority=0)
         await svc.shutdown()

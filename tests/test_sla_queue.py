@@ -90,7 +90,10 @@ def test_removed_entries_are_skipped_and_free_their_place() -> None:
 def test_unknown_class_and_default() -> None:
     q = queue()
     assert q.resolve(None).name == "interactive"
-    with pytest.raises(ValueError, match="unknown service class 'gold'; this server has batch"):
+    with pytest.raises(
+        ValueError,
+        match="service_tier 'gold' is not a service class here .*; classes: batch, inter",
+    ):
         q.resolve("gold")
     with pytest.raises(ValueError, match="default_class 'x'"):
         ClassQueue(CLASSES, "x")

@@ -20,12 +20,11 @@ from typing import Any
 import msgspec
 
 from fleetserve.core.request import Request
-from fleetserve.engine.wire import (  # noqa: F401 -- old import path, until async_engine moves
+from fleetserve.engine.wire import (
     AbortRequests,
     AddRequest,
     CoreFailure,
     CoreInput,
-    CoreMessage,
     CoreOutputs,
     CoreReady,
     EngineSpec,
@@ -33,7 +32,6 @@ from fleetserve.engine.wire import (  # noqa: F401 -- old import path, until asy
     StopRequests,
     output_to_wire,
     params_from_wire,
-    params_to_wire,
 )
 
 # How long an idle core waits on input before checking that its parent is still alive.

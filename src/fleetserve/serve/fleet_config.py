@@ -45,7 +45,8 @@ MODEL_KINDS: tuple[str, ...] = typing.get_args(ModelKind)
 RoutingName = Literal["round_robin", "least_loaded", "prefix_affinity", "power_of_two"]
 assert set(typing.get_args(RoutingName)) == set(POLICY_NAMES)
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]*$")
+# A name travels in JSON bodies, headers and metric labels: no spaces or control characters.
+_NAME = re.compile(r"^[^\s\x00-\x1f\x7f]+$")
 
 
 class _Strict(BaseModel):
@@ -92,7 +93,7 @@ class ModelEntry(_Strict):
     @model_validator(mode="after")
     def _check_kind(self) -> ModelEntry:
         if not _NAME.match(self.name):
-            raise ValueError(f"name {self.name!r}: letters, digits and . _ - / only")
+            raise ValueError(f"name {self.name!r}: no spaces or control characters")
         if self.kind == "custom":
             if self.handler is None or not re.match(r"^[\w.]+:[\w.]+$", self.handler):
                 raise ValueError("a custom model needs handler: 'package.module:ClassName'")
@@ -129,7 +130,7 @@ class FleetConfig(_Strict):
             raise ValueError("classes: at least one class is needed")
         for name in self.classes:
             if not _NAME.match(name):
-                raise ValueError(f"classes: name {name!r}: letters, digits and . _ - / only")
+                raise ValueError(f"classes: name {name!r}: no spaces or control characters")
         if self.default_class is None and len(self.classes) > 1:
             raise ValueError("default_class is required when there is more than one class")
         if self.default_class is not None and self.default_class not in self.classes:
@@ -191,3 +192,20 @@ def load_fleet_config(path: str) -> FleetConfig:
     except yaml.YAMLError as e:
         raise ValueError(f"--config {path}: not valid YAML: {e}") from None
     return parse_fleet_config(data, path)
+
+
+def single_model_fleet(
+    name: str, args: EngineArgs, replicas: int, routing: str, max_waiting: int
+) -> FleetConfig:
+    """`fleetserve serve` without --config: one generate model, one class (`default`),
+    the engine exactly as its flags say (fcfs unless --scheduling-policy priority)."""
+    fields = dataclasses.asdict(args)
+    model = fields.pop("model")
+    entry = {"name": name, "model": model, "replicas": replicas, "routing": routing}
+    return parse_fleet_config(
+        {
+            "models": [{**entry, "engine": fields}],
+            "classes": {"default": {"max_waiting": max_waiting}},
+        },
+        "the command line",
+    )

@@ -248,8 +248,8 @@ class GenerateService:
         cls = self.queue.resolve(class_name)
         if priority != 0 and not self.priority_ordered:
             raise ValueError(
-                "priority: this model schedules first-come first-served; start it with "
-                "--scheduling-policy priority (or use service classes) to order by priority"
+                f"priority is not honoured by {self.name!r}: it schedules first-come "
+                "first-served; serve it with scheduling_policy priority to order by priority"
             )
         items = [self._prepare(f"{request_id}-{i}", p, params_for()) for i, p in enumerate(prompts)]
         loop = asyncio.get_running_loop()

@@ -107,7 +107,8 @@ class ClassQueue(Generic[T]):
         cls = self.classes.get(name)
         if cls is None:
             raise ValueError(
-                f"unknown service class {name!r}; this server has {', '.join(sorted(self.classes))}"
+                f"service_tier {name!r} is not a service class here (header X-Fleetserve-Class "
+                f"or body service_tier); classes: {', '.join(sorted(self.classes))}"
             )
         return cls
 

@@ -13,8 +13,10 @@ from fleetserve.entrypoints.openai.errors import APIError, from_value_error
 from fleetserve.entrypoints.openai.protocol import MAX_N, CompletionRequest
 from fleetserve.entrypoints.openai.serving_common import (
     SSE_DONE,
+    ModelContext,
     ServingContext,
     SSEResponse,
+    admit,
     collect,
     finite,
     merged,
@@ -22,9 +24,9 @@ from fleetserve.entrypoints.openai.serving_common import (
     now,
     parse,
     read_body,
+    service_class,
     sse,
     sse_error,
-    submit,
     token_text,
     top_entries,
     unless_disconnected,
@@ -46,9 +48,10 @@ def _prompts(prompt: Any) -> list[Any]:
     return [{"prompt_token_ids": ids} for ids in prompt]
 
 
-async def create_completion(ctx: ServingContext, request: Request) -> Response:
-    req = parse(CompletionRequest, await read_body(ctx, request))
-    ctx.check_model(req.model)
+async def create_completion(server: ServingContext, request: Request) -> Response:
+    req = parse(CompletionRequest, await read_body(server, request))
+    ctx = server.generate_model(req.model)
+    class_name = service_class(request, req.service_tier)
     if req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -62,7 +65,9 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     except ValueError as e:
         raise from_value_error(e) from None
     request_id = new_id("cmpl")
-    streams = submit(ctx, request_id, prompts, lambda: copy.copy(base), req.priority)
+    streams = await admit(
+        request, ctx, request_id, prompts, lambda: copy.copy(base), req.priority, class_name
+    )
     if req.stream:
         return SSEResponse(_stream(ctx, req, request_id, streams))
     finals = await unless_disconnected(request, collect(streams))
@@ -70,7 +75,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
 
 
 def _full_response(
-    ctx: ServingContext, req: CompletionRequest, request_id: str, finals: list[RequestOutput]
+    ctx: ModelContext, req: CompletionRequest, request_id: str, finals: list[RequestOutput]
 ) -> dict[str, Any]:
     choices = []
     num_prompt = num_completion = 0
@@ -102,7 +107,7 @@ def _full_response(
 
 
 async def _stream(
-    ctx: ServingContext, req: CompletionRequest, request_id: str, streams: list[Any]
+    ctx: ModelContext, req: CompletionRequest, request_id: str, streams: list[Any]
 ) -> AsyncIterator[str]:
     created = now()
     # Per choice: characters and tokens already sent (echo sends the prompt first).
@@ -150,7 +155,7 @@ async def _stream(
 
 
 def _chunk(
-    ctx: ServingContext, request_id: str, created: int, choices: list[Any], extra: dict[str, Any]
+    ctx: ModelContext, request_id: str, created: int, choices: list[Any], extra: dict[str, Any]
 ) -> dict[str, Any]:
     return {
         "id": request_id,
@@ -162,14 +167,14 @@ def _chunk(
     }
 
 
-def _prompt_text(ctx: ServingContext, out: RequestOutput) -> str:
+def _prompt_text(ctx: ModelContext, out: RequestOutput) -> str:
     if out.prompt is not None:
         return out.prompt
     return ctx.engine.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
 
 
 def _logprobs(
-    ctx: ServingContext,
+    ctx: ModelContext,
     req: CompletionRequest,
     out: RequestOutput,
     c: CompletionOutput,
