@@ -309,7 +309,7 @@ def test_debug_step_delay_format() -> None:
 # prompts below) by the least-loaded rule, so that server also runs the balance tests.
 SLOW_STEP_S = 0.1
 _SERVER_ARGS: dict[str, tuple[list[str], dict[str, str]]] = {
-    "round_robin": (["--routing", "round_robin"], {}),
+    "round_robin": (["--routing", "round_robin", "--scheduling-policy", "priority"], {}),
     "prefix_affinity": (["--routing", "prefix_affinity"], {}),
     # Replica 1 is slowed; after the straggler test, its death is tested too.
     "slow": (["--routing", "round_robin"], {"FLEETSERVE_DEBUG_STEP_DELAY_S": f"1:{SLOW_STEP_S}"}),
