@@ -100,9 +100,7 @@ class EmbeddingModel:
             for i, text in enumerate(inputs):
                 if not text:
                     raise ValueError(f"input[{i}] is an empty string")
-            enc = self.tokenizer(
-                list(inputs), truncation=True, max_length=self.max_input_tokens
-            )
+            enc = self.tokenizer(list(inputs), truncation=True, max_length=self.max_input_tokens)
             return [list(ids) for ids in enc["input_ids"]]
         if all(isinstance(x, (list, tuple)) for x in inputs):
             return [self._check_ids(i, ids) for i, ids in enumerate(inputs)]  # type: ignore[arg-type]
@@ -115,9 +113,7 @@ class EmbeddingModel:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
                 raise ValueError(f"input[{i}] holds {t!r}, not a token id")
             if not 0 <= t < self.vocab_size:
-                raise ValueError(
-                    f"input[{i}] holds token id {t}, outside [0, {self.vocab_size})"
-                )
+                raise ValueError(f"input[{i}] holds token id {t}, outside [0, {self.vocab_size})")
         out = [int(t) for t in ids]
         n = self.max_input_tokens
         if len(out) > n:
