@@ -2,7 +2,12 @@
 
 ``forward(input_ids, attention_mask) -> last_hidden_state``: a padded batch in, one hidden
 vector per token out. Post-LayerNorm layers, as the original BERT: each sub-block adds its
-input back and then normalises. Module names follow HF's checkpoints (including the
+input back and then normalises.
+
+Padding costs no compute where the compute is: the real tokens are packed into one
+[num_tokens, hidden] matrix for every linear layer, LayerNorm and GELU, and only attention
+sees the padded [batch, heads, seq, head_dim] layout (its keys masked). A batch of short and
+long inputs therefore costs the sum of their lengths, not batch x longest. Module names follow HF's checkpoints (including the
 submodule literally called ``self`` inside ``attention``) so weights load by name.
 """
 
@@ -62,6 +67,33 @@ class BertConfig:
         )
 
 
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where the packed tokens sit in the padded [batch, seq] grid."""
+
+    index: torch.Tensor  # [num_tokens] flat positions in batch * seq
+    batch: int
+    seq: int
+    key_mask: torch.Tensor  # [batch, 1, 1, seq], True where the key is a real token
+
+    @classmethod
+    def from_mask(cls, attention_mask: torch.Tensor) -> PackedLayout:
+        b, s = attention_mask.shape
+        mask = attention_mask.bool()
+        index = mask.reshape(-1).nonzero().squeeze(1)
+        return cls(index, b, s, mask[:, None, None, :])
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, d] -> [batch, seq, d], zeros at the padding."""
+        out = x.new_zeros(self.batch * self.seq, x.shape[-1])
+        out[self.index] = x
+        return out.view(self.batch, self.seq, -1)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, d] -> [num_tokens, d]."""
+        return x.reshape(self.batch * self.seq, -1)[self.index]
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
@@ -70,9 +102,8 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # input_ids: [batch, seq]. One segment per input, so every token type is 0.
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [num_tokens]. One segment per input: every token type is 0.
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
         x = x + self.token_type_embeddings.weight[0]
         return self.LayerNorm(x)
@@ -87,17 +118,18 @@ class BertSelfAttention(nn.Module):
         self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
+    def forward(self, x: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
+        # x: [num_tokens, hidden] -> same
+        b, s = layout.batch, layout.seq
 
-        def heads(t: torch.Tensor) -> torch.Tensor:  # [b, s, h*d] -> [b, h, s, d]
-            return t.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        def heads(t: torch.Tensor) -> torch.Tensor:  # [num_tokens, h*d] -> [b, h, s, d]
+            return layout.pad(t).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
-        # key_mask: [b, 1, 1, s], True where the key is a real token. Padded queries still
-        # attend to the real keys, so no row is all-masked (no NaN); pooling drops them.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
-        return out.transpose(1, 2).reshape(b, s, -1)
+        # Padded query rows still attend to the real keys, so no row is all-masked (no NaN);
+        # they are dropped by `pack` right after.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.key_mask)
+        return layout.pack(out.transpose(1, 2))
 
 
 class BertSelfOutput(nn.Module):
@@ -117,8 +149,8 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(cfg)
         self.output = BertSelfOutput(cfg)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        return self.output(self.self(x, key_mask), x)
+    def forward(self, x: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
+        return self.output(self.self(x, layout), x)
 
 
 class BertIntermediate(nn.Module):
@@ -148,8 +180,8 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(cfg)
         self.output = BertOutput(cfg)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        h = self.attention(x, key_mask)
+    def forward(self, x: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
+        h = self.attention(x, layout)
         return self.output(self.intermediate(h), h)
 
 
@@ -158,9 +190,9 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
         for layer in self.layer:
-            x = layer(x, key_mask)
+            x = layer(x, layout)
         return x
 
 
@@ -179,8 +211,11 @@ class BertModel(nn.Module):
                 f"input of {input_ids.shape[1]} tokens exceeds max_position_embeddings "
                 f"{self.config.max_position_embeddings}"
             )
-        key_mask = attention_mask.bool()[:, None, None, :]  # [b, 1, 1, s]
-        return self.encoder(self.embeddings(input_ids), key_mask)
+        layout = PackedLayout.from_mask(attention_mask)
+        b, s = input_ids.shape
+        positions = torch.arange(s, device=input_ids.device).expand(b, s).reshape(-1)
+        x = self.embeddings(input_ids.reshape(-1)[layout.index], positions[layout.index])
+        return layout.pad(self.encoder(x, layout))  # [b, s, hidden], zeros at padding
 
     @classmethod
     def from_folder(cls, folder: str) -> BertModel:
