@@ -230,6 +230,8 @@ def test_max_waiting_bounds_the_queue() -> None:
             await b.submit(9)
         with pytest.raises(BatcherOverloadedError):
             await b.submit_many([7, 8])  # all or nothing
+        with pytest.raises(ValueError, match="4 items in one request exceed"):
+            await b.submit_many([1, 2, 3, 4])  # could never fit: not worth a retry
         assert b.num_waiting == 3
         await b.drain()
         assert [t.result() for t in tasks] == [0, 2, 4]

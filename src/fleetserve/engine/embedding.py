@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,8 +69,8 @@ class PipelineConfig:
 
 
 class EmbeddingModel:
-    """A loaded embedding model. `embed` is thread-safe for one caller at a time (the
-    batcher's worker thread); it runs in float32 under `torch.inference_mode`."""
+    """A loaded embedding model, float32 under `torch.inference_mode`. `prepare` may be
+    called from any thread; `embed_ids` runs on the batcher's one worker thread."""
 
     def __init__(self, encoder: BertModel, tokenizer: Any, pipeline: PipelineConfig) -> None:
         self.encoder = encoder
@@ -80,6 +81,9 @@ class EmbeddingModel:
         self.vocab_size: int = encoder.config.vocab_size
         self.pad_token_id: int = encoder.config.pad_token_id
         self.sep_token_id: int | None = tokenizer.sep_token_id
+        # A fast tokenizer called with truncation arguments sets them on its Rust object;
+        # two threads doing so at once can fail ("Already borrowed"), so calls take turns.
+        self._tokenizer_lock = threading.Lock()
 
     @classmethod
     def load(cls, model: str) -> EmbeddingModel:

@@ -61,7 +61,7 @@ class BatchItemError(Exception):
 class BatchingConfig:
     max_batch_size: int = 32
     batch_wait_timeout_s: float = 0.01
-    max_waiting: int = 1024
+    max_waiting: int = 4096
 
     def __post_init__(self) -> None:
         if isinstance(self.max_batch_size, bool) or self.max_batch_size < 1:
@@ -171,6 +171,11 @@ class DynamicBatcher(Generic[T, R]):
     def _admit(self, n: int) -> None:
         if self._state != "open":
             raise BatcherStoppedError(f"{self.name} is {self._state} and takes no new items")
+        if n > self.config.max_waiting:  # retrying would not help: the caller's to fix
+            raise ValueError(
+                f"{n} items in one request exceed what {self.name} queues "
+                f"(max_waiting={self.config.max_waiting}); send fewer per request"
+            )
         if len(self._queue) + n > self.config.max_waiting:
             raise BatcherOverloadedError(
                 f"{self.name} is overloaded: {len(self._queue)} items wait and "
