@@ -96,21 +96,38 @@ class EmbeddingModel:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         return cls(encoder, tokenizer, pipeline)
 
-    def prepare(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
-        """Validate and tokenize: texts or token-id lists -> the ids the model will read."""
+    def validate(
+        self, inputs: Sequence[str] | Sequence[Sequence[int]]
+    ) -> list[str | tuple[int, ...]]:
+        """Check the inputs without tokenizing (cheap enough for the event loop): texts stay
+        texts, token-id lists become tuples cut to `max_input_tokens`."""
         if not inputs:
             raise ValueError("input must not be empty")
         if all(isinstance(x, str) for x in inputs):
             for i, text in enumerate(inputs):
                 if not text:
                     raise ValueError(f"input[{i}] is an empty string")
-            enc = self.tokenizer(list(inputs), truncation=True, max_length=self.max_input_tokens)
-            return [list(ids) for ids in enc["input_ids"]]
+            return list(inputs)  # type: ignore[arg-type]
         if all(isinstance(x, (list, tuple)) for x in inputs):
             return [self._check_ids(i, ids) for i, ids in enumerate(inputs)]  # type: ignore[arg-type]
         raise ValueError("input must be all strings or all lists of token ids")
 
-    def _check_ids(self, i: int, ids: Sequence[int]) -> list[int]:
+    def tokenize(self, items: Sequence[str | tuple[int, ...]]) -> list[list[int]]:
+        """Validated items -> the ids the model reads; the texts in one tokenizer call."""
+        texts = [x for x in items if isinstance(x, str)]
+        encoded: list[list[int]] = []
+        if texts:
+            with self._tokenizer_lock:
+                enc = self.tokenizer(texts, truncation=True, max_length=self.max_input_tokens)
+            encoded = enc["input_ids"]
+        next_text = iter(encoded)
+        return [list(next(next_text)) if isinstance(x, str) else list(x) for x in items]
+
+    def prepare(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+        """Validate and tokenize: texts or token-id lists -> the ids the model will read."""
+        return self.tokenize(self.validate(inputs))
+
+    def _check_ids(self, i: int, ids: Sequence[int]) -> tuple[int, ...]:
         if not ids:
             raise ValueError(f"input[{i}] is an empty list of token ids")
         for t in ids:
@@ -122,13 +139,13 @@ class EmbeddingModel:
         n = self.max_input_tokens
         if len(out) > n:
             out = out[: n - 1] + [out[-1]] if out[-1] == self.sep_token_id else out[:n]
-        return out
+        return tuple(out)
 
     def embed(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> EmbeddingResult:
         return self.embed_ids(self.prepare(inputs))
 
     def embed_ids(self, batch: Sequence[Sequence[int]]) -> EmbeddingResult:
-        """One padded forward over ids already checked by `prepare`."""
+        """One forward over ids already checked by `validate` (or made by `tokenize`)."""
         lengths = [len(ids) for ids in batch]
         width = max(lengths)
         input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)

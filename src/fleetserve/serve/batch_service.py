@@ -92,7 +92,13 @@ class _BatchService(Generic[T, R]):
         raise NotImplementedError
 
 
-class EmbedService(_BatchService[tuple[int, ...], np.ndarray]):
+# An embed item is a validated input (text, or token ids); its result is its vector and
+# the number of tokens the model read for it.
+EmbedItem = str | tuple[int, ...]
+EmbedOutput = tuple[np.ndarray, int]
+
+
+class EmbedService(_BatchService[EmbedItem, EmbedOutput]):
     """`model`: a sentence-transformers folder, or `all-MiniLM-L6-v2`."""
 
     kind: Literal["embed"] = "embed"
@@ -120,19 +126,20 @@ class EmbedService(_BatchService[tuple[int, ...], np.ndarray]):
         return self.model.dimension
 
     async def embed(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> EmbeddingResult:
-        """One vector per input; each input is one batcher item."""
+        """One vector per input; each input is one batcher item. Texts are tokenized on the
+        batch's thread, all of a batch's texts in one call."""
         self.check_ready()
-        model = self.model
-        ids = await asyncio.to_thread(model.prepare, inputs)  # ValueError: bad input
-        vectors = await self.batcher.submit_many([tuple(x) for x in ids])
-        return EmbeddingResult(np.stack(vectors), [len(x) for x in ids])
+        items = self.model.validate(inputs)  # ValueError naming input[i]
+        outputs = await self.batcher.submit_many(items)
+        return EmbeddingResult(np.stack([v for v, _ in outputs]), [n for _, n in outputs])
 
     def _load(self) -> None:
         self._model = EmbeddingModel.load(self.model_path)
 
-    def _run_batch(self, items: list[tuple[int, ...]]) -> list[np.ndarray]:
+    def _run_batch(self, items: list[EmbedItem]) -> list[EmbedOutput]:
+        result = self.model.embed_ids(self.model.tokenize(items))
         # Rows of one batch array: each item's vector, without a copy.
-        return list(self.model.embed_ids(items).vectors)
+        return list(zip(result.vectors, result.num_tokens, strict=True))
 
 
 class CustomService(_BatchService[Instance, Prediction]):
