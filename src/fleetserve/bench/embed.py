@@ -22,7 +22,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import httpx
 
@@ -136,6 +136,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="torch threads in-process (1 is steadiest on a shared machine)",
     )
+    p.add_argument(
+        "--compare",
+        choices=["sentence-transformers"],
+        default=None,
+        help="also time sentence-transformers' encode() on the same inputs (in-process "
+        "only): one input per call, and batches of --max-batch-size, no server around it",
+    )
     p.add_argument("--json", default=None, help="also write the results to this file")
 
 
@@ -217,6 +224,36 @@ async def run_in_process(args: argparse.Namespace, inputs: list[str]) -> list[Ru
     return results
 
 
+def run_sentence_transformers(args: argparse.Namespace, inputs: list[str]) -> list[RunResult]:
+    """The peer: sentence-transformers' own encode(), offline, one input per call and
+    then batches (its latency columns are per call, i.e. per batch for the batched run)."""
+    from sentence_transformers import SentenceTransformer
+
+    from fleetserve.engine.embedding import resolve_embedding_model
+
+    st = SentenceTransformer(resolve_embedding_model(args.model_path), device="cpu")
+    results = []
+    for name, size, run_inputs in (
+        ("st one-at-a-time", 1, inputs[: args.num_baseline_inputs]),
+        (f"st batch={args.max_batch_size}", args.max_batch_size, inputs),
+    ):
+        st.encode(run_inputs[:4], batch_size=size)  # warm-up
+        calls = [run_inputs[i : i + size] for i in range(0, len(run_inputs), size)]
+        latencies = []
+        start = time.perf_counter()
+        for call in calls:
+            t0 = time.perf_counter()
+            st.encode(call, batch_size=size, convert_to_numpy=True)
+            latencies.append(time.perf_counter() - t0)
+        seconds = time.perf_counter() - start
+        r = summarize(name, 1, seconds, latencies, Counter({size: len(calls)}))
+        # summarize counted calls; a batched call carries `size` inputs.
+        results.append(
+            replace(r, num_inputs=len(run_inputs), inputs_per_s=round(len(run_inputs) / seconds, 1))
+        )
+    return results
+
+
 def _count_into(sizes: Counter[int]) -> Callable[[int, float], None]:
     def on_batch(batch_size: int, seconds: float) -> None:
         sizes[batch_size] += 1
@@ -271,22 +308,27 @@ async def _scrape_batch_sizes(client: httpx.AsyncClient, model: str) -> Counter[
 
 def format_results(results: list[RunResult]) -> str:
     lines = [
-        f"{'run':<14} {'clients':>7} {'inputs':>6} {'seconds':>8} {'inputs/s':>9} "
+        f"{'run':<16} {'clients':>7} {'inputs':>6} {'seconds':>8} {'inputs/s':>9} "
         f"{'p50 ms':>8} {'p99 ms':>8}"
     ]
     for r in results:
         lines.append(
-            f"{r.name:<14} {r.concurrency:>7} {r.num_inputs:>6} {r.seconds:>8.2f} "
+            f"{r.name:<16} {r.concurrency:>7} {r.num_inputs:>6} {r.seconds:>8.2f} "
             f"{r.inputs_per_s:>9.1f} {r.p50_ms:>8.1f} {r.p99_ms:>8.1f}"
         )
     for r in results:
         if r.batch_sizes:
             hist = ", ".join(f"{size}: {n}" for size, n in r.batch_sizes.items())
             lines.append(f"batch sizes ({r.name}), size: batches -> {hist}")
-    base = next((r for r in results if r.name == "one-at-a-time"), None)
-    batched = next((r for r in results if r.name == "batched"), None)
-    if base and batched:
-        lines.append(f"speed-up: {batched.inputs_per_s / base.inputs_per_s:.2f}x")
+    by_name = {r.name: r for r in results}
+    if "one-at-a-time" in by_name and "batched" in by_name:
+        gain = by_name["batched"].inputs_per_s / by_name["one-at-a-time"].inputs_per_s
+        lines.append(f"speed-up: {gain:.2f}x")
+    st = [r for r in results if r.name.startswith("st ")]
+    if len(st) == 2:
+        lines.append(
+            f"sentence-transformers speed-up: {st[1].inputs_per_s / st[0].inputs_per_s:.2f}x"
+        )
     return "\n".join(lines)
 
 
@@ -304,6 +346,10 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     runner = run_against_server if args.base_url else run_in_process
     results = asyncio.run(runner(args, inputs))
+    if args.compare == "sentence-transformers":
+        if args.base_url:
+            raise ValueError("--compare sentence-transformers runs in-process only")
+        results += run_sentence_transformers(args, inputs)
     print(format_results(results))
     if args.json:
         with open(args.json, "w") as f:
