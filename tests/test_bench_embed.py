@@ -9,8 +9,15 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from fleetserve.bench import embed as bench
+from fleetserve.entrypoints.openai.protocol_embed import EmbeddingRequest
+from fleetserve.entrypoints.openai.serving_embedding import create_embedding
+from fleetserve.serve.batch_service import EmbedService
+from fleetserve.serve.batcher import BatchingConfig
 
 
 def test_in_process_run_reports_both_runs_and_batches() -> None:
@@ -29,6 +36,50 @@ def test_in_process_run_reports_both_runs_and_batches() -> None:
     assert max(batched.batch_sizes) > 1 and max(batched.batch_sizes) <= 4
     report = bench.format_results([base, batched])
     assert "speed-up:" in report and "batch sizes (batched)" in report
+
+
+def test_against_a_server_reads_its_batch_histogram() -> None:
+    """The --base-url path, on an in-process app that exposes the batch-size histogram the
+    way the fleet server is meant to (`fleetserve:batch_size{model_name}`)."""
+    registry = CollectorRegistry()
+    hist = Histogram(
+        "fleetserve:batch_size",
+        "items per batch",
+        ["model_name"],
+        buckets=[1, 2, 4, 8, 16, 32],
+        registry=registry,
+    )
+    service = EmbedService(
+        "minilm",
+        "all-MiniLM-L6-v2",
+        batching=BatchingConfig(max_batch_size=4, batch_wait_timeout_s=0.05),
+        on_batch=lambda n, s: hist.labels(model_name="minilm").observe(n),
+    )
+    app = FastAPI()
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> dict[str, object]:
+        return await create_embedding(service, EmbeddingRequest(**await request.json()))
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(registry).decode())
+
+    p = argparse.ArgumentParser()
+    bench.add_cli_args(p)
+    args = p.parse_args(["--num-inputs", "8", "--num-baseline-inputs", "2", "--concurrency", "4"])
+
+    async def main() -> list[bench.RunResult]:
+        await service.start()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await bench.run_with_client(client, args, bench.make_inputs(8, 2, 5, 0))
+
+    base, batched = asyncio.run(main())
+    assert base.batch_sizes == {1: 2} and base.num_inputs == 2
+    # Bucket upper bounds: every batch of 2 lands in le=2, of 3-4 in le=4.
+    assert sum(batched.batch_sizes.values()) >= 2 and batched.num_inputs == 8
+    assert set(batched.batch_sizes) <= {1, 2, 4} and max(batched.batch_sizes) > 1
 
 
 def test_histogram_scrape_turns_cumulative_buckets_into_counts() -> None:

@@ -238,3 +238,29 @@ def test_handler_bug_is_500_and_not_ready_is_503(portal: BlockingPortal) -> None
     assert crash.json()["error"]["message"] == "instances[0] failed: crash"
     r = post(portal, fleet, "/v1/embeddings", {"model": "m", "input": "x"})
     assert r.status_code == 503  # this fleet's embed service was never started
+
+
+def test_the_openai_client_reads_the_response(portal: BlockingPortal, fleet: Fleet) -> None:
+    """The official client asks for base64 by default and decodes it; both forms parse."""
+    import openai
+
+    async def call() -> tuple[Any, Any]:
+        transport = httpx.ASGITransport(app=fleet.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test/v1") as http:
+            client = openai.AsyncOpenAI(
+                api_key="x", base_url="http://test/v1", http_client=http, max_retries=0
+            )
+            default = await client.embeddings.create(model="minilm", input=["a b", "c"])
+            floats = await client.embeddings.create(
+                model="minilm", input="a b", encoding_format="float"
+            )
+            return default, floats
+
+    default, floats = portal.call(call)
+    result = fleet.embed.model.embed(["a b", "c"])
+    expected = result.vectors
+    assert result.num_tokens == [4, 3]  # [CLS] a b [SEP], [CLS] c [SEP]
+    assert [d.index for d in default.data] == [0, 1]
+    np.testing.assert_allclose(np.array(default.data[0].embedding), expected[0], atol=1e-6)
+    np.testing.assert_allclose(np.array(floats.data[0].embedding), expected[0], atol=1e-6)
+    assert default.usage.prompt_tokens == 7 and default.model == "minilm"

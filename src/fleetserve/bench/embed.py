@@ -262,25 +262,32 @@ def _count_into(sizes: Counter[int]) -> Callable[[int, float], None]:
 
 
 async def run_against_server(args: argparse.Namespace, inputs: list[str]) -> list[RunResult]:
-    base = args.base_url.rstrip("/")
-    results = []
     limits = httpx.Limits(max_connections=args.concurrency + 4)
+    base = args.base_url.rstrip("/")
     async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as client:
+        return await run_with_client(client, args, inputs)
 
-        async def send(text: str) -> None:
-            r = await client.post("/v1/embeddings", json={"model": args.model, "input": text})
-            r.raise_for_status()
 
-        for name, concurrency, run_inputs in (
-            ("one-at-a-time", 1, inputs[: args.num_baseline_inputs]),
-            ("batched", args.concurrency, inputs),
-        ):
-            await closed_loop(name, send, run_inputs[:4], 1)
-            before = await _scrape_batch_sizes(client, args.model)
-            seconds, lat = await closed_loop(name, send, run_inputs, concurrency)
-            after = await _scrape_batch_sizes(client, args.model)
-            sizes = Counter({k: after[k] - before.get(k, 0) for k in after})
-            results.append(summarize(name, concurrency, seconds, lat, +sizes))
+async def run_with_client(
+    client: httpx.AsyncClient, args: argparse.Namespace, inputs: list[str]
+) -> list[RunResult]:
+    """Both runs through `client` (its base_url is the server root)."""
+
+    async def send(text: str) -> None:
+        r = await client.post("/v1/embeddings", json={"model": args.model, "input": text})
+        r.raise_for_status()
+
+    results = []
+    for name, concurrency, run_inputs in (
+        ("one-at-a-time", 1, inputs[: args.num_baseline_inputs]),
+        ("batched", args.concurrency, inputs),
+    ):
+        await closed_loop(name, send, run_inputs[:4], 1)
+        before = await _scrape_batch_sizes(client, args.model)
+        seconds, lat = await closed_loop(name, send, run_inputs, concurrency)
+        after = await _scrape_batch_sizes(client, args.model)
+        sizes = Counter({k: after[k] - before.get(k, 0) for k in after})
+        results.append(summarize(name, concurrency, seconds, lat, +sizes))
     return results
 
 
