@@ -12,9 +12,10 @@ Errors a caller sees from `embed` / `predict`:
 
 from __future__ import annotations
 
+import abc
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 
@@ -37,7 +38,26 @@ class ServiceNotReadyError(BatcherError):
     """The model is still loading (or failed to load): HTTP 503."""
 
 
-class _BatchService(Generic[T, R]):
+class BatchService(Protocol):
+    """What the fleet registry and the server need of an embed or custom model service."""
+
+    name: str
+
+    @property
+    def kind(self) -> str: ...  # "embed" | "custom"
+
+    @property
+    def is_ready(self) -> bool: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self, timeout_s: float | None = None) -> None: ...
+
+
+class _BatchService(abc.ABC, Generic[T, R]):
     def __init__(self, name: str, batching: BatchingConfig, on_batch: OnBatch | None) -> None:
         self.name = name
         self.batching = batching
@@ -85,11 +105,13 @@ class _BatchService(Generic[T, R]):
         if self._stopping:
             raise ServiceNotReadyError(f"model {self.name!r} is shutting down")
 
+    @abc.abstractmethod
     def _load(self) -> None:
-        raise NotImplementedError
+        """Worker thread: load the model."""
 
+    @abc.abstractmethod
     def _run_batch(self, items: list[T]) -> Sequence[R | Exception]:
-        raise NotImplementedError
+        """The batcher's worker thread: one result (or Exception) per item, in order."""
 
 
 # An embed item is a validated input (text, or token ids); its result is its vector and
