@@ -8,8 +8,10 @@ order and counts (which request got its first token before which), never about s
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,9 +24,14 @@ models:
   - name: tiny
     model: {model}
     engine: {{max_num_seqs: 2, num_threads: 1, max_model_len: 512}}
-  - name: tiny-fcfs
-    model: {model}
-    engine: {{max_num_seqs: 4, num_threads: 1, max_model_len: 512, scheduling_policy: fcfs}}
+  - name: minilm
+    kind: embed
+    batching: {{max_batch_size: 8, batch_wait_timeout_s: 0.01}}
+  - name: classifier
+    kind: custom
+    handler: fleet_handlers:Classifier
+    options: {{labels: [even, odd]}}
+    batching: {{max_batch_size: 4, batch_wait_timeout_s: 0.02}}
 classes:
   interactive: {{priority: 0, max_waiting: 16}}
   batch: {{priority: 10, max_waiting: 64}}
@@ -39,9 +46,11 @@ FLOOD, FLOOD_TOKENS = 8, 30
 def fleet(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     path = tmp_path_factory.mktemp("fleet") / "fleet.yaml"
     path.write_text(CONFIG.format(model=tiny_llama))
-    srv = ServerProc(
-        None, "--config", str(path), env={"FLEETSERVE_DEBUG_STEP_DELAY_S": STEP_DELAY_S}
-    )
+    # The custom handler lives in tests/fleet_handlers.py.
+    tests_dir = str(Path(__file__).resolve().parent.parent)
+    pythonpath = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
+    env = {"FLEETSERVE_DEBUG_STEP_DELAY_S": STEP_DELAY_S, "PYTHONPATH": pythonpath}
+    srv = ServerProc(None, "--config", str(path), env=env)
     try:
         yield srv.wait_ready()
     finally:
@@ -52,17 +61,46 @@ def client(srv: ServerProc) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
 
 
-def test_models_are_listed_and_served_by_name(fleet: ServerProc) -> None:
+def test_each_endpoint_serves_its_kind_of_model(fleet: ServerProc) -> None:
     c = client(fleet)
     listed = {m.id: m.model_extra["kind"] for m in c.models.list().data}  # type: ignore[index]
-    assert listed == {"tiny": "generate", "tiny-fcfs": "generate"}
-    for name in listed:
-        out = c.completions.create(model=name, prompt="the cat", max_tokens=3, temperature=0)
-        assert out.model == name and out.usage is not None and out.usage.completion_tokens == 3
+    assert listed == {"tiny": "generate", "minilm": "embed", "classifier": "custom"}
+    out = c.completions.create(model="tiny", prompt="the cat", max_tokens=3, temperature=0)
+    assert out.model == "tiny" and out.usage is not None and out.usage.completion_tokens == 3
     chat = c.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
     )
     assert chat.model == "tiny" and chat.choices[0].finish_reason == "length"
+    emb = c.embeddings.create(model="minilm", input=["a red fox", "the moon"])
+    assert emb.model == "minilm" and [len(d.embedding) for d in emb.data] == [384, 384]
+    assert [d.index for d in emb.data] == [0, 1] and emb.usage.prompt_tokens > 0
+    norm = sum(x * x for x in emb.data[0].embedding)
+    assert abs(norm - 1.0) < 1e-4  # MiniLM's config normalizes
+    body = {"instances": [{"text": "hi"}, {"text": "three"}]}
+    pred = httpx.post(f"{fleet.url}/v1/models/classifier:predict", json=body, timeout=30)
+    assert pred.status_code == 200
+    assert pred.json() == {
+        "predictions": [{"label": "even", "length": 2}, {"label": "odd", "length": 5}]
+    }
+    values = scrape(fleet.url)
+    for name in ("minilm", "classifier"):
+        assert metric(values, "fleetserve:batch_size_count", model_name=name) >= 1
+
+
+def test_a_model_of_another_kind_is_400_naming_it(fleet: ServerProc) -> None:
+    c = client(fleet)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="minilm", messages=[{"role": "user", "content": "x"}])
+    assert e.value.code == "wrong_model_kind" and e.value.param == "model"
+    assert "'minilm' is a embed model; this endpoint serves generate models" in e.value.message
+    with pytest.raises(openai.BadRequestError, match="'tiny' is a generate model"):
+        c.embeddings.create(model="tiny", input="x")
+    r = httpx.post(f"{fleet.url}/v1/models/minilm:predict", json={"instances": [{}]})
+    assert r.status_code == 400 and "'minilm' is a embed model" in r.json()["error"]["message"]
+    r = httpx.post(f"{fleet.url}/v1/models/nope:predict", json={"instances": [{}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        c.embeddings.create(model="nope", input="x")
 
 
 def test_unknown_model_class_and_refused_priority(fleet: ServerProc) -> None:
@@ -89,13 +127,17 @@ def test_unknown_model_class_and_refused_priority(fleet: ServerProc) -> None:
             model="tiny", prompt="x", max_tokens=1, extra_body={"service_tier": "batch"},
             extra_headers={"X-Fleetserve-Class": "interactive"},
         )  # fmt: skip
-    # priority is honoured under the priority policy, refused (not ignored) under fcfs.
+    # priority is honoured under the priority policy (a fleet's default).
     c.completions.create(model="tiny", prompt="x", max_tokens=1, extra_body={"priority": 3})
+
+
+def test_priority_is_refused_not_ignored_under_fcfs(server: ServerProc) -> None:
+    """The shared single-model server runs the default fcfs policy."""
+    c = client(server)
     with pytest.raises(openai.BadRequestError) as bad:
-        c.completions.create(
-            model="tiny-fcfs", prompt="x", max_tokens=1, extra_body={"priority": 3}
-        )
-    assert bad.value.param == "priority"
+        c.completions.create(model="tiny", prompt="x", max_tokens=1, extra_body={"priority": 3})
+    assert bad.value.param == "priority" and "first-come first-served" in bad.value.message
+    c.completions.create(model="tiny", prompt="x", max_tokens=1, extra_body={"priority": 0})
 
 
 class Timeline:

@@ -52,7 +52,7 @@ class BatchService(Protocol):
     @property
     def num_waiting(self) -> int: ...
 
-    async def start(self) -> None: ...
+    async def start(self, timeout_s: float = 600.0) -> None: ...
 
     async def shutdown(self, timeout_s: float | None = None) -> None: ...
 
@@ -82,9 +82,41 @@ class _BatchService(abc.ABC, Generic[T, R]):
         """Items queued for a batch: the queue depth an autoscaler reads."""
         return self.batcher.num_waiting
 
-    async def start(self) -> None:
+    @property
+    def dead_reason(self) -> str | None:
+        """Why it can never serve again; a batch model has no process to lose: None."""
+        return None
+
+    @property
+    def crashed(self) -> bool:
+        return False
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.batcher.num_waiting + self.batcher.num_running
+
+    def waiting_by_class(self) -> dict[str, int]:
+        """Its one queue (no service classes): the label `class` is empty."""
+        return {"": self.num_waiting}
+
+    def card(self) -> dict[str, Any]:
+        """Its /v1/models entry beyond id, object, created, owned_by and kind."""
+        return {
+            "max_batch_size": self.batching.max_batch_size,
+            "batch_wait_timeout_s": self.batching.batch_wait_timeout_s,
+        }
+
+    def abort_all(self, reason: str) -> None:
+        """Fails what is queued (BatcherStoppedError, 503) and takes nothing new."""
+        self._stopping = True
+        asyncio.ensure_future(self.batcher.stop(timeout_s=0))
+
+    async def start(self, timeout_s: float = 600.0) -> None:
         """Load the model on a worker thread; raises what loading raised."""
-        await asyncio.to_thread(self._load)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._load), timeout_s)
+        except (TimeoutError, asyncio.TimeoutError):
+            raise RuntimeError(f"the model did not load within {timeout_s:.0f} s") from None
         self._loaded = True
 
     async def shutdown(self, timeout_s: float | None = None) -> None:
@@ -146,6 +178,12 @@ class EmbedService(_BatchService[EmbedItem, EmbedOutput]):
     @property
     def dimension(self) -> int:
         return self.model.dimension
+
+    def card(self) -> dict[str, Any]:
+        card = super().card()
+        if self._model is not None:
+            card["dimension"] = self._model.dimension
+        return card
 
     async def embed(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> EmbeddingResult:
         """One vector per input; each input is one batcher item. Texts are tokenized on the

@@ -69,8 +69,11 @@ EngineFields = _engine_fields_model()
 
 
 class BatchingConfig(_Strict):
-    max_batch_size: int = Field(default=8, ge=1, le=4096)
-    batch_wait_timeout_s: float = Field(default=0.01, ge=0.0, le=60.0)
+    """serve/batcher.py's BatchingConfig, checked here with the key's path."""
+
+    max_batch_size: int = Field(default=32, ge=1, le=4096)
+    batch_wait_timeout_s: float = Field(default=0.01, ge=0.0, le=3600.0)
+    max_waiting: int = Field(default=4096, ge=1)
 
 
 class ClassConfig(_Strict):

@@ -27,8 +27,8 @@ class FleetCollector(Collector):
             labels=["model_name", "class"],
         )
         for service in self.services:
-            for name in getattr(service, "class_names", ()):
-                waiting.add_metric([service.name, name], service.num_waiting(name))
+            for name, n in service.waiting_by_class().items():
+                waiting.add_metric([service.name, name], n)
         yield waiting
         yield from self._replicas([s for s in self.services if isinstance(s, GenerateService)])
 

@@ -202,6 +202,9 @@ class GenerateService:
             "replicas": len(self.replica_set.live),
         }
 
+    def waiting_by_class(self) -> dict[str, int]:
+        return {name: self.num_waiting(name) for name in self.queue.classes}
+
     def num_waiting(self, class_name: str) -> int:
         """Requests of the class not started yet: queued here, or sent and not yet begun."""
         return self.queue.num_waiting(class_name) + self._unstarted[class_name]

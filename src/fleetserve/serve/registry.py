@@ -1,8 +1,9 @@
 """The API process's registry: model name -> its service, built from the fleet config.
 
 A service is whatever serves one model name: `GenerateService` for generate models (class
-queues, router, replica set of engine processes); embed and custom models plug in by
-kind through `register_kind` (their services batch requests dynamically). The HTTP
+queues, router, replica set of engine processes), `EmbedService` and `CustomService` for
+embed and custom models (a model and its dynamic batcher, serve/batch_service.py); another
+kind plugs in through `register_kind`. The HTTP
 handlers look a model up with `get(name, kind)`, which refuses an unknown name (404) and
 a model of another kind than the endpoint serves (400), each naming it.
 """
@@ -14,7 +15,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+from fleetserve.engine.embedding import MINILM_NAME
 from fleetserve.metrics import ModelMetrics, ServerMetrics
+from fleetserve.serve.batch_service import CustomService, EmbedService
+from fleetserve.serve.batcher import BatchingConfig
 from fleetserve.serve.fleet_config import FleetConfig, ModelEntry
 from fleetserve.serve.model_service import GenerateService
 
@@ -22,8 +26,13 @@ from fleetserve.serve.model_service import GenerateService
 class ModelService(Protocol):
     """What the registry and the server's lifecycle need of every model's service."""
 
-    name: str
-    kind: str
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kind(self) -> str:
+        """ "generate" | "embed" | "custom": which endpoints serve it."""
+        ...
 
     @property
     def is_ready(self) -> bool:
@@ -50,7 +59,11 @@ class ModelService(Protocol):
     def abort_all(self, reason: str) -> None: ...
 
     def card(self) -> dict[str, Any]:
-        """Its entry in /v1/models beyond id/object/created/owned_by."""
+        """Its entry in /v1/models beyond id/object/created/owned_by/kind."""
+        ...
+
+    def waiting_by_class(self) -> dict[str, int]:
+        """Requests not started yet, per service class (the autoscaling signal)."""
         ...
 
 
@@ -77,7 +90,36 @@ def _build_generate(entry: ModelEntry, fleet: FleetConfig, metrics: ModelMetrics
     )
 
 
-_BUILDERS: dict[str, ServiceBuilder] = {"generate": _build_generate}
+def _batching(entry: ModelEntry) -> BatchingConfig:
+    b = entry.batching
+    return BatchingConfig() if b is None else BatchingConfig(**b.model_dump())
+
+
+def _build_embed(entry: ModelEntry, fleet: FleetConfig, metrics: ModelMetrics) -> ModelService:
+    return EmbedService(
+        entry.name,
+        entry.model or MINILM_NAME,
+        batching=_batching(entry),
+        on_batch=metrics.observe_batch,
+    )
+
+
+def _build_custom(entry: ModelEntry, fleet: FleetConfig, metrics: ModelMetrics) -> ModelService:
+    assert entry.handler is not None  # the config's validator requires it for kind custom
+    return CustomService(
+        entry.name,
+        entry.handler,
+        options=entry.options,
+        batching=_batching(entry),
+        on_batch=metrics.observe_batch,
+    )
+
+
+_BUILDERS: dict[str, ServiceBuilder] = {
+    "generate": _build_generate,
+    "embed": _build_embed,
+    "custom": _build_custom,
+}
 
 
 def register_kind(kind: str, builder: ServiceBuilder) -> None:

@@ -41,10 +41,19 @@ from fleetserve.entrypoints.openai.errors import APIError, error_body, error_res
 from fleetserve.entrypoints.openai.http_protocol import FrontDoorH11Protocol
 from fleetserve.entrypoints.openai.openapi import install_request_schemas
 from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from fleetserve.entrypoints.openai.protocol_embed import EmbeddingRequest, PredictRequest
 from fleetserve.entrypoints.openai.serving_chat import create_chat_completion
-from fleetserve.entrypoints.openai.serving_common import ServingContext
+from fleetserve.entrypoints.openai.serving_common import (
+    ServingContext,
+    parse,
+    read_body,
+    unless_disconnected,
+)
 from fleetserve.entrypoints.openai.serving_completion import create_completion
+from fleetserve.entrypoints.openai.serving_embedding import create_embedding
+from fleetserve.entrypoints.openai.serving_predict import predict as run_predict
 from fleetserve.metrics import CONTENT_TYPE, ServerMetrics
+from fleetserve.serve.batch_service import CustomService, EmbedService
 from fleetserve.serve.fleet_config import FleetConfig, load_fleet_config, single_model_fleet
 from fleetserve.serve.fleet_metrics import FleetCollector
 from fleetserve.serve.policies import POLICY_NAMES
@@ -212,8 +221,28 @@ def build_app(
     async def chat(request: Request) -> Response:
         return await create_chat_completion(state.ctx, request)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        body = parse(EmbeddingRequest, await read_body(state.ctx, request))
+        service = state.ctx.model(body.model, "embed")
+        assert isinstance(service, EmbedService)
+        return JSONResponse(await unless_disconnected(request, create_embedding(service, body)))
+
+    @app.post("/v1/models/{name}:predict")
+    async def predict(name: str, request: Request) -> Response:
+        body = parse(PredictRequest, await read_body(state.ctx, request))
+        service = state.ctx.model(name, "custom")
+        assert isinstance(service, CustomService)
+        return JSONResponse(await unless_disconnected(request, run_predict(service, body)))
+
     install_request_schemas(
-        app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+        app,
+        {
+            "/v1/completions": CompletionRequest,
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/v1/embeddings": EmbeddingRequest,
+            "/v1/models/{name}:predict": PredictRequest,
+        },
     )
     guarded: Any = GuardMiddleware(app, state)
     if allowed_origins:

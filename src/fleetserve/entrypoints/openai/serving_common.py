@@ -58,20 +58,20 @@ class ServingContext:
     read_timeout_s: float = 15.0
     draining: bool = False
 
+    def model(self, name: str | None, kind: str) -> ModelService:
+        """The model called `name` for an endpoint serving `kind`: 404 if unknown, 400 if
+        of another kind."""
+        try:
+            return self.registry.get(name, kind)
+        except UnknownModelError as e:
+            raise APIError(404, shorten(str(e), 400), "model", "model_not_found") from None
+        except WrongKindError as e:
+            raise APIError(400, shorten(str(e), 400), "model", "wrong_model_kind") from None
+
     def generate_model(self, name: str | None) -> ModelContext:
-        """The generate model called `name`: 404 if unknown, 400 if of another kind."""
-        service = _lookup(self.registry, name, "generate")
+        service = self.model(name, "generate")
         assert isinstance(service, GenerateService)
         return ModelContext(service, service.name)
-
-
-def _lookup(registry: Registry, name: str | None, kind: str) -> ModelService:
-    try:
-        return registry.get(name, kind)
-    except UnknownModelError as e:
-        raise APIError(404, shorten(str(e), 400), "model", "model_not_found") from None
-    except WrongKindError as e:
-        raise APIError(400, str(e), "model", "wrong_model_kind") from None
 
 
 def service_class(request: Request, service_tier: str | None) -> str | None:
