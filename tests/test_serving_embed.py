@@ -64,14 +64,14 @@ def _app(fleet: Fleet) -> FastAPI:
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> dict[str, Any]:
-        body = parse(EmbeddingRequest, await read_json(request, 1 << 20))
+        body = parse(EmbeddingRequest, await read_json(request, 1 << 20, 15.0))
         return await create_embedding(fleet.embed, body)
 
     @app.post("/v1/models/{name}:predict")
     async def predict_route(name: str, request: Request) -> dict[str, Any]:
         if name != fleet.custom.name:
             raise APIError(404, f"the model {name!r} does not exist", "model")
-        body = parse(PredictRequest, await read_json(request, 1 << 20))
+        body = parse(PredictRequest, await read_json(request, 1 << 20, 15.0))
         return await predict(fleet.custom, body)
 
     return app
@@ -150,7 +150,11 @@ def test_dimensions_is_refused_unless_it_is_the_models(
 @pytest.mark.parametrize(
     ("body", "param", "fragment"),
     [
-        ({"model": "m", "input": "x", "truncate": True}, "truncate", "Extra inputs"),
+        (
+            {"model": "m", "input": "x", "truncate": True},
+            "truncate",
+            "truncate is not supported by fleetserve",
+        ),
         ({"model": "m", "input": []}, "input", "must not be empty"),
         ({"model": "m", "input": ["a", ""]}, "input", "input[1] is an empty string"),
         ({"model": "m", "input": [[101], []]}, "input", "input[1] is an empty list"),
