@@ -444,3 +444,26 @@ def test_priority_waiting_request_takes_a_victims_blocks() -> None:
     h.run()
     assert set(h.finish_reasons) == {"low", "high"}
     assert h.all_free()
+
+
+def test_priority_waiting_request_takes_a_less_important_ones_budget() -> None:
+    """The budget is spent: the important arrival takes the least important scheduled
+    request's tokens for this step; that one keeps its blocks and goes on next step."""
+    h = Harness(budget=8, max_num_seqs=4, policy="priority", num_blocks=32)
+    h.add("low", 30, max_tokens=2, priority=10)
+    assert h.step() == {"low": 8}  # a chunk of its prefill fills the budget
+    h.add("high", 5, max_tokens=2, priority=0)
+    assert h.step() == {"high": 5, "low": 3}
+    assert h.sched.requests["low"].status == RequestStatus.RUNNING  # not preempted
+    assert h.sched.requests["low"].num_computed_tokens == 11
+    h.run()
+    assert set(h.finish_reasons) == {"low", "high"}
+    assert h.all_free()
+
+
+def test_fcfs_waiting_request_waits_for_budget() -> None:
+    h = Harness(budget=8, max_num_seqs=4, policy="fcfs", num_blocks=32)
+    h.add("low", 30, max_tokens=2, priority=10)
+    h.step()
+    h.add("high", 5, max_tokens=2, priority=0)
+    assert h.step() == {"low": 8}

@@ -5,8 +5,9 @@ request is given ``min(num_tokens - num_computed_tokens, remaining budget)`` tok
 a long prompt is prefilled over several steps, mixed with other requests' decodes.
 When blocks run out, the newest running request (or the least important one under the
 priority policy) is preempted: its blocks are freed and it is recomputed later. Under the
-priority policy a waiting request that is more important than a running one also takes
-its seat (full batch) or its blocks: that is how the fleet's SLA classes reach the engine.
+priority policy running requests take the budget in priority order, and a waiting request
+that is more important than a running one also takes its seat (full batch), its blocks, or
+its tokens for the step: that is how the fleet's SLA classes reach the engine.
 """
 
 from __future__ import annotations
@@ -174,7 +175,11 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted = False
 
-        for req in list(self.running):
+        # Under "priority" the most important running requests take the budget first.
+        order = list(self.running)
+        if self.config.policy == "priority":
+            order.sort(key=lambda r: (r.priority, r.arrival_time))
+        for req in order:
             if budget <= 0 or len(num_scheduled) >= max_num_reqs:
                 break
             if req.status != RequestStatus.RUNNING or req.req_id in skip_req_ids:
@@ -196,11 +201,20 @@ class Scheduler:
                 budget -= num_new
 
         skip: set[str] = set(skip_req_ids)
-        while not preempted and budget > 0:
+        lent: dict[str, int] = {}  # running requests whose tokens a waiting one took
+        while not preempted:
             nxt = self._next_waiting(skip)
             if nxt is None:
                 break
             req = nxt
+            if budget <= 0:
+                # Out of token budget: a more important request takes a less important
+                # one's tokens for this step (it keeps its blocks and runs next step).
+                lender = self._victim_for(req, skip_req_ids, num_scheduled)
+                if lender is None:
+                    break
+                lent[lender.req_id] = num_scheduled.pop(lender.req_id)
+                budget += lent[lender.req_id]
             if self._sibling_prefilling(req):
                 skip.add(req.req_id)
                 continue
@@ -234,6 +248,16 @@ class Scheduler:
             self._admit(req, num_hit_tokens)
             num_scheduled[req.req_id] = num_new
             budget -= num_new
+
+        # What the borrowers left of the budget goes back to the lenders (their blocks
+        # already cover the tokens they had been given).
+        for req_id, num_lent in lent.items():
+            if budget <= 0 or len(num_scheduled) >= max_num_reqs:
+                break
+            lender = self.requests[req_id]
+            if lender.status == RequestStatus.RUNNING and req_id not in num_scheduled:
+                num_scheduled[req_id] = min(num_lent, budget)
+                budget -= num_scheduled[req_id]
 
         for req in self.running:
             n = num_scheduled.get(req.req_id)
