@@ -107,3 +107,20 @@ def test_defaults_make_a_fleet_of_one() -> None:
     assert list(cfg.service_classes()) == ["default"] and cfg.default_class_name == "default"
     args = cfg.models[0].engine_args()
     assert args.max_num_seqs == 64 and args.scheduling_policy == "priority"
+
+
+def test_serve_refuses_a_bad_file_before_loading_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fleetserve.entrypoints.cli import main
+
+    bad = tmp_path / "fleet.yaml"
+    bad.write_text("models:\n  - name: chat\n    engine: {max_num_seq: 4}\n")
+    assert main(["serve", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "models[0].engine.max_num_seq (model 'chat'): Extra inputs are not permitted" in err
+    good = tmp_path / "good.yaml"
+    good.write_text("models:\n  - name: chat\n")
+    # A model flag next to --config would be ignored: refused instead.
+    assert main(["serve", "--config", str(good), "--max-num-seqs", "8", "--model", "x"]) == 2
+    assert "leave out --model, --max-num-seqs" in capsys.readouterr().err
