@@ -67,6 +67,7 @@ def one(**model: object) -> dict[str, object]:
         (one(routing="random"), "models[0].routing (model 'chat'): Input should be"),
         (one(kind="custom"), "models[0] (model 'chat'): a custom model needs handler"),
         (one(kind="embed", engine={}), "engine is for generate models, not 'embed'"),
+        (one(kind="embed", replicas=2), "replicas is for generate models, not 'embed'"),
         (one(batching={"max_batch_size": 4}), "batching is for embed and custom models"),
         (one(handler="a:B"), "handler and options are for kind 'custom'"),
         (one(kind="embed", batching={"max_batch_size": 0}),

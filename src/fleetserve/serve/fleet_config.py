@@ -108,6 +108,9 @@ class ModelEntry(_Strict):
             raise ValueError(f"engine is for generate models, not {self.kind!r}")
         if self.kind != "generate" and self.routing != "least_loaded":
             raise ValueError(f"routing is for generate models, not {self.kind!r}")
+        if self.kind != "generate" and self.replicas != 1:
+            # One batcher per model in the API process; replicas of it are not built yet.
+            raise ValueError(f"replicas is for generate models, not {self.kind!r}")
         return self
 
     def engine_args(self) -> EngineArgs:
