@@ -251,3 +251,36 @@ def test_cli_writes_plain_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str
     bad.write_text("models:\n  - name: m\n    deploy: {pool: cheap}\n")
     assert main(["deploy", "k8s", "--config", str(bad), "--out", str(out)]) == 2
     assert "models[0].deploy.pool" in capsys.readouterr().err
+
+
+def test_promql_quoting_and_the_implied_scrape_labels() -> None:
+    from fleetserve.deploy.monitoring import (
+        ScrapeTarget,
+        implied_scrape_config,
+        queue_depth_query,
+    )
+
+    assert queue_depth_query("ns", 'a"b\\c') == (
+        'sum(fleetserve:num_requests_waiting{namespace="ns",model_name="a\\"b\\\\c"})'
+    )
+    objs = render(namespace="llm")
+    monitor = objs["servicemonitor.yaml"]
+    labels = of_kind(objs, "Deployment", "chat")["spec"]["template"]["metadata"]["labels"]
+    target = ScrapeTarget("10.0.0.7:8000", "fleetserve-chat-abc", "fleetserve-chat-pods", labels)
+    job = implied_scrape_config(monitor, [target])
+    assert job["metrics_path"] == "/metrics" and job["scrape_interval"] == "15s"
+    assert job["static_configs"] == [
+        {
+            "targets": ["10.0.0.7:8000"],
+            "labels": {
+                "namespace": "llm",
+                "service": "fleetserve-chat-pods",
+                "job": "fleetserve-chat-pods",
+                "pod": "fleetserve-chat-abc",
+                "container": "fleetserve",
+                "endpoint": "http",
+                "fleetserve_model": "chat",
+                "fleetserve_pool": "spot",
+            },
+        }
+    ]
