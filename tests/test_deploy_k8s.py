@@ -5,6 +5,8 @@ broken ones do not, and the manifests say what the server and the fleet file say
 from __future__ import annotations
 
 import copy
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -284,3 +286,22 @@ def test_promql_quoting_and_the_implied_scrape_labels() -> None:
             },
         }
     ]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (its kustomize)")
+def test_kustomize_builds_the_folder(tmp_path: Path) -> None:
+    """`kubectl kustomize` (what `kubectl apply -k` runs first) reads the kustomization and
+    every file it names; no cluster needed."""
+    config = tmp_path / "fleet.yaml"
+    config.write_text(yaml.safe_dump(FLEET, sort_keys=False))
+    out = tmp_path / "out"
+    assert main(["deploy", "k8s", "--config", str(config), "--out", str(out)]) == 0
+    built = subprocess.run(
+        ["kubectl", "kustomize", str(out)], capture_output=True, text=True, timeout=60
+    )
+    assert built.returncode == 0, built.stderr
+    docs = [d for d in yaml.safe_load_all(built.stdout) if d]
+    rendered = [o for o in render().values() if o["kind"] != "Kustomization"]
+    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+    assert sorted(map(key, docs)) == sorted(map(key, rendered))
+    assert {d["metadata"].get("namespace", "fleetserve") for d in docs} == {"fleetserve"}
