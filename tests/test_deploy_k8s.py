@@ -234,6 +234,8 @@ def test_names_and_options() -> None:
         RenderOptions(namespace="Bad_NS")
     with pytest.raises(ValueError, match="--image"):
         RenderOptions(image="my image")
+    with pytest.raises(ValueError, match="--monitor-label release=a b"):
+        RenderOptions(monitor_labels=(("release", "a b"),))
 
 
 def test_cli_writes_plain_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -253,6 +255,13 @@ def test_cli_writes_plain_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str
     bad.write_text("models:\n  - name: m\n    deploy: {pool: cheap}\n")
     assert main(["deploy", "k8s", "--config", str(bad), "--out", str(out)]) == 2
     assert "models[0].deploy.pool" in capsys.readouterr().err
+    args = ["--config", str(config), "--out", str(out), "--monitor-label", "release=kps"]
+    assert main(["deploy", "k8s", *args]) == 0
+    monitor = yaml.safe_load((out / "servicemonitor.yaml").read_text())
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    validate(monitor)
+    assert main(["deploy", "k8s", *args[:-1], "release"]) == 2
+    assert "expected KEY=VALUE" in capsys.readouterr().err
 
 
 def test_promql_quoting_and_the_implied_scrape_labels() -> None:

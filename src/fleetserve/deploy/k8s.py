@@ -24,6 +24,9 @@ from fleetserve.serve.fleet_config import FleetConfig, ModelEntry, parse_fleet_c
 DEFAULT_IMAGE = "fleetserve:0.1.0"
 DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_LABEL_KEY = re.compile(rf"^([a-z0-9]([-a-z0-9.]{{0,251}}[a-z0-9])?/)?{_LABEL_NAME}$")
+_LABEL_VALUE = re.compile(rf"^({_LABEL_NAME})?$")
 _PREFIX = "fleetserve-"
 _MAX_SLUG = 45  # "fleetserve-" + slug + "-config" fits a 63-character DNS label
 
@@ -34,6 +37,9 @@ class RenderOptions:
     image: str = DEFAULT_IMAGE
     prometheus_url: str = DEFAULT_PROMETHEUS_URL
     port: int = 8000
+    # Extra labels of the ServiceMonitor: a Prometheus picks monitors by label (the
+    # kube-prometheus-stack chart's by `release: <its release name>`).
+    monitor_labels: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.namespace) > 63 or not _DNS_LABEL.match(self.namespace):
@@ -47,6 +53,9 @@ class RenderOptions:
             raise ValueError(f"--prometheus-url {self.prometheus_url!r}: an http(s) URL")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"--port {self.port}: 1..65535")
+        for key, value in self.monitor_labels:
+            if not (_LABEL_KEY.match(key) and _LABEL_VALUE.match(value)):
+                raise ValueError(f"--monitor-label {key}={value}: not a Kubernetes label")
 
 
 @dataclass(frozen=True)
@@ -169,7 +178,9 @@ def render_fleet(fleet: FleetConfig, opts: RenderOptions) -> list[Manifest]:
     out.append(
         Manifest(
             "servicemonitor.yaml",
-            monitoring.service_monitor("fleetserve", opts.namespace, selector),
+            monitoring.service_monitor(
+                "fleetserve", opts.namespace, selector, dict(opts.monitor_labels)
+            ),
         )
     )
     kustomization = {
@@ -203,13 +214,28 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="the Prometheus KEDA queries (default: the Prometheus operator's service)",
     )
     p.add_argument("--port", type=int, default=8000, help="the server's port in the pod")
+    p.add_argument(
+        "--monitor-label",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a label of the ServiceMonitor, e.g. release=kube-prometheus-stack (repeatable)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from fleetserve.serve.fleet_config import load_fleet_config
 
     fleet = load_fleet_config(args.config)
-    opts = RenderOptions(args.namespace, args.image, args.prometheus_url, args.port)
+    monitor_labels = []
+    for item in args.monitor_label:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--monitor-label {item!r}: expected KEY=VALUE")
+        monitor_labels.append((key, value))
+    opts = RenderOptions(
+        args.namespace, args.image, args.prometheus_url, args.port, tuple(monitor_labels)
+    )
     paths = write_manifests(render_fleet(fleet, opts), args.out)
     print(f"wrote {len(paths)} files to {args.out}; apply with: kubectl apply -k {args.out}")
     return 0

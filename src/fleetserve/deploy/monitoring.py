@@ -39,7 +39,11 @@ def queue_depth_query(namespace: str, model_name: str) -> str:
 
 
 def service_monitor(
-    name: str, namespace: str, selector: Mapping[str, str], interval_s: int = 15
+    name: str,
+    namespace: str,
+    selector: Mapping[str, str],
+    labels: Mapping[str, str] | None = None,
+    interval_s: int = 15,
 ) -> dict[str, Any]:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
@@ -47,8 +51,8 @@ def service_monitor(
         "metadata": {
             "name": name,
             "namespace": namespace,
-            "labels": {"app.kubernetes.io/name": "fleetserve"},
-        },  # fmt: skip
+            "labels": {"app.kubernetes.io/name": "fleetserve", **(labels or {})},
+        },
         "spec": {
             "selector": {"matchLabels": dict(selector)},
             "namespaceSelector": {"matchNames": [namespace]},
