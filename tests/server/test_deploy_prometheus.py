@@ -2,7 +2,8 @@
 serve` run with the Deployment's own arguments on its ConfigMap's fleet file; a real
 Prometheus scrapes them with the scrape job the ServiceMonitor implies. Then the
 ScaledObject's exact query rises while the queue fills, the Deployment's probe paths
-answer 200, and every Grafana panel's PromQL runs and returns data.
+answer 200, every Grafana panel's PromQL runs and returns data, and a SIGTERM'd pod
+drains and exits within the grace period the Deployment gives it.
 
 Engine steps are paced (FLEETSERVE_DEBUG_STEP_DELAY_S) and one request runs at a time, so
 requests wait; nothing here asserts speed.
@@ -13,8 +14,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from server_proc import ServerProc, free_port, wait_until
+from server_proc import ServerProc, free_port, metric, scrape, wait_until
 
 from fleetserve.deploy import grafana
 from fleetserve.deploy.k8s import RenderOptions, render_fleet
@@ -43,7 +46,8 @@ def fleet(model_path: str) -> dict[str, Any]:
         "models": [
             {"name": "tiny", "model": model_path,
              "engine": {"max_num_seqs": 1, "num_threads": 1, "max_model_len": 512},
-             "deploy": {"pool": "spot", "min_replicas": 0, "target_queue_depth": 4}},
+             "deploy": {"pool": "spot", "min_replicas": 0, "target_queue_depth": 4,
+                        "drain_timeout_s": 2}},
             {"name": "clf", "kind": "custom", "handler": "fleet_handlers:Classifier",
              "options": {"labels": ["even", "odd"]},
              "batching": {"max_batch_size": 4, "batch_wait_timeout_s": 0.01}},
@@ -285,3 +289,28 @@ def test_every_dashboard_query_runs_and_returns_data(stack: Stack) -> None:
     assert {"tiny", "clf"} <= {
         s["metric"]["model_name"] for s in stack.query("fleetserve:num_requests_waiting")["result"]
     }
+
+
+def test_sigterm_drain_fits_the_grace_period(stack: Stack) -> None:
+    """Last in the module: it stops the generate pod. A request longer than the drain
+    budget is in flight; after SIGTERM the pod leaves readiness at once, waits out
+    --drain-timeout, aborts the request and exits 0 before the kubelet would SIGKILL it."""
+    srv = stack.servers["tiny"]
+    spec = find(stack.objs, "Deployment", "tiny")["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
+    budget = spec["terminationGracePeriodSeconds"] - pre_stop  # SIGTERM comes after preStop
+    drain = float(container["args"][container["args"].index("--drain-timeout") + 1])
+    codes: list[int] = []
+    long = threading.Thread(target=_complete, args=(srv.url, 0, "interactive", 400, codes))
+    long.start()
+    running = "fleetserve:num_requests_running"
+    assert wait_until(lambda: metric(scrape(srv.url), running, model_name="tiny") == 1, 30)
+    start = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    assert wait_until(lambda: httpx.get(f"{srv.url}/ready", timeout=2).status_code == 503, 5)
+    code = srv.proc.wait(budget)
+    elapsed = time.monotonic() - start
+    long.join(30)
+    assert code == 0 and drain - 0.5 <= elapsed <= budget, (code, elapsed, budget)
+    assert codes, "the request got no answer"
