@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -61,6 +62,7 @@ class FakeEngine:
         self.is_ready = False
         self.on_stats = None
         self.num_kv_blocks = 1000
+        self.config = SimpleNamespace(cache=SimpleNamespace(block_size=16))
         self.dead_reason: str | None = None
         self.crashed = False
         self.sent: list[tuple[str, int]] = []  # (request id, engine priority)

@@ -4,7 +4,7 @@ routing policy, and the replica itself (one engine client, whatever runs it)."""
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -69,6 +69,16 @@ class ReplicaStreamLike(Protocol):
     def close(self) -> None: ...
 
 
+class StreamObserver(Protocol):
+    """Told of a request's outputs (its service measures latencies by class with it)."""
+
+    def on_output(self, out: RequestOutput) -> None: ...
+
+    def on_end(self) -> None:
+        """The request ended (finished, failed or closed); called once."""
+        ...
+
+
 class Replica(ReplicaLoad, Protocol):
     """One engine replica of a model, whatever runs it: a local engine-core process
     (`LocalReplica`), and later a Ray actor, another fleetserve server over HTTP, a batch
@@ -81,10 +91,41 @@ class Replica(ReplicaLoad, Protocol):
     of `drain`: the router sends it nothing then.
     """
 
+    # Called with the replica when one of its requests ends (its seats are free again),
+    # and after each of its engine steps' stats (set by its service).
+    on_finish: Callable[[Any], None] | None
+    on_stats: Callable[[Any], None] | None
+
     @property
     def dead_reason(self) -> str | None:
         """Why it can serve no more (its process died, it was stopped); None while alive."""
         ...
+
+    @property
+    def crashed(self) -> bool:
+        """Its engine exited without being asked to."""
+        ...
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens its KV cache holds (what one request may use at most); None until loaded."""
+        ...
+
+    @property
+    def stats(self) -> Mapping[str, float]:
+        """Its engine's latest stats (num_requests_running, kv_cache_usage_perc, ...)."""
+        ...
+
+    @property
+    def num_routed(self) -> int: ...
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting in its engine's scheduler at its last step."""
+        ...
+
+    @property
+    def prefix_cache_hit_rate(self) -> float: ...
 
     async def start(self, timeout_s: float = 600.0) -> None:
         """Loads the model; raises if it fails or takes longer than `timeout_s`."""
@@ -98,6 +139,7 @@ class Replica(ReplicaLoad, Protocol):
         priority: int,
         num_prompt_tokens: int,
         level: int = 0,
+        observer: StreamObserver | None = None,
     ) -> ReplicaStreamLike: ...
 
     def abort(self, request_id: str) -> None: ...
@@ -108,6 +150,10 @@ class Replica(ReplicaLoad, Protocol):
 
     async def drain(self, timeout_s: float) -> bool:
         """Stops taking requests and waits for those it holds; True if they all finished."""
+        ...
+
+    def abort_all(self, reason: str) -> None:
+        """Ends every request it holds with EngineDeadError(reason)."""
         ...
 
     async def stop(self) -> None:

@@ -1,7 +1,7 @@
 """GenerateService: one generate model of the fleet, behind its name.
 
     admit() -> tokenize + validate (400s) -> class queue (503 when full) -> dispatch when a
-    replica has room for the class -> Router picks among those -> LocalReplica.submit
+    replica has room for the class -> Router picks among those -> Replica.submit
 
 A request waits in its class's queue (serve/sla.py) until some live replica has room
 for it at its class's level: the replica holds fewer than a batch (`max_num_seqs`) of
@@ -37,9 +37,9 @@ from fleetserve.engine.async_engine import (
 from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
-from fleetserve.serve.base import RouteRequest
+from fleetserve.serve.base import Replica, ReplicaStreamLike, RouteRequest
 from fleetserve.serve.policies import make_policy
-from fleetserve.serve.replica import LocalReplica, ReplicaStream
+from fleetserve.serve.replica import LocalReplica
 from fleetserve.serve.replica_set import ReplicaSet
 from fleetserve.serve.router import NoHealthyReplicaError, Router
 from fleetserve.serve.sla import ClassQueue, Entry, QueueFullError, ServiceClass, engine_priority
@@ -73,7 +73,7 @@ class _Item:
 @dataclass
 class _Pending:
     items: list[_Item]
-    future: asyncio.Future[list[ReplicaStream]]
+    future: asyncio.Future[list[ReplicaStreamLike]]
     arrival: float
     num_seqs: int = field(init=False)
 
@@ -148,7 +148,7 @@ class GenerateService:
             seed=args.seed,
             imbalance_tokens=imbalance_tokens,
         )
-        self.router: Router[LocalReplica] = Router(
+        self.router: Router[Replica] = Router(
             self.replica_set.members,
             policy,
             overload_requests=self.config.scheduler.max_num_seqs,
@@ -158,7 +158,9 @@ class GenerateService:
         self._started = False
         self._expiry: asyncio.TimerHandle | None = None
 
-    def _new_replica(self, index: int) -> LocalReplica:
+    def _new_replica(self, index: int) -> Replica:
+        """A replica of this model: a local engine-core process (other transports plug in
+        here: a Ray actor, a remote server)."""
         engine = AsyncEngine(self._replica_args, _ENGINE_MAX_WAITING, self.metrics, index)
         replica = LocalReplica(index, engine, max_num_seqs=self.config.scheduler.max_num_seqs)
         replica.on_stats = self._publish_stats
@@ -224,7 +226,7 @@ class GenerateService:
     def abort_all(self, reason: str) -> None:
         self._fail_queued(lambda: EngineDeadError(reason))
         for r in self.replica_set:
-            r.engine.abort_all(reason)
+            r.abort_all(reason)
 
     # ------------------------------------------------------------- requests
     def resolve_class(self, name: str | None) -> ServiceClass:
@@ -237,7 +239,7 @@ class GenerateService:
         params_for: Callable[[], SamplingParams],
         class_name: str | None = None,
         priority: int = 0,
-    ) -> list[ReplicaStream]:
+    ) -> list[ReplicaStreamLike]:
         """Validates every prompt (ValueError naming the field), queues the request in its
         class and returns its streams once it is sent to a replica: one per prompt, all on
         their way. Raises ShedError (queue full / waited too long), EngineNotReadyError,
@@ -278,10 +280,7 @@ class GenerateService:
     def _prepare(self, request_id: str, prompt: PromptType, params: SamplingParams) -> _Item:
         text, ids = self._rules.tokenize_prompt(prompt)
         self._rules.validate(ids, params)
-        capacity = min(
-            (r.engine.num_kv_blocks or 0) * self.config.cache.block_size
-            for r in self.replica_set.live
-        )
+        capacity = min(r.kv_capacity_tokens or 0 for r in self.replica_set.live)
         room = min(self.max_model_len, capacity) - len(ids)
         if room < 1:
             raise ValueError(f"the prompt's {len(ids)} tokens do not fit the KV cache")
@@ -316,7 +315,7 @@ class GenerateService:
     def _send(self, entry: Entry[_Pending], no_room: set[int]) -> None:
         pending = entry.payload
         cls = entry.service_class
-        streams: list[ReplicaStream] = []
+        streams: list[ReplicaStreamLike] = []
         try:
             for item in pending.items:
                 route = RouteRequest(
@@ -394,7 +393,7 @@ class GenerateService:
         if self.metrics is not None:
             self.metrics.add_shed(class_name, reason)
 
-    def _publish_stats(self, replica: LocalReplica) -> None:
+    def _publish_stats(self, replica: Replica) -> None:
         """The model-level gauges sum (or pool) the healthy replicas' latest stats."""
         if self.metrics is None:
             return

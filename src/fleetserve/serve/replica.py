@@ -17,20 +17,13 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import AsyncEngine, RequestStream
 from fleetserve.engine.llm_engine import PromptType
 from fleetserve.outputs import RequestOutput
-
-
-class StreamObserver(Protocol):
-    """Told of a request's outputs (its service measures latencies by class with it)."""
-
-    def on_output(self, out: RequestOutput) -> None: ...
-
-    def on_end(self) -> None: ...
+from fleetserve.serve.base import StreamObserver
 
 
 class LocalReplica:
@@ -60,12 +53,12 @@ class LocalReplica:
         self.draining = False
         self._seqs_by_level: Counter[int] = Counter()
         # Called whenever a request of this replica ends (its seats are free again).
-        self.on_finish: Callable[[LocalReplica], None] | None = None
+        self.on_finish: Callable[[Any], None] | None = None
         self._step_latency_ewma: float | None = None
         self.num_steps = 0
         self.stats: dict[str, float] = {}
         # Called after each stats update (the data-parallel engine republishes gauges).
-        self.on_stats: Callable[[LocalReplica], None] | None = None
+        self.on_stats: Callable[[Any], None] | None = None
         engine.on_stats = self._update_stats
 
     # ------------------------------------------------------------- lifecycle
@@ -94,6 +87,14 @@ class LocalReplica:
     @property
     def crashed(self) -> bool:
         return self.engine.crashed
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        blocks = self.engine.num_kv_blocks
+        return None if blocks is None else blocks * self.engine.config.cache.block_size
+
+    def abort_all(self, reason: str) -> None:
+        self.engine.abort_all(reason)
 
     # ------------------------------------------------------------- load
     @property

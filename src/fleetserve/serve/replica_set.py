@@ -12,34 +12,34 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterator
 
-from fleetserve.serve.replica import LocalReplica
+from fleetserve.serve.base import Replica
 
 
 class ReplicaSet:
-    def __init__(self, factory: Callable[[int], LocalReplica]) -> None:
+    def __init__(self, factory: Callable[[int], Replica]) -> None:
         self._factory = factory
-        self.members: list[LocalReplica] = []
+        self.members: list[Replica] = []
         self._next_index = 0
         # Called after the membership or a member's room changes (the service dispatches).
         self.on_change: Callable[[], None] | None = None
 
-    def __iter__(self) -> Iterator[LocalReplica]:
+    def __iter__(self) -> Iterator[Replica]:
         return iter(self.members)
 
     def __len__(self) -> int:
         return len(self.members)
 
     @property
-    def live(self) -> list[LocalReplica]:
+    def live(self) -> list[Replica]:
         return [r for r in self.members if r.healthy]
 
-    def get(self, index: int) -> LocalReplica:
+    def get(self, index: int) -> Replica:
         for r in self.members:
             if r.index == index:
                 return r
         raise KeyError(f"no replica {index}; replicas: {[r.index for r in self.members]}")
 
-    def create(self) -> LocalReplica:
+    def create(self) -> Replica:
         """A new member, not started (it is not healthy, so nothing is routed to it yet)."""
         replica = self._factory(self._next_index)
         self._next_index += 1
@@ -57,7 +57,7 @@ class ReplicaSet:
                 raise RuntimeError(f"replica {r.index}: {res}") from res
         self._changed()
 
-    async def add(self, timeout_s: float = 600.0) -> LocalReplica:
+    async def add(self, timeout_s: float = 600.0) -> Replica:
         """Starts one more replica while the others serve; it takes requests once loaded.
         If it fails to start it is removed again and the error is raised."""
         replica = self.create()
@@ -88,6 +88,6 @@ class ReplicaSet:
     async def stop_all(self) -> None:
         await asyncio.gather(*(r.stop() for r in self.members))
 
-    def _changed(self, replica: LocalReplica | None = None) -> None:
+    def _changed(self, replica: Replica | None = None) -> None:
         if self.on_change is not None:
             self.on_change()

@@ -30,9 +30,9 @@ from fleetserve.entrypoints.openai.errors import (
     from_value_error,
 )
 from fleetserve.outputs import RequestOutput
+from fleetserve.serve.base import ReplicaStreamLike
 from fleetserve.serve.model_service import GenerateService, ShedError
 from fleetserve.serve.registry import ModelService, Registry, UnknownModelError, WrongKindError
-from fleetserve.serve.replica import ReplicaStream
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -142,7 +142,7 @@ async def admit(
     params_for: Any,
     priority: int,
     class_name: str | None,
-) -> list[ReplicaStream]:
+) -> list[ReplicaStreamLike]:
     """Queues the request (one engine request per prompt, all or none) in its class and
     returns its streams once it is on a replica; a client that leaves meanwhile leaves
     the queue (ClientGone)."""
@@ -156,7 +156,7 @@ async def admit(
         raise engine_error(e) from None
 
 
-async def merged(streams: list[ReplicaStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged(streams: list[ReplicaStreamLike]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several streams as they come, tagged with the stream's index."""
     if len(streams) == 1:
         async for out in streams[0]:
@@ -164,7 +164,7 @@ async def merged(streams: list[ReplicaStream]) -> AsyncIterator[tuple[int, Reque
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, s: ReplicaStream) -> None:
+    async def pump(i: int, s: ReplicaStreamLike) -> None:
         try:
             async for out in s:
                 queue.put_nowait((i, out))
@@ -190,7 +190,7 @@ async def merged(streams: list[ReplicaStream]) -> AsyncIterator[tuple[int, Reque
             s.close()
 
 
-async def collect(streams: list[ReplicaStream]) -> list[RequestOutput]:
+async def collect(streams: list[ReplicaStreamLike]) -> list[RequestOutput]:
     finals: list[RequestOutput | None] = [None] * len(streams)
     try:
         async for i, out in merged(streams):
