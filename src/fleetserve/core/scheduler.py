@@ -5,6 +5,11 @@ request is given ``min(num_tokens - num_computed_tokens, remaining budget)`` tok
 a long prompt is prefilled over several steps, mixed with other requests' decodes.
 When blocks run out, the newest running request (or the least important one under the
 priority policy) is preempted: its blocks are freed and it is recomputed later.
+
+Speculative decoding rides on the same rule: a decoding request with draft tokens is
+given its pending token plus the drafts, the runner verifies them in that one step, and
+``update_from_output`` moves ``num_computed_tokens`` back past the rejected ones and gives
+their blocks back.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ class Scheduler:
         self._sent_blocks: dict[str, int] = {}
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions = 0
+        # Speculative decoding: verifications, draft tokens verified, drafts accepted.
+        self.num_spec_verifications = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     # --------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -106,6 +115,7 @@ class Scheduler:
         self._forget(req.req_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.insert(0, req)
@@ -117,6 +127,17 @@ class Scheduler:
         if self.config.policy == "priority":
             return min(candidates, key=lambda r: (r.priority, r.arrival_time))
         return candidates[0]
+
+    def _lookahead(self, req: Request, num_computed: int, num_new: int) -> int:
+        """Slots a draft model writes past this step's tokens, if the step samples."""
+        if num_computed + num_new < req.num_tokens:
+            return 0  # mid-prompt: nothing is proposed after this step
+        return max(
+            0,
+            min(
+                self.config.num_lookahead_tokens, self.config.max_model_len - num_computed - num_new
+            ),
+        )
 
     def _sibling_prefilling(self, req: Request) -> bool:
         """n>1 siblings wait until one of them has computed the shared prompt."""
@@ -142,6 +163,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        spec_tokens: dict[str, list[int]] = {}
         preempted = False
 
         for req in list(self.running):
@@ -149,21 +171,31 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING or req.req_id in skip_req_ids:
                 continue  # preempted earlier in this loop, or in flight
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_unseen = req.num_tokens - req.num_computed_tokens
+            num_new = min(num_unseen + len(req.spec_token_ids), budget)
             num_new = min(num_new, max_len - req.num_computed_tokens)
             if num_new <= 0:
                 continue
-            while not bm.allocate_slots(req, num_new):
+            num_spec = max(0, num_new - num_unseen)
+            lookahead = self._lookahead(req, req.num_computed_tokens, num_new)
+            while not bm.allocate_slots(req, num_new + lookahead):
+                if num_spec or lookahead:
+                    # Drafts and lookahead are optional: drop them before preempting.
+                    num_new, num_spec, lookahead = num_new - num_spec, 0, 0
+                    continue
                 victim = self._pick_victim()
                 self._preempt(victim)
                 preempted = True
                 # A victim already given tokens this step gives them back.
                 budget += num_scheduled.pop(victim.req_id, 0)
+                spec_tokens.pop(victim.req_id, None)
                 if victim is req:
                     break
             if req.status == RequestStatus.RUNNING:
                 num_scheduled[req.req_id] = num_new
                 budget -= num_new
+                if num_spec:
+                    spec_tokens[req.req_id] = req.spec_token_ids[:num_spec]
 
         skip: set[str] = set(skip_req_ids)
         while (
@@ -184,7 +216,10 @@ class Scheduler:
             if not self.config.chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if not bm.allocate_slots(req, num_new, hits):
+            lookahead = self._lookahead(req, num_hit_tokens, num_new)
+            if not bm.allocate_slots(req, num_new + lookahead, hits) and not (
+                lookahead and bm.allocate_slots(req, num_new, hits)
+            ):
                 break
             self.waiting.remove(req)
             self.running.append(req)
@@ -222,6 +257,7 @@ class Scheduler:
                         new_token_ids=req.all_token_ids[self._sent_tokens[req.req_id] :],
                         new_block_ids=block_ids[self._sent_blocks[req.req_id] :],
                         num_computed_tokens=req.num_computed_tokens,
+                        num_kept_block_ids=self._sent_blocks[req.req_id],
                     )
                 )
             self._sent_tokens[req.req_id] = req.num_tokens
@@ -233,6 +269,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_since_last_step,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self._finished_since_last_step = set()
         return out
@@ -247,11 +284,20 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += sched.num_scheduled_tokens[req_id]
-            self.block_manager.cache_full_blocks(req)
+            sampled = result.sampled_token_ids[idx]
+            num_computed = req.num_computed_tokens + sched.num_scheduled_tokens[req_id]
+            drafts = sched.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                # sampled = the accepted drafts + one token of the target's own; the
+                # rejected drafts' K/V are garbage, recomputed when their slots are reused.
+                num_accepted = max(len(sampled) - 1, 0)
+                num_computed -= len(drafts) - num_accepted
+                self.num_spec_verifications += 1
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += num_accepted
+            req.num_computed_tokens = num_computed
             new_tokens: list[int] = []
             new_logprobs = []
-            sampled = result.sampled_token_ids[idx]
             for j, tok in enumerate(sampled):
                 req.append_token(tok)
                 new_tokens.append(tok)
@@ -259,6 +305,13 @@ class Scheduler:
                     new_logprobs.append(result.logprobs[idx][j])
                 if req.check_stop(max_len):
                     break
+            # Accepted drafts after a stop are dropped with their K/V.
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+            # Only now are the accepted drafts among the request's tokens (block hashes
+            # cover verified tokens only).
+            self.block_manager.cache_full_blocks(req)
+            if not req.finished:
+                self._after_verify(req, result, idx)
             prompt_lps = result.prompt_logprobs.get(req_id)
             if not new_tokens and prompt_lps is None:
                 continue
@@ -276,3 +329,14 @@ class Scheduler:
                 self._free(req)
             outputs.append(out)
         return outputs
+
+    def _after_verify(self, req: Request, result: ModelRunnerOutput, idx: int) -> None:
+        """Take the next drafts and give back the blocks past the verified tokens."""
+        if result.spec_token_ids is not None:
+            room = req.max_tokens - req.num_output_tokens - 1  # the last token is the target's
+            req.spec_token_ids = result.spec_token_ids[idx][: max(room, 0)]
+        if self.block_manager.free_tail(req, req.num_tokens):
+            held = len(self.block_manager.block_ids(req.req_id))
+            sent = self._sent_blocks.get(req.req_id)
+            if sent is not None and sent > held:
+                self._sent_blocks[req.req_id] = held
