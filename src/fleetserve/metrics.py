@@ -31,6 +31,14 @@ _GAUGES = {
     "num_requests_waiting": "Requests waiting to be scheduled.",
     "kv_cache_usage_perc": "Fraction of KV cache blocks in use (0 to 1).",
     "prefix_cache_hit_rate": "Fraction of queried prompt tokens found in the prefix cache.",
+    "spec_decode_acceptance_rate": "Fraction of draft tokens the target model accepted.",
+    "spec_decode_mean_accepted_length": "Tokens emitted per draft verification (accepted + 1).",
+}
+# Engine stat key (a running total) -> counter help text.
+_COUNTERS = {
+    "spec_decode_num_drafts": "Draft verifications (request-steps with draft tokens).",
+    "spec_decode_num_draft_tokens": "Draft tokens verified by the target model.",
+    "spec_decode_num_accepted_tokens": "Draft tokens the target model accepted.",
 }
 
 
@@ -42,6 +50,13 @@ class ServerMetrics:
             key: Gauge(f"fleetserve:{key}", doc, labels, registry=self.registry).labels(model_name)
             for key, doc in _GAUGES.items()
         }
+        self._totals = {
+            key: Counter(f"fleetserve:{key}", doc, labels, registry=self.registry).labels(
+                model_name
+            )
+            for key, doc in _COUNTERS.items()
+        }
+        self._last_totals: dict[str, float] = {}
         self._ttft = Histogram(
             "fleetserve:time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
@@ -86,6 +101,13 @@ class ServerMetrics:
         for key, gauge in self._gauges.items():
             if key in stats:
                 gauge.set(stats[key])
+        for key, counter in self._totals.items():
+            if key in stats:
+                # The engine reports running totals; a restarted engine starts again at 0.
+                delta = stats[key] - self._last_totals.get(key, 0.0)
+                if delta > 0:
+                    counter.inc(delta)
+                self._last_totals[key] = stats[key]
 
     def add_prompt_tokens(self, num_tokens: int) -> None:
         self._prompt_tokens.inc(num_tokens)

@@ -76,12 +76,11 @@ class SpeculativeConfig:
         method = value.get("method")
         if method is None:
             method = "draft_model" if value.get("model") else "ngram"
-        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
-        if lo is None and hi is None:
-            lo, hi = 1, 4
-        elif lo is None:
-            lo = 1 if isinstance(hi, int) and hi >= 1 else hi
-        elif hi is None:
+        lo: Any = value.get("prompt_lookup_min")
+        hi: Any = value.get("prompt_lookup_max")
+        if lo is None:
+            lo = 1 if hi is None or not isinstance(hi, int) or hi >= 1 else hi
+        if hi is None:
             hi = max(lo, 4) if isinstance(lo, int) and not isinstance(lo, bool) else lo
         return cls(
             method=method,

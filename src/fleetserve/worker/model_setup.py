@@ -7,6 +7,7 @@ import torch
 from fleetserve.config import ModelConfig
 from fleetserve.distributed.parallel_state import ParallelContext
 from fleetserve.kernels import cpu as cpu_kernels
+from fleetserve.models.llama import LlamaForCausalLM
 from fleetserve.models.loader import ModelSource
 from fleetserve.models.registry import model_class
 from fleetserve.models.sharding import load_shards, shard_model
@@ -17,7 +18,7 @@ def load_model(
     source: ModelSource,
     device: torch.device,
     parallel: ParallelContext | None = None,
-) -> torch.nn.Module:
+) -> LlamaForCausalLM:
     """Built on the meta device, materialized on `device`, weights loaded (this rank's
     shards under `parallel`), in eval mode."""
     with torch.device("meta"):
@@ -40,7 +41,7 @@ def load_model(
 
 
 def bind_kv_caches(
-    model: torch.nn.Module,
+    model: LlamaForCausalLM,
     num_blocks: int,
     block_size: int,
     dtype: torch.dtype,
@@ -49,7 +50,7 @@ def bind_kv_caches(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Allocate each attention layer's K/V cache and bind it to the layer."""
     caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for attn in model.attention_layers():  # type: ignore[operator]
+    for attn in model.attention_layers():
         shape = (num_blocks, attn.num_kv_heads, block_size, attn.head_dim)
         if use_cpu_kernel:
             # The kernels' layout (keys d-major within a block), on huge pages where
@@ -78,7 +79,7 @@ def use_cpu_kernel(mcfg: ModelConfig, device: torch.device, attention_backend: s
     )
 
 
-def pack_for_cpu(model: torch.nn.Module, cpu_kernel: bool) -> None:
-    if cpu_kernel and cpu_kernels.gemm_worthwhile() and hasattr(model, "pack_for_cpu"):
+def pack_for_cpu(model: LlamaForCausalLM, cpu_kernel: bool) -> None:
+    if cpu_kernel and cpu_kernels.gemm_worthwhile():
         # Weights move into the CPU GEMM kernel's panel layout (layers/linear.py).
         model.pack_for_cpu()
