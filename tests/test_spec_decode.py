@@ -206,3 +206,27 @@ def test_draft_model_must_share_the_vocabulary(
         )
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": -1})
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_ngram_under_tensor_and_pipeline_parallelism(tiny_llama: str, tp: int, pp: int) -> None:
+    ref = token_ids(LLM(tiny_llama, max_model_len=128), PROMPTS, greedy())
+    llm = LLM(
+        tiny_llama,
+        max_model_len=128,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        speculative_config=NGRAM,
+    )
+    try:
+        assert token_ids(llm, PROMPTS, greedy()) == ref
+        assert spec_totals(llm)[1] > 0
+    finally:
+        llm.engine.shutdown()
+    with pytest.raises(ValueError, match=r"speculative_config.model.*parallel"):
+        LLM(
+            tiny_llama,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            speculative_config={"model": tiny_llama, "num_speculative_tokens": 2},
+        )
