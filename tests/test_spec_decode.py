@@ -135,6 +135,53 @@ def test_logprobs_match_without_drafts(tiny_llama: str) -> None:
             assert list(lg.values()) == pytest.approx(list(lr.values()), abs=1e-4)
 
 
+def test_stop_strings_end_where_one_token_a_step_would(tiny_llama: str) -> None:
+    """A stop string completed inside a step's accepted drafts ends the output there."""
+    base = LLM(tiny_llama, max_model_len=128)
+    free = base.generate(PROMPTS[1], greedy(max_tokens=40), use_tqdm=False)[0].outputs[0]
+    tok = base.get_tokenizer()
+    stop = tok.decode(free.token_ids[20:22]).strip()
+    assert stop and stop in free.text
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+    ref = base.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
+    assert ref.finish_reason == "stop"
+    llm = checked_llm(tiny_llama, max_model_len=128, speculative_config=NGRAM)
+    got = llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
+    assert (got.token_ids, got.text, got.finish_reason) == (ref.token_ids, ref.text, "stop")
+    assert spec_totals(llm)[1] > 0
+
+
+def test_stop_string_inside_a_multi_token_step(tiny_llama: str) -> None:
+    """Tokens delivered several per step stop where they would one per step."""
+    from fleetserve.core.scheduler_output import EngineCoreOutput
+    from fleetserve.engine.output_processor import OutputProcessor
+    from fleetserve.models.loader import resolve_model
+    from fleetserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_source(resolve_model(tiny_llama))
+    ids = tok.encode("the cat found the long river near the station")
+    params = SamplingParams(max_tokens=50, stop=["long"], logprobs=0)
+    lps = [{t: -0.5} for t in ids]
+
+    def run(chunks: list[list[int]]) -> tuple[list[int], str, str | None, int]:
+        proc = OutputProcessor(tok)
+        (cid,) = proc.add_request("r", None, [5, 6], params)
+        out = None
+        for chunk in chunks:
+            eo = EngineCoreOutput(cid, chunk, [lps[ids.index(t)] for t in chunk])
+            results, to_stop = proc.process([eo])
+            out = results[0].outputs[0] if results else out
+            if to_stop:
+                break
+        assert out is not None
+        return out.token_ids, out.text, out.finish_reason, len(out.logprobs or [])
+
+    one_by_one = run([[t] for t in ids])
+    assert one_by_one[2] == "stop" and len(one_by_one[0]) < len(ids)
+    assert run([ids[:2], ids[2:7], ids[7:]]) == one_by_one
+    assert run([ids]) == one_by_one
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_seeded_sampling_is_reproducible(tiny_llama: str, draft_llama: str, method: str) -> None:
     spec = NGRAM if method == "ngram" else {"model": draft_llama, "num_speculative_tokens": 3}
