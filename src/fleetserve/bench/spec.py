@@ -39,9 +39,19 @@ PARAGRAPHS = [
 ]
 WORKLOADS = {
     "repeat": "Repeat the following paragraph exactly, word for word.\n\n{p}",
-    "edit": "Rewrite the following paragraph, changing only the word 'the' to 'a' where it "
-    "begins a sentence. Keep everything else exactly the same.\n\n{p}",
+    "edit": "Correct the spelling mistakes in the following paragraph and write the whole "
+    "corrected paragraph.\n\n{p}",
 }
+
+
+def with_typos(paragraph: str, every: int = 9) -> str:
+    """A light edit to ask for: every `every`-th word of 5+ letters gets two letters swapped."""
+    words = paragraph.split(" ")
+    for i in range(every - 1, len(words), every):
+        w = words[i]
+        if len(w) >= 5 and w.isalpha():
+            words[i] = w[:2] + w[3] + w[2] + w[4:]
+    return " ".join(words)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -58,7 +68,7 @@ def _prompts(llm: Any, workload: str) -> list[list[int]]:
         tok.apply_chat_template(
             [{"role": "user", "content": WORKLOADS[workload].format(p=p)}], True
         )
-        for p in PARAGRAPHS
+        for p in (PARAGRAPHS if workload == "repeat" else [with_typos(p) for p in PARAGRAPHS])
     ]
 
 
