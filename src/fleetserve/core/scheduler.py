@@ -132,12 +132,8 @@ class Scheduler:
         """Slots a draft model writes past this step's tokens, if the step samples."""
         if num_computed + num_new < req.num_tokens:
             return 0  # mid-prompt: nothing is proposed after this step
-        return max(
-            0,
-            min(
-                self.config.num_lookahead_tokens, self.config.max_model_len - num_computed - num_new
-            ),
-        )
+        room = self.config.max_model_len - num_computed - num_new
+        return max(0, min(self.config.num_lookahead_tokens, room))
 
     def _sibling_prefilling(self, req: Request) -> bool:
         """n>1 siblings wait until one of them has computed the shared prompt."""
@@ -290,7 +286,8 @@ class Scheduler:
             if drafts:
                 # sampled = the accepted drafts + one token of the target's own; the
                 # rejected drafts' K/V are garbage, recomputed when their slots are reused.
-                num_accepted = max(len(sampled) - 1, 0)
+                assert sampled, "a step with drafts reaches the request's end: it samples"
+                num_accepted = len(sampled) - 1
                 num_computed -= len(drafts) - num_accepted
                 self.num_spec_verifications += 1
                 self.num_draft_tokens += len(drafts)
