@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from fleetserve.core.config import SchedulerConfig
+from fleetserve.spec_decode.config import SpeculativeConfig
 
 __all__ = ["SchedulerConfig"]
 
@@ -205,6 +206,7 @@ class EngineConfig:
     num_threads: int | None = None
     # "auto": the C kernel on the CPU in float32, else plain torch; "cpu" | "torch" force.
     attention_backend: str = "auto"
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -32,6 +32,14 @@ _GAUGES = {
     "num_requests_running": "Requests in the running batch.",
     "kv_cache_usage_perc": "Fraction of KV cache blocks in use (0 to 1).",
     "prefix_cache_hit_rate": "Fraction of queried prompt tokens found in the prefix cache.",
+    "spec_decode_acceptance_rate": "Fraction of draft tokens the target model accepted.",
+    "spec_decode_mean_accepted_length": "Tokens emitted per draft verification (accepted + 1).",
+}
+# Engine stat key (a running total) -> counter help text.
+_COUNTERS = {
+    "spec_decode_num_drafts": "Draft verifications (request-steps with draft tokens).",
+    "spec_decode_num_draft_tokens": "Draft tokens verified by the target model.",
+    "spec_decode_num_accepted_tokens": "Draft tokens the target model accepted.",
 }
 
 
@@ -45,6 +53,9 @@ class ServerMetrics:
         m, mc = ["model_name"], ["model_name", "class"]
         self.gauges = {
             key: Gauge(f"fleetserve:{key}", doc, m, registry=r) for key, doc in _GAUGES.items()
+        }
+        self.totals = {
+            key: Counter(f"fleetserve:{key}", doc, m, registry=r) for key, doc in _COUNTERS.items()
         }
         self.ttft = Histogram(
             "fleetserve:time_to_first_token_seconds",
@@ -107,6 +118,8 @@ class ModelMetrics:
         self.model_name = model_name
         self.registry = server.registry
         self._gauges = {key: g.labels(model_name) for key, g in server.gauges.items()}
+        self._totals = {key: c.labels(model_name) for key, c in server.totals.items()}
+        self._last_totals: dict[str, float] = {}
         self._prompt_tokens = server.prompt_tokens.labels(model_name)
         self._generation_tokens = server.generation_tokens.labels(model_name)
         for reason in ("stop", "length", "abort"):
@@ -116,6 +129,13 @@ class ModelMetrics:
         for key, gauge in self._gauges.items():
             if key in stats:
                 gauge.set(stats[key])
+        for key, counter in self._totals.items():
+            if key in stats:
+                # The engine reports running totals; a restarted engine starts again at 0.
+                delta = stats[key] - self._last_totals.get(key, 0.0)
+                if delta > 0:
+                    counter.inc(delta)
+                self._last_totals[key] = stats[key]
 
     def clear_engine_stats(self) -> None:
         for gauge in self._gauges.values():

@@ -162,6 +162,30 @@ class BlockManager:
                 self.cached.setdefault(h, block.block_id)
         self.req_num_hashed[request.req_id] = num_full
 
+    def free_tail(self, request: Request, num_tokens: int) -> int:
+        """Give back the request's blocks past those that hold its first ``num_tokens``
+        tokens; returns how many. They held only rejected draft tokens' K/V (or a draft
+        model's lookahead): never registered in the prefix cache, since only blocks full
+        of verified, computed tokens are.
+
+            blocks:  [ 0 | 1 | ... | keep - 1 ][ keep ... ]  <- freed
+            tokens:  0 ............ num_tokens)
+        """
+        blocks = self.req_to_blocks.get(request.req_id)
+        keep = self.blocks_needed(num_tokens)
+        if not blocks or len(blocks) <= keep:
+            return 0
+        tail = blocks[keep:]
+        del blocks[keep:]
+        for b in reversed(tail):
+            block = self.blocks[b]
+            assert block.block_hash is None and block.ref_cnt == 1, f"tail block {b} is shared"
+            block.ref_cnt = 0
+            # Worthless content: reused before any cached block.
+            self.free_queue[b] = None
+            self.free_queue.move_to_end(b, last=False)
+        return len(tail)
+
     def free(self, request: Request) -> None:
         """Drop the request's references. Its tail blocks are freed first so that they
         are evicted before the (more shareable) head blocks."""

@@ -12,6 +12,8 @@ class SchedulerConfig:
     max_model_len: int = 2048
     chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" | "priority"
+    # KV slots reserved past a sampling step's tokens for a draft model's proposals.
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -20,6 +22,8 @@ class SchedulerConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be >= 0, got {self.num_lookahead_tokens}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -67,6 +67,9 @@ class Request:
         self.stop_reason: int | str | None = None
         # Hashes of this request's full blocks, in order; appended by the BlockManager.
         self.block_hashes: list[int] = []
+        # Draft tokens proposed after the last step, to verify in the next one. They are
+        # not part of the request's tokens until the target model accepts them.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

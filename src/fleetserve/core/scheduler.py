@@ -8,6 +8,11 @@ priority policy) is preempted: its blocks are freed and it is recomputed later. 
 priority policy running requests take the budget in priority order, and a waiting request
 that is more important than a running one also takes its seat (full batch), its blocks, or
 its tokens for the step: that is how the fleet's SLA classes reach the engine.
+
+Speculative decoding rides on the same rule: a decoding request with draft tokens is
+given its pending token plus the drafts, the runner verifies them in that one step, and
+``update_from_output`` moves ``num_computed_tokens`` back past the rejected ones and gives
+their blocks back.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ class Scheduler:
         self._sent_blocks: dict[str, int] = {}
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions = 0
+        # Speculative decoding: verifications, draft tokens verified, drafts accepted.
+        self.num_spec_verifications = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     # --------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -109,6 +118,7 @@ class Scheduler:
         self._forget(req.req_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.insert(0, req)
@@ -149,6 +159,13 @@ class Scheduler:
             return min(candidates, key=lambda r: (r.priority, r.arrival_time))
         return candidates[0]
 
+    def _lookahead(self, req: Request, num_computed: int, num_new: int) -> int:
+        """Slots a draft model writes past this step's tokens, if the step samples."""
+        if num_computed + num_new < req.num_tokens:
+            return 0  # mid-prompt: nothing is proposed after this step
+        room = self.config.max_model_len - num_computed - num_new
+        return max(0, min(self.config.num_lookahead_tokens, room))
+
     def _sibling_prefilling(self, req: Request) -> bool:
         """n>1 siblings wait until one of them has computed the shared prompt."""
         if req.group_id is None or not self.block_manager.enable_prefix_caching:
@@ -173,6 +190,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        spec_tokens: dict[str, list[int]] = {}
         preempted = False
 
         # Under "priority" the most important running requests take the budget first.
@@ -184,21 +202,31 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING or req.req_id in skip_req_ids:
                 continue  # preempted earlier in this loop, or in flight
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_unseen = req.num_tokens - req.num_computed_tokens
+            num_new = min(num_unseen + len(req.spec_token_ids), budget)
             num_new = min(num_new, max_len - req.num_computed_tokens)
             if num_new <= 0:
                 continue
-            while not bm.allocate_slots(req, num_new):
+            num_spec = max(0, num_new - num_unseen)
+            lookahead = self._lookahead(req, req.num_computed_tokens, num_new)
+            while not bm.allocate_slots(req, num_new + lookahead):
+                if num_spec or lookahead:
+                    # Drafts and lookahead are optional: drop them before preempting.
+                    num_new, num_spec, lookahead = num_new - num_spec, 0, 0
+                    continue
                 victim = self._pick_victim()
                 self._preempt(victim)
                 preempted = True
                 # A victim already given tokens this step gives them back.
                 budget += num_scheduled.pop(victim.req_id, 0)
+                spec_tokens.pop(victim.req_id, None)
                 if victim is req:
                     break
             if req.status == RequestStatus.RUNNING:
                 num_scheduled[req.req_id] = num_new
                 budget -= num_new
+                if num_spec:
+                    spec_tokens[req.req_id] = req.spec_token_ids[:num_spec]
 
         skip: set[str] = set(skip_req_ids)
         lent: dict[str, int] = {}  # running requests whose tokens a waiting one took
@@ -213,8 +241,10 @@ class Scheduler:
                 lender = self._victim_for(req, skip_req_ids, num_scheduled)
                 if lender is None:
                     break
-                lent[lender.req_id] = num_scheduled.pop(lender.req_id)
-                budget += lent[lender.req_id]
+                num_given = num_scheduled.pop(lender.req_id)
+                budget += num_given
+                # Drafts are optional: a lender gets back only its own tokens, if any.
+                lent[lender.req_id] = num_given - len(spec_tokens.pop(lender.req_id, []))
             if self._sibling_prefilling(req):
                 skip.add(req.req_id)
                 continue
@@ -227,13 +257,19 @@ class Scheduler:
                     break
                 self._preempt(seat)
                 budget += num_scheduled.pop(seat.req_id, 0)
+                spec_tokens.pop(seat.req_id, None)
                 skip.add(seat.req_id)  # not back in this step
             while True:
                 hits, num_hit_tokens = bm.get_computed_blocks(req)
                 num_new = req.num_tokens - num_hit_tokens
                 fits = self.config.chunked_prefill or num_new <= budget
                 num_new = min(num_new, budget)
-                if fits and bm.allocate_slots(req, num_new, hits):
+                # Lookahead slots (for a draft model) are optional: without them if need be.
+                lookahead = self._lookahead(req, num_hit_tokens, num_new)
+                if fits and (
+                    (lookahead and bm.allocate_slots(req, num_new + lookahead, hits))
+                    or bm.allocate_slots(req, num_new, hits)
+                ):
                     break
                 # Out of blocks (or budget): a more important request takes a victim's.
                 donor = self._victim_for(req, skip_req_ids)
@@ -242,6 +278,7 @@ class Scheduler:
                     break
                 self._preempt(donor)
                 budget += num_scheduled.pop(donor.req_id, 0)
+                spec_tokens.pop(donor.req_id, None)
                 skip.add(donor.req_id)
             if num_new == 0:
                 break
@@ -255,7 +292,7 @@ class Scheduler:
             if budget <= 0 or len(num_scheduled) >= max_num_reqs:
                 break
             lender = self.requests[req_id]
-            if lender.status == RequestStatus.RUNNING and req_id not in num_scheduled:
+            if num_lent and lender.status == RequestStatus.RUNNING and req_id not in num_scheduled:
                 num_scheduled[req_id] = min(num_lent, budget)
                 budget -= num_scheduled[req_id]
 
@@ -284,6 +321,7 @@ class Scheduler:
                         new_token_ids=req.all_token_ids[self._sent_tokens[req.req_id] :],
                         new_block_ids=block_ids[self._sent_blocks[req.req_id] :],
                         num_computed_tokens=req.num_computed_tokens,
+                        num_kept_block_ids=self._sent_blocks[req.req_id],
                     )
                 )
             self._sent_tokens[req.req_id] = req.num_tokens
@@ -295,6 +333,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_since_last_step,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self._finished_since_last_step = set()
         return out
@@ -309,11 +348,21 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += sched.num_scheduled_tokens[req_id]
-            self.block_manager.cache_full_blocks(req)
+            sampled = result.sampled_token_ids[idx]
+            num_computed = req.num_computed_tokens + sched.num_scheduled_tokens[req_id]
+            drafts = sched.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                # sampled = the accepted drafts + one token of the target's own; the
+                # rejected drafts' K/V are garbage, recomputed when their slots are reused.
+                assert sampled, "a step with drafts reaches the request's end: it samples"
+                num_accepted = len(sampled) - 1
+                num_computed -= len(drafts) - num_accepted
+                self.num_spec_verifications += 1
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += num_accepted
+            req.num_computed_tokens = num_computed
             new_tokens: list[int] = []
             new_logprobs = []
-            sampled = result.sampled_token_ids[idx]
             for j, tok in enumerate(sampled):
                 req.append_token(tok)
                 new_tokens.append(tok)
@@ -321,6 +370,13 @@ class Scheduler:
                     new_logprobs.append(result.logprobs[idx][j])
                 if req.check_stop(max_len):
                     break
+            # Accepted drafts after a stop are dropped with their K/V.
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+            # Only now are the accepted drafts among the request's tokens (block hashes
+            # cover verified tokens only).
+            self.block_manager.cache_full_blocks(req)
+            if not req.finished:
+                self._after_verify(req, result, idx)
             prompt_lps = result.prompt_logprobs.get(req_id)
             if not new_tokens and prompt_lps is None:
                 continue
@@ -338,3 +394,14 @@ class Scheduler:
                 self._free(req)
             outputs.append(out)
         return outputs
+
+    def _after_verify(self, req: Request, result: ModelRunnerOutput, idx: int) -> None:
+        """Take the next drafts and give back the blocks past the verified tokens."""
+        if result.spec_token_ids is not None:
+            room = req.max_tokens - req.num_output_tokens - 1  # the last token is the target's
+            req.spec_token_ids = result.spec_token_ids[idx][: max(room, 0)]
+        if self.block_manager.free_tail(req, req.num_tokens):
+            held = len(self.block_manager.block_ids(req.req_id))
+            sent = self._sent_blocks.get(req.req_id)
+            if sent is not None and sent > held:
+                self._sent_blocks[req.req_id] = held

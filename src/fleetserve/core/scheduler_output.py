@@ -31,6 +31,9 @@ class CachedRequestData:
     new_token_ids: list[int]  # tokens appended since the runner last saw the request
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Set when blocks were given back since the runner last saw the request (rejected
+    # draft tokens' blocks): keep this many block ids, then append new_block_ids.
+    num_kept_block_ids: int | None = None
 
 
 @dataclass
@@ -41,6 +44,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests the runner should forget (finished, aborted or preempted since last step).
     finished_req_ids: set[str] = field(default_factory=set)
+    # Draft tokens to verify, per request that has some: they follow the request's known
+    # tokens and are counted in its num_scheduled_tokens.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -56,6 +62,9 @@ class ModelRunnerOutput:
     logprobs: list[list[dict[int, float]]] | None = None
     # Per request with prompt_logprobs: entries for the prompt positions this step covered.
     prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
+    # Speculative decoding: per request, the draft tokens proposed for the next step
+    # (None when speculation is off).
+    spec_token_ids: list[list[int]] | None = None
 
 
 @dataclass

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from fleetserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from fleetserve.core.config import SchedulerConfig
 from fleetserve.models.loader import ModelSource, resolve_model
+from fleetserve.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -30,6 +32,9 @@ class EngineArgs:
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # {"method": "ngram", "num_speculative_tokens": K, ...} or {"model": PATH, ...}
+    # (a dict, or its JSON text); see spec_decode/config.py.
+    speculative_config: dict[str, Any] | str | None = None
 
     def resolve(self) -> tuple[EngineConfig, ModelSource]:
         path = self.model
@@ -45,6 +50,7 @@ class EngineArgs:
         model_cfg = ModelConfig.from_hf(hf, dtype=self.dtype, max_model_len=max_len)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        spec = SpeculativeConfig.parse(self.speculative_config)
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 1024 if self.enable_chunked_prefill else max_len
@@ -63,6 +69,7 @@ class EngineArgs:
                 max_model_len=max_len,
                 chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
+                num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -72,5 +79,10 @@ class EngineArgs:
             device=self.device,
             num_threads=self.num_threads,
             attention_backend=self.attention_backend,
+            speculative=spec,
         )
+        if spec is not None and spec.method == "draft_model":
+            from fleetserve.spec_decode.draft_model import check_draft_model
+
+            check_draft_model(config, source)
         return config, source

@@ -14,6 +14,20 @@ from fleetserve.executor.base import Executor, ModelOutputFuture
 from fleetserve.models.loader import ModelSource
 
 
+def spec_decode_stats(sched: Scheduler) -> dict[str, float]:
+    """Totals since start, and the two ratios: accepted / proposed draft tokens, and
+    tokens emitted per verification (accepted drafts + the target's own token)."""
+    verifications, drafts = sched.num_spec_verifications, sched.num_draft_tokens
+    accepted = sched.num_accepted_tokens
+    return {
+        "spec_decode_num_drafts": verifications,
+        "spec_decode_num_draft_tokens": drafts,
+        "spec_decode_num_accepted_tokens": accepted,
+        "spec_decode_acceptance_rate": accepted / drafts if drafts else 0.0,
+        "spec_decode_mean_accepted_length": 1 + accepted / verifications if verifications else 0.0,
+    }
+
+
 def make_executor(config: EngineConfig, source: ModelSource) -> Executor:
     if config.parallel.world_size > 1:
         from fleetserve.executor.multiproc import MultiprocExecutor
@@ -99,7 +113,7 @@ class EngineCore:
 
     def stats(self) -> dict[str, float]:
         bm = self.block_manager
-        return {
+        stats = {
             "num_requests_running": self.scheduler.num_running,
             "num_requests_waiting": self.scheduler.num_waiting,
             "kv_cache_usage_perc": bm.usage,
@@ -110,6 +124,9 @@ class EngineCore:
             "last_step_seconds": self.last_step_seconds,
             "num_steps": self.num_steps,
         }
+        if self.config.speculative is not None:
+            stats.update(spec_decode_stats(self.scheduler))
+        return stats
 
     def shutdown(self) -> None:
         self.executor.shutdown()

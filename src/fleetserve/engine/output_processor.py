@@ -144,6 +144,27 @@ class OutputProcessor:
 
     def _update_child(self, params: SamplingParams, child: _Child, eo: EngineCoreOutput) -> bool:
         """Apply one core output to a child; True when a stop string ended it."""
+        n = len(eo.new_token_ids)
+        if n > 1 and params.stop_strings:
+            # Several tokens in one step (accepted draft tokens): a stop string that one
+            # of them completes ends the output at that token, as one token a step would.
+            for i, tok in enumerate(eo.new_token_ids):
+                last = i == n - 1
+                part = replace(
+                    eo,
+                    new_token_ids=[tok],
+                    new_logprobs=None if eo.new_logprobs is None else eo.new_logprobs[i : i + 1],
+                    finish_reason=eo.finish_reason if last else None,
+                    stop_reason=eo.stop_reason if last else None,
+                )
+                if self._update_child_tokens(params, child, part):
+                    return True
+            return False
+        return self._update_child_tokens(params, child, eo)
+
+    def _update_child_tokens(
+        self, params: SamplingParams, child: _Child, eo: EngineCoreOutput
+    ) -> bool:
         out = child.output
         prev_len = len(child.full_text)
         out.token_ids.extend(eo.new_token_ids)

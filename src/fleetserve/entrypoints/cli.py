@@ -21,6 +21,7 @@ _BENCH = {
     "serve": ("fleetserve.bench.serve", "serving benchmark against an OpenAI-compatible URL"),
     "sla": ("fleetserve.bench.sla", "interactive TTFT during a batch flood, with/without classes"),
     "embed": ("fleetserve.bench.embed", "embedding throughput, batched vs one at a time"),
+    "spec": ("fleetserve.bench.spec", "one stream's decode speed with and without speculation"),
 }
 _DEPLOY = {
     "k8s": ("fleetserve.deploy.k8s", "render Kubernetes + KEDA manifests from a fleet file"),
@@ -44,7 +45,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
             _add(sub, name, module, help_)
         else:
             sub.add_parser(name, help=help_)
-    _add_group(sub, "bench", "benchmarks (offline | serve | sla | embed)", _BENCH, argv)
+    _add_group(sub, "bench", "benchmarks (offline | serve | sla | embed | spec)", _BENCH, argv)
     _add_group(sub, "deploy", "deployment manifests (k8s | grafana)", _DEPLOY, argv)
     return parser
 

@@ -30,6 +30,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+        '\'{"model": DRAFT_PATH, "num_speculative_tokens": 4}\'',
+    )
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
@@ -50,4 +56,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        speculative_config=args.speculative_config,
     )

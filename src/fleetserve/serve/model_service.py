@@ -408,5 +408,23 @@ class GenerateService:
                 "kv_cache_usage_perc": sum(s.get("kv_cache_usage_perc", 0.0) for s in live)
                 / len(live),
                 "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+                **_spec_decode_totals(live),
             }
         )
+
+
+def _spec_decode_totals(live: list[Mapping[str, float]]) -> dict[str, float]:
+    """Speculative decoding totals and ratios over the replicas (none when it is off)."""
+    if not any("spec_decode_num_drafts" in s for s in live):
+        return {}
+    keys = (
+        "spec_decode_num_drafts",
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
+    )
+    n, drafts, accepted = (sum(s.get(k, 0.0) for s in live) for k in keys)
+    return {
+        **dict(zip(keys, (n, drafts, accepted), strict=True)),
+        "spec_decode_acceptance_rate": accepted / drafts if drafts else 0.0,
+        "spec_decode_mean_accepted_length": 1 + accepted / n if n else 0.0,
+    }

@@ -7,7 +7,7 @@ computed count), updated from the diffs in each SchedulerOutput.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,17 +15,13 @@ from fleetserve.config import EngineConfig
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from fleetserve.distributed.parallel_state import ParallelContext
-from fleetserve.forward_context import (
-    AttentionMetadata,
-    DecodeGroup,
-    PagedSeqs,
-    set_forward_context,
-)
-from fleetserve.kernels import cpu as cpu_kernels
+from fleetserve.forward_context import set_forward_context
 from fleetserve.layers.sampler import Sampler, SamplingRow, top_logprobs
 from fleetserve.models.loader import ModelSource
-from fleetserve.models.registry import model_class
-from fleetserve.models.sharding import load_shards, shard_model
+from fleetserve.spec_decode.base import Proposal, ProposalRequest, Proposer
+from fleetserve.spec_decode.rejection_sampler import DraftedRow, RejectionSampler
+from fleetserve.worker.attn_metadata import build_attention_metadata
+from fleetserve.worker.model_setup import bind_kv_caches, load_model, pack_for_cpu, use_cpu_kernel
 
 # Decodes attended in one padded SDPA call at most (sorted by length first).
 DECODE_GROUP_SIZE = 16
@@ -40,6 +36,12 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_ids: tuple[int, ...] = ()
+    # The distribution the pending drafts were drawn from ([k, vocab]; None: a point mass).
+    draft_probs: torch.Tensor | None = field(default=None, repr=False)
+
+    def sampling_row(self) -> SamplingRow:
+        n = self.num_prompt_tokens
+        return SamplingRow(self.params, self.token_ids[:n], self.token_ids[n:], self.eos_token_ids)
 
 
 class ModelRunner:
@@ -57,64 +59,36 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         mcfg = config.model
         t0 = time.perf_counter()
-        with torch.device("meta"):
-            model = model_class(mcfg)(mcfg)
-            if parallel is not None:
-                shard_model(model, parallel)
-        model = model.to_empty(device=self.device).to(mcfg.dtype)
-        # Buffers (rotary tables) were on meta: rebuild them for real.
-        with torch.device(self.device):
-            fresh_rope = type(model.decoder_layers()[0].self_attn.rope)(
-                mcfg.head_dim, mcfg.max_model_len + 1, mcfg.rope_theta, mcfg.rope_scaling
-            )
-        for layer in model.decoder_layers():
-            layer.self_attn.rope = fresh_rope
-        if parallel is None:
-            model.load_weights(source.iter_tensors(mcfg.dtype))
-        else:
-            load_shards(model, source, parallel)
-        self.model = model.eval()
+        self.model = load_model(mcfg, source, self.device, parallel)
         self.load_seconds = time.perf_counter() - t0
         self.num_blocks = num_blocks
-        # Attend from the paged cache in place with the C kernel where it applies (and
-        # run the fused C norms, rotary and silu*mul beside it).
-        self.use_cpu_kernel = (
-            self.device.type == "cpu"
-            and mcfg.dtype == torch.float32
-            and config.attention_backend in ("auto", "cpu")
-            and cpu_kernels.load() is not None
-        )
+        self.use_cpu_kernel = use_cpu_kernel(mcfg, self.device, config.attention_backend)
         if config.attention_backend == "cpu" and not self.use_cpu_kernel:
             raise ValueError(
                 "attention_backend='cpu' needs a float32 model on the CPU and a C compiler"
             )
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for attn in model.attention_layers():
-            shape = (num_blocks, attn.num_kv_heads, self.block_size, attn.head_dim)
-            if self.use_cpu_kernel:
-                # The kernels' layout (keys d-major within a block), on huge pages where
-                # the OS allows: decodes stream the cache every step. Zeroed now, so its
-                # pages are faulted in at start-up: left to the first writes, the faults
-                # cost as much (1.2 s for the bench's 1.15 GB) inside the first requests.
-                k_shape, v_shape = cpu_kernels.kv_cache_shapes(*shape)
-                k = cpu_kernels.empty_huge(*k_shape, dtype=mcfg.dtype).zero_()
-                v = cpu_kernels.empty_huge(*v_shape, dtype=mcfg.dtype).zero_()
-            else:
-                k = torch.zeros(shape, dtype=mcfg.dtype, device=self.device)
-                v = torch.zeros(shape, dtype=mcfg.dtype, device=self.device)
-            attn.k_cache, attn.v_cache = k, v
-            self.kv_caches.append((k, v))
+        self.kv_caches = bind_kv_caches(
+            self.model, num_blocks, self.block_size, mcfg.dtype, self.device, self.use_cpu_kernel
+        )
         self.sampler = Sampler(config.seed)
-        if self.use_cpu_kernel and cpu_kernels.gemm_worthwhile() and hasattr(model, "pack_for_cpu"):
-            # Weights move into the CPU GEMM kernel's panel layout (layers/linear.py).
-            model.pack_for_cpu()
+        pack_for_cpu(self.model, self.use_cpu_kernel)
         self.requests: dict[str, RequestState] = {}
+        self.rejection_sampler = RejectionSampler(self.sampler.generator)
+        self.proposer: Proposer | None = None
+        if config.speculative is not None:
+            from fleetserve.spec_decode.proposers import make_proposer
+
+            self.proposer = make_proposer(config, num_blocks)
 
     # ------------------------------------------------------------ state diffs
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            if self.proposer is not None:
+                self.proposer.forget(req_id)
         for new in so.scheduled_new_reqs:
+            if self.proposer is not None:
+                self.proposer.forget(new.req_id)
             self.requests[new.req_id] = RequestState(
                 req_id=new.req_id,
                 token_ids=list(new.token_ids),
@@ -127,6 +101,8 @@ class ModelRunner:
         for cached in so.scheduled_cached_reqs:
             st = self.requests[cached.req_id]
             st.token_ids.extend(cached.new_token_ids)
+            if cached.num_kept_block_ids is not None:
+                del st.block_ids[cached.num_kept_block_ids :]
             st.block_ids.extend(cached.new_block_ids)
             st.num_computed_tokens = cached.num_computed_tokens
 
@@ -137,8 +113,10 @@ class ModelRunner:
         if so.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         sched = so.num_scheduled_tokens
+        spec = so.scheduled_spec_decode_tokens
         states = [self.requests[r] for r in sched]
-        # Decodes first: they are attended together in one padded batch.
+        # Decodes first: they are attended together in one padded batch. A request with
+        # drafts attends like a prefill chunk after its context.
         decodes = [s for s in states if sched[s.req_id] == 1 and s.num_computed_tokens > 0]
         # Sorted by length, decodes are padded in small groups of similar lengths: less
         # padding to gather and attend than one group padded to the longest.
@@ -147,79 +125,25 @@ class ModelRunner:
         ordered = decodes + prefills
 
         input_ids: list[int] = []
-        positions: list[int] = []
-        qsl = [0]
-        ctx_lens, seq_lens = [], []
-        for s in ordered:
-            n = sched[s.req_id]
-            c = s.num_computed_tokens
-            input_ids.extend(s.token_ids[c : c + n])
-            positions.extend(range(c, c + n))
-            qsl.append(qsl[-1] + n)
-            ctx_lens.append(c)
-            seq_lens.append(c + n)
-        dev = self.device
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        bs = self.block_size
-        nd = len(decodes)
-        # Where each new token's K/V goes: (block, offset within it).
-        slot_blocks: list[int] = []
-        for i, s in enumerate(ordered):
-            ids = s.block_ids
-            slot_blocks.extend(ids[p // bs] for p in range(ctx_lens[i], seq_lens[i]))
-        paged = None
-        decode_groups: list[DecodeGroup] = []
-        prefill_tables: list[torch.Tensor | None] = []
-        if self.use_cpu_kernel:
-            # The C kernel attends every sequence from the cache, prefill chunks without
-            # context included (their K/V are written before attention runs).
-            nblk = -(-max(seq_lens) // bs)
-            tables = [s.block_ids[:nblk] for s in ordered]
-            paged = PagedSeqs(
-                q_starts=torch.tensor(qsl[:-1], dtype=torch.long),
-                q_lens=torch.tensor(
-                    [qsl[i + 1] - qsl[i] for i in range(len(ordered))], dtype=torch.long
-                ),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.long),
-                block_tables=torch.tensor(
-                    [row + [0] * (nblk - len(row)) for row in tables], dtype=torch.long
-                ),
-            )
-        else:
-            for start in range(0, nd, DECODE_GROUP_SIZE):
-                end = min(start + DECODE_GROUP_SIZE, nd)
-                nblk = -(-max(seq_lens[start:end]) // bs)
-                # Padding entries point at block 0; the mask hides them.
-                rows = [
-                    s.block_ids[:nblk] + [0] * (nblk - len(s.block_ids)) for s in decodes[start:end]
-                ]
-                lens = torch.tensor(seq_lens[start:end], device=dev)
-                mask = torch.arange(nblk * bs, device=dev)[None, :] < lens[:, None]
-                decode_groups.append(
-                    DecodeGroup(
-                        start,
-                        end,
-                        torch.tensor(rows, dtype=torch.long, device=dev),
-                        mask[:, None, None, :],
-                    )
-                )
-            for i, s in enumerate(prefills, start=nd):
-                has_ctx = ctx_lens[i] > 0
-                table = torch.tensor(s.block_ids, dtype=torch.long, device=dev) if has_ctx else None
-                prefill_tables.append(table)
-        meta = AttentionMetadata(
-            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
-            slot_offsets=pos_t % bs,
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            context_lens=ctx_lens,
-            num_decodes=nd,
-            block_size=bs,
-            paged=paged,
-            decode_groups=decode_groups,
-            prefill_block_tables=prefill_tables,
-            cpu_kernels=self.use_cpu_kernel,
+        ctx_lens = [s.num_computed_tokens for s in ordered]
+        q_lens = [sched[s.req_id] for s in ordered]
+        for s, c, n in zip(ordered, ctx_lens, q_lens, strict=True):
+            drafts = spec.get(s.req_id)
+            if drafts:
+                input_ids.extend(s.token_ids[c:] + drafts)
+            else:
+                input_ids.extend(s.token_ids[c : c + n])
+        meta, pos_t = build_attention_metadata(
+            [s.block_ids for s in ordered],
+            ctx_lens,
+            q_lens,
+            len(decodes),
+            self.block_size,
+            self.device,
+            self.use_cpu_kernel,
+            DECODE_GROUP_SIZE,
         )
+        dev = self.device
         x = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pp = self.parallel
         if pp is not None and not pp.is_first_stage:
@@ -232,39 +156,79 @@ class ModelRunner:
             pp.send_next(hidden)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
-        # Rows to sample: the last token of each request whose step reaches its end.
-        sample_rows, sample_states = [], []
-        for i, s in enumerate(ordered):
-            if seq_lens[i] == len(s.token_ids):
-                sample_rows.append(qsl[i + 1] - 1)
-                sample_states.append(s)
-        sampled: dict[str, list[int]] = {s.req_id: [] for s in ordered}
-        lp_by_req: dict[str, list[dict[int, float]]] = {s.req_id: [] for s in ordered}
-        want_logprobs = any(s.params.logprobs is not None for s in ordered)
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[sample_rows])
-            sampling_rows = [
-                SamplingRow(
-                    s.params,
-                    s.token_ids[: s.num_prompt_tokens],
-                    s.token_ids[s.num_prompt_tokens :],
-                    s.eos_token_ids,
-                )
-                for s in sample_states
-            ]
-            tokens, lps = self.sampler(logits, sampling_rows)
-            for j, s in enumerate(sample_states):
-                sampled[s.req_id] = [tokens[j]]
-                if lps is not None:
-                    lp_by_req[s.req_id] = [lps[j]]
+        qsl = meta.query_start_loc
+        sampled, lp_by_req = self._sample(ordered, qsl, meta.seq_lens, spec, hidden)
         prompt_lps = self._prompt_logprobs(ordered, qsl, ctx_lens, hidden)
         req_ids = list(sched)
+        want_logprobs = any(s.params.logprobs is not None for s in ordered)
         return ModelRunnerOutput(
             req_ids=req_ids,
-            sampled_token_ids=[sampled[r] for r in req_ids],
-            logprobs=[lp_by_req[r] for r in req_ids] if want_logprobs else None,
+            sampled_token_ids=[sampled.get(r, []) for r in req_ids],
+            logprobs=[lp_by_req.get(r, []) for r in req_ids] if want_logprobs else None,
             prompt_logprobs=prompt_lps,
+            spec_token_ids=self._propose(req_ids, sampled) if self.proposer is not None else None,
         )
+
+    def _sample(
+        self,
+        ordered: list[RequestState],
+        qsl: list[int],
+        seq_lens: list[int],
+        spec: dict[str, list[int]],
+        hidden: torch.Tensor,
+    ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, float]]]]:
+        """Tokens (and logprobs) of each request whose step reaches its end: sampled from
+        its last row, or, with drafts, verified against the rows of the pending token and
+        of each draft (row j predicts the token after draft j)."""
+        plain: list[tuple[int, RequestState]] = []
+        verify: list[tuple[int, RequestState, list[int]]] = []
+        for i, s in enumerate(ordered):
+            drafts = spec.get(s.req_id, [])
+            if seq_lens[i] == len(s.token_ids) + len(drafts):
+                if drafts:
+                    verify.append((i, s, drafts))
+                else:
+                    plain.append((i, s))
+        rows = [qsl[i + 1] - 1 for i, _ in plain]
+        for i, _, d in verify:
+            rows.extend(range(qsl[i + 1] - 1 - len(d), qsl[i + 1]))
+        sampled: dict[str, list[int]] = {}
+        lps_out: dict[str, list[dict[int, float]]] = {}
+        if not rows:
+            return sampled, lps_out
+        logits = self.model.compute_logits(hidden[rows])
+        if plain:
+            tokens, lps = self.sampler(logits[: len(plain)], [s.sampling_row() for _, s in plain])
+            for j, (_, s) in enumerate(plain):
+                sampled[s.req_id] = [tokens[j]]
+                if lps is not None:
+                    lps_out[s.req_id] = [lps[j]]
+        if verify:
+            drafted = [
+                DraftedRow(s.sampling_row(), d, _draft_probs(s, len(d))) for _, s, d in verify
+            ]
+            tokens_v, lps_v = self.rejection_sampler(logits[len(plain) :], drafted)
+            for j, (_, s, _) in enumerate(verify):
+                sampled[s.req_id] = tokens_v[j]
+                if lps_v is not None:
+                    lps_out[s.req_id] = lps_v[j]
+        return sampled, lps_out
+
+    def _propose(self, req_ids: list[str], sampled: dict[str, list[int]]) -> list[list[int]]:
+        """Drafts for the next step of each request that got tokens now."""
+        assert self.proposer is not None
+        asks = []
+        for req_id, new in sampled.items():
+            s = self.requests[req_id]
+            s.draft_probs = None
+            if new:
+                asks.append(ProposalRequest(req_id, s.token_ids + new, s.block_ids, s.params))
+        proposals: dict[str, Proposal] = {}
+        if asks:
+            for ask, prop in zip(asks, self.proposer.propose(asks), strict=True):
+                proposals[ask.req_id] = prop
+                self.requests[ask.req_id].draft_probs = prop.probs
+        return [proposals[r].token_ids if r in proposals else [] for r in req_ids]
 
     def _prompt_logprobs(
         self,
@@ -292,3 +256,9 @@ class ModelRunner:
                     entries.append(top_logprobs(lp[j], s.token_ids[c + j + 1], n))
             out[s.req_id] = entries
         return out
+
+
+def _draft_probs(s: RequestState, num_drafts: int) -> torch.Tensor | None:
+    """The rows of the distributions the scheduled drafts (a prefix of the proposal)
+    were drawn from."""
+    return None if s.draft_probs is None else s.draft_probs[:num_drafts]

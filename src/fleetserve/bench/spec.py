@@ -1,0 +1,140 @@
+"""`fleetserve bench spec`: one stream's decode speed with and without speculative decoding.
+
+An input-grounded workload (the model is asked to repeat, or lightly edit, a paragraph it
+is given) runs request after request, alone, through two engines built from the same
+engine flags: one without drafts, one with ``--speculative-config`` (an n-gram lookup by
+default). Runs alternate between the two so that machine load hits both alike. Prints
+TTFT, decode tok/s (tokens after the first / time after the first), the speed-up,
+whether the greedy outputs are identical, and the acceptance figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+from typing import Any
+
+from fleetserve.entrypoints.engine_args_cli import add_engine_args, engine_args_from
+
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+
+PARAGRAPHS = [
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a small "
+    "brass lamp and a notebook in which he wrote the color of the sea. On calm nights he "
+    "counted the passing ships and listened to the gulls settle on the rocks below. When "
+    "storms came, he stayed awake until morning, polishing the great lens so that its beam "
+    "would reach the fishing boats far beyond the harbor.",
+    "Our village library opens at nine in the morning and closes at six in the evening. "
+    "Children may borrow up to five books at a time, and adults may borrow ten. Every "
+    "Saturday a volunteer reads stories aloud in the garden behind the building, and in "
+    "winter the reading moves next to the fireplace in the main hall. Late returns cost "
+    "nothing, but the librarian asks that damaged books be reported at the front desk.",
+    "To bake the bread, mix the flour, water, salt and yeast in a large bowl until the dough "
+    "comes together. Knead it on a floured table for ten minutes, then cover it and let it "
+    "rise in a warm place for one hour. Shape the dough into a round loaf, place it on a tray "
+    "and bake it in a hot oven for thirty-five minutes, until the crust is golden and sounds "
+    "hollow when tapped.",
+]
+WORKLOADS = {
+    "repeat": "Repeat the following paragraph exactly, word for word.\n\n{p}",
+    "edit": "Correct the spelling mistakes in the following paragraph and write the whole "
+    "corrected paragraph.\n\n{p}",
+}
+
+
+def with_typos(paragraph: str, every: int = 9) -> str:
+    """A light edit to ask for: every `every`-th word of 5+ letters gets two letters swapped."""
+    words = paragraph.split(" ")
+    for i in range(every - 1, len(words), every):
+        w = words[i]
+        if len(w) >= 5 and w.isalpha():
+            words[i] = w[:2] + w[3] + w[2] + w[4:]
+    return " ".join(words)
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="repeat")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3, help="passes over the paragraphs")
+    p.add_argument("--json", default=None, help="write the figures here")
+
+
+def _prompts(llm: Any, workload: str) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": WORKLOADS[workload].format(p=p)}], True
+        )
+        for p in (PARAGRAPHS if workload == "repeat" else [with_typos(p) for p in PARAGRAPHS])
+    ]
+
+
+def _one(llm: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float, float]:
+    from fleetserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    ids = out.outputs[0].token_ids
+    ttft = out.metrics["time_to_first_token"]
+    return ids, ttft, out.metrics["e2e_latency"] - ttft
+
+
+def run(args: argparse.Namespace) -> int:
+    from fleetserve import LLM
+
+    engine_args = engine_args_from(args)
+    spec = engine_args.speculative_config or json.dumps(DEFAULT_SPEC)
+    base_args = dataclasses.replace(engine_args, speculative_config=None)
+    spec_args = dataclasses.replace(engine_args, speculative_config=spec)
+    engines = {
+        "baseline": LLM(**dataclasses.asdict(base_args)),
+        "speculative": LLM(**dataclasses.asdict(spec_args)),
+    }
+    prompts = _prompts(engines["baseline"], args.workload)
+    for llm in engines.values():  # warm-up: kernels built, pages faulted in
+        _one(llm, prompts[0], 8)
+    stats0 = engines["speculative"].engine.stats()
+    tokens: dict[str, list[list[int]]] = {name: [] for name in engines}
+    ttfts: dict[str, list[float]] = {name: [] for name in engines}
+    decode: dict[str, list[float]] = {name: [] for name in engines}
+    num_decoded: dict[str, int] = dict.fromkeys(engines, 0)
+    for _ in range(args.repeats):
+        for prompt in prompts:
+            for name, llm in engines.items():
+                ids, ttft, dt = _one(llm, prompt, args.max_tokens)
+                tokens[name].append(ids)
+                ttfts[name].append(ttft)
+                decode[name].append(dt)
+                num_decoded[name] += len(ids) - 1
+    stats1 = engines["speculative"].engine.stats()
+    rate = {n: num_decoded[n] / sum(decode[n]) for n in engines}
+    drafts = stats1["spec_decode_num_draft_tokens"] - stats0["spec_decode_num_draft_tokens"]
+    accepted = stats1["spec_decode_num_accepted_tokens"] - stats0["spec_decode_num_accepted_tokens"]
+    verifications = stats1["spec_decode_num_drafts"] - stats0["spec_decode_num_drafts"]
+    result = {
+        "workload": args.workload,
+        "speculative_config": json.loads(spec) if isinstance(spec, str) else spec,
+        "num_requests": len(tokens["baseline"]),
+        "mean_output_tokens": statistics.mean(len(t) for t in tokens["baseline"]),
+        "ttft_ms": {n: 1000 * statistics.median(ttfts[n]) for n in engines},
+        "decode_tok_s": rate,
+        "speedup": rate["speculative"] / rate["baseline"],
+        "identical_outputs": tokens["baseline"] == tokens["speculative"],
+        "acceptance_rate": accepted / drafts if drafts else 0.0,
+        "mean_accepted_length": 1 + accepted / verifications if verifications else 0.0,
+    }
+    print(f"workload {args.workload}: {result['num_requests']} requests one at a time, "
+          f"{result['mean_output_tokens']:.0f} output tokens on average")  # fmt: skip
+    for n in engines:
+        print(f"  {n:12s} TTFT {result['ttft_ms'][n]:7.1f} ms   decode {rate[n]:7.1f} tok/s")
+    print(f"  speed-up {result['speedup']:.2f}x; greedy outputs identical: "
+          f"{result['identical_outputs']}")  # fmt: skip
+    print(f"  acceptance rate {result['acceptance_rate']:.3f}, mean accepted length "
+          f"{result['mean_accepted_length']:.2f} tokens per verification")  # fmt: skip
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return 0 if result["identical_outputs"] else 1

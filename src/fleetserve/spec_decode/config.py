@@ -1,0 +1,103 @@
+"""Speculative decoding settings in vLLM's shape (pure Python).
+
+``{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N,
+"prompt_lookup_min": M}`` proposes the K tokens that followed the last earlier occurrence
+of the sequence's final n-gram (M <= n <= N); ``{"model": PATH, "num_speculative_tokens": K}``
+proposes them with a smaller draft model that shares the target's tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+_PREFIX = "speculative_config"
+
+
+def _int_field(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{_PREFIX}.{name} must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: str | None = None  # the draft model's checkpoint (method "draft_model")
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"{_PREFIX}.method must be one of {METHODS}, got {self.method!r}")
+        _int_field("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        _int_field("prompt_lookup_min", self.prompt_lookup_min, 1, 64)
+        _int_field("prompt_lookup_max", self.prompt_lookup_max, 1, 64)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"{_PREFIX}.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError(f"{_PREFIX}.model must name the draft model's checkpoint")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError(f"{_PREFIX}.model is only used with method 'draft_model'")
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a draft model writes past the verified tokens while proposing: its
+        proposals' own K/V (an n-gram lookup writes none)."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+    @classmethod
+    def parse(
+        cls, value: SpeculativeConfig | dict[str, Any] | str | None
+    ) -> SpeculativeConfig | None:
+        """From the user's dict (or its JSON text, as the server flag gives it)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{_PREFIX} is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{_PREFIX} must be a JSON object, got {value!r}")
+        unknown = sorted(set(value) - set(_FIELDS))
+        if unknown:
+            raise ValueError(f"{_PREFIX} has unknown fields {unknown}; known: {list(_FIELDS)}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError(f"{_PREFIX}.num_speculative_tokens is required")
+        method = value.get("method")
+        if method is None:
+            method = "draft_model" if value.get("model") else "ngram"
+        lo: Any = value.get("prompt_lookup_min")
+        hi: Any = value.get("prompt_lookup_max")
+        if lo is None:
+            lo = 1 if hi is None or not isinstance(hi, int) or hi >= 1 else hi
+        if hi is None:
+            hi = max(lo, 4) if isinstance(lo, int) and not isinstance(lo, bool) else lo
+        return cls(
+            method=method,
+            num_speculative_tokens=value["num_speculative_tokens"],
+            prompt_lookup_max=hi,
+            prompt_lookup_min=lo,
+            model=value.get("model"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+        }
+        if self.method == "ngram":
+            out["prompt_lookup_max"] = self.prompt_lookup_max
+            out["prompt_lookup_min"] = self.prompt_lookup_min
+        else:
+            out["model"] = self.model
+        return out

@@ -1,0 +1,91 @@
+"""Attention metadata for one forward over a flattened batch of sequences.
+
+Shared by the model runner and the draft-model proposer (spec_decode/), whose forwards
+lay sequences out the same way: decodes (one query token with context) first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fleetserve.forward_context import AttentionMetadata, DecodeGroup, PagedSeqs
+
+
+def build_attention_metadata(
+    block_tables: list[list[int]],
+    ctx_lens: list[int],
+    q_lens: list[int],
+    num_decodes: int,
+    block_size: int,
+    device: torch.device,
+    cpu_kernels: bool,
+    decode_group_size: int = 16,
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Sequence i attends with ``ctx_lens[i]`` tokens already cached and ``q_lens[i]`` new
+    ones (positions ``ctx .. ctx + q - 1``); the first ``num_decodes`` have q_len 1 and
+    some context (on the plain-torch path attended in padded groups of at most
+    ``decode_group_size``, sorted by length by the caller). Returns the metadata and the positions tensor [num_tokens]."""
+    bs = block_size
+    dev = device
+    qsl = [0]
+    seq_lens: list[int] = []
+    positions: list[int] = []
+    slot_blocks: list[int] = []
+    for ids, c, n in zip(block_tables, ctx_lens, q_lens, strict=True):
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(c + n)
+        positions.extend(range(c, c + n))
+        # Where each new token's K/V goes: (block, offset within it).
+        slot_blocks.extend(ids[p // bs] for p in range(c, c + n))
+    pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+    nd = num_decodes
+    paged = None
+    decode_groups: list[DecodeGroup] = []
+    prefill_tables: list[torch.Tensor | None] = []
+    if cpu_kernels:
+        # The C kernel attends every sequence from the cache, prefill chunks without
+        # context included (their K/V are written before attention runs).
+        nblk = -(-max(seq_lens) // bs)
+        tables = [ids[:nblk] for ids in block_tables]
+        paged = PagedSeqs(
+            q_starts=torch.tensor(qsl[:-1], dtype=torch.long),
+            q_lens=torch.tensor(q_lens, dtype=torch.long),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long),
+            block_tables=torch.tensor(
+                [row + [0] * (nblk - len(row)) for row in tables], dtype=torch.long
+            ),
+        )
+    else:
+        for start in range(0, nd, decode_group_size):
+            end = min(start + decode_group_size, nd)
+            nblk = -(-max(seq_lens[start:end]) // bs)
+            # Padding entries point at block 0; the mask hides them.
+            rows = [ids[:nblk] + [0] * (nblk - len(ids)) for ids in block_tables[start:end]]
+            lens = torch.tensor(seq_lens[start:end], device=dev)
+            mask = torch.arange(nblk * bs, device=dev)[None, :] < lens[:, None]
+            decode_groups.append(
+                DecodeGroup(
+                    start,
+                    end,
+                    torch.tensor(rows, dtype=torch.long, device=dev),
+                    mask[:, None, None, :],
+                )
+            )
+        for i in range(nd, len(block_tables)):
+            has_ctx = ctx_lens[i] > 0
+            table = torch.tensor(block_tables[i], dtype=torch.long, device=dev) if has_ctx else None
+            prefill_tables.append(table)
+    meta = AttentionMetadata(
+        slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
+        slot_offsets=pos_t % bs,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        context_lens=list(ctx_lens),
+        num_decodes=nd,
+        block_size=bs,
+        paged=paged,
+        decode_groups=decode_groups,
+        prefill_block_tables=prefill_tables,
+        cpu_kernels=cpu_kernels,
+    )
+    return meta, pos_t

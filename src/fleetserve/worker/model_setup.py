@@ -1,0 +1,85 @@
+"""Building a model and its paged KV cache on a device (the runner's and a draft model's)."""
+
+from __future__ import annotations
+
+import torch
+
+from fleetserve.config import ModelConfig
+from fleetserve.distributed.parallel_state import ParallelContext
+from fleetserve.kernels import cpu as cpu_kernels
+from fleetserve.models.llama import LlamaForCausalLM
+from fleetserve.models.loader import ModelSource
+from fleetserve.models.registry import model_class
+from fleetserve.models.sharding import load_shards, shard_model
+
+
+def load_model(
+    mcfg: ModelConfig,
+    source: ModelSource,
+    device: torch.device,
+    parallel: ParallelContext | None = None,
+) -> LlamaForCausalLM:
+    """Built on the meta device, materialized on `device`, weights loaded (this rank's
+    shards under `parallel`), in eval mode."""
+    with torch.device("meta"):
+        model = model_class(mcfg)(mcfg)
+        if parallel is not None:
+            shard_model(model, parallel)
+    model = model.to_empty(device=device).to(mcfg.dtype)
+    # Buffers (rotary tables) were on meta: rebuild them for real.
+    with torch.device(device):
+        fresh_rope = type(model.decoder_layers()[0].self_attn.rope)(
+            mcfg.head_dim, mcfg.max_model_len + 1, mcfg.rope_theta, mcfg.rope_scaling
+        )
+    for layer in model.decoder_layers():
+        layer.self_attn.rope = fresh_rope
+    if parallel is None:
+        model.load_weights(source.iter_tensors(mcfg.dtype))
+    else:
+        load_shards(model, source, parallel)
+    return model.eval()
+
+
+def bind_kv_caches(
+    model: LlamaForCausalLM,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    use_cpu_kernel: bool,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Allocate each attention layer's K/V cache and bind it to the layer."""
+    caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for attn in model.attention_layers():
+        shape = (num_blocks, attn.num_kv_heads, block_size, attn.head_dim)
+        if use_cpu_kernel:
+            # The kernels' layout (keys d-major within a block), on huge pages where
+            # the OS allows: decodes stream the cache every step. Zeroed now, so its
+            # pages are faulted in at start-up: left to the first writes, the faults
+            # cost as much (1.2 s for the bench's 1.15 GB) inside the first requests.
+            k_shape, v_shape = cpu_kernels.kv_cache_shapes(*shape)
+            k = cpu_kernels.empty_huge(*k_shape, dtype=dtype).zero_()
+            v = cpu_kernels.empty_huge(*v_shape, dtype=dtype).zero_()
+        else:
+            k = torch.zeros(shape, dtype=dtype, device=device)
+            v = torch.zeros(shape, dtype=dtype, device=device)
+        attn.k_cache, attn.v_cache = k, v
+        caches.append((k, v))
+    return caches
+
+
+def use_cpu_kernel(mcfg: ModelConfig, device: torch.device, attention_backend: str) -> bool:
+    """Attend from the paged cache in place with the C kernel where it applies (and run
+    the fused C norms, rotary and silu*mul beside it)."""
+    return (
+        device.type == "cpu"
+        and mcfg.dtype == torch.float32
+        and attention_backend in ("auto", "cpu")
+        and cpu_kernels.load() is not None
+    )
+
+
+def pack_for_cpu(model: LlamaForCausalLM, cpu_kernel: bool) -> None:
+    if cpu_kernel and cpu_kernels.gemm_worthwhile():
+        # Weights move into the CPU GEMM kernel's panel layout (layers/linear.py).
+        model.pack_for_cpu()
