@@ -16,7 +16,8 @@ from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.async_engine import EngineDeadError
 from fleetserve.metrics import ServerMetrics
 from fleetserve.outputs import CompletionOutput, RequestOutput
-from fleetserve.serve.model_service import GenerateService, ShedError
+from fleetserve.serve.admission import ShedError
+from fleetserve.serve.model_service import GenerateService
 from fleetserve.serve.replica import LocalReplica
 from fleetserve.serve.sla import REQUEST_PRIORITY_SPAN, ServiceClass
 

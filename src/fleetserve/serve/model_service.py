@@ -23,7 +23,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from fleetserve.core.sampling_params import SamplingParams
@@ -32,11 +32,10 @@ from fleetserve.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineNotReadyError,
-    EngineOverloadedError,
 )
 from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.metrics import ModelMetrics
-from fleetserve.outputs import RequestOutput
+from fleetserve.serve.admission import ClassObserver, Pending, PreparedPrompt, ShedError
 from fleetserve.serve.base import Replica, ReplicaStreamLike, RouteRequest
 from fleetserve.serve.policies import make_policy
 from fleetserve.serve.replica import LocalReplica
@@ -47,63 +46,6 @@ from fleetserve.tokenizer import Tokenizer
 
 # The engines' own bound on unstarted requests; the class queues bound them first.
 _ENGINE_MAX_WAITING = 1 << 20
-
-
-class QueueTimeoutError(RuntimeError):
-    """A request waited in its class queue past the class's max_queue_time_s."""
-
-
-class ShedError(EngineOverloadedError):
-    """Refused by the class queue (full, or waited too long); carries the class's name."""
-
-    def __init__(self, message: str, class_name: str, code: str) -> None:
-        super().__init__(message)
-        self.class_name = class_name
-        self.code = code
-
-
-@dataclass
-class _Item:
-    request_id: str
-    prompt: dict[str, Any]
-    params: SamplingParams
-    num_prompt_tokens: int
-
-
-@dataclass
-class _Pending:
-    items: list[_Item]
-    future: asyncio.Future[list[ReplicaStreamLike]]
-    arrival: float
-    num_seqs: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.num_seqs = max(item.params.n for item in self.items)
-
-
-class _Observer:
-    """Latencies of one request by class, from its arrival at the service."""
-
-    def __init__(self, service: GenerateService, class_name: str, arrival: float) -> None:
-        self.service, self.class_name, self.arrival = service, class_name, arrival
-        self.first: float | None = None
-
-    def on_output(self, out: RequestOutput) -> None:
-        now = time.monotonic()
-        if self.first is None:
-            self.first = now
-            self.service._unstarted[self.class_name] -= 1
-        if out.finished and self.service.metrics is not None:
-            num_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
-            ttft = self.first - self.arrival
-            self.service.metrics.observe_latency(
-                self.class_name, ttft, now - self.arrival, num_tokens
-            )
-
-    def on_end(self) -> None:
-        if self.first is None:  # ended before its first output (aborted, failed)
-            self.first = time.monotonic()
-            self.service._unstarted[self.class_name] -= 1
 
 
 class GenerateService:
@@ -134,7 +76,7 @@ class GenerateService:
         self.tokenizer = Tokenizer.from_source(self.source)
         self._rules = PromptRules(self.tokenizer, self.config)
         self.metrics = metrics
-        self.queue: ClassQueue[_Pending] = ClassQueue(classes, default_class)
+        self.queue: ClassQueue[Pending] = ClassQueue(classes, default_class)
         # A request's own `priority` reaches the engine only under the priority policy;
         # elsewhere a non-zero one is refused rather than ignored.
         self.priority_ordered = self.config.scheduler.policy == "priority"
@@ -193,10 +135,6 @@ class GenerateService:
     def num_in_flight(self) -> int:
         return len(self.queue) + sum(r.num_outstanding_requests for r in self.replica_set)
 
-    @property
-    def class_names(self) -> list[str]:
-        return list(self.queue.classes)
-
     def card(self) -> dict[str, Any]:
         return {
             "root": self.config.model_path,
@@ -229,9 +167,6 @@ class GenerateService:
             r.abort_all(reason)
 
     # ------------------------------------------------------------- requests
-    def resolve_class(self, name: str | None) -> ServiceClass:
-        return self.queue.resolve(name)
-
     async def admit(
         self,
         request_id: str,
@@ -259,7 +194,7 @@ class GenerateService:
         items = [self._prepare(f"{request_id}-{i}", p, params_for()) for i, p in enumerate(prompts)]
         loop = asyncio.get_running_loop()
         arrival = time.monotonic()
-        pending = _Pending(items, loop.create_future(), arrival)
+        pending = Pending(items, loop.create_future(), arrival)
         try:
             entry = self.queue.push(pending, cls.name, priority, arrival)
         except QueueFullError as e:
@@ -277,7 +212,9 @@ class GenerateService:
                     s.close()
             raise
 
-    def _prepare(self, request_id: str, prompt: PromptType, params: SamplingParams) -> _Item:
+    def _prepare(
+        self, request_id: str, prompt: PromptType, params: SamplingParams
+    ) -> PreparedPrompt:
         text, ids = self._rules.tokenize_prompt(prompt)
         self._rules.validate(ids, params)
         capacity = min(r.kv_capacity_tokens or 0 for r in self.replica_set.live)
@@ -294,7 +231,7 @@ class GenerateService:
         routed: dict[str, Any] = {"prompt_token_ids": ids}
         if text is not None:
             routed["prompt"] = text
-        return _Item(request_id, routed, params, len(ids))
+        return PreparedPrompt(request_id, routed, params, len(ids))
 
     def _dispatch(self) -> None:
         """Sends queued requests, most important first, while some replica has room."""
@@ -312,7 +249,7 @@ class GenerateService:
             self.queue.pop()
             self._send(entry, no_room)
 
-    def _send(self, entry: Entry[_Pending], no_room: set[int]) -> None:
+    def _send(self, entry: Entry[Pending], no_room: set[int]) -> None:
         pending = entry.payload
         cls = entry.service_class
         streams: list[ReplicaStreamLike] = []
@@ -328,8 +265,7 @@ class GenerateService:
                     replica = self.router.choose(route, exclude=no_room)
                 except NoHealthyReplicaError:
                     replica = self.router.choose(route)  # later prompts of a wide request
-                observer = _Observer(self, cls.name, pending.arrival)
-                self._unstarted[cls.name] += 1
+                observer = ClassObserver(self.metrics, cls.name, pending.arrival, self._unstarted)
                 try:
                     stream = replica.submit(
                         item.request_id,
@@ -341,7 +277,7 @@ class GenerateService:
                         observer=observer,
                     )
                 except BaseException:
-                    self._unstarted[cls.name] -= 1
+                    observer.on_end()  # it never started
                     raise
                 streams.append(stream)
         except Exception as e:

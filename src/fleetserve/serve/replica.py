@@ -111,9 +111,6 @@ class LocalReplica:
         used = sum(n for lv, n in self._seqs_by_level.items() if lv <= level)
         return used == 0 or used + num_seqs <= self.max_num_seqs
 
-    def num_seqs_at(self, level: int) -> int:
-        return self._seqs_by_level[level]
-
     @property
     def step_latency_s(self) -> float | None:
         """EWMA of the core's step time; None until `warmup_steps` steps have run."""

@@ -30,8 +30,9 @@ from fleetserve.entrypoints.openai.errors import (
     from_value_error,
 )
 from fleetserve.outputs import RequestOutput
+from fleetserve.serve.admission import ShedError
 from fleetserve.serve.base import ReplicaStreamLike
-from fleetserve.serve.model_service import GenerateService, ShedError
+from fleetserve.serve.model_service import GenerateService
 from fleetserve.serve.registry import ModelService, Registry, UnknownModelError, WrongKindError
 
 M = TypeVar("M", bound=BaseModel)
