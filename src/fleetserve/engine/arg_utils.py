@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from fleetserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from fleetserve.core.config import SchedulerConfig
 from fleetserve.models.loader import ModelSource, resolve_model
+from fleetserve.models.quantize import resolve_quantization
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -30,6 +31,9 @@ class EngineArgs:
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # None: a GGUF checkpoint's weights stay quantized where they can (one CPU process,
+    # float32), anything else runs in `dtype`; "none" | "gguf" | "int8" ask explicitly.
+    quantization: str | None = None
 
     def resolve(self) -> tuple[EngineConfig, ModelSource]:
         path = self.model
@@ -72,5 +76,12 @@ class EngineArgs:
             device=self.device,
             num_threads=self.num_threads,
             attention_backend=self.attention_backend,
+            quantization=resolve_quantization(
+                self.quantization,
+                source.format,
+                model_cfg.dtype,
+                self.device,
+                self.tensor_parallel_size * self.pipeline_parallel_size,
+            ),
         )
         return config, source

@@ -30,6 +30,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["none", "gguf", "int8"],
+        help="weights: gguf = keep a GGUF file's blocks (the default for .gguf on one CPU "
+        "process), int8 = int8 made at load, none = dequantized to --dtype",
+    )
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
@@ -50,4 +58,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        quantization=args.quantization,
     )

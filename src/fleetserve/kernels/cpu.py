@@ -26,7 +26,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "fused_ops.c", "gemm.c")]
+_SOURCES = [
+    Path(__file__).with_name(n)
+    for n in ("paged_attention.c", "fused_ops.c", "gemm.c", "quant_gemm.c")
+]
+# Included by the sources: part of the cache key, not compiled on their own.
+_HEADERS = [Path(__file__).with_name("gemm_tile.h")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 
@@ -47,7 +52,7 @@ def _cache_dir() -> Path:
 
 
 def _build(cc: str) -> Path:
-    src = b"".join(f.read_bytes() for f in _SOURCES)
+    src = b"".join(f.read_bytes() for f in [*_SOURCES, *_HEADERS])
     key = hashlib.sha256(
         src + " ".join([cc, *_FLAGS, platform.machine(), _cpu_signature()]).encode()
     ).hexdigest()[:16]

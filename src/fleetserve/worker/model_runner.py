@@ -24,6 +24,7 @@ from fleetserve.forward_context import (
 from fleetserve.kernels import cpu as cpu_kernels
 from fleetserve.layers.sampler import Sampler, SamplingRow, top_logprobs
 from fleetserve.models.loader import ModelSource
+from fleetserve.models.quantize import keep_gguf_quantized, quantize_int8
 from fleetserve.models.registry import model_class
 from fleetserve.models.sharding import load_shards, shard_model
 
@@ -61,6 +62,8 @@ class ModelRunner:
             model = model_class(mcfg)(mcfg)
             if parallel is not None:
                 shard_model(model, parallel)
+        # Quantized layers are swapped in before allocation: no float32 copy is made.
+        consumed = keep_gguf_quantized(model, source) if config.quantization == "gguf" else set()
         model = model.to_empty(device=self.device).to(mcfg.dtype)
         # Buffers (rotary tables) were on meta: rebuild them for real.
         with torch.device(self.device):
@@ -70,9 +73,11 @@ class ModelRunner:
         for layer in model.decoder_layers():
             layer.self_attn.rope = fresh_rope
         if parallel is None:
-            model.load_weights(source.iter_tensors(mcfg.dtype))
+            model.load_weights(source.iter_tensors(mcfg.dtype, skip=consumed))
         else:
             load_shards(model, source, parallel)
+        if config.quantization == "int8":
+            quantize_int8(model)
         self.model = model.eval()
         self.load_seconds = time.perf_counter() - t0
         self.num_blocks = num_blocks
