@@ -28,10 +28,10 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).with_name(n)
-    for n in ("paged_attention.c", "fused_ops.c", "gemm.c", "quant_gemm.c")
+    for n in ("paged_attention.c", "fused_ops.c", "gemm.c", "quant_gemm.c", "quant_panel.c")
 ]
 # Included by the sources: part of the cache key, not compiled on their own.
-_HEADERS = [Path(__file__).with_name("gemm_tile.h")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("gemm_tile.h", "quant_common.h")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 

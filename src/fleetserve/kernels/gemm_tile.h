@@ -26,7 +26,7 @@ typedef float vfu __attribute__((vector_size(VL * 4), aligned(4))); /* unaligned
 
 /* Copy rows m0 .. m0+mc-1 of x into tiles [k][MR] at xp (zero rows past m). An orphaned
  * `omp for`: call it from inside a parallel region. */
-static void pack_x_tiles(const float *x, int64_t ldx, int64_t m0, int64_t mc, int64_t m,
+static __attribute__((unused)) void pack_x_tiles(const float *x, int64_t ldx, int64_t m0, int64_t mc, int64_t m,
                          int64_t k, float *xp) {
     const int64_t tiles = (mc + MR - 1) / MR;
 #pragma omp for schedule(static)
@@ -90,7 +90,7 @@ static inline __attribute__((always_inline)) void tile(const float *xt, const fl
     }
 }
 
-static void tile_rows(const float *xt, const float *panel, int64_t k, const float *next,
+static __attribute__((unused)) void tile_rows(const float *xt, const float *panel, int64_t k, const float *next,
                       const float *bias, float *out, int64_t ldo, int rows, int cols) {
     switch (rows) {
 #define ROWS(n) \

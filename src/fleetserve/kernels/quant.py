@@ -54,12 +54,18 @@ def _lib() -> ctypes.CDLL:
     lib.quant_gemm.restype = i32
     lib.quant_dequantize_rows.argtypes = [i32, p, i64, p, i64, i64, p, i32]
     lib.quant_dequantize_rows.restype = None
+    lib.quant_panel_layout.argtypes = [i32]
+    lib.quant_panel_layout.restype = i32
+    lib.quant_repack.argtypes = [i32, p, i64, i64, p, i32]
+    lib.quant_repack.restype = None
     return lib
 
 
 class QuantWeight:
-    """One weight matrix in a GGUF block format. ``data``: uint8 [out_features,
-    row_bytes], contiguous, owned (copied off the file's memory map onto huge pages)."""
+    """One weight matrix in a GGUF block format, owned (copied off the file's memory map
+    onto huge pages). ``data``: uint8 [out_features, row_bytes] in GGUF's row order, or
+    for Q4_0 / Q4_1 / Q8_0 the same bytes re-interleaved into panels of 16 rows
+    (quant_panel.c), [out_features rounded up to 16, row_bytes]."""
 
     def __init__(self, qtype: int, data: np.ndarray | torch.Tensor, in_features: int) -> None:
         if not supported(qtype):
@@ -83,13 +89,23 @@ class QuantWeight:
                 f"data must be uint8 [rows, {self.row_bytes}] for {self.qtype.name} with "
                 f"{in_features} inputs, got {data.dtype} {shape}"
             )
-        self.out_features = shape[0]
-        self.data = cpu_kernels.empty_huge(*shape, dtype=torch.uint8)
-        if isinstance(data, np.ndarray):
-            # Through numpy: the source may be a read-only view of a GGUF memory map.
-            self.data.numpy()[...] = data
+        self.out_features = n = shape[0]
+        lib = _lib()
+        self.panelled = bool(lib.quant_panel_layout(int(self.qtype)))
+        if self.panelled:
+            src = np.ascontiguousarray(data.numpy() if isinstance(data, torch.Tensor) else data)
+            self.data = cpu_kernels.empty_huge(-(-n // 16) * 16, self.row_bytes, dtype=torch.uint8)
+            lib.quant_repack(
+                int(self.qtype), src.ctypes.data, n, self.row_bytes, self.data.data_ptr(),
+                torch.get_num_threads(),
+            )  # fmt: skip
         else:
-            self.data.copy_(data)
+            self.data = cpu_kernels.empty_huge(*shape, dtype=torch.uint8)
+            if isinstance(data, np.ndarray):
+                # Through numpy: the source may be a read-only view of a GGUF memory map.
+                self.data.numpy()[...] = data
+            else:
+                self.data.copy_(data)
 
     @property
     def nbytes(self) -> int:

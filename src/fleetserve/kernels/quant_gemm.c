@@ -27,91 +27,17 @@
  * Vectors are GCC vector extensions of 16 floats: one AVX-512 register, two AVX2
  * registers, or scalar code on other targets; the build's -march=native picks.
  */
-#include <string.h>
+#include "quant_common.h"
 
-#include "gemm_tile.h"
-
-#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-
-/* Rows of x (DECODE_ROWS) times rows of W (NJ) per register tile on the decode path:
- * 16 + 8 of AVX-512's 32 vector registers; narrower targets hold a v16f in two or more
- * registers, so they take 2 x 2. */
-#if defined(__AVX512F__)
-#define DECODE_ROWS 4
-#define NJ 4
-#else
-#define DECODE_ROWS 2
-#define NJ 2
-#endif
-#define QMC (18 * MR)  /* rows of x per panel decode on the prefill path */
-
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint8_t v16b __attribute__((vector_size(16)));
-
-static inline float h2f(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: normalise */
-            int e = -1;
-            do {
-                man <<= 1;
-                e++;
-            } while (!(man & 0x400));
-            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
-        }
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
-/* 16 bytes widened to 16 int32 lanes. Bit fields are cut out after widening: x86 has
- * no byte-wide shifts. (GCC 12 turns a generic u8 -> i32 __builtin_convertvector into
- * scalar code, hence the intrinsics.) */
-static inline v16i ld16(const uint8_t *p) {
-#if defined(__AVX512F__)
-    return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-#elif defined(__AVX2__)
-    const __m128i b = _mm_loadu_si128((const __m128i *)p);
-    const __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
-    v16i r;
-    memcpy(&r, &lo, 32);
-    memcpy((char *)&r + 32, &hi, 32);
-    return r;
-#else
-    v16i r;
-    for (int i = 0; i < 16; i++) r[i] = p[i];
-    return r;
-#endif
-}
-
-static inline v16f i2f(v16i v) { return __builtin_convertvector(v, v16f); }
-
-static inline v16f ldf(const float *p) {
-    v16f v;
-    memcpy(&v, p, 64);
-    return v;
-}
-
-static inline v16f splat(float f) { return (v16f){0} + f; }
+/* quant_panel.c: Q4_0 / Q4_1 / Q8_0 are multiplied in 16-row panels. */
+int quant_panel_layout(int qtype);
+int quant_panel_gemm(int qtype, const float *x, int64_t ldx, const uint8_t *w,
+                     int64_t row_bytes, float *out, int64_t ldo, int64_t m, int64_t n,
+                     int64_t k, int threads);
+void quant_panel_decode(int qtype, const uint8_t *w, int64_t row_bytes, int64_t p, int64_t k,
+                        float *dst, int64_t ld);
+void quant_panel_row(int qtype, const uint8_t *w, int64_t row_bytes, int64_t j, int64_t k,
+                     float *dst);
 
 /* 6-bit scale and min of sub-block j of a Q4_K/Q5_K super-block (ggml's packing). */
 static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *mn) {
@@ -294,8 +220,15 @@ int quant_block_size(int qtype) {
 /* out[i] = row ids[i] of W (n_ids rows of k floats): an embedding lookup on the blocks. */
 void quant_dequantize_rows(int qtype, const uint8_t *w, int64_t row_bytes, const int64_t *ids,
                            int64_t n_ids, int64_t k, float *out, int threads) {
+    const int panel = quant_panel_layout(qtype);
 #pragma omp parallel for num_threads(threads) schedule(static) if (n_ids > 64)
-    for (int64_t i = 0; i < n_ids; i++) deq_row(qtype, w, row_bytes, ids[i], k, out + i * k);
+    for (int64_t i = 0; i < n_ids; i++) {
+        if (panel) {
+            quant_panel_row(qtype, w, row_bytes, ids[i], k, out + i * k);
+        } else {
+            deq_row(qtype, w, row_bytes, ids[i], k, out + i * k);
+        }
+    }
 }
 
 /* Rows of W per unit of work on the decode path: ~16 KB of weights, small enough that a
@@ -348,12 +281,25 @@ static int gemm_prefill(int qtype, const float *x, int64_t ldx, const uint8_t *w
             for (int64_t p = 0; p < panels; p++) {
                 if (!panel || !row) continue;
                 const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
-                for (int j = 0; j < NR; j++) {
-                    if (j < cols) {
-                        deq_row(qtype, w, row_bytes, p * NR + j, k, row);
-                        for (int64_t kk = 0; kk < k; kk++) panel[kk * NR + j] = row[kk];
-                    } else {
-                        for (int64_t kk = 0; kk < k; kk++) panel[kk * NR + j] = 0.f;
+                if (quant_panel_layout(qtype)) {
+                    /* NR / 16 stored panels side by side; past the last, zeros. */
+                    for (int s = 0; s < NR / 16; s++) {
+                        if (p * NR + s * 16 < n) {
+                            quant_panel_decode(qtype, w, row_bytes, p * (NR / 16) + s, k,
+                                               panel + s * 16, NR);
+                        } else {
+                            for (int64_t kk = 0; kk < k; kk++)
+                                memset(panel + kk * NR + s * 16, 0, 16 * sizeof(float));
+                        }
+                    }
+                } else {
+                    for (int j = 0; j < NR; j++) {
+                        if (j < cols) {
+                            deq_row(qtype, w, row_bytes, p * NR + j, k, row);
+                            for (int64_t kk = 0; kk < k; kk++) panel[kk * NR + j] = row[kk];
+                        } else {
+                            for (int64_t kk = 0; kk < k; kk++) panel[kk * NR + j] = 0.f;
+                        }
                     }
                 }
                 for (int64_t t = 0; t < tiles; t++) {
@@ -379,7 +325,9 @@ int quant_gemm(int qtype, const float *x, int64_t ldx, const uint8_t *w, int64_t
     const int bs = quant_block_size(qtype);
     if (bs == 0 || k % bs) return -2;
     int rc = 0;
-    if (m <= 2 * DECODE_ROWS) {
+    if (m <= 2 * DECODE_ROWS && quant_panel_layout(qtype)) {
+        rc = quant_panel_gemm(qtype, x, ldx, w, row_bytes, out, ldo, m, n, k, threads);
+    } else if (m <= 2 * DECODE_ROWS) {
         gemm_decode(qtype, x, ldx, w, row_bytes, out, ldo, m, n, k, threads);
     } else {
         rc = gemm_prefill(qtype, x, ldx, w, row_bytes, out, ldo, m, n, k, threads);
