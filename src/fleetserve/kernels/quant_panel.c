@@ -64,21 +64,25 @@ static inline __attribute__((always_inline)) void panel_dot(int qtype, const uin
         v16f t[DECODE_ROWS][4];
         for (int r = 0; r < rows; r++)
             for (int c = 0; c < 4; c++) t[r][c] = (v16f){0};
+        /* Partial sums indexed by constants only: an index computed from g (g & 1) made
+         * GCC keep them on the stack. */
         if (qtype == Q8_0) {
-#pragma GCC unroll 4
-            for (int g = 0; g < 32; g++) {
-                const v16f q = i2f(ld16s(qs + g * PR));
-                for (int r = 0; r < rows; r++) t[r][g & 3] += q * x[r * ldx + b * 32 + g];
+            for (int g = 0; g < 32; g += 4) {
+                for (int u = 0; u < 4; u++) {
+                    const v16f q = i2f(ld16s(qs + (g + u) * PR));
+                    for (int r = 0; r < rows; r++) t[r][u] += q * x[r * ldx + b * 32 + g + u];
+                }
             }
         } else {
-#pragma GCC unroll 4
-            for (int g = 0; g < 16; g++) {
-                const v16i v = ld16(qs + g * PR);
-                const v16f lo = i2f(v & 15), hi = i2f(v >> 4);
-                for (int r = 0; r < rows; r++) {
-                    const float *xr = x + r * ldx + b * 32;
-                    t[r][g & 1] += lo * xr[g];
-                    t[r][2 + (g & 1)] += hi * xr[g + 16];
+            for (int g = 0; g < 16; g += 2) {
+                for (int u = 0; u < 2; u++) {
+                    const v16i v = ld16(qs + (g + u) * PR);
+                    const v16f lo = i2f(v & 15), hi = i2f(v >> 4);
+                    for (int r = 0; r < rows; r++) {
+                        const float *xr = x + r * ldx + b * 32;
+                        t[r][u] += lo * xr[g + u];
+                        t[r][2 + u] += hi * xr[g + u + 16];
+                    }
                 }
             }
         }
