@@ -4,8 +4,10 @@ Runs as a script under another interpreter (the one with llama-cpp-python instal
 fleetserve's environment never needs it: it imports nothing from fleetserve. Reads one
 JSON job from stdin, prints one JSON result line on stdout.
 
-job: {"model": path, "prompt_token_ids": [...], "num_tokens": N, "threads": T,
-      "repeats": R, "n_ctx": C}
+jobs: {"model": path, "prompt_token_ids": [...], "num_tokens": N, "threads": T,
+       "repeats": R, "n_ctx": C}  (latency: greedy tokens, timed)
+      {"mode": "perplexity", "model": path, "token_ids": [...], "context": C,
+       "threads": T}  (perplexity over windows of C tokens, as bench/perplexity.py cuts)
 """
 
 from __future__ import annotations
@@ -23,8 +25,44 @@ def _rss_mib() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def perplexity(job: dict) -> dict:
+    import math
+
+    import llama_cpp
+    import numpy as np
+    from llama_cpp import Llama
+
+    ctx = job["context"]
+    llm = Llama(
+        model_path=job["model"],
+        n_ctx=ctx + 8,
+        n_threads=job["threads"],
+        n_threads_batch=job["threads"],
+        n_batch=ctx + 8,
+        logits_all=True,
+        verbose=False,
+    )
+    ids = job["token_ids"]
+    nll, n = 0.0, 0
+    for start in range(0, len(ids), ctx):
+        window = ids[start : start + ctx]
+        if len(window) < 2:
+            continue
+        llm.reset()
+        llm.eval(window)
+        logits = np.asarray(llm.scores[: len(window) - 1], dtype=np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        nll -= float(logp[np.arange(len(window) - 1), window[1:]].sum())
+        n += len(window) - 1
+    return {"version": llama_cpp.__version__, "num_scored": n, "perplexity": math.exp(nll / n)}
+
+
 def main() -> int:
     job = json.load(sys.stdin)
+    if job.get("mode") == "perplexity":
+        print(json.dumps(perplexity(job)))
+        return 0
     import llama_cpp
     from llama_cpp import Llama
 

@@ -20,6 +20,7 @@ _BENCH = {
     "offline": ("fleetserve.bench.offline", "offline throughput benchmark"),
     "serve": ("fleetserve.bench.serve", "serving benchmark against an OpenAI-compatible URL"),
     "latency": ("fleetserve.bench.latency", "one stream: TTFT and decode tok/s (vs llama.cpp)"),
+    "perplexity": ("fleetserve.bench.perplexity", "perplexity of each weight quantization"),
 }
 
 
@@ -39,7 +40,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
             _add(sub, name, module, help_)
         else:
             sub.add_parser(name, help=help_)
-    bench = sub.add_parser("bench", help="benchmarks (offline | serve | latency)")
+    bench = sub.add_parser("bench", help="benchmarks (offline | serve | latency | perplexity)")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     chosen_bench = argv[1] if chosen == "bench" and len(argv) > 1 else None
     for name, (module, help_) in _BENCH.items():

@@ -14,6 +14,7 @@ float32 with the C kernels built, else ``"none"``.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -60,16 +61,25 @@ def resolve_quantization(
 
 def _quant_linear(weights: GGUFWeights, names: list[str], bias: bool) -> QuantLinear | None:
     """A QuantLinear over the GGUF tensors `names` (row segments in order), or None when
-    one of them is missing or not in a supported block format."""
-    segments = []
+    one of them is missing or not in a supported block format. Neighbours of one block
+    type become one segment (their rows concatenated): one kernel call, not three."""
     present = set(weights.tensor_names())
+    parts: list[tuple[int, np.ndarray]] = []
     for name in names:
         if name not in present or not supported(weights.qtype(name)):
             return None
-        qtype, blocks = weights.get_blocks(name)
-        block = BLOCK_SHAPES[QType(qtype)][0]
-        in_features = blocks.shape[1] // BLOCK_SHAPES[QType(qtype)][1] * block
-        segments.append(QuantWeight(qtype, blocks, in_features))
+        parts.append(weights.get_blocks(name))
+    segments = []
+    i = 0
+    while i < len(parts):
+        j = i
+        while j + 1 < len(parts) and parts[j + 1][0] == parts[i][0]:
+            j += 1
+        qtype = QType(parts[i][0])
+        blocks = parts[i][1] if j == i else np.concatenate([b for _, b in parts[i : j + 1]])
+        block, nbytes = BLOCK_SHAPES[qtype]
+        segments.append(QuantWeight(qtype, blocks, blocks.shape[1] // nbytes * block))
+        i = j + 1
     return QuantLinear(segments, bias=bias)
 
 

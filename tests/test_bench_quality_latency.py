@@ -1,4 +1,5 @@
-"""`fleetserve bench latency` end to end on a tiny model (figures are not asserted)."""
+"""`fleetserve bench latency` and `bench perplexity` end to end on a tiny model (speed is
+not asserted)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,16 @@ def test_llamacpp_runner_greedy_agrees_with_fleetserve(tmp_path):
     res = json.loads(out.read_text())
     # Two engines, two summation orders: greedy may part late; the start must agree.
     assert res["greedy_tokens_agreed"] >= 8
+
+
+def test_perplexity_bench_scores_each_quantization(tiny_llama, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("The cat sat on the mat. " * 12)
+    out = tmp_path / "ppl.json"
+    args = ["bench", "perplexity", "--model", tiny_llama, "--text", str(text), "--context", "24"]
+    assert main([*args, "--quantizations", "none,int8", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["quantization"] for r in runs] == ["none", "int8"]
+    assert runs[0]["num_scored"] == runs[1]["num_scored"] > 24  # more than one window
+    # int8 weights move a random tiny model's perplexity by well under 5%.
+    assert abs(runs[1]["perplexity"] / runs[0]["perplexity"] - 1) < 0.05
