@@ -32,7 +32,17 @@ _SOURCES = [
 ]
 # Included by the sources: part of the cache key, not compiled on their own.
 _HEADERS = [Path(__file__).with_name(n) for n in ("gemm_tile.h", "quant_common.h")]
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# FLEETSERVE_CPU_MARCH picks another target than this CPU's own, e.g. x86-64-v3 (AVX2)
+# or x86-64 (SSE2 only) to test the narrower code paths here.
+_FLAGS = [
+    "-O3",
+    f"-march={os.environ.get('FLEETSERVE_CPU_MARCH', 'native')}",
+    "-ffast-math",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-std=c11",
+]
 
 
 def _cpu_signature() -> str:

@@ -111,6 +111,13 @@ static inline v16f h2f16(const uint8_t *p) {
 static inline v16i ld16s(const uint8_t *p) {
 #if defined(__AVX512F__)
     return (v16i)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    const __m256i lo = _mm256_cvtepi8_epi32(b), hi = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
+    v16i r;
+    memcpy(&r, &lo, 32);
+    memcpy((char *)&r + 32, &hi, 32);
+    return r;
 #else
     return (ld16(p) ^ 128) - 128;
 #endif
