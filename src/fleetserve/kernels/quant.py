@@ -107,6 +107,11 @@ class QuantWeight:
             else:
                 self.data.copy_(data)
 
+        # Looked up once: quant_linear runs ~120 times per decode step.
+        self.gemm = lib.quant_gemm
+        self.qtype_id = int(self.qtype)
+        self.data_ptr = self.data.data_ptr()
+
     @property
     def nbytes(self) -> int:
         return self.data.numel()
@@ -127,33 +132,45 @@ def quant_linear(
     [rows, out_features] whose rows are contiguous, e.g. columns of a wider output), the
     result is written there and ``out`` returned."""
     k = weight.in_features
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} features, the weight takes {k}")
-    x2 = x.reshape(-1, k)
-    if x2.dtype != torch.float32 or x2.device.type != "cpu":
+    if x.dim() == 2 and out is None and x.is_contiguous() and x.dtype == torch.float32:
+        # The decode step's case, once per projection per step: as few torch calls as
+        # the checks allow (each costs about a microsecond).
+        if x.shape[1] != k:
+            raise ValueError(f"x has {x.shape[1]} features, the weight takes {k}")
+        x2, dest = x, torch.empty(x.shape[0], weight.out_features)
+    else:
+        if x.shape[-1] != k:
+            raise ValueError(f"x has {x.shape[-1]} features, the weight takes {k}")
+        x2 = x.reshape(-1, k)
+        if x2.dtype != torch.float32:
+            raise ValueError("x must be a float32 CPU tensor")
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        if out is None:
+            dest = torch.empty(x2.shape[0], weight.out_features)
+        else:
+            dest = out
+            want = (x2.shape[0], weight.out_features)
+            if tuple(dest.shape) != want or dest.stride(1) != 1 or dest.dtype != torch.float32:
+                raise ValueError(f"out must be a float32 {list(want)} view with contiguous rows")
+    if x2.device.type != "cpu":
         raise ValueError("x must be a float32 CPU tensor")
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         raise ValueError("bias must be a contiguous float32 tensor")
-    m, n = x2.shape[0], weight.out_features
-    if out is None:
-        dest = torch.empty(m, n)
-    else:
-        dest = out
-        if tuple(dest.shape) != (m, n) or dest.stride(1) != 1 or dest.dtype != torch.float32:
-            raise ValueError(f"out must be a float32 [{m}, {n}] view with contiguous rows")
+    m = x2.shape[0]
     if m:
-        rc = _lib().quant_gemm(
-            int(weight.qtype), x2.data_ptr(), x2.stride(0), weight.data.data_ptr(),
-            weight.row_bytes, None if bias is None else bias.data_ptr(), dest.data_ptr(),
-            dest.stride(0), m, n, k, torch.get_num_threads(),
+        rc = weight.gemm(
+            weight.qtype_id, x2.data_ptr(), x2.stride(0), weight.data_ptr, weight.row_bytes,
+            None if bias is None else bias.data_ptr(), dest.data_ptr(), dest.stride(0), m,
+            weight.out_features, k, torch.get_num_threads(),
         )  # fmt: skip
         if rc == -1:
             raise MemoryError("quant_gemm: could not allocate its buffers")
         if rc != 0:
             raise ValueError(f"quant_gemm does not take {weight.qtype.name} with k={k}")
-    return dest if out is not None else dest.view(*x.shape[:-1], n)
+    if out is not None:
+        return dest
+    return dest if x.dim() == 2 else dest.view(*x.shape[:-1], weight.out_features)
 
 
 def quant_embedding(ids: torch.Tensor, weight: QuantWeight) -> torch.Tensor:

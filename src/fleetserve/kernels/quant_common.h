@@ -123,4 +123,19 @@ static inline v16i ld16s(const uint8_t *p) {
 #endif
 }
 
+/* The two 4-bit fields of bytes widened to int32 lanes (0..255), as floats. AVX-512
+ * looks each nibble up in a 16-float table (vpermps reads only an index's low 4 bits):
+ * one shuffle instead of mask + convert, and the shuffle runs on the port the FMAs
+ * leave free. */
+static inline void nibbles(v16i v, v16f *lo, v16f *hi) {
+#if defined(__AVX512F__)
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    *lo = (v16f)_mm512_permutexvar_ps((__m512i)v, table);
+    *hi = (v16f)_mm512_permutexvar_ps(_mm512_srli_epi32((__m512i)v, 4), table);
+#else
+    *lo = i2f(v & 15);
+    *hi = i2f(v >> 4);
+#endif
+}
+
 #endif

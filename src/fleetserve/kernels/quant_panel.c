@@ -18,6 +18,7 @@
 #include "quant_common.h"
 
 #define PR 16 /* rows per panel */
+#define PREFETCH 4096
 
 int quant_panel_layout(int qtype) { return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0; }
 
@@ -61,6 +62,9 @@ static inline __attribute__((always_inline)) void panel_dot(int qtype, const uin
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pb = panel + b * bb;
         const uint8_t *qs = pb + head;
+        /* Weights stream from memory once per step: ask for them PREFETCH bytes ahead
+         * (past the panel's end is the next panel; a prefetch never faults). */
+        for (int64_t l = 0; l < bb; l += 64) __builtin_prefetch(pb + PREFETCH + l, 0, 0);
         v16f t[DECODE_ROWS][4];
         for (int r = 0; r < rows; r++)
             for (int c = 0; c < 4; c++) t[r][c] = (v16f){0};
@@ -76,8 +80,8 @@ static inline __attribute__((always_inline)) void panel_dot(int qtype, const uin
         } else {
             for (int g = 0; g < 16; g += 2) {
                 for (int u = 0; u < 2; u++) {
-                    const v16i v = ld16(qs + (g + u) * PR);
-                    const v16f lo = i2f(v & 15), hi = i2f(v >> 4);
+                    v16f lo, hi;
+                    nibbles(ld16(qs + (g + u) * PR), &lo, &hi);
                     for (int r = 0; r < rows; r++) {
                         const float *xr = x + r * ldx + b * 32;
                         t[r][u] += lo * xr[g + u];
