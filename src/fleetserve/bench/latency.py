@@ -139,6 +139,7 @@ def run_llamacpp(args: argparse.Namespace, fs: dict[str, Any]) -> dict[str, Any]
         input=json.dumps(job),
         capture_output=True,
         text=True,
+        env=peer_env(),
     )
     if proc.returncode != 0:
         raise ValueError(
@@ -154,6 +155,17 @@ def run_llamacpp(args: argparse.Namespace, fs: dict[str, Any]) -> dict[str, Any]
         "runs": res["runs"],
         **_summary(res["runs"], args.num_tokens),
     }
+
+
+def peer_env() -> dict[str, str]:
+    """This process's environment without the OpenMP spin count fleetserve chose for
+    itself (fleetserve/__init__.py): the peer runs as its users would run it."""
+    import fleetserve
+
+    env = dict(os.environ)
+    if fleetserve.SET_GOMP_SPINCOUNT:
+        env.pop("GOMP_SPINCOUNT", None)
+    return env
 
 
 def _agree(a: list[int], b: list[int]) -> int:

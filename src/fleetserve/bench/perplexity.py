@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fleetserve.bench.latency import peer_env
 from fleetserve.entrypoints.engine_args_cli import add_engine_args, engine_args_from
 
 DEFAULT_TEXT = Path(__file__).with_name("data") / "english.txt"
@@ -81,7 +82,11 @@ def score_llamacpp(args: argparse.Namespace, model: str, ids: list[int]) -> dict
            "threads": args.num_threads or 2}  # fmt: skip
     script = Path(__file__).with_name("llamacpp_runner.py")
     proc = subprocess.run(
-        [args.llamacpp_python, str(script)], input=json.dumps(job), capture_output=True, text=True
+        [args.llamacpp_python, str(script)],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        env=peer_env(),
     )
     if proc.returncode != 0:
         raise ValueError(f"llama.cpp run failed: {proc.stderr.strip()[-600:]}")
