@@ -207,10 +207,16 @@ class EngineConfig:
     # "auto": the C kernel on the CPU in float32, else plain torch; "cpu" | "torch" force.
     attention_backend: str = "auto"
     speculative: SpeculativeConfig | None = None
+    # Resolved weight quantization: "none" | "gguf" | "int8" (models/quantize.py).
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.quantization not in ("none", "gguf", "int8"):
+            raise ValueError(
+                f"quantization must be 'none', 'gguf' or 'int8', got {self.quantization!r}"
             )

@@ -8,6 +8,7 @@ from typing import Any
 from fleetserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from fleetserve.core.config import SchedulerConfig
 from fleetserve.models.loader import ModelSource, resolve_model
+from fleetserve.models.quantize import resolve_quantization
 from fleetserve.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -35,6 +36,9 @@ class EngineArgs:
     # {"method": "ngram", "num_speculative_tokens": K, ...} or {"model": PATH, ...}
     # (a dict, or its JSON text); see spec_decode/config.py.
     speculative_config: dict[str, Any] | str | None = None
+    # None: a GGUF checkpoint's weights stay quantized where they can (one CPU process,
+    # float32), anything else runs in `dtype`; "none" | "gguf" | "int8" ask explicitly.
+    quantization: str | None = None
 
     def resolve(self) -> tuple[EngineConfig, ModelSource]:
         path = self.model
@@ -80,6 +84,13 @@ class EngineArgs:
             num_threads=self.num_threads,
             attention_backend=self.attention_backend,
             speculative=spec,
+            quantization=resolve_quantization(
+                self.quantization,
+                source.format,
+                model_cfg.dtype,
+                self.device,
+                self.tensor_parallel_size * self.pipeline_parallel_size,
+            ),
         )
         if spec is not None and spec.method == "draft_model":
             from fleetserve.spec_decode.draft_model import check_draft_model

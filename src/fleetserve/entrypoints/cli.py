@@ -22,6 +22,8 @@ _BENCH = {
     "sla": ("fleetserve.bench.sla", "interactive TTFT during a batch flood, with/without classes"),
     "embed": ("fleetserve.bench.embed", "embedding throughput, batched vs one at a time"),
     "spec": ("fleetserve.bench.spec", "one stream's decode speed with and without speculation"),
+    "latency": ("fleetserve.bench.latency", "one stream: TTFT and decode tok/s (vs llama.cpp)"),
+    "perplexity": ("fleetserve.bench.perplexity", "perplexity of each weight quantization"),
 }
 _DEPLOY = {
     "k8s": ("fleetserve.deploy.k8s", "render Kubernetes + KEDA manifests from a fleet file"),
@@ -45,7 +47,13 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
             _add(sub, name, module, help_)
         else:
             sub.add_parser(name, help=help_)
-    _add_group(sub, "bench", "benchmarks (offline | serve | sla | embed | spec)", _BENCH, argv)
+    _add_group(
+        sub,
+        "bench",
+        "benchmarks (offline | serve | sla | embed | spec | latency | perplexity)",
+        _BENCH,
+        argv,
+    )
     _add_group(sub, "deploy", "deployment manifests (k8s | grafana)", _DEPLOY, argv)
     return parser
 

@@ -36,6 +36,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
         '\'{"model": DRAFT_PATH, "num_speculative_tokens": 4}\'',
     )
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["none", "gguf", "int8"],
+        help="weights: gguf = keep a GGUF file's blocks (the default for .gguf on one CPU "
+        "process), int8 = int8 made at load, none = dequantized to --dtype",
+    )
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
@@ -57,4 +65,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         speculative_config=args.speculative_config,
+        quantization=args.quantization,
     )

@@ -26,8 +26,26 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "fused_ops.c", "gemm.c")]
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_SOURCES = [
+    Path(__file__).with_name(n)
+    for n in ("paged_attention.c", "fused_ops.c", "gemm.c", "quant_gemm.c", "quant_panel.c")
+]
+# Included by the sources: part of the cache key, not compiled on their own.
+_HEADERS = [Path(__file__).with_name(n) for n in ("gemm_tile.h", "quant_common.h")]
+# FLEETSERVE_CPU_MARCH picks another target than this CPU's own, e.g. x86-64-v3 (AVX2)
+# or x86-64 (SSE2 only) to test the narrower code paths here.
+_FLAGS = [
+    "-O3",
+    f"-march={os.environ.get('FLEETSERVE_CPU_MARCH', 'native')}",
+    "-ffast-math",
+    "-fopenmp",
+    "-fPIC",
+    "-std=c11",
+]
+# Linked without -ffast-math on purpose: with it, gcc adds crtfastmath.o, whose constructor
+# turns on flush-to-zero for the whole process that loads the library (torch, numpy and
+# Python's own floats would then lose subnormals).
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
 def _cpu_signature() -> str:
@@ -47,9 +65,10 @@ def _cache_dir() -> Path:
 
 
 def _build(cc: str) -> Path:
-    src = b"".join(f.read_bytes() for f in _SOURCES)
+    src = b"".join(f.read_bytes() for f in [*_SOURCES, *_HEADERS])
     key = hashlib.sha256(
-        src + " ".join([cc, *_FLAGS, platform.machine(), _cpu_signature()]).encode()
+        src
+        + " ".join([cc, *_FLAGS, *_LINK_FLAGS, platform.machine(), _cpu_signature()]).encode()
     ).hexdigest()[:16]
     out = _cache_dir() / f"cpu_kernels-{key}.so"
     if out.exists():
@@ -59,17 +78,20 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run(
-            [cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
+        with tempfile.TemporaryDirectory(dir=out.parent) as objdir:
+            objs = [str(Path(objdir) / f"{f.stem}.o") for f in _SOURCES]
+            for source, obj in zip(_SOURCES, objs, strict=True):
+                _run([cc, *_FLAGS, "-c", str(source), "-o", obj])
+            _run([cc, *_LINK_FLAGS, *objs, "-o", tmp, "-lm"])
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def _run(cmd: list[str]) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
 @cache

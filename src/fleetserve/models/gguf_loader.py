@@ -122,6 +122,25 @@ class GGUFWeights:
         heads = self._heads_to_unpermute(name)
         return out if heads is None else unpermute_rotary(out, heads)
 
+    def get_blocks(self, name: str) -> tuple[int, np.ndarray]:
+        """(GGML type id, raw bytes [rows, bytes_per_row]) of a 2-D tensor as stored, rows
+        in HF order: a row of blocks is one output feature, so undoing llama.cpp's q/k
+        permutation moves whole rows. May be a read-only view of the memory map."""
+        tensor = self._tensor(name)
+        if tensor.data.ndim != 2:
+            raise ValueError(f"{name!r} is not a matrix")
+        raw = np.asarray(tensor.data)
+        heads = self._heads_to_unpermute(name)
+        if heads is None:
+            return tensor.qtype, raw
+        rows, row_bytes = raw.shape
+        # Same move as unpermute_rotary, on rows of bytes.
+        per_head = raw.reshape(heads, rows // heads // 2, 2, row_bytes).transpose(0, 2, 1, 3)
+        return tensor.qtype, np.ascontiguousarray(per_head).reshape(rows, row_bytes)
+
+    def qtype(self, name: str) -> int:
+        return self._tensor(name).qtype
+
     def get_slice(self, name: str, dim: int, start: int, end: int) -> torch.Tensor:
         tensor = self._tensor(name)
         shape = list(tensor.shape)

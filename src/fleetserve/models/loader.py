@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -60,9 +60,13 @@ class ModelSource:
         """
         return self.weights.get_slice(name, dim, start, end).to(dtype)
 
-    def iter_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_tensors(
+        self, dtype: torch.dtype, skip: Collection[str] = ()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor but those in `skip` (already placed, e.g. kept quantized)."""
         for name in self.tensor_names():
-            yield name, self.get_tensor(name, dtype)
+            if name not in skip:
+                yield name, self.get_tensor(name, dtype)
 
 
 class SafetensorsReader:

@@ -9,6 +9,7 @@ from fleetserve.distributed.parallel_state import ParallelContext
 from fleetserve.kernels import cpu as cpu_kernels
 from fleetserve.models.llama import LlamaForCausalLM
 from fleetserve.models.loader import ModelSource
+from fleetserve.models.quantize import keep_gguf_quantized, quantize_int8
 from fleetserve.models.registry import model_class
 from fleetserve.models.sharding import load_shards, shard_model
 
@@ -18,13 +19,17 @@ def load_model(
     source: ModelSource,
     device: torch.device,
     parallel: ParallelContext | None = None,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
     """Built on the meta device, materialized on `device`, weights loaded (this rank's
-    shards under `parallel`), in eval mode."""
+    shards under `parallel`), quantized as `quantization` says ("none" | "gguf" | "int8",
+    resolved by EngineArgs), in eval mode."""
     with torch.device("meta"):
         model = model_class(mcfg)(mcfg)
         if parallel is not None:
             shard_model(model, parallel)
+    # Quantized layers are swapped in before allocation: no float32 copy is made.
+    consumed = keep_gguf_quantized(model, source) if quantization == "gguf" else set()
     model = model.to_empty(device=device).to(mcfg.dtype)
     # Buffers (rotary tables) were on meta: rebuild them for real.
     with torch.device(device):
@@ -34,9 +39,11 @@ def load_model(
     for layer in model.decoder_layers():
         layer.self_attn.rope = fresh_rope
     if parallel is None:
-        model.load_weights(source.iter_tensors(mcfg.dtype))
+        model.load_weights(source.iter_tensors(mcfg.dtype, skip=consumed))
     else:
         load_shards(model, source, parallel)
+    if quantization == "int8":
+        quantize_int8(model)
     return model.eval()
 
 

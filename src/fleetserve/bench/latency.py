@@ -1,0 +1,215 @@
+"""`fleetserve bench latency`: what one chat user feels, one stream at a time.
+
+A fixed short chat prompt (~25 tokens on SmolLM2), N greedy tokens with EOS ignored:
+time to first token (prefill + first sample) and decode tokens per second after it,
+the median of ``--repeats`` runs after one warm-up. Every engine flag passes through
+(``--quantization``, ``--num-threads``, ...); ``--max-num-seqs`` defaults to 1 here, so
+the KV cache is sized for the one stream.
+
+``--compare llamacpp`` runs llama-cpp-python on the same GGUF file, prompt token ids and
+thread count in the same invocation, under the interpreter given by
+``--llamacpp-python`` (a separate environment: fleetserve does not depend on it), and
+reports the ratio and how many greedy tokens the two agree on before they part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from fleetserve.entrypoints.engine_args_cli import add_engine_args, engine_args_from
+
+SYSTEM = "You are a storyteller."
+USER = "Tell me a story about a robot."
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    # One stream: a KV cache sized for one sequence, not the engine's default 64.
+    p.set_defaults(max_num_seqs=1)
+    p.add_argument("--num-tokens", type=int, default=256, help="greedy tokens per run")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
+    p.add_argument("--compare", choices=["llamacpp"], default=None)
+    p.add_argument(
+        "--llamacpp-python",
+        default=os.environ.get("FLEETSERVE_LLAMACPP_PYTHON", sys.executable),
+        help="interpreter with llama-cpp-python installed (default: $FLEETSERVE_LLAMACPP_PYTHON "
+        "or this one)",
+    )
+    p.add_argument(
+        "--llamacpp-threads", type=int, default=None, help="default: --num-threads, else 2"
+    )
+    p.add_argument("--json", default=None, help="write the figures here")
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _summary(runs: list[dict[str, float]], num_tokens: int) -> dict[str, float]:
+    ttft = statistics.median(r["ttft_s"] for r in runs)
+    decode = statistics.median(r["decode_s"] for r in runs)
+    cpu = statistics.median(r["decode_cpu_s"] for r in runs)
+    return {
+        "ttft_ms": 1000 * ttft,
+        # The first token comes with the prefill: the rest are the decode.
+        "decode_tok_s": (num_tokens - 1) / decode if decode > 0 else float("inf"),
+        # CPU time of every thread of the process per decoded token: on a shared machine
+        # it moves less with the load than the wall clock does.
+        "decode_cpu_ms_per_token": 1000 * cpu / (num_tokens - 1),
+    }
+
+
+def run_fleetserve(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from fleetserve.core.sampling_params import SamplingParams
+    from fleetserve.engine.llm_engine import LLMEngine
+
+    engine_args = engine_args_from(args)
+    if engine_args.max_model_len is None:
+        engine_args.max_model_len = 64 + args.num_tokens
+    if engine_args.num_threads is not None:
+        torch.set_num_threads(engine_args.num_threads)
+    engine = LLMEngine(engine_args)
+    rss = _rss_mib()
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
+    ids = engine.tokenizer.apply_chat_template(messages)
+    params = SamplingParams(max_tokens=args.num_tokens, temperature=0.0, ignore_eos=True)
+    runs, tokens = [], []
+    for i in range(args.repeats + 1):  # the first run warms up and is dropped
+        t0 = time.perf_counter()
+        t_first, cpu_first = None, 0.0
+        engine.add_request(f"latency-{i}", {"prompt_token_ids": ids}, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if t_first is None and out.outputs[0].token_ids:
+                    t_first, cpu_first = time.perf_counter(), time.process_time()
+                if out.finished:
+                    tokens = list(out.outputs[0].token_ids)
+        t_end, cpu_end = time.perf_counter(), time.process_time()
+        assert t_first is not None and len(tokens) == args.num_tokens
+        runs.append(
+            {
+                "ttft_s": t_first - t0,
+                "decode_s": t_end - t_first,
+                "decode_cpu_s": cpu_end - cpu_first,
+            }
+        )
+    config = engine.config
+    engine.shutdown()
+    return {
+        "engine": "fleetserve",
+        "model": config.model_path,
+        "quantization": config.quantization,
+        "num_threads": torch.get_num_threads(),
+        "prompt_token_ids": ids,
+        "token_ids": tokens,
+        "rss_after_load_mib": rss,
+        "runs": runs[1:],
+        **_summary(runs[1:], args.num_tokens),
+    }
+
+
+def run_llamacpp(args: argparse.Namespace, fs: dict[str, Any]) -> dict[str, Any]:
+    model = fs["model"]
+    if not str(model).endswith(".gguf"):
+        raise ValueError("--compare llamacpp needs a .gguf --model (llama.cpp reads GGUF only)")
+    threads = args.llamacpp_threads or args.num_threads or 2
+    job = {
+        "model": model,
+        "prompt_token_ids": fs["prompt_token_ids"],
+        "num_tokens": args.num_tokens,
+        "threads": threads,
+        "repeats": args.repeats,
+        "n_ctx": 64 + args.num_tokens + len(fs["prompt_token_ids"]),
+    }
+    script = Path(__file__).with_name("llamacpp_runner.py")
+    proc = subprocess.run(
+        [args.llamacpp_python, str(script)],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        env=peer_env(),
+    )
+    if proc.returncode != 0:
+        raise ValueError(
+            f"llama.cpp run failed under --llamacpp-python={args.llamacpp_python} "
+            f"(is llama-cpp-python installed there?): {proc.stderr.strip()[-600:]}"
+        )
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {
+        "engine": f"llama-cpp-python {res['version']}",
+        "num_threads": threads,
+        "token_ids": res["token_ids"],
+        "rss_after_run_mib": res["rss_mib"],
+        "runs": res["runs"],
+        **_summary(res["runs"], args.num_tokens),
+    }
+
+
+def peer_env() -> dict[str, str]:
+    """This process's environment without the OpenMP spin count fleetserve chose for
+    itself (fleetserve/__init__.py): the peer runs as its users would run it."""
+    import fleetserve
+
+    env = dict(os.environ)
+    if fleetserve.SET_GOMP_SPINCOUNT:
+        env.pop("GOMP_SPINCOUNT", None)
+    return env
+
+
+def _agree(a: list[int], b: list[int]) -> int:
+    """Leading tokens two greedy runs share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.num_tokens < 2 or args.repeats < 1:
+        raise ValueError("--num-tokens must be >= 2 and --repeats >= 1")
+    load = os.getloadavg()[0]
+    fs = run_fleetserve(args)
+    results: dict[str, Any] = {"load_avg_1m": load, "num_tokens": args.num_tokens}
+    results["fleetserve"] = fs
+    print(
+        f"fleetserve ({fs['quantization']}, {fs['num_threads']} threads): prompt "
+        f"{len(fs['prompt_token_ids'])} tokens, TTFT {fs['ttft_ms']:.1f} ms, decode "
+        f"{fs['decode_tok_s']:.1f} tok/s over {args.num_tokens} tokens "
+        f"({fs['decode_cpu_ms_per_token']:.2f} CPU ms/token), "
+        f"RSS after load {fs['rss_after_load_mib']:.0f} MiB"
+    )
+    if args.compare == "llamacpp":
+        lc = run_llamacpp(args, fs)
+        results["llamacpp"] = lc
+        agree = _agree(fs["token_ids"], lc["token_ids"])
+        results["decode_speedup"] = fs["decode_tok_s"] / lc["decode_tok_s"]
+        results["greedy_tokens_agreed"] = agree
+        print(
+            f"{lc['engine']} ({lc['num_threads']} threads): TTFT {lc['ttft_ms']:.1f} ms, "
+            f"decode {lc['decode_tok_s']:.1f} tok/s "
+            f"({lc['decode_cpu_ms_per_token']:.2f} CPU ms/token), "
+            f"RSS {lc['rss_after_run_mib']:.0f} MiB"
+        )
+        print(
+            f"fleetserve / llama.cpp decode: {results['decode_speedup']:.2f}x; greedy "
+            f"tokens identical for the first {agree} of {args.num_tokens}"
+        )
+    print(f"(1-minute load average at start: {load:.2f})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0

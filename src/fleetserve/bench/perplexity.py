@@ -1,0 +1,121 @@
+"""`fleetserve bench perplexity`: quality of each weight quantization on a fixed text.
+
+The text (default: bench/data/english.txt, ~600 tokens of plain English prose) is cut
+into windows of ``--context`` tokens; each window's tokens are scored given the ones
+before them in the window (prompt logprobs), and perplexity is exp of the mean negative
+log-likelihood over every scored token. Each ``--quantizations`` entry loads the model
+once more in the same process. ``--compare llamacpp`` scores the same token ids with
+llama-cpp-python (see `fleetserve bench latency`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from fleetserve.bench.latency import peer_env
+from fleetserve.entrypoints.engine_args_cli import add_engine_args, engine_args_from
+
+DEFAULT_TEXT = Path(__file__).with_name("data") / "english.txt"
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--text", default=str(DEFAULT_TEXT), help="UTF-8 text file to score")
+    p.add_argument("--context", type=int, default=512, help="tokens per scored window")
+    p.add_argument(
+        "--quantizations",
+        default=None,
+        help="comma-separated (none,gguf,int8); default: gguf,none,int8 for a .gguf "
+        "model, none,int8 otherwise",
+    )
+    p.add_argument("--compare", choices=["llamacpp"], default=None)
+    p.add_argument(
+        "--llamacpp-python",
+        default=os.environ.get("FLEETSERVE_LLAMACPP_PYTHON", sys.executable),
+    )
+    p.add_argument("--json", default=None, help="write the figures here")
+
+
+def _windows(ids: list[int], context: int) -> list[list[int]]:
+    return [ids[i : i + context] for i in range(0, len(ids), context) if len(ids[i:]) > 1]
+
+
+def score(args: argparse.Namespace, quantization: str, text: str) -> dict[str, Any]:
+    from fleetserve import LLM, SamplingParams
+
+    ea = dataclasses.replace(engine_args_from(args), quantization=quantization)
+    if ea.max_model_len is None:
+        ea.max_model_len = args.context + 8
+    llm = LLM(**dataclasses.asdict(ea))
+    ids = llm.get_tokenizer().encode(text)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    nll, n = 0.0, 0
+    for window in _windows(ids, args.context):
+        out = llm.generate({"prompt_token_ids": window}, params, use_tqdm=False)[0]
+        assert out.prompt_logprobs is not None
+        for row, tok in zip(out.prompt_logprobs[1:], window[1:], strict=True):
+            assert row is not None
+            nll -= row[tok]
+            n += 1
+    resolved = llm.engine.config.quantization
+    model = llm.engine.config.model_path
+    llm.engine.shutdown()
+    return {
+        "quantization": resolved,
+        "model": model,
+        "token_ids": ids,
+        "num_scored": n,
+        "perplexity": math.exp(nll / n),
+    }
+
+
+def score_llamacpp(args: argparse.Namespace, model: str, ids: list[int]) -> dict[str, Any]:
+    job = {"mode": "perplexity", "model": model, "token_ids": ids, "context": args.context,
+           "threads": args.num_threads or 2}  # fmt: skip
+    script = Path(__file__).with_name("llamacpp_runner.py")
+    proc = subprocess.run(
+        [args.llamacpp_python, str(script)],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        env=peer_env(),
+    )
+    if proc.returncode != 0:
+        raise ValueError(f"llama.cpp run failed: {proc.stderr.strip()[-600:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.context < 2:
+        raise ValueError("--context must be >= 2")
+    text = Path(args.text).read_text(encoding="utf-8")
+    if args.quantizations:
+        kinds = [k.strip() for k in args.quantizations.split(",") if k.strip()]
+    else:
+        is_gguf = str(args.model or "").endswith(".gguf") or args.model is None
+        kinds = ["gguf", "none", "int8"] if is_gguf else ["none", "int8"]
+    results: dict[str, Any] = {"text": args.text, "context": args.context, "runs": []}
+    for kind in kinds:
+        r = score(args, kind, text)
+        results["runs"].append({k: v for k, v in r.items() if k != "token_ids"})
+        print(f"{kind:>5}: perplexity {r['perplexity']:.4f} over {r['num_scored']} tokens")
+    if args.compare == "llamacpp":
+        model = results["runs"][0]["model"]
+        if not str(model).endswith(".gguf"):
+            raise ValueError("--compare llamacpp needs a .gguf --model")
+        lc = score_llamacpp(args, model, r["token_ids"])
+        results["llamacpp"] = lc
+        print(f"llama.cpp {lc['version']}: perplexity {lc['perplexity']:.4f} over "
+              f"{lc['num_scored']} tokens")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0

@@ -1,0 +1,163 @@
+"""Quantized weights: which kind a model gets, and the transforms that put them in place.
+
+- ``"gguf"``: the projections, the embedding and the LM head of a GGUF checkpoint stay
+  in the file's block formats (kernels/quant.py). `keep_gguf_quantized` runs on the model
+  while it is still on the ``meta`` device, so the float32 copies are never allocated.
+- ``"int8"``: any checkpoint's projections (and LM head) are quantized at load to int8
+  with one float16 scale per 32 inputs of each output channel (GGUF's Q8_0 blocks, so
+  the same kernels run them); weight-only, activations stay float32.
+- ``"none"``: everything in ``dtype`` (a GGUF checkpoint is dequantized at load).
+
+``None`` (the default) picks ``"gguf"`` for a GGUF checkpoint on one CPU process in
+float32 with the C kernels built, else ``"none"``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from fleetserve.kernels import cpu as cpu_kernels
+from fleetserve.kernels.quant import BLOCK_SHAPES, QType, QuantWeight, supported
+from fleetserve.layers.linear import Linear
+from fleetserve.layers.quant_linear import QuantEmbedding, QuantLinear
+from fleetserve.models.gguf_loader import GGUFWeights
+from fleetserve.models.llama import LlamaForCausalLM
+from fleetserve.models.loader import ModelSource
+
+QUANTIZATIONS = ("none", "gguf", "int8")
+
+
+def resolve_quantization(
+    requested: str | None, source_format: str, dtype: torch.dtype, device: str, world_size: int
+) -> str:
+    """The quantization a model gets; ValueError when ``requested`` cannot be honoured."""
+    usable = (
+        device == "cpu"
+        and dtype == torch.float32
+        and world_size == 1
+        and cpu_kernels.load() is not None
+    )
+    if requested is None:
+        return "gguf" if source_format == "gguf" and usable else "none"
+    if requested not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {requested!r}")
+    if requested == "none":
+        return requested
+    if requested == "gguf" and source_format != "gguf":
+        raise ValueError("quantization='gguf' needs a .gguf checkpoint; try 'int8'")
+    if world_size != 1:
+        raise ValueError(
+            f"quantization={requested!r} runs in one process: tensor/pipeline parallelism "
+            "of quantized weights is not supported (use quantization='none')"
+        )
+    if not usable:
+        raise ValueError(
+            f"quantization={requested!r} needs device='cpu', dtype='float32' and a C compiler"
+        )
+    return requested
+
+
+def _quant_linear(weights: GGUFWeights, names: list[str], bias: bool) -> QuantLinear | None:
+    """A QuantLinear over the GGUF tensors `names` (row segments in order), or None when
+    one of them is missing or not in a supported block format. Neighbours of one block
+    type become one segment (their rows concatenated): one kernel call, not three."""
+    present = set(weights.tensor_names())
+    parts: list[tuple[int, np.ndarray]] = []
+    for name in names:
+        if name not in present or not supported(weights.qtype(name)):
+            return None
+        parts.append(weights.get_blocks(name))
+    segments = []
+    i = 0
+    while i < len(parts):
+        j = i
+        while j + 1 < len(parts) and parts[j + 1][0] == parts[i][0]:
+            j += 1
+        qtype = QType(parts[i][0])
+        blocks = parts[i][1] if j == i else np.concatenate([b for _, b in parts[i : j + 1]])
+        block, nbytes = BLOCK_SHAPES[qtype]
+        segments.append(QuantWeight(qtype, blocks, blocks.shape[1] // nbytes * block))
+        i = j + 1
+    return QuantLinear(segments, bias=bias)
+
+
+def keep_gguf_quantized(model: LlamaForCausalLM, source: ModelSource) -> set[str]:
+    """Swap in quantized layers wherever the GGUF tensors are in a supported block
+    format; returns the checkpoint names they consumed (load_weights skips them)."""
+    weights = source.weights
+    if not isinstance(weights, GGUFWeights):
+        raise ValueError("quantization='gguf' needs a .gguf checkpoint")
+    cfg = model.config
+    consumed: set[str] = set()
+
+    def swap(names: list[str], bias: bool = False) -> QuantLinear | None:
+        layer = _quant_linear(weights, names, bias)
+        if layer is not None:
+            consumed.update(names)
+        return layer
+
+    for i, layer in enumerate(model.decoder_layers()):
+        p = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = [f"{p}self_attn.{n}_proj.weight" for n in "qkv"]
+        if (q := swap(qkv, bias=cfg.attention_bias)) is not None:
+            attn.qkv_proj = q  # type: ignore[assignment]
+        if (q := swap([f"{p}self_attn.o_proj.weight"])) is not None:
+            attn.o_proj = q  # type: ignore[assignment]
+        if (q := swap([f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"])) is not None:
+            mlp.gate_up_proj = q  # type: ignore[assignment]
+        if (q := swap([f"{p}mlp.down_proj.weight"])) is not None:
+            mlp.down_proj = q  # type: ignore[assignment]
+    embed = _quant_linear(weights, ["model.embed_tokens.weight"], bias=False)
+    if embed is not None:
+        consumed.add("model.embed_tokens.weight")
+        model.model.embed_tokens = QuantEmbedding(embed.segments[0])  # type: ignore[assignment]
+    if model.lm_head is not None:
+        if (q := swap(["lm_head.weight"])) is not None:
+            model.lm_head = q  # type: ignore[assignment]
+    elif embed is not None:
+        # Tied: the head reads the embedding's blocks, one quantized copy for both.
+        model.lm_head = embed  # type: ignore[assignment]
+    return consumed
+
+
+def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
+    """float32 [n, k] -> Q8_0 blocks uint8 [n, k / 32 * 34], as gguf.quants.quantize
+    makes them: d = max|w| / 127 per block of 32, q = round(w / d)."""
+    n, k = w.shape
+    blocks = w.detach().float().reshape(n, k // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    # Round half away from zero, like gguf's np_roundf (torch.round goes to even).
+    scaled = blocks * inv
+    q = (scaled.sign() * (scaled.abs() + 0.5).floor()).clamp(-127, 127).to(torch.int8)
+    return torch.cat([d.to(torch.float16).view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(
+        n, -1
+    )
+
+
+def quantize_int8(model: nn.Module) -> int:
+    """Replace every `Linear` (and a tied LM head) of a loaded float32 model by a
+    Q8_0 QuantLinear; returns how many were replaced. Layers whose inputs are not a
+    multiple of 32 stay float32."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Linear) and child.in_features % 32 == 0:
+                q = QuantLinear(
+                    [QuantWeight(QType.Q8_0, quantize_q8_0(child.weight), child.in_features)],
+                    bias=child.bias is not None,
+                )
+                if child.bias is not None:
+                    q.bias = nn.Parameter(child.bias.detach().float(), requires_grad=False)
+                setattr(parent, name, q)
+                count += 1
+    if isinstance(model, LlamaForCausalLM) and model.lm_head is None:
+        emb = model.model.embed_tokens.weight
+        if emb.shape[1] % 32 == 0:
+            head = QuantWeight(QType.Q8_0, quantize_q8_0(emb), emb.shape[1])
+            model.lm_head = QuantLinear([head])  # type: ignore[assignment]
+            count += 1
+    return count
