@@ -37,6 +37,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from fleetserve.engine.arg_utils import EngineArgs
+from fleetserve.serve.deploy_config import DeployConfig
 from fleetserve.serve.policies import POLICY_NAMES
 from fleetserve.serve.sla import ServiceClass
 
@@ -92,6 +93,7 @@ class ModelEntry(_Strict):
     batching: BatchingConfig | None = None
     handler: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
+    deploy: DeployConfig | None = None  # read by `fleetserve deploy k8s` only
 
     @model_validator(mode="after")
     def _check_kind(self) -> ModelEntry:
