@@ -18,7 +18,7 @@ from typing import Any
 
 from fleetserve.entrypoints.engine_args_cli import add_engine_args, engine_args_from
 
-DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4}
 
 PARAGRAPHS = [
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a small "
