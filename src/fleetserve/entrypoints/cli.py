@@ -1,4 +1,4 @@
-"""`fleetserve` command line: serve | generate | chat | bench | make-model.
+"""`fleetserve` command line: serve | generate | batch | bench | make-model.
 
 Each subcommand lives in its own module exposing ``add_cli_args(parser)`` and
 ``run(args) -> int``; they are imported only when chosen, so `fleetserve --help` is fast.
@@ -15,6 +15,7 @@ _COMMANDS = {
     "serve": ("fleetserve.entrypoints.openai.api_server", "run the OpenAI-compatible server"),
     "generate": ("fleetserve.entrypoints.generate", "generate a completion offline"),
     "make-model": ("fleetserve.models.make_model", "write a random-weight HF checkpoint"),
+    "batch": ("fleetserve.entrypoints.batch", "batch jobs (run: a JSONL file of OpenAI lines)"),
 }
 _BENCH = {
     "offline": ("fleetserve.bench.offline", "offline throughput benchmark"),

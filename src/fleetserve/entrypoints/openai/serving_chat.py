@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.entrypoints.openai.errors import APIError, from_value_error
 from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest
 from fleetserve.entrypoints.openai.serving_common import (
@@ -48,8 +49,11 @@ def _prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
     return ids
 
 
-async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
-    req = parse(ChatCompletionRequest, await read_body(ctx, request))
+def chat_inputs(
+    ctx: ServingContext, req: ChatCompletionRequest
+) -> tuple[dict[str, list[int]], SamplingParams]:
+    """The engine prompt and sampling params of a chat request (no HTTP: the batch
+    runner calls this too). Raises APIError for what the client got wrong."""
     ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
@@ -59,12 +63,13 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         base = req.sampling_params(max_tokens, logprobs)
     except ValueError as e:
         raise from_value_error(e) from None
-    prompt = {"prompt_token_ids": _prompt_ids(ctx, req)}
-    request_id = new_id("chatcmpl")
-    streams = submit(ctx, request_id, [prompt], lambda: copy.copy(base), req.priority)
-    if req.stream:
-        return SSEResponse(_stream(ctx, req, request_id, streams))
-    (final,) = await unless_disconnected(request, collect(streams))
+    return {"prompt_token_ids": _prompt_ids(ctx, req)}, base
+
+
+def chat_completion_body(
+    ctx: ServingContext, req: ChatCompletionRequest, request_id: str, final: RequestOutput
+) -> dict[str, Any]:
+    """The non-streaming response body for a finished request."""
     choices = [
         {
             "index": c.index,
@@ -76,16 +81,25 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         for c in final.outputs
     ]
     num_completion = sum(len(c.token_ids) for c in final.outputs)
-    return JSONResponse(
-        {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": now(),
-            "model": ctx.served_model_name,
-            "choices": choices,
-            "usage": usage(len(final.prompt_token_ids), num_completion),
-        }
-    )
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": now(),
+        "model": ctx.served_model_name,
+        "choices": choices,
+        "usage": usage(len(final.prompt_token_ids), num_completion),
+    }
+
+
+async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
+    req = parse(ChatCompletionRequest, await read_body(ctx, request))
+    prompt, base = chat_inputs(ctx, req)
+    request_id = new_id("chatcmpl")
+    streams = submit(ctx, request_id, [prompt], lambda: copy.copy(base), req.priority)
+    if req.stream:
+        return SSEResponse(_stream(ctx, req, request_id, streams))
+    (final,) = await unless_disconnected(request, collect(streams))
+    return JSONResponse(chat_completion_body(ctx, req, request_id, final))
 
 
 async def _stream(

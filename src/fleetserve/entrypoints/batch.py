@@ -1,0 +1,170 @@
+"""`fleetserve batch run INPUT.jsonl -o OUTPUT.jsonl`: OpenAI batch lines, offline, resumable.
+
+The lines run in-process on one engine as one continuous stream (the same runner, store
+and handlers as the server's Batch API). Progress is checkpointed line by line in
+OUTPUT.ckpt/ (a SQLite store beside OUTPUT): after an interruption (Ctrl-C, kill -9, a
+preempted spot worker) the same command skips every line already done. OUTPUT is written
+once all lines are done: every line of INPUT exactly once, in input order, results and
+errors together (vLLM's run_batch format: `error` is null on success).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import sys
+from typing import Any
+
+from fleetserve.entrypoints.engine_args_cli import add_engine_args, engine_args_from
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="batch_command", metavar="BATCH")
+    r = sub.add_parser("run", help="run a JSONL file of OpenAI batch lines offline")
+    r.add_argument("input", help="JSONL input: {custom_id, method, url, body} per line")
+    r.add_argument("-o", "--output", required=True, help="JSONL output (written at the end)")
+    r.add_argument(
+        "--config",
+        default=None,
+        help="fleet YAML file (not supported yet by batch run: use --model)",
+    )
+    r.add_argument("--served-model-name", default=None, help="the model name lines may send")
+    r.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="lines in flight (default: 2 x --max-num-seqs, so the scheduler never starves)",
+    )
+    r.add_argument("--no-progress", dest="progress", action="store_false")
+    add_engine_args(r)
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "batch_command", None) != "run":
+        print("usage: fleetserve batch run INPUT.jsonl -o OUTPUT.jsonl", file=sys.stderr)
+        return 2
+    if args.config is not None:
+        raise ValueError(
+            "--config: fleet config files are not supported by `batch run` yet; use --model"
+        )
+    concurrency = args.concurrency or 2 * args.max_num_seqs
+    if concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
+    return asyncio.run(_run(args, concurrency))
+
+
+async def _run(args: argparse.Namespace, concurrency: int) -> int:
+    from fleetserve.batch.store import BatchStore
+
+    try:
+        with open(args.input, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"INPUT: cannot read {args.input!r}: {e.strerror}") from None
+    store = BatchStore(f"{args.output}.ckpt")
+    try:
+        batch_id = _checkpointed_batch(store, args.input, data)
+        batch = store.get_batch(batch_id)
+        assert batch is not None
+        if batch.status not in ("completed", "expired"):
+            await _run_on_engine(args, store, batch_id, concurrency)
+        _write_output(store, batch_id, args.output)
+    finally:
+        store.close()
+    return 0
+
+
+def _checkpointed_batch(store: Any, input_path: str, data: bytes) -> str:
+    """The checkpoint's batch for this INPUT, created on the first run."""
+    from fleetserve.batch.lines import first_url, split_input
+
+    digest = hashlib.sha256(data).hexdigest()
+    page, _ = store.list_batches(None, 1)
+    if page:
+        batch = page[0]
+        if (batch.metadata or {}).get("input_sha256") != digest:
+            raise ValueError(
+                f"INPUT differs from the one checkpointed in {store.state_dir}; "
+                "delete that folder to start over"
+            )
+        return str(batch.id)
+    try:
+        raw_lines = split_input(data)
+    except ValueError as e:
+        raise ValueError(f"INPUT: {e}") from None
+    endpoint = first_url(raw_lines)
+    if endpoint is None:
+        raise ValueError("INPUT: no line has a supported url; see `fleetserve batch run --help`")
+    source = store.add_file(data, os.path.basename(input_path), "batch")
+    meta = {"input_sha256": digest, "input_path": os.path.abspath(input_path)}
+    return str(store.create_batch(source.id, endpoint, "24h", meta).id)
+
+
+async def _run_on_engine(args: argparse.Namespace, store: Any, batch_id: str, n: int) -> None:
+    from fleetserve.batch.runner import run_batch
+    from fleetserve.engine.async_engine import AsyncEngine
+    from fleetserve.entrypoints.openai.api_server import default_served_name
+    from fleetserve.entrypoints.openai.batch_executor import EngineLineExecutor
+    from fleetserve.entrypoints.openai.serving_common import ServingContext
+
+    try:
+        engine = AsyncEngine(engine_args_from(args), max_waiting_requests=n)
+    except OSError as e:  # a missing checkpoint or default model
+        raise ValueError(str(e)) from e
+    name = args.served_model_name or default_served_name(engine.config.model_path)
+    ctx = ServingContext(engine, name, max_body_bytes=0)
+    bar = None
+    try:
+        await engine.start()
+        bar = _progress(store, batch_id, args.progress)
+        await run_batch(store, batch_id, EngineLineExecutor(ctx), n, on_result=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+        await engine.shutdown()
+
+
+class _Progress:
+    """tqdm bar: lines done (with how many failed), rate and ETA."""
+
+    def __init__(self, total: int, done: int, failed: int, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self.failed = failed
+        self.bar = tqdm(
+            total=total, initial=done, unit="line", disable=not enabled, dynamic_ncols=True
+        )
+        self.bar.set_postfix(failed=failed)
+
+    def __call__(self, result: Any) -> None:
+        if not result.ok:
+            self.failed += 1
+            self.bar.set_postfix(failed=self.failed, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _progress(store: Any, batch_id: str, enabled: bool) -> _Progress:
+    from fleetserve.batch.runner import validate
+
+    validate(store, batch_id)  # counts are known only once the lines are parsed
+    batch = store.get_batch(batch_id)
+    return _Progress(batch.total, batch.completed + batch.failed, batch.failed, enabled)
+
+
+def _write_output(store: Any, batch_id: str, path: str) -> None:
+    records = store.results(batch_id)
+    batch = store.get_batch(batch_id)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(record + "\n")
+    os.replace(tmp, path)
+    print(
+        f"fleetserve: {len(records)} lines ({batch.completed} ok, {batch.failed} failed) -> {path}",
+        file=sys.stderr,
+    )
