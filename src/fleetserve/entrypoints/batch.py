@@ -15,6 +15,7 @@ import asyncio
 import hashlib
 import os
 import sys
+import time
 from typing import Any
 
 from fleetserve.entrypoints.engine_args_cli import add_engine_args, engine_args_from
@@ -119,11 +120,19 @@ async def _run_on_engine(args: argparse.Namespace, store: Any, batch_id: str, n:
     try:
         await engine.start()
         bar = _progress(store, batch_id, args.progress)
+        t0 = time.perf_counter()
         await run_batch(store, batch_id, EngineLineExecutor(ctx), n, on_result=bar)
+        run_s = time.perf_counter() - t0
     finally:
         if bar is not None:
             bar.close()
         await engine.shutdown()
+    # Timed from the model being loaded, so that throughput figures leave start-up out.
+    rate = bar.num_run / max(run_s, 1e-9)
+    print(
+        f"fleetserve: ran {bar.num_run} lines in {run_s:.2f} s ({rate:.1f} lines/s)",
+        file=sys.stderr,
+    )
 
 
 class _Progress:
@@ -133,12 +142,14 @@ class _Progress:
         from tqdm import tqdm
 
         self.failed = failed
+        self.num_run = 0
         self.bar = tqdm(
             total=total, initial=done, unit="line", disable=not enabled, dynamic_ncols=True
         )
         self.bar.set_postfix(failed=failed)
 
     def __call__(self, result: Any) -> None:
+        self.num_run += 1
         if not result.ok:
             self.failed += 1
             self.bar.set_postfix(failed=self.failed, refresh=False)

@@ -20,6 +20,7 @@ _COMMANDS = {
 _BENCH = {
     "offline": ("fleetserve.bench.offline", "offline throughput benchmark"),
     "serve": ("fleetserve.bench.serve", "serving benchmark against an OpenAI-compatible URL"),
+    "batch": ("fleetserve.bench.batch", "`batch run` against the offline LLM.generate ceiling"),
 }
 
 
@@ -39,7 +40,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
             _add(sub, name, module, help_)
         else:
             sub.add_parser(name, help=help_)
-    bench = sub.add_parser("bench", help="benchmarks (offline | serve)")
+    bench = sub.add_parser("bench", help="benchmarks (offline | serve | batch)")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     chosen_bench = argv[1] if chosen == "bench" and len(argv) > 1 else None
     for name, (module, help_) in _BENCH.items():
