@@ -264,3 +264,17 @@ def test_list_pages_newest_first(tmp_path: Path) -> None:
         store.list_batches("batch_nope", 2)
     with pytest.raises(ValueError, match="completion_window"):
         store.create_batch("f", CHAT_URL, "1h")
+
+
+def test_files_page_and_an_input_in_use_is_not_deleted(tmp_path: Path) -> None:
+    store = BatchStore(str(tmp_path))
+    batch_id = _new_batch(store, 1)
+    input_id = store.get_batch(batch_id).input_file_id  # type: ignore[union-attr]
+    other = store.add_file(b"x\n", "x.jsonl", "batch")
+    page, more = store.list_files(None, 1)
+    assert [f.id for f in page] == [other.id] and more
+    assert [f.id for f in store.list_files(other.id, 5)[0]] == [input_id]
+    with pytest.raises(ValueError, match="still running"):
+        store.delete_file(input_id)
+    assert store.delete_file(other.id) and not store.delete_file(other.id)
+    assert not Path(store.file_path(other.id)).exists()

@@ -227,3 +227,20 @@ def test_kill9_mid_batch_then_restart_is_exactly_once(tiny_llama: str, tmp_path:
     by_id = {o["custom_id"]: o for o in out}
     # What was committed before the kill is in the output as it was (not run again).
     assert all(by_id[cid] == json.loads(rec) for cid, rec in before.items())
+
+
+def test_files_list_and_delete(server: BatchServer) -> None:
+    c = server.client
+    a = _upload(c, [_line("a", "x")])
+    b = _upload(c, [_line("b", "y")])
+    listed = [f.id for f in c.files.list(purpose="batch")]
+    assert listed.index(b) < listed.index(a)  # newest first
+    page = c.files.list(limit=1)
+    assert [f.id for f in page.data] == [b] and page.has_more
+    deleted = c.files.delete(a)
+    assert deleted.id == a and deleted.deleted
+    with pytest.raises(openai.NotFoundError):
+        c.files.retrieve(a)
+    with pytest.raises(openai.NotFoundError):
+        c.files.delete(a)
+    assert a not in [f.id for f in c.files.list(purpose="batch")]

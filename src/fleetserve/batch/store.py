@@ -62,6 +62,15 @@ _TIMESTAMPS = {
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}
 
 
+def default_state_dir() -> str:
+    """$FLEETSERVE_STATE_DIR, else $XDG_STATE_HOME/fleetserve (~/.local/state/fleetserve)."""
+    explicit = os.environ.get("FLEETSERVE_STATE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return os.path.join(base, "fleetserve")
+
+
 def _now() -> int:
     return int(time.time())
 
@@ -123,6 +132,42 @@ class BatchStore:
     def get_file(self, file_id: str) -> FileRecord | None:
         row = self._one("SELECT * FROM files WHERE id = ?", (file_id,))
         return FileRecord(**dict(row)) if row is not None else None
+
+    def list_files(
+        self, after: str | None, limit: int, purpose: str | None = None
+    ) -> tuple[list[FileRecord], bool]:
+        """Newest first, paged like `list_batches`. ValueError if `after` names no file."""
+        start = 2**62
+        if after is not None:
+            row = self._one("SELECT rowid FROM files WHERE id = ?", (after,))
+            if row is None:
+                raise ValueError(f"after: no file with id {after!r}")
+            start = row["rowid"]
+        sql = "SELECT id, purpose, bytes, filename, created_at FROM files WHERE rowid < ?"
+        args: tuple[Any, ...] = (start,)
+        if purpose is not None:
+            sql += " AND purpose = ?"
+            args += (purpose,)
+        with self._lock:
+            rows = self._db.execute(sql + " ORDER BY rowid DESC LIMIT ?", (*args, limit + 1))
+            found = rows.fetchall()
+        return [FileRecord(**dict(r)) for r in found[:limit]], len(found) > limit
+
+    def delete_file(self, file_id: str) -> bool:
+        """False if there is no such file. ValueError if an unfinished batch reads it."""
+        marks = ", ".join("?" * len(ACTIVE_STATUSES))
+        with self._tx() as db:
+            busy = db.execute(
+                f"SELECT id FROM batches WHERE input_file_id = ? AND status IN ({marks})",
+                (file_id, *ACTIVE_STATUSES),
+            ).fetchone()
+            if busy is not None:
+                raise ValueError(f"the file is the input of batch {busy['id']}, still running")
+            if db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount == 0:
+                return False
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.file_path(file_id))
+        return True
 
     def read_file(self, file_id: str) -> bytes:
         with open(self.file_path(file_id), "rb") as f:

@@ -1,6 +1,8 @@
 """OpenAI's Files and Batches API (the part batches need), as a router to mount.
 
     POST /v1/files                 multipart upload (purpose "batch")
+    GET  /v1/files                 newest first, paged by `after` / `limit`, `purpose`
+    DELETE /v1/files/{id}          (409 while an unfinished batch reads it)
     GET  /v1/files/{id}            the File object
     GET  /v1/files/{id}/content    its bytes (inputs, outputs, error files)
     POST /v1/batches               create from an uploaded file
@@ -80,21 +82,46 @@ def batch_router(
     @router.post("/v1/files")
     async def upload_file(request: Request) -> Response:
         form = await _read_form(request, max_file_bytes, read_timeout_s)
-        purpose = form.get("purpose")
-        if purpose != "batch":
-            raise APIError(400, f"purpose must be 'batch'; got {purpose!r}", "purpose")
-        upload = form.get("file")
-        if not isinstance(upload, UploadFile):
-            raise APIError(400, "file is required (a multipart file field)", "file")
-        data = await upload.read()
+        try:
+            purpose = form.get("purpose")
+            if purpose != "batch":
+                shown = shorten(str(purpose))
+                raise APIError(400, f"purpose must be 'batch'; got {shown!r}", "purpose")
+            upload = form.get("file")
+            if not isinstance(upload, UploadFile):
+                raise APIError(400, "file is required (a multipart file field)", "file")
+            data = await upload.read()
+            filename = upload.filename or "upload.jsonl"
+        finally:
+            await form.close()  # the spooled temporary file
         if len(data) > max_file_bytes:
             raise APIError(413, f"the file is larger than {max_file_bytes} bytes", "file")
         try:
             split_input(data)
         except ValueError as e:
             raise APIError(400, str(e), "file") from None
-        record = store.add_file(data, upload.filename or "upload.jsonl", purpose)
+        record = store.add_file(data, filename, purpose)
         return JSONResponse(record.to_api())
+
+    @router.get("/v1/files")
+    async def list_files(
+        after: str | None = None, limit: str = "10000", purpose: str | None = None
+    ) -> Response:
+        try:
+            page, has_more = store.list_files(after, _limit(limit, 10_000), purpose)
+        except ValueError as e:
+            raise APIError(400, str(e), "after") from None
+        return _page([f.to_api() for f in page], has_more)
+
+    @router.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str) -> Response:
+        try:
+            deleted = store.delete_file(file_id)
+        except ValueError as e:
+            raise APIError(409, str(e), code="file_in_use") from None
+        if not deleted:
+            raise _not_found("File", file_id)
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
     @router.get("/v1/files/{file_id}")
     async def get_file(file_id: str) -> Response:
@@ -130,21 +157,11 @@ def batch_router(
 
     @router.get("/v1/batches")
     async def list_batches(after: str | None = None, limit: str = "20") -> Response:
-        if not limit.isdigit() or not 1 <= int(limit) <= 100:
-            raise APIError(400, f"limit must be an integer in [1, 100]; got {limit!r}", "limit")
         try:
-            page, has_more = store.list_batches(after, int(limit))
+            page, has_more = store.list_batches(after, _limit(limit, 100))
         except ValueError as e:
             raise APIError(400, str(e), "after") from None
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [b.to_api() for b in page],
-                "first_id": page[0].id if page else None,
-                "last_id": page[-1].id if page else None,
-                "has_more": has_more,
-            }
-        )
+        return _page([b.to_api() for b in page], has_more)
 
     @router.get("/v1/batches/{batch_id}")
     async def get_batch(batch_id: str) -> Response:
@@ -161,6 +178,24 @@ def batch_router(
         return JSONResponse(batch.to_api())
 
     return router
+
+
+def _limit(text: str, most: int) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= most:
+        raise APIError(400, f"limit must be an integer in [1, {most}]; got {text!r}", "limit")
+    return int(text)
+
+
+def _page(data: list[dict[str, Any]], has_more: bool) -> Response:
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": has_more,
+        }
+    )
 
 
 def _not_found(kind: str, object_id: str) -> APIError:
