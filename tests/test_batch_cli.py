@@ -117,14 +117,15 @@ def test_chat_and_completion_lines_match_the_offline_llm(tiny_llama: str, tmp_pa
     assert main(["batch", "run", str(inp2), "-o", str(out2), "--model", tiny_llama]) == 2
 
 
-def test_config_is_refused_until_fleet_configs_land(
+def test_config_and_model_flags_do_not_mix(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     inp = tmp_path / "in.jsonl"
     _write(inp, [_req("a", CHAT, {"messages": [{"role": "user", "content": "x"}]})])
-    argv = ["batch", "run", str(inp), "-o", str(tmp_path / "o.jsonl"), "--config", "f.yaml"]
+    out = str(tmp_path / "o.jsonl")
+    argv = ["batch", "run", str(inp), "-o", out, "--config", "f.yaml", "--model", "m"]
     assert main(argv) == 2
-    assert "--config: fleet config files are not supported" in capsys.readouterr().err
+    assert "--config describes every model; leave out --model" in capsys.readouterr().err
     assert main(["batch", "run", str(tmp_path / "missing.jsonl"), "-o", "x"]) == 2
     assert "INPUT: cannot read" in capsys.readouterr().err
 

@@ -28,7 +28,7 @@ from fleetserve.serve.policies import (
     RoundRobin,
     make_policy,
 )
-from fleetserve.serve.replica import ReplicaHandle
+from fleetserve.serve.replica import LocalReplica
 from fleetserve.serve.router import NoHealthyReplicaError, Router
 
 sys.path.insert(0, str(Path(__file__).parent / "server"))
@@ -234,7 +234,7 @@ def output(lengths: list[int], finished: bool) -> RequestOutput:
     return RequestOutput("x", None, [1, 2, 3], choices, finished)
 
 
-def make_handle(outs: list[RequestOutput]) -> tuple[ReplicaHandle, FakeStream]:
+def make_handle(outs: list[RequestOutput]) -> tuple[LocalReplica, FakeStream]:
     stream = FakeStream(outs)
 
     def add_request(rid: str, prompt: Any, params: SamplingParams, priority: int) -> FakeStream:
@@ -243,7 +243,7 @@ def make_handle(outs: list[RequestOutput]) -> tuple[ReplicaHandle, FakeStream]:
         return stream
 
     engine = SimpleNamespace(is_ready=True, on_stats=None, add_request=add_request)
-    return ReplicaHandle(0, engine, ewma_alpha=0.5, warmup_steps=2), stream  # type: ignore[arg-type]
+    return LocalReplica(0, engine, ewma_alpha=0.5, warmup_steps=2), stream  # type: ignore[arg-type]
 
 
 def test_replica_handle_load_accounting() -> None:
@@ -309,7 +309,7 @@ def test_debug_step_delay_format() -> None:
 # prompts below) by the least-loaded rule, so that server also runs the balance tests.
 SLOW_STEP_S = 0.1
 _SERVER_ARGS: dict[str, tuple[list[str], dict[str, str]]] = {
-    "round_robin": (["--routing", "round_robin"], {}),
+    "round_robin": (["--routing", "round_robin", "--scheduling-policy", "priority"], {}),
     "prefix_affinity": (["--routing", "prefix_affinity"], {}),
     # Replica 1 is slowed; after the straggler test, its death is tested too.
     "slow": (["--routing", "round_robin"], {"FLEETSERVE_DEBUG_STEP_DELAY_S": f"1:{SLOW_STEP_S}"}),

@@ -404,3 +404,66 @@ def test_prefix_hit_rate_counts_each_admitted_request_once() -> None:
     # Queried: a (9) + b (5) + x (5) + c (9) tokens; hit: c's two cached blocks.
     assert h.bm.num_queried_tokens == 9 + 5 + 5 + 9
     assert h.bm.num_hit_tokens == 8
+
+
+def test_priority_waiting_request_takes_a_full_batch_seat() -> None:
+    """Under "priority" a more important arrival preempts the least important running
+    request when the batch is full; an equally important one waits (no churn)."""
+    h = Harness(max_num_seqs=2, policy="priority")
+    h.add("low1", 5, max_tokens=20, priority=10)
+    h.add("low2", 5, max_tokens=20, priority=10)
+    assert h.step() == {"low1": 5, "low2": 5}
+    h.add("same", 5, max_tokens=2, priority=10)
+    assert h.step() == {"low1": 1, "low2": 1}
+    h.add("high", 5, max_tokens=2, priority=0)
+    # low2 is the newest of the least important: it gives its seat to high.
+    assert h.step() == {"low1": 1, "high": 5}
+    assert h.sched.requests["low2"].status == RequestStatus.PREEMPTED
+    assert [r.req_id for r in h.sched.running] == ["low1", "high"]
+    h.run()
+    assert h.finish_reasons == {r: "length" for r in ("low1", "low2", "same", "high")}
+    assert h.all_free()
+
+
+def test_fcfs_waiting_request_never_preempts_for_a_seat() -> None:
+    h = Harness(max_num_seqs=1, policy="fcfs")
+    h.add("a", 5, max_tokens=3, priority=10)
+    h.step()
+    h.add("b", 5, max_tokens=1, priority=0)
+    assert h.step() == {"a": 1}
+
+
+def test_priority_waiting_request_takes_a_victims_blocks() -> None:
+    """Out of blocks: the important arrival frees the least important running request's."""
+    h = Harness(num_blocks=4, max_num_seqs=8, policy="priority")
+    h.add("low", 12, max_tokens=4, priority=10)  # 3 blocks, then a 4th for its 13th token
+    assert h.step() == {"low": 12}
+    h.add("high", 6, max_tokens=2, priority=0)  # needs 2 blocks; 1 is free
+    assert h.step() == {"high": 6}
+    assert h.sched.requests["low"].status == RequestStatus.PREEMPTED
+    h.run()
+    assert set(h.finish_reasons) == {"low", "high"}
+    assert h.all_free()
+
+
+def test_priority_waiting_request_takes_a_less_important_ones_budget() -> None:
+    """The budget is spent: the important arrival takes the least important scheduled
+    request's tokens for this step; that one keeps its blocks and goes on next step."""
+    h = Harness(budget=8, max_num_seqs=4, policy="priority", num_blocks=32)
+    h.add("low", 30, max_tokens=2, priority=10)
+    assert h.step() == {"low": 8}  # a chunk of its prefill fills the budget
+    h.add("high", 5, max_tokens=2, priority=0)
+    assert h.step() == {"high": 5, "low": 3}
+    assert h.sched.requests["low"].status == RequestStatus.RUNNING  # not preempted
+    assert h.sched.requests["low"].num_computed_tokens == 11
+    h.run()
+    assert set(h.finish_reasons) == {"low", "high"}
+    assert h.all_free()
+
+
+def test_fcfs_waiting_request_waits_for_budget() -> None:
+    h = Harness(budget=8, max_num_seqs=4, policy="fcfs", num_blocks=32)
+    h.add("low", 30, max_tokens=2, priority=10)
+    h.step()
+    h.add("high", 5, max_tokens=2, priority=0)
+    assert h.step() == {"low": 8}

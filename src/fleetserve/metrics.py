@@ -1,8 +1,9 @@
 """Prometheus metrics in the `fleetserve:` namespace, on a registry of their own.
 
-Gauges mirror the engine core's stats (sent with every step); histograms and counters are
+Gauges mirror the engine cores' stats (sent with every step); histograms and counters are
 fed by the frontend as requests finish. One `ServerMetrics` per server process, so tests
-can run several servers (or none) without clashing on the global registry.
+can run several servers (or none) without clashing on the global registry; each model of
+the fleet has its `ModelMetrics` view of it (label `model_name`, vLLM's name).
 """
 
 from __future__ import annotations
@@ -25,62 +26,91 @@ _TPOT_BUCKETS = (
     1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
 
-# Engine stat key -> gauge name (without the namespace) and help text.
+# Engine stat key -> gauge name (without the namespace) and help text. The waiting count
+# is not among them: it is the model service's, per class (see ModelMetrics.collect_waiting).
 _GAUGES = {
     "num_requests_running": "Requests in the running batch.",
-    "num_requests_waiting": "Requests waiting to be scheduled.",
     "kv_cache_usage_perc": "Fraction of KV cache blocks in use (0 to 1).",
     "prefix_cache_hit_rate": "Fraction of queried prompt tokens found in the prefix cache.",
 }
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    """The server's registry and metric families; `model(name)` gives one model's view.
+    Every series carries `model_name`; the per-request ones carry `class` as well."""
+
+    def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = ["model_name"]
-        self._gauges = {
-            key: Gauge(f"fleetserve:{key}", doc, labels, registry=self.registry).labels(model_name)
-            for key, doc in _GAUGES.items()
+        r = self.registry
+        m, mc = ["model_name"], ["model_name", "class"]
+        self.gauges = {
+            key: Gauge(f"fleetserve:{key}", doc, m, registry=r) for key, doc in _GAUGES.items()
         }
-        self._ttft = Histogram(
+        self.ttft = Histogram(
             "fleetserve:time_to_first_token_seconds",
-            "Time from arrival to the first generated token.",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self._tpot = Histogram(
+            "Time from arrival (class queue included) to the first generated token.",
+            mc, buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tpot = Histogram(
             "fleetserve:time_per_output_token_seconds",
             "Mean time between output tokens, per finished request.",
-            labels,
-            buckets=_TPOT_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self._e2e = Histogram(
+            mc, buckets=_TPOT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
             "fleetserve:e2e_request_latency_seconds",
-            "Time from arrival to the last token.",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self._prompt_tokens = Counter(
-            "fleetserve:prompt_tokens", "Prompt tokens received.", labels, registry=self.registry
-        ).labels(model_name)
-        self._generation_tokens = Counter(
-            "fleetserve:generation_tokens",
-            "Tokens generated.",
-            labels,
-            registry=self.registry,
-        ).labels(model_name)
-        self._finished = Counter(
+            "Time from arrival (class queue included) to the last token.",
+            mc, buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "fleetserve:prompt_tokens", "Prompt tokens received.", m, registry=r
+        )
+        self.generation_tokens = Counter(
+            "fleetserve:generation_tokens", "Tokens generated.", m, registry=r
+        )
+        self.finished = Counter(
             "fleetserve:request_success",
             "Finished completions (one per choice) by finish reason.",
-            ["model_name", "finished_reason"],
-            registry=self.registry,
-        )
+            ["model_name", "finished_reason"], registry=r,
+        )  # fmt: skip
+        self.shed = Counter(
+            "fleetserve:requests_shed",
+            "Requests refused before any compute: its class queue full, or its queue time over.",
+            ["model_name", "class", "reason"], registry=r,
+        )  # fmt: skip
+        self.batch_size = Histogram(
+            "fleetserve:batch_size",
+            "Requests per batch run by an embed or custom model's dynamic batcher.",
+            m, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r,
+        )  # fmt: skip
+        self.batch_seconds = Histogram(
+            "fleetserve:batch_duration_seconds",
+            "Time to run one batch of an embed or custom model.",
+            m, buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.models: dict[str, ModelMetrics] = {}
+
+    def model(self, model_name: str) -> ModelMetrics:
+        if model_name not in self.models:
+            self.models[model_name] = ModelMetrics(self, model_name)
+        return self.models[model_name]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ModelMetrics:
+    """One model's series. AsyncEngine feeds the token counts, finish reasons and engine
+    gauges; the model service feeds the latencies by class and the shed counts."""
+
+    def __init__(self, server: ServerMetrics, model_name: str) -> None:
+        self.server = server
         self.model_name = model_name
+        self.registry = server.registry
+        self._gauges = {key: g.labels(model_name) for key, g in server.gauges.items()}
+        self._prompt_tokens = server.prompt_tokens.labels(model_name)
+        self._generation_tokens = server.generation_tokens.labels(model_name)
         for reason in ("stop", "length", "abort"):
-            self._finished.labels(model_name, reason)
+            server.finished.labels(model_name, reason)
 
     def set_engine_stats(self, stats: Mapping[str, float]) -> None:
         for key, gauge in self._gauges.items():
@@ -99,21 +129,29 @@ class ServerMetrics:
             self._generation_tokens.inc(num_tokens)
 
     def add_finished(self, finish_reason: str, count: int = 1) -> None:
-        self._finished.labels(self.model_name, finish_reason).inc(count)
+        self.server.finished.labels(self.model_name, finish_reason).inc(count)
 
     def observe_finished(self, out: RequestOutput) -> None:
-        """Latencies and finish reasons of a request that finished normally."""
-        ttft = out.metrics.get("time_to_first_token")
-        e2e = out.metrics.get("e2e_latency")
-        if ttft is not None:
-            self._ttft.observe(ttft)
-        if e2e is not None:
-            self._e2e.observe(e2e)
-            num_tokens = max(len(c.token_ids) for c in out.outputs)
-            if ttft is not None and num_tokens > 1:
-                self._tpot.observe((e2e - ttft) / (num_tokens - 1))
+        """Finish reasons of a request that finished normally (latencies: observe_latency)."""
         for c in out.outputs:
             self.add_finished(c.finish_reason or "abort")
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def observe_latency(
+        self, class_name: str, ttft: float | None, e2e: float | None, num_tokens: int
+    ) -> None:
+        """One finished request's latencies, measured from its arrival at the service."""
+        s = self.server
+        if ttft is not None:
+            s.ttft.labels(self.model_name, class_name).observe(ttft)
+        if e2e is not None:
+            s.e2e.labels(self.model_name, class_name).observe(e2e)
+            if ttft is not None and num_tokens > 1:
+                s.tpot.labels(self.model_name, class_name).observe((e2e - ttft) / (num_tokens - 1))
+
+    def add_shed(self, class_name: str, reason: str) -> None:
+        self.server.shed.labels(self.model_name, class_name, reason).inc()
+
+    def observe_batch(self, size: int, seconds: float) -> None:
+        """A dynamic batcher's `on_batch(size, seconds)` callback."""
+        self.server.batch_size.labels(self.model_name).observe(size)
+        self.server.batch_seconds.labels(self.model_name).observe(seconds)

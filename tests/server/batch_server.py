@@ -1,9 +1,9 @@
-"""A real uvicorn server that mounts `batch_router` over a real AsyncEngine (test helper).
+"""A real uvicorn server that mounts `batch_router` over a real one-model fleet (test helper).
 
     python tests/server/batch_server.py --model DIR --state-dir DIR --port N [--concurrency K]
 
 It mounts the router the way `fleetserve serve` will (include_router, the app's APIError
-handler, the engine started in the app's lifespan), until the lead wires it there.
+handler, the registry started in the app's lifespan), until the lead wires it there.
 """
 
 from __future__ import annotations
@@ -19,25 +19,29 @@ from fastapi.responses import JSONResponse, Response
 
 from fleetserve.batch.store import BatchStore
 from fleetserve.engine.arg_utils import EngineArgs
-from fleetserve.engine.async_engine import AsyncEngine
-from fleetserve.entrypoints.openai.batch_executor import EngineLineExecutor
+from fleetserve.entrypoints.openai.batch_executor import FleetLineExecutor
 from fleetserve.entrypoints.openai.errors import APIError, error_response
 from fleetserve.entrypoints.openai.serving_batch import batch_router
 from fleetserve.entrypoints.openai.serving_common import ServingContext
+from fleetserve.metrics import ServerMetrics
+from fleetserve.serve.fleet_config import single_model_fleet
+from fleetserve.serve.registry import build_registry
 
 
 def build(args: argparse.Namespace) -> FastAPI:
-    engine = AsyncEngine(EngineArgs(model=args.model, max_num_seqs=args.max_num_seqs))
-    ctx = ServingContext(engine, "tiny", max_body_bytes=1 << 20)
+    engine_args = EngineArgs(model=args.model, max_num_seqs=args.max_num_seqs)
+    fleet = single_model_fleet("tiny", engine_args, 1, "least_loaded", 256)
+    registry = build_registry(fleet, ServerMetrics())
+    server = ServingContext(registry, max_body_bytes=1 << 20)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loader = asyncio.create_task(engine.start())
+        loader = asyncio.create_task(registry.start())
         try:
             yield
         finally:
             loader.cancel()
-            await engine.shutdown()
+            await registry.shutdown()
 
     app = FastAPI(lifespan=lifespan)
 
@@ -47,19 +51,19 @@ def build(args: argparse.Namespace) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> Response:
-        return JSONResponse({"ready": engine.is_ready}, 200 if engine.is_ready else 503)
+        return JSONResponse({"ready": registry.is_ready}, 200 if registry.is_ready else 503)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         from fleetserve.entrypoints.openai.serving_chat import create_chat_completion
 
-        return await create_chat_completion(ctx, request)
+        return await create_chat_completion(server, request)
 
     store = BatchStore(args.state_dir)
     app.include_router(
         batch_router(
             store,
-            lambda: EngineLineExecutor(ctx),
+            lambda: FleetLineExecutor(server),
             concurrency=args.concurrency,
             max_file_bytes=args.max_file_bytes,
         )

@@ -23,7 +23,10 @@ def free_port() -> int:
 
 
 class ServerProc:
-    def __init__(self, model: str, *extra_args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, model: str | None, *extra_args: str, env: dict[str, str] | None = None
+    ) -> None:
+        """`model=None`: no --model (e.g. a fleet given with --config in `extra_args`)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 -- lives as long as the server
@@ -31,8 +34,8 @@ class ServerProc:
         )
         cmd = [
             sys.executable, "-m", "fleetserve.entrypoints.cli", "serve",
-            "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
-            "--log-level", "warning", *extra_args,
+            *(["--model", model] if model is not None else []),
+            "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *extra_args,
         ]  # fmt: skip
         full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env)

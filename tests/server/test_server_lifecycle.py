@@ -89,12 +89,15 @@ def test_sigterm_drains(fresh_server: Any) -> None:
     assert short.first.wait(30) and long.first.wait(30)
     t0 = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
-    # Draining: not ready, new work refused, liveness still fine.
+    # Draining: not ready, not healthy (no new traffic, please), new work refused,
+    # liveness still fine.
     assert wait_until(lambda: httpx.get(f"{srv.url}/ready").status_code == 503, 5)
     refused = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"}, timeout=10)
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "draining"
-    assert httpx.get(f"{srv.url}/health").status_code == 200
+    health = httpx.get(f"{srv.url}/health")
+    assert health.status_code == 503 and "shutting down" in health.json()["error"]["message"]
+    assert httpx.get(f"{srv.url}/live").status_code == 200
     # The short request finishes normally; the long one is cut at the drain timeout.
     short.join(30)
     assert short.finish_reason == "length" and short.events[-1] == "[DONE]", short.events[-3:]
@@ -150,13 +153,18 @@ def test_core_exits_when_api_process_dies(fresh_server: Any) -> None:
 
     def alive() -> bool:
         try:
-            return httpx.get(f"{srv.url}/health", timeout=2).status_code == 200
+            return httpx.get(f"{srv.url}/live", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
 
-    # While the engine loads, HTTP already answers: alive, not ready, requests get 503.
+    # While the engine loads, HTTP already answers: alive, not ready nor healthy, requests
+    # get 503.
     assert wait_until(alive, 60)
     if httpx.get(f"{srv.url}/ready").status_code == 503:
+        health = httpx.get(f"{srv.url}/health")
+        assert health.status_code in (200, 503)  # 200 if loading finished in between
+        if health.status_code == 503:
+            assert health.json()["error"]["message"].startswith("loading: ")
         resp = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"}, timeout=10)
         assert resp.status_code in (200, 503)  # 200 if loading finished in between
         if resp.status_code == 503:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
@@ -111,3 +111,8 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+# The fields a caller sets, in declaration order: the wire struct (engine/wire.py) and the
+# HTTP body models derive from this one list, so a new sampling field is added once.
+SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams) if f.init)

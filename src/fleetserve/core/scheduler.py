@@ -4,7 +4,10 @@ Each step, running requests are served first (oldest first), then waiting ones. 
 request is given ``min(num_tokens - num_computed_tokens, remaining budget)`` tokens, so
 a long prompt is prefilled over several steps, mixed with other requests' decodes.
 When blocks run out, the newest running request (or the least important one under the
-priority policy) is preempted: its blocks are freed and it is recomputed later.
+priority policy) is preempted: its blocks are freed and it is recomputed later. Under the
+priority policy running requests take the budget in priority order, and a waiting request
+that is more important than a running one also takes its seat (full batch), its blocks, or
+its tokens for the step: that is how the fleet's SLA classes reach the engine.
 """
 
 from __future__ import annotations
@@ -110,6 +113,34 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.insert(0, req)
 
+    def _victim_for(
+        self, req: Request, in_flight: Set[str], among: Set[str] | dict[str, int] | None = None
+    ) -> Request | None:
+        """Under "priority", the least important running request (of `among`, if given) if
+        `req` is strictly more important (lower priority value); it gives up its seat and
+        blocks to `req`. Never under fcfs, never a request in an in-flight pipeline batch."""
+        if self.config.policy != "priority":
+            return None
+        running = [
+            r
+            for r in self.running
+            if r.req_id not in in_flight and (among is None or r.req_id in among)
+        ]
+        if not running:
+            return None
+        victim = max(running, key=lambda r: (r.priority, r.arrival_time))
+        return victim if victim.priority > req.priority else None
+
+    def _admit(self, req: Request, num_hit_tokens: int) -> None:
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_hit_tokens
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_hit_tokens
+        if self.block_manager.enable_prefix_caching:
+            self.block_manager.record_lookup(req.num_tokens, num_hit_tokens)
+
     def _next_waiting(self, skip: set[str]) -> Request | None:
         candidates = [r for r in self.waiting if r.req_id not in skip]
         if not candidates:
@@ -144,7 +175,11 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted = False
 
-        for req in list(self.running):
+        # Under "priority" the most important running requests take the budget first.
+        order = list(self.running)
+        if self.config.policy == "priority":
+            order.sort(key=lambda r: (r.priority, r.arrival_time))
+        for req in order:
             if budget <= 0 or len(num_scheduled) >= max_num_reqs:
                 break
             if req.status != RequestStatus.RUNNING or req.req_id in skip_req_ids:
@@ -166,36 +201,63 @@ class Scheduler:
                 budget -= num_new
 
         skip: set[str] = set(skip_req_ids)
-        while (
-            not preempted
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-            and len(num_scheduled) < max_num_reqs
-        ):
+        lent: dict[str, int] = {}  # running requests whose tokens a waiting one took
+        while not preempted:
             nxt = self._next_waiting(skip)
             if nxt is None:
                 break
             req = nxt
+            if budget <= 0:
+                # Out of token budget: a more important request takes a less important
+                # one's tokens for this step (it keeps its blocks and runs next step).
+                lender = self._victim_for(req, skip_req_ids, num_scheduled)
+                if lender is None:
+                    break
+                lent[lender.req_id] = num_scheduled.pop(lender.req_id)
+                budget += lent[lender.req_id]
             if self._sibling_prefilling(req):
                 skip.add(req.req_id)
                 continue
-            hits, num_hit_tokens = bm.get_computed_blocks(req)
-            num_new = req.num_tokens - num_hit_tokens
-            if not self.config.chunked_prefill and num_new > budget:
+            batch_full = len(num_scheduled) >= max_num_reqs
+            if batch_full or len(self.running) >= self.config.max_num_seqs:
+                # Full batch: only a more important request gets in, in a victim's seat
+                # (one of this batch's, when it is the batch that is full).
+                seat = self._victim_for(req, skip_req_ids, num_scheduled if batch_full else None)
+                if seat is None:
+                    break
+                self._preempt(seat)
+                budget += num_scheduled.pop(seat.req_id, 0)
+                skip.add(seat.req_id)  # not back in this step
+            while True:
+                hits, num_hit_tokens = bm.get_computed_blocks(req)
+                num_new = req.num_tokens - num_hit_tokens
+                fits = self.config.chunked_prefill or num_new <= budget
+                num_new = min(num_new, budget)
+                if fits and bm.allocate_slots(req, num_new, hits):
+                    break
+                # Out of blocks (or budget): a more important request takes a victim's.
+                donor = self._victim_for(req, skip_req_ids)
+                if donor is None:
+                    num_new = 0
+                    break
+                self._preempt(donor)
+                budget += num_scheduled.pop(donor.req_id, 0)
+                skip.add(donor.req_id)
+            if num_new == 0:
                 break
-            num_new = min(num_new, budget)
-            if not bm.allocate_slots(req, num_new, hits):
-                break
-            self.waiting.remove(req)
-            self.running.append(req)
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_hit_tokens
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = num_hit_tokens
-            if bm.enable_prefix_caching:
-                bm.record_lookup(req.num_tokens, num_hit_tokens)
+            self._admit(req, num_hit_tokens)
             num_scheduled[req.req_id] = num_new
             budget -= num_new
+
+        # What the borrowers left of the budget goes back to the lenders (their blocks
+        # already cover the tokens they had been given).
+        for req_id, num_lent in lent.items():
+            if budget <= 0 or len(num_scheduled) >= max_num_reqs:
+                break
+            lender = self.requests[req_id]
+            if lender.status == RequestStatus.RUNNING and req_id not in num_scheduled:
+                num_scheduled[req_id] = min(num_lent, budget)
+                budget -= num_scheduled[req_id]
 
         for req in self.running:
             n = num_scheduled.get(req.req_id)

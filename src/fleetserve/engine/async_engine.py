@@ -27,7 +27,9 @@ import zmq.asyncio
 
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
-from fleetserve.engine.core_proc import (
+from fleetserve.engine.llm_engine import PromptRules, PromptType
+from fleetserve.engine.output_processor import OutputProcessor
+from fleetserve.engine.wire import (
     AbortRequests,
     AddRequest,
     CoreFailure,
@@ -39,9 +41,7 @@ from fleetserve.engine.core_proc import (
     StopRequests,
     params_to_wire,
 )
-from fleetserve.engine.llm_engine import PromptRules, PromptType
-from fleetserve.engine.output_processor import OutputProcessor
-from fleetserve.metrics import ServerMetrics
+from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
 from fleetserve.tokenizer import Tokenizer
 
@@ -100,7 +100,7 @@ class AsyncEngine:
         self,
         args: EngineArgs,
         max_waiting_requests: int = 256,
-        metrics: ServerMetrics | None = None,
+        metrics: ModelMetrics | None = None,
         data_parallel_rank: int = 0,
     ) -> None:
         self.args = args

@@ -1,11 +1,7 @@
-"""The EngineCore process: its step loop, its ZeroMQ sockets and the wire format.
+"""The EngineCore process: its step loop and its ZeroMQ sockets.
 
-The API process binds two ipc:// sockets; this process connects to them:
-
-    frontend PUSH --(AddRequest | AbortRequests | StopRequests | Shutdown)--> core PULL
-    frontend PULL <--(CoreReady | CoreOutputs | CoreFailure)------------------ core PUSH
-
-Every message is msgpack via msgspec structs with explicit fields (never pickle). The loop
+The API process binds two ipc:// sockets; this process connects to them and speaks the
+messages of engine/wire.py (msgpack via msgspec structs, never pickle). The loop
 drains its input without blocking between steps while requests run, blocks on input when
 idle, reports engine stats after every step, and exits when the frontend says so, when it
 gets SIGTERM, or when its parent process is gone.
@@ -24,8 +20,19 @@ from typing import Any
 import msgspec
 
 from fleetserve.core.request import Request
-from fleetserve.core.sampling_params import SamplingParams
-from fleetserve.core.scheduler_output import EngineCoreOutput
+from fleetserve.engine.wire import (
+    AbortRequests,
+    AddRequest,
+    CoreFailure,
+    CoreInput,
+    CoreOutputs,
+    CoreReady,
+    EngineSpec,
+    Shutdown,
+    StopRequests,
+    output_to_wire,
+    params_from_wire,
+)
 
 # How long an idle core waits on input before checking that its parent is still alive.
 _IDLE_POLL_MS = 500
@@ -52,142 +59,6 @@ def debug_step_delay_s(value: str | None, rank: int) -> float:
             f"{DEBUG_STEP_DELAY_ENV}={value!r}: expected SECONDS or RANK:SECONDS[,RANK:SECONDS]"
         ) from None
     return 0.0
-
-
-# ------------------------------------------------------------------ wire format
-class WireSamplingParams(msgspec.Struct, array_like=True):
-    n: int
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    repetition_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
-    seed: int | None
-    max_tokens: int | None
-    min_tokens: int
-    stop: list[str]
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    logprobs: int | None
-    prompt_logprobs: int | None
-    skip_special_tokens: bool
-    include_stop_str_in_output: bool
-
-
-def params_to_wire(p: SamplingParams) -> WireSamplingParams:
-    return WireSamplingParams(
-        n=p.n,
-        temperature=float(p.temperature),
-        top_p=float(p.top_p),
-        top_k=p.top_k,
-        min_p=float(p.min_p),
-        repetition_penalty=float(p.repetition_penalty),
-        presence_penalty=float(p.presence_penalty),
-        frequency_penalty=float(p.frequency_penalty),
-        seed=p.seed,
-        max_tokens=p.max_tokens,
-        min_tokens=p.min_tokens,
-        stop=list(p.stop_strings),
-        stop_token_ids=list(p.stop_token_ids or []),
-        ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs,
-        prompt_logprobs=p.prompt_logprobs,
-        skip_special_tokens=p.skip_special_tokens,
-        include_stop_str_in_output=p.include_stop_str_in_output,
-    )
-
-
-def params_from_wire(w: WireSamplingParams) -> SamplingParams:
-    return SamplingParams(**{f: getattr(w, f) for f in w.__struct_fields__})
-
-
-class AddRequest(msgspec.Struct, tag="add", array_like=True):
-    req_id: str
-    prompt_token_ids: list[int]
-    params: WireSamplingParams
-    eos_token_ids: list[int]
-    priority: int = 0
-    group_id: str | None = None
-
-
-class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
-    req_ids: list[str]
-
-
-class StopRequests(msgspec.Struct, tag="stop", array_like=True):
-    req_ids: list[str]
-
-
-class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
-    pass
-
-
-CoreInput = AddRequest | AbortRequests | StopRequests | Shutdown
-
-
-class WireOutput(msgspec.Struct, array_like=True):
-    req_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, float]] | None
-    new_prompt_logprobs: list[dict[int, float] | None] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_cached_tokens: int
-
-    def to_core_output(self) -> EngineCoreOutput:
-        return EngineCoreOutput(
-            req_id=self.req_id,
-            new_token_ids=self.new_token_ids,
-            new_logprobs=self.new_logprobs,
-            new_prompt_logprobs=self.new_prompt_logprobs,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            num_cached_tokens=self.num_cached_tokens,
-        )
-
-
-def output_to_wire(o: EngineCoreOutput) -> WireOutput:
-    return WireOutput(
-        o.req_id,
-        o.new_token_ids,
-        o.new_logprobs,
-        o.new_prompt_logprobs,
-        o.finish_reason,
-        o.stop_reason,
-        o.num_cached_tokens,
-    )
-
-
-class CoreReady(msgspec.Struct, tag="ready", array_like=True):
-    num_kv_blocks: int
-    block_size: int
-    max_model_len: int
-
-
-class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
-    outputs: list[WireOutput]
-    stats: dict[str, float]
-    # Requests the core refused (req_id, reason); their ids are unknown to the core.
-    rejected: list[tuple[str, str]] = []
-
-
-class CoreFailure(msgspec.Struct, tag="failure", array_like=True):
-    message: str
-
-
-CoreMessage = CoreReady | CoreOutputs | CoreFailure
-
-
-class EngineSpec(msgspec.Struct):
-    """What the frontend tells a new core process (JSON on its command line)."""
-
-    engine_args: dict[str, Any]
-    input_address: str
-    output_address: str
-    parent_pid: int
-    data_parallel_rank: int = 0
 
 
 # ------------------------------------------------------------------ the loop

@@ -1,7 +1,8 @@
 """`fleetserve batch run INPUT.jsonl -o OUTPUT.jsonl`: OpenAI batch lines, offline, resumable.
 
-The lines run in-process on one engine as one continuous stream (the same runner, store
-and handlers as the server's Batch API). Progress is checkpointed line by line in
+The lines run in this process's fleet (one model from the engine flags, or every model of
+a `--config` fleet file) as one continuous stream: the same runner, store, executor and
+handlers as the server's Batch API. Progress is checkpointed line by line in
 OUTPUT.ckpt/ (a SQLite store beside OUTPUT): after an interruption (Ctrl-C, kill -9, a
 preempted spot worker) the same command skips every line already done. OUTPUT is written
 once all lines are done: every line of INPUT exactly once, in input order, results and
@@ -29,7 +30,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--config",
         default=None,
-        help="fleet YAML file (not supported yet by batch run: use --model)",
+        help="fleet YAML file: its models serve the lines by name (instead of --model)",
     )
     r.add_argument("--served-model-name", default=None, help="the model name lines may send")
     r.add_argument(
@@ -47,9 +48,12 @@ def run(args: argparse.Namespace) -> int:
         print("usage: fleetserve batch run INPUT.jsonl -o OUTPUT.jsonl", file=sys.stderr)
         return 2
     if args.config is not None:
-        raise ValueError(
-            "--config: fleet config files are not supported by `batch run` yet; use --model"
-        )
+        defaults = argparse.ArgumentParser()
+        add_engine_args(defaults)
+        given = [k for k, v in vars(defaults.parse_args([])).items() if getattr(args, k) != v]
+        if given or args.served_model_name is not None:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given) or "--served-model-name"
+            raise ValueError(f"--config describes every model; leave out {flags}")
     concurrency = args.concurrency or 2 * args.max_num_seqs
     if concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
@@ -103,30 +107,53 @@ def _checkpointed_batch(store: Any, input_path: str, data: bytes) -> str:
     return str(store.create_batch(source.id, endpoint, "24h", meta).id)
 
 
+def _registry(args: argparse.Namespace, n: int) -> Any:
+    """The fleet file's models, or the engine flags' one model."""
+    from fleetserve.entrypoints.openai.api_server import default_served_name
+    from fleetserve.metrics import ServerMetrics
+    from fleetserve.serve.fleet_config import load_fleet_config, single_model_fleet
+    from fleetserve.serve.registry import build_registry
+
+    if args.config is not None:
+        fleet = load_fleet_config(args.config)
+    else:
+        engine_args = engine_args_from(args)
+        name = args.served_model_name
+        if name is None:
+            path = engine_args.model
+            if path is None:
+                from fleetserve.models.default_model import default_model_path
+
+                try:
+                    path = default_model_path()
+                except OSError as e:
+                    raise ValueError(str(e)) from e
+            name = default_served_name(path)
+        fleet = single_model_fleet(name, engine_args, 1, "least_loaded", n)
+    try:
+        return build_registry(fleet, ServerMetrics())
+    except OSError as e:  # a missing checkpoint
+        raise ValueError(str(e)) from e
+
+
 async def _run_on_engine(args: argparse.Namespace, store: Any, batch_id: str, n: int) -> None:
     from fleetserve.batch.runner import run_batch
-    from fleetserve.engine.async_engine import AsyncEngine
-    from fleetserve.entrypoints.openai.api_server import default_served_name
-    from fleetserve.entrypoints.openai.batch_executor import EngineLineExecutor
+    from fleetserve.entrypoints.openai.batch_executor import FleetLineExecutor
     from fleetserve.entrypoints.openai.serving_common import ServingContext
 
-    try:
-        engine = AsyncEngine(engine_args_from(args), max_waiting_requests=n)
-    except OSError as e:  # a missing checkpoint or default model
-        raise ValueError(str(e)) from e
-    name = args.served_model_name or default_served_name(engine.config.model_path)
-    ctx = ServingContext(engine, name, max_body_bytes=0)
+    registry = _registry(args, n)
+    server = ServingContext(registry, max_body_bytes=0)
     bar = None
     try:
-        await engine.start()
+        await registry.start()
         bar = _progress(store, batch_id, args.progress)
         t0 = time.perf_counter()
-        await run_batch(store, batch_id, EngineLineExecutor(ctx), n, on_result=bar)
+        await run_batch(store, batch_id, FleetLineExecutor(server), n, on_result=bar)
         run_s = time.perf_counter() - t0
     finally:
         if bar is not None:
             bar.close()
-        await engine.shutdown()
+        await registry.shutdown()
     # Timed from the model being loaded, so that throughput figures leave start-up out.
     rate = bar.num_run / max(run_s, 1e-9)
     print(

@@ -1,4 +1,4 @@
-"""`fleetserve` command line: serve | generate | batch | bench | make-model.
+"""`fleetserve` command line: serve | generate | chat | bench | make-model | deploy.
 
 Each subcommand lives in its own module exposing ``add_cli_args(parser)`` and
 ``run(args) -> int``; they are imported only when chosen, so `fleetserve --help` is fast.
@@ -20,7 +20,13 @@ _COMMANDS = {
 _BENCH = {
     "offline": ("fleetserve.bench.offline", "offline throughput benchmark"),
     "serve": ("fleetserve.bench.serve", "serving benchmark against an OpenAI-compatible URL"),
+    "sla": ("fleetserve.bench.sla", "interactive TTFT during a batch flood, with/without classes"),
+    "embed": ("fleetserve.bench.embed", "embedding throughput, batched vs one at a time"),
     "batch": ("fleetserve.bench.batch", "`batch run` against the offline LLM.generate ceiling"),
+}
+_DEPLOY = {
+    "k8s": ("fleetserve.deploy.k8s", "render Kubernetes + KEDA manifests from a fleet file"),
+    "grafana": ("fleetserve.deploy.grafana", "write the fleet's Grafana dashboard JSON"),
 }
 
 
@@ -40,15 +46,27 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
             _add(sub, name, module, help_)
         else:
             sub.add_parser(name, help=help_)
-    bench = sub.add_parser("bench", help="benchmarks (offline | serve | batch)")
-    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
-    chosen_bench = argv[1] if chosen == "bench" and len(argv) > 1 else None
-    for name, (module, help_) in _BENCH.items():
-        if chosen_bench == name:
-            _add(bench_sub, name, module, help_)
-        else:
-            bench_sub.add_parser(name, help=help_)
+    _add_group(sub, "bench", "benchmarks (offline | serve | sla | embed | batch)", _BENCH, argv)
+    _add_group(sub, "deploy", "deployment manifests (k8s | grafana)", _DEPLOY, argv)
     return parser
+
+
+def _add_group(
+    sub: argparse._SubParsersAction,
+    group: str,
+    help_: str,
+    commands: dict[str, tuple[str, str]],
+    argv: list[str],
+) -> None:
+    """`fleetserve GROUP NAME ...`: only the chosen NAME's module is imported."""
+    parser = sub.add_parser(group, help=help_)
+    group_sub = parser.add_subparsers(dest=f"{group}_command", metavar=group.upper())
+    chosen = argv[1] if argv and argv[0] == group and len(argv) > 1 else None
+    for name, (module, cmd_help) in commands.items():
+        if chosen == name:
+            _add(group_sub, name, module, cmd_help)
+        else:
+            group_sub.add_parser(name, help=cmd_help)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,15 @@
-"""Routing interface: what a policy sees of a request and of a replica, and its contract."""
+"""The serve layer's contracts: what a policy sees of a request and of a replica, the
+routing policy, and the replica itself (one engine client, whatever runs it)."""
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
+
+from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.outputs import RequestOutput
 
 
 @dataclass(frozen=True)
@@ -27,7 +31,7 @@ class RouteRequest:
 class ReplicaLoad(Protocol):
     """The load figures of one replica, as the frontend last saw them.
 
-    `ReplicaHandle` is the real one; tests pass plain objects with these attributes.
+    Every `Replica` is one; router tests pass plain objects with these attributes.
     """
 
     @property
@@ -48,6 +52,66 @@ class ReplicaLoad(Protocol):
     @property
     def step_latency_s(self) -> float | None:
         """EWMA of its engine step time; None before its first step."""
+        ...
+
+
+class ReplicaStreamLike(Protocol):
+    """One request's outputs from a replica, in order, each the newest cumulative state
+    (a slow reader skips to the newest); `close()` aborts it if it has not finished."""
+
+    request_id: str
+    n: int
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    async def __anext__(self) -> RequestOutput: ...
+
+    def close(self) -> None: ...
+
+
+class Replica(ReplicaLoad, Protocol):
+    """One engine replica of a model, whatever runs it: a local engine-core process
+    (`LocalReplica`), and later a Ray actor, another fleetserve server over HTTP, a batch
+    worker. Routing, class queues and drain are written once against this contract.
+
+    All methods are called on the API process's event loop thread. `submit` never blocks:
+    it validates against the replica's own limits (KV capacity), raising ValueError for
+    bad input or EngineDeadError / EngineNotReadyError when it cannot serve, and returns
+    the request's stream. `healthy` is false while loading, once dead, and from the start
+    of `drain`: the router sends it nothing then.
+    """
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why it can serve no more (its process died, it was stopped); None while alive."""
+        ...
+
+    async def start(self, timeout_s: float = 600.0) -> None:
+        """Loads the model; raises if it fails or takes longer than `timeout_s`."""
+        ...
+
+    def submit(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        priority: int,
+        num_prompt_tokens: int,
+        level: int = 0,
+    ) -> ReplicaStreamLike: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def has_room(self, level: int, num_seqs: int) -> bool:
+        """Whether a request of `num_seqs` sequences at class level `level` may be sent now."""
+        ...
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stops taking requests and waits for those it holds; True if they all finished."""
+        ...
+
+    async def stop(self) -> None:
+        """Ends what it still holds (EngineDeadError) and releases its process."""
         ...
 
 

@@ -1,17 +1,23 @@
-"""ReplicaHandle: one engine replica (an AsyncEngine and its core process) as the frontend
-sees it, with the load figures the router reads.
+"""LocalReplica: the `Replica` (serve/base.py) whose engine is a local EngineCore process,
+reached through an AsyncEngine (ipc sockets, msgpack), with the load figures the router
+and the model service read.
 
-The handle owns those figures and changes them only through its own methods, all called
+The replica owns those figures and changes them only through its own methods, all called
 on the event loop thread: `submit` adds a request's work, its `ReplicaStream` retires the
 work as outputs arrive (the first output means the prompt is prefilled; each generated
 token is one fewer to go) and settles the rest when the request ends, and every stats
-message of the core (one per engine step) updates the step-latency EWMA.
+message of the core (one per engine step) updates the step-latency EWMA. It also counts
+the sequences it holds per class level, which is how the model service knows whether a
+request of some class may be sent to it now (`has_room`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import AsyncEngine, RequestStream
@@ -19,13 +25,27 @@ from fleetserve.engine.llm_engine import PromptType
 from fleetserve.outputs import RequestOutput
 
 
-class ReplicaHandle:
+class StreamObserver(Protocol):
+    """Told of a request's outputs (its service measures latencies by class with it)."""
+
+    def on_output(self, out: RequestOutput) -> None: ...
+
+    def on_end(self) -> None: ...
+
+
+class LocalReplica:
     """`ewma_alpha` is the weight of each new step time. Step time grows with the work in
     the step (a long prefill chunk), so the EWMA is slow to move and is reported only after
-    `warmup_steps` steps: a few heavy steps alone should not make a replica a straggler."""
+    `warmup_steps` steps: a few heavy steps alone should not make a replica a straggler.
+    `max_num_seqs` is the engine's batch size: the seats `has_room` hands out per level."""
 
     def __init__(
-        self, index: int, engine: AsyncEngine, ewma_alpha: float = 0.1, warmup_steps: int = 8
+        self,
+        index: int,
+        engine: AsyncEngine,
+        ewma_alpha: float = 0.1,
+        warmup_steps: int = 8,
+        max_num_seqs: int = 64,
     ) -> None:
         if not 0.0 < ewma_alpha <= 1.0:
             raise ValueError(f"ewma_alpha must be in (0, 1], got {ewma_alpha}")
@@ -33,19 +53,65 @@ class ReplicaHandle:
         self.engine = engine
         self.ewma_alpha = ewma_alpha
         self.warmup_steps = warmup_steps
+        self.max_num_seqs = max_num_seqs
         self.num_outstanding_requests = 0
         self.num_outstanding_tokens = 0
         self.num_routed = 0
+        self.draining = False
+        self._seqs_by_level: Counter[int] = Counter()
+        # Called whenever a request of this replica ends (its seats are free again).
+        self.on_finish: Callable[[LocalReplica], None] | None = None
         self._step_latency_ewma: float | None = None
         self.num_steps = 0
         self.stats: dict[str, float] = {}
         # Called after each stats update (the data-parallel engine republishes gauges).
-        self.on_stats: Callable[[ReplicaHandle], None] | None = None
+        self.on_stats: Callable[[LocalReplica], None] | None = None
         engine.on_stats = self._update_stats
 
+    # ------------------------------------------------------------- lifecycle
+    async def start(self, timeout_s: float = 600.0) -> None:
+        await self.engine.start(timeout_s)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Takes no new requests from now on; waits up to `timeout_s` for the ones it holds
+        to finish. True if they all did (the caller then stops it)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.num_outstanding_requests > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.num_outstanding_requests == 0
+
+    async def stop(self) -> None:
+        """Ends its open requests (EngineDeadError) and shuts its engine process down."""
+        self.draining = True
+        self.engine.abort_all("the replica was stopped")
+        await self.engine.shutdown()
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self.engine.dead_reason
+
+    @property
+    def crashed(self) -> bool:
+        return self.engine.crashed
+
+    # ------------------------------------------------------------- load
     @property
     def healthy(self) -> bool:
-        return self.engine.is_ready
+        """Its engine is up and it takes new requests (not draining)."""
+        return self.engine.is_ready and not self.draining
+
+    def has_room(self, level: int, num_seqs: int) -> bool:
+        """Whether a request of `num_seqs` sequences at class level `level` (lower is more
+        important) may be sent now: the sequences it holds at this level or more important
+        ones leave room in one batch. Less important work never blocks more important work:
+        the engine's priority scheduler preempts it. An idle level always has room, so a
+        request wider than the batch still runs."""
+        used = sum(n for lv, n in self._seqs_by_level.items() if lv <= level)
+        return used == 0 or used + num_seqs <= self.max_num_seqs
+
+    def num_seqs_at(self, level: int) -> int:
+        return self._seqs_by_level[level]
 
     @property
     def step_latency_s(self) -> float | None:
@@ -81,22 +147,35 @@ class ReplicaHandle:
         params: SamplingParams,
         priority: int,
         num_prompt_tokens: int,
+        level: int = 0,
+        observer: StreamObserver | None = None,
     ) -> ReplicaStream:
-        """Hands the request to this replica's engine (raising what `add_request` raises)."""
+        """Hands the request to this replica's engine (raising what `add_request` raises).
+        `priority` is the engine's (class and request folded, serve/sla.py); `level` the
+        class's, for `has_room`."""
         inner = self.engine.add_request(request_id, prompt, params, priority)
         # add_request has filled in max_tokens when the client left it out.
         num_new_tokens = (params.max_tokens or 0) * params.n
         self.num_outstanding_requests += 1
         self.num_outstanding_tokens += num_prompt_tokens + num_new_tokens
         self.num_routed += 1
-        return ReplicaStream(self, inner, num_prompt_tokens, num_new_tokens)
+        self._seqs_by_level[level] += params.n
+        return ReplicaStream(self, inner, num_prompt_tokens, num_new_tokens, level, observer)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
 
     def _retire(self, num_tokens: int) -> None:
         self.num_outstanding_tokens -= num_tokens
 
-    def _finish(self, num_tokens_left: int) -> None:
+    def _finish(self, num_tokens_left: int, level: int, num_seqs: int) -> None:
         self.num_outstanding_tokens -= num_tokens_left
         self.num_outstanding_requests -= 1
+        self._seqs_by_level[level] -= num_seqs
+        if self._seqs_by_level[level] == 0:
+            del self._seqs_by_level[level]
+        if self.on_finish is not None:
+            self.on_finish(self)
 
 
 class ReplicaStream:
@@ -104,9 +183,17 @@ class ReplicaStream:
     replica as outputs arrive; same iteration and `close()` as RequestStream."""
 
     def __init__(
-        self, replica: ReplicaHandle, inner: RequestStream, num_prompt_tokens: int, num_new: int
+        self,
+        replica: LocalReplica,
+        inner: RequestStream,
+        num_prompt_tokens: int,
+        num_new: int,
+        level: int = 0,
+        observer: StreamObserver | None = None,
     ) -> None:
         self.replica = replica
+        self.level = level
+        self.observer = observer
         self.inner = inner
         self.request_id = inner.request_id
         self.n = inner.n
@@ -130,6 +217,8 @@ class ReplicaStream:
     def _observe(self, out: RequestOutput) -> None:
         if self._settled:
             return
+        if self.observer is not None:
+            self.observer.on_output(out)
         # Outputs are cumulative (a slow reader may skip some), so count from the total.
         num_generated = sum(len(c.token_ids) for c in out.outputs)
         new = min(max(num_generated - self._num_generated, 0), self._num_ungenerated)
@@ -143,7 +232,9 @@ class ReplicaStream:
     def _settle(self) -> None:
         if not self._settled:
             self._settled = True
-            self.replica._finish(self._num_unprefilled + self._num_ungenerated)
+            if self.observer is not None:
+                self.observer.on_end()
+            self.replica._finish(self._num_unprefilled + self._num_ungenerated, self.level, self.n)
 
     def close(self) -> None:
         self.inner.close()

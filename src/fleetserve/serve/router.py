@@ -36,13 +36,13 @@ class Router(Generic[R]):
         probe_interval_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not replicas:
-            raise ValueError("a router needs at least one replica")
         if straggler_factor <= 1.0:
             raise ValueError(f"straggler_factor must be > 1, got {straggler_factor}")
         if overload_requests < 1:
             raise ValueError(f"overload_requests must be >= 1, got {overload_requests}")
-        self.replicas = sorted(replicas, key=lambda r: r.index)
+        # Not copied: a ReplicaSet adds and removes members of this very list (in index
+        # order) while the router serves.
+        self.replicas = replicas
         self.policy = policy
         self.overload_requests = overload_requests
         self.straggler_factor = straggler_factor

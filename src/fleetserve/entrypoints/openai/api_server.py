@@ -1,14 +1,16 @@
-"""`fleetserve serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+"""`fleetserve serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) of a fleet.
 
-Lifecycle:
-1. The model's config and tokenizer load here; a bad --model fails before binding a port.
-2. uvicorn binds; /health answers at once, /ready is false while the EngineCore process
-   loads the weights. Once it is ready, a curl line is printed.
-3. SIGTERM/SIGINT drains: /ready turns false, new requests get 503, in-flight ones
-   finish up to --drain-timeout (then they are aborted), the engine process is shut down
-   and the server exits 0. A second signal skips the wait.
-4. If the engine process dies, /health returns 503 and every request gets a 503; the
-   server keeps answering so an orchestrator can see it and replace it.
+`--config fleet.yaml` names the models (serve/fleet_config.py); without it the flags
+describe a fleet of one generate model. Lifecycle:
+1. The fleet file is validated and every model's config and tokenizer load here; a bad
+   file or --model fails before binding a port.
+2. uvicorn binds; /live answers at once, /health and /ready are 503 while the engine
+   processes load the weights. Once every model is ready, a curl line is printed.
+3. SIGTERM/SIGINT drains: /health and /ready turn 503, new requests get 503, in-flight
+   ones finish up to --drain-timeout (then they are aborted), the engine processes are
+   shut down and the server exits 0. A second signal skips the wait.
+4. If a model's last engine process dies, /health returns 503 and its requests get a
+   503; the server keeps answering so an orchestrator can see it and replace it.
 """
 
 from __future__ import annotations
@@ -33,19 +35,29 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from fleetserve.engine.arg_utils import EngineArgs
-from fleetserve.engine.async_engine import AsyncEngine
 from fleetserve.entrypoints.engine_args_cli import add_engine_args, engine_args_from
 from fleetserve.entrypoints.openai.body import ClientGone
 from fleetserve.entrypoints.openai.errors import APIError, error_body, error_response
 from fleetserve.entrypoints.openai.http_protocol import FrontDoorH11Protocol
 from fleetserve.entrypoints.openai.openapi import install_request_schemas
 from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from fleetserve.entrypoints.openai.protocol_embed import EmbeddingRequest, PredictRequest
 from fleetserve.entrypoints.openai.serving_chat import create_chat_completion
-from fleetserve.entrypoints.openai.serving_common import ServingContext
+from fleetserve.entrypoints.openai.serving_common import (
+    ServingContext,
+    parse,
+    read_body,
+    unless_disconnected,
+)
 from fleetserve.entrypoints.openai.serving_completion import create_completion
+from fleetserve.entrypoints.openai.serving_embedding import create_embedding
+from fleetserve.entrypoints.openai.serving_predict import predict as run_predict
 from fleetserve.metrics import CONTENT_TYPE, ServerMetrics
+from fleetserve.serve.batch_service import CustomService, EmbedService
+from fleetserve.serve.fleet_config import FleetConfig, load_fleet_config, single_model_fleet
+from fleetserve.serve.fleet_metrics import FleetCollector
 from fleetserve.serve.policies import POLICY_NAMES
+from fleetserve.serve.registry import build_registry
 
 _OPEN_PATHS = ("/health", "/ready", "/live")
 _CLIENT_CLOSED = 499  # nginx's code for "client closed request"; nobody reads it
@@ -53,6 +65,12 @@ _CLIENT_CLOSED = 499  # nginx's code for "client closed request"; nobody reads i
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
+    g.add_argument(
+        "--config",
+        default=None,
+        metavar="FLEET_YAML",
+        help="serve the models of this fleet file (instead of --model and the engine flags)",
+    )
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", default=None, help="model name clients send")
@@ -124,7 +142,7 @@ class ServerState:
 def build_app(
     state: ServerState, drain_timeout: float, allowed_origins: Sequence[str] = ()
 ) -> FastAPI:
-    engine = state.ctx.engine
+    registry = state.ctx.registry
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -136,7 +154,7 @@ def build_app(
             yield
         finally:
             loader.cancel()
-            await engine.shutdown()
+            await registry.shutdown()
 
     app = FastAPI(title="fleetserve", lifespan=lifespan, docs_url=None, redoc_url=None)
 
@@ -156,10 +174,23 @@ def build_app(
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
         return JSONResponse(error_body(400, str(exc)), 400)
 
+    def unavailable() -> str | None:
+        """Why the server cannot serve now (None: it can)."""
+        if state.draining:
+            return "the server is shutting down"
+        if registry.dead_reason is not None:
+            return registry.dead_reason
+        if not registry.is_ready:
+            return "loading: " + ", ".join(s.name for s in registry if not s.is_ready)
+        return None
+
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        if engine.dead_reason is not None and not state.draining:
-            return JSONResponse(error_body(503, engine.dead_reason), 503)
+        """200 only when every model can take requests (vLLM's meaning: load balancers
+        poll it before sending traffic); /live is liveness."""
+        reason = unavailable()
+        if reason is not None:
+            return JSONResponse(error_body(503, reason), 503)
         return JSONResponse({"status": "ok"})
 
     @app.api_route("/live", methods=["GET", "HEAD"])
@@ -169,7 +200,7 @@ def build_app(
 
     @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready() -> Response:
-        ok = engine.is_ready and not state.draining
+        ok = unavailable() is None
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -178,17 +209,9 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        if engine.dead_reason is not None:  # a model that cannot answer is not listed
-            return JSONResponse({"object": "list", "data": []})
-        card = {
-            "id": state.ctx.served_model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "fleetserve",
-            "root": engine.config.model_path,
-            "max_model_len": engine.max_model_len,
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        # A model that cannot answer any more is not listed.
+        cards = [c for c in registry.cards() if registry.services[c["id"]].dead_reason is None]
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -198,8 +221,28 @@ def build_app(
     async def chat(request: Request) -> Response:
         return await create_chat_completion(state.ctx, request)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        body = parse(EmbeddingRequest, await read_body(state.ctx, request))
+        service = state.ctx.model(body.model, "embed")
+        assert isinstance(service, EmbedService)
+        return JSONResponse(await unless_disconnected(request, create_embedding(service, body)))
+
+    @app.post("/v1/models/{name}:predict")
+    async def predict(name: str, request: Request) -> Response:
+        body = parse(PredictRequest, await read_body(state.ctx, request))
+        service = state.ctx.model(name, "custom")
+        assert isinstance(service, CustomService)
+        return JSONResponse(await unless_disconnected(request, run_predict(service, body)))
+
     install_request_schemas(
-        app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+        app,
+        {
+            "/v1/completions": CompletionRequest,
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/v1/embeddings": EmbeddingRequest,
+            "/v1/models/{name}:predict": PredictRequest,
+        },
     )
     guarded: Any = GuardMiddleware(app, state)
     if allowed_origins:
@@ -252,9 +295,8 @@ class GuardMiddleware:
 
 
 async def _load_engine(state: ServerState) -> None:
-    engine = state.ctx.engine
     try:
-        await engine.start()
+        await state.ctx.registry.start()
     except Exception as e:
         print(f"fleetserve: error: {e}", file=sys.stderr, flush=True)
         state.exit_code = 1
@@ -276,14 +318,16 @@ def _print_ready(state: ServerState) -> None:
             port = server.servers[0].sockets[0].getsockname()[1]
     if host in ("0.0.0.0", "::"):
         host = "127.0.0.1"
+    first = next(iter(state.ctx.registry)).name
     body = {
-        "model": state.ctx.served_model_name,
+        "model": first,
         "messages": [{"role": "user", "content": "Say hello in five words."}],
         "max_tokens": 32,
     }
     auth = ' -H "Authorization: Bearer $FLEETSERVE_API_KEY"' if state.api_key else ""
     print(
-        f"fleetserve: ready on http://{host}:{port} ({state.ctx.served_model_name}). Try:\n"
+        f"fleetserve: ready on http://{host}:{port} "
+        f"({', '.join(s.name for s in state.ctx.registry)}). Try:\n"
         f"  curl http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json'"
         f"{auth} -d {shlex.quote(json.dumps(body))}",
         flush=True,
@@ -307,7 +351,7 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
             if self.state.draining:
                 self.force_exit = sig == signal.SIGINT
-                self.state.ctx.engine.abort_all("the server is shutting down")
+                self.state.ctx.registry.abort_all("the server is shutting down")
             return
         self.state.draining = True
         self.state.ctx.draining = True
@@ -318,11 +362,11 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.drain_timeout
-        engine = self.state.ctx.engine
+        registry = self.state.ctx.registry
         while self.state.num_in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.state.num_in_flight > 0:
-            engine.abort_all("the server is shutting down (drain timeout)")
+            registry.abort_all("the server is shutting down (drain timeout)")
             for _ in range(40):
                 if self.state.num_in_flight == 0:
                     break
@@ -330,16 +374,46 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def _make_engine(engine_args: EngineArgs, args: argparse.Namespace) -> Any:
-    """A plain AsyncEngine, or K of them behind a router (same surface to the handlers)."""
+# Flags that describe the one model of a flagless fleet; with --config the file does.
+_MODEL_FLAGS = (
+    "served_model_name", "max_waiting_requests", "data_parallel_size", "routing", "model",
+    "dtype", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
+    "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching", "scheduling_policy",
+    "seed", "device", "num_threads", "attention_backend", "tensor_parallel_size",
+    "pipeline_parallel_size",
+)  # fmt: skip
+
+
+def fleet_from_args(args: argparse.Namespace) -> FleetConfig:
+    """The fleet file, or the flags' fleet of one model. With --config a model flag is an
+    error (it would be ignored)."""
+    if args.config is not None:
+        parser = argparse.ArgumentParser()
+        add_cli_args(parser)
+        defaults = vars(parser.parse_args([]))
+        given = [f for f in _MODEL_FLAGS if getattr(args, f) != defaults[f]]
+        if given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given)
+            raise ValueError(f"--config describes every model; leave out {flags}")
+        return load_fleet_config(args.config)
+    if args.max_waiting_requests < 1:
+        raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
-    if args.data_parallel_size == 1:
-        return AsyncEngine(engine_args, args.max_waiting_requests)
-    from fleetserve.serve.dp_engine import DataParallelEngine
+    engine_args = engine_args_from(args)
+    name = args.served_model_name
+    if name is None:
+        path = engine_args.model
+        if path is None:
+            from fleetserve.models.default_model import default_model_path
 
-    return DataParallelEngine(
-        engine_args, args.data_parallel_size, args.routing, args.max_waiting_requests
+            try:
+                path = default_model_path()
+            except OSError as e:
+                raise ValueError(str(e)) from e
+        name = default_served_name(path)
+    return single_model_fleet(
+        name, engine_args, args.data_parallel_size, args.routing, args.max_waiting_requests
     )
 
 
@@ -362,22 +436,16 @@ def api_key_from(flag: str | None, env: Mapping[str, str]) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_waiting_requests < 1:
-        raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if not args.request_read_timeout > 0:
         raise ValueError(f"--request-read-timeout must be > 0, got {args.request_read_timeout}")
     api_key = api_key_from(args.api_key, os.environ)
-    engine_args = engine_args_from(args)
-    try:
-        engine = _make_engine(engine_args, args)
-    except OSError as e:  # a missing checkpoint or default model: a user error, no traceback
-        raise ValueError(str(e)) from e
-    name = args.served_model_name or default_served_name(engine.config.model_path)
-    metrics = ServerMetrics(name)
-    engine.metrics = metrics
-    ctx = ServingContext(engine, name, args.max_request_bytes, args.request_read_timeout)
+    fleet = fleet_from_args(args)
+    metrics = ServerMetrics()
+    registry = build_registry(fleet, metrics)
+    metrics.registry.register(FleetCollector(list(registry)))
+    ctx = ServingContext(registry, args.max_request_bytes, args.request_read_timeout)
     state = ServerState(ctx, metrics, api_key)
     app = build_app(state, args.drain_timeout, args.allowed_origins)
     config = uvicorn.Config(
@@ -393,6 +461,6 @@ def run(args: argparse.Namespace) -> int:
     server = DrainingServer(config, state)
     state.server = server
     server.run()
-    if engine.crashed and state.exit_code == 0:
+    if registry.crashed and state.exit_code == 0:
         state.exit_code = 1  # the engine process crashed or was killed
     return state.exit_code

@@ -10,11 +10,16 @@ only the server has are checked here.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import operator
+import types
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
-from fleetserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from fleetserve.core.sampling_params import MAX_LOGPROBS, SAMPLING_FIELDS, SamplingParams
 
 MAX_N = 32  # completions per request; each one is a sequence in the batch
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap for the legacy completions API
@@ -40,55 +45,64 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
-    """Fields shared by completions and chat completions."""
+def _api_type(tp: Any) -> Any:
+    """A SamplingParams field's type as the API reads it: every int an `Int`."""
+    if tp is int:
+        return Int
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return functools.reduce(operator.or_, (_api_type(a) for a in args))
+    if typing.get_origin(tp) is list:
+        return list[_api_type(args[0])]  # type: ignore[misc]
+    return tp
+
+
+# The body's sampling fields are SamplingParams' own (core/sampling_params.SAMPLING_FIELDS):
+# same names, types and defaults, so a new sampling field reaches the API, the wire and the
+# engine from its one definition. Only the server's own caps are added here. `max_tokens`,
+# `logprobs` and `prompt_logprobs` differ per endpoint and are declared by each request.
+_PER_ENDPOINT = ("max_tokens", "logprobs", "prompt_logprobs")
+BODY_SAMPLING_FIELDS = tuple(f for f in SAMPLING_FIELDS if f not in _PER_ENDPOINT)
+_CAPS: dict[str, dict[str, Any]] = {
+    "n": {"ge": 1, "le": MAX_N},
+    "seed": {"ge": -(2**63), "le": INT64},
+    "top_k": {"ge": -1, "le": INT64},
+    "min_tokens": {"ge": 0, "le": INT64},
+}
+_HINTS = typing.get_type_hints(SamplingParams)
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+_SamplingBase = create_model(  # type: ignore[call-overload]
+    "_SamplingBase",
+    __base__=_Strict,
+    **{
+        name: (_api_type(_HINTS[name]), Field(default=_DEFAULTS[name], **_CAPS.get(name, {})))
+        for name in BODY_SAMPLING_FIELDS
+    },
+)
+
+
+class _SamplingFields(_SamplingBase):  # type: ignore[misc,valid-type]
+    """Fields shared by completions and chat completions: the sampling ones (derived above)
+    and the request's own."""
 
     model: str | None = None
     max_tokens: Int | None = Field(default=None, ge=1, le=INT64)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: Int = Field(default=1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
-    seed: Int | None = Field(default=None, ge=-(2**63), le=INT64)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # vLLM's extras, which clients already send.
-    top_k: Int = Field(default=-1, ge=-1, le=INT64)
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
-    min_tokens: Int = Field(default=0, ge=0, le=INT64)
-    stop_token_ids: list[Int] | None = None
     priority: Int = Field(default=0, ge=-(2**31), le=2**31 - 1)
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    # The SLA class (also the X-Fleetserve-Class header); "auto"/"default": the default.
+    service_tier: str | None = None
 
     def sampling_params(
         self, max_tokens: Int | None, logprobs: Int | None, prompt_logprobs: Int | None = None
     ) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
         return SamplingParams(
-            n=self.n,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            seed=self.seed,
+            **{name: getattr(self, name) for name in BODY_SAMPLING_FIELDS},
             max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
     @property

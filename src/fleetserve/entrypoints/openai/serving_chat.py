@@ -14,8 +14,10 @@ from fleetserve.entrypoints.openai.errors import APIError, from_value_error
 from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest
 from fleetserve.entrypoints.openai.serving_common import (
     SSE_DONE,
+    ModelContext,
     ServingContext,
     SSEResponse,
+    admit,
     collect,
     finite,
     merged,
@@ -23,9 +25,9 @@ from fleetserve.entrypoints.openai.serving_common import (
     now,
     parse,
     read_body,
+    service_class,
     sse,
     sse_error,
-    submit,
     token_text,
     top_entries,
     unless_disconnected,
@@ -34,7 +36,7 @@ from fleetserve.entrypoints.openai.serving_common import (
 from fleetserve.outputs import CompletionOutput, RequestOutput
 
 
-def _prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
+def _prompt_ids(ctx: ModelContext, req: ChatCompletionRequest) -> list[int]:
     messages = [m.as_template_dict() for m in req.messages]
     try:
         ids = ctx.engine.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
@@ -50,11 +52,10 @@ def _prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
 
 
 def chat_inputs(
-    ctx: ServingContext, req: ChatCompletionRequest
+    ctx: ModelContext, req: ChatCompletionRequest
 ) -> tuple[dict[str, list[int]], SamplingParams]:
     """The engine prompt and sampling params of a chat request (no HTTP: the batch
     runner calls this too). Raises APIError for what the client got wrong."""
-    ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -67,7 +68,7 @@ def chat_inputs(
 
 
 def chat_completion_body(
-    ctx: ServingContext, req: ChatCompletionRequest, request_id: str, final: RequestOutput
+    ctx: ModelContext, req: ChatCompletionRequest, request_id: str, final: RequestOutput
 ) -> dict[str, Any]:
     """The non-streaming response body for a finished request."""
     choices = [
@@ -91,11 +92,15 @@ def chat_completion_body(
     }
 
 
-async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
-    req = parse(ChatCompletionRequest, await read_body(ctx, request))
+async def create_chat_completion(server: ServingContext, request: Request) -> Response:
+    req = parse(ChatCompletionRequest, await read_body(server, request))
+    ctx = server.generate_model(req.model)
+    class_name = service_class(request, req.service_tier)
     prompt, base = chat_inputs(ctx, req)
     request_id = new_id("chatcmpl")
-    streams = submit(ctx, request_id, [prompt], lambda: copy.copy(base), req.priority)
+    streams = await admit(
+        request, ctx, request_id, [prompt], lambda: copy.copy(base), req.priority, class_name
+    )
     if req.stream:
         return SSEResponse(_stream(ctx, req, request_id, streams))
     (final,) = await unless_disconnected(request, collect(streams))
@@ -103,7 +108,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
 
 
 async def _stream(
-    ctx: ServingContext, req: ChatCompletionRequest, request_id: str, streams: list[Any]
+    ctx: ModelContext, req: ChatCompletionRequest, request_id: str, streams: list[Any]
 ) -> AsyncIterator[str]:
     created = now()
     extra = {"usage": None} if req.include_usage else {}
@@ -155,7 +160,7 @@ async def _stream(
 
 
 def _logprobs(
-    ctx: ServingContext, req: ChatCompletionRequest, c: CompletionOutput, start_tok: int
+    ctx: ModelContext, req: ChatCompletionRequest, c: CompletionOutput, start_tok: int
 ) -> dict[str, Any]:
     k = req.top_logprobs or 0
 

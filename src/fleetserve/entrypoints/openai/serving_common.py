@@ -18,11 +18,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from fleetserve.engine.async_engine import (
-    AsyncEngine,
     EngineDeadError,
     EngineNotReadyError,
     EngineOverloadedError,
-    RequestStream,
 )
 from fleetserve.entrypoints.openai.body import ClientGone, read_json
 from fleetserve.entrypoints.openai.errors import (
@@ -32,32 +30,64 @@ from fleetserve.entrypoints.openai.errors import (
     from_value_error,
 )
 from fleetserve.outputs import RequestOutput
+from fleetserve.serve.model_service import GenerateService, ShedError
+from fleetserve.serve.registry import ModelService, Registry, UnknownModelError, WrongKindError
+from fleetserve.serve.replica import ReplicaStream
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
 RETRY_AFTER_S = 1
+CLASS_HEADER = "X-Fleetserve-Class"
 # A dead engine comes back only when an orchestrator replaces the server: retry later.
 RETRY_AFTER_DEAD_S = 10
 
 
+@dataclass(frozen=True)
+class ModelContext:
+    """The model one request is for: its service (tokenizer, admission) and its name."""
+
+    engine: GenerateService
+    served_model_name: str
+
+
 @dataclass
 class ServingContext:
-    engine: AsyncEngine
-    served_model_name: str
+    registry: Registry
     max_body_bytes: int
     read_timeout_s: float = 15.0
     draining: bool = False
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.served_model_name:
-            raise APIError(
-                404,
-                f"the model {shorten(name)!r} does not exist; this server serves "
-                f"{self.served_model_name!r}",
-                "model",
-                "model_not_found",
-            )
+    def model(self, name: str | None, kind: str) -> ModelService:
+        """The model called `name` for an endpoint serving `kind`: 404 if unknown, 400 if
+        of another kind."""
+        try:
+            return self.registry.get(name, kind)
+        except UnknownModelError as e:
+            raise APIError(404, shorten(str(e), 400), "model", "model_not_found") from None
+        except WrongKindError as e:
+            raise APIError(400, shorten(str(e), 400), "model", "wrong_model_kind") from None
+
+    def generate_model(self, name: str | None) -> ModelContext:
+        service = self.model(name, "generate")
+        assert isinstance(service, GenerateService)
+        return ModelContext(service, service.name)
+
+
+def service_class(request: Request, service_tier: str | None) -> str | None:
+    """The class a request asks for: the X-Fleetserve-Class header or the body's
+    service_tier (OpenAI's "auto" and "default" mean the server's default class);
+    None for the default. Both given and different: 400."""
+    header = request.headers.get(CLASS_HEADER)
+    body = None if service_tier in ("auto", "default") else service_tier
+    if header is not None and body is not None and header != body:
+        raise APIError(
+            400,
+            f"service_tier {shorten(body)!r} and the {CLASS_HEADER} header "
+            f"{shorten(header)!r} name different classes",
+            "service_tier",
+        )
+    return header if header is not None else body
 
 
 def shorten(text: str, limit: int = 200) -> str:
@@ -85,7 +115,9 @@ def parse(model: type[M], body: dict[str, Any]) -> M:
 
 
 def engine_error(e: Exception) -> APIError:
-    """Maps what AsyncEngine.add_request and streams raise to API errors."""
+    """Maps what admission and streams raise to API errors."""
+    if isinstance(e, ShedError):
+        return APIError(503, str(e), code=e.code, headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(e, EngineOverloadedError):
         return APIError(503, str(e), code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(e, EngineNotReadyError):
@@ -102,33 +134,29 @@ def engine_error(e: Exception) -> APIError:
     raise e
 
 
-def submit(
-    ctx: ServingContext, request_id: str, prompts: list[Any], params_for: Any, priority: int
-) -> list[RequestStream]:
-    """Adds one engine request per prompt; all or none."""
-    bound = ctx.engine.max_waiting_requests
-    if len(prompts) > bound:
-        # It could never be admitted whole: a client error, not a retryable overload.
-        raise APIError(
-            400,
-            f"prompt: this server queues at most {bound} prompts at a time; "
-            f"got {len(prompts)} in one request",
-            "prompt",
-        )
-    streams: list[RequestStream] = []
+async def admit(
+    request: Request,
+    ctx: ModelContext,
+    request_id: str,
+    prompts: list[Any],
+    params_for: Any,
+    priority: int,
+    class_name: str | None,
+) -> list[ReplicaStream]:
+    """Queues the request (one engine request per prompt, all or none) in its class and
+    returns its streams once it is on a replica; a client that leaves meanwhile leaves
+    the queue (ClientGone)."""
     try:
-        for i, prompt in enumerate(prompts):
-            streams.append(
-                ctx.engine.add_request(f"{request_id}-{i}", prompt, params_for(), priority)
-            )
+        return await unless_disconnected(
+            request, ctx.engine.admit(request_id, prompts, params_for, class_name, priority)
+        )
+    except ClientGone:
+        raise
     except Exception as e:
-        for s in streams:
-            s.close()
         raise engine_error(e) from None
-    return streams
 
 
-async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged(streams: list[ReplicaStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several streams as they come, tagged with the stream's index."""
     if len(streams) == 1:
         async for out in streams[0]:
@@ -136,7 +164,7 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, s: RequestStream) -> None:
+    async def pump(i: int, s: ReplicaStream) -> None:
         try:
             async for out in s:
                 queue.put_nowait((i, out))
@@ -162,7 +190,7 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             s.close()
 
 
-async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
+async def collect(streams: list[ReplicaStream]) -> list[RequestOutput]:
     finals: list[RequestOutput | None] = [None] * len(streams)
     try:
         async for i, out in merged(streams):
@@ -240,7 +268,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def token_text(engine: AsyncEngine, token_id: int) -> str:
+def token_text(engine: GenerateService, token_id: int) -> str:
     return engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
 

@@ -14,8 +14,10 @@ from fleetserve.entrypoints.openai.errors import APIError, from_value_error
 from fleetserve.entrypoints.openai.protocol import MAX_N, CompletionRequest
 from fleetserve.entrypoints.openai.serving_common import (
     SSE_DONE,
+    ModelContext,
     ServingContext,
     SSEResponse,
+    admit,
     collect,
     finite,
     merged,
@@ -23,9 +25,9 @@ from fleetserve.entrypoints.openai.serving_common import (
     now,
     parse,
     read_body,
+    service_class,
     sse,
     sse_error,
-    submit,
     token_text,
     top_entries,
     unless_disconnected,
@@ -65,12 +67,15 @@ def completion_inputs(req: CompletionRequest) -> tuple[list[Any], SamplingParams
     return prompts, base
 
 
-async def create_completion(ctx: ServingContext, request: Request) -> Response:
-    req = parse(CompletionRequest, await read_body(ctx, request))
-    ctx.check_model(req.model)
+async def create_completion(server: ServingContext, request: Request) -> Response:
+    req = parse(CompletionRequest, await read_body(server, request))
+    ctx = server.generate_model(req.model)
+    class_name = service_class(request, req.service_tier)
     prompts, base = completion_inputs(req)
     request_id = new_id("cmpl")
-    streams = submit(ctx, request_id, prompts, lambda: copy.copy(base), req.priority)
+    streams = await admit(
+        request, ctx, request_id, prompts, lambda: copy.copy(base), req.priority, class_name
+    )
     if req.stream:
         return SSEResponse(_stream(ctx, req, request_id, streams))
     finals = await unless_disconnected(request, collect(streams))
@@ -78,7 +83,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
 
 
 def completion_body(
-    ctx: ServingContext, req: CompletionRequest, request_id: str, finals: list[RequestOutput]
+    ctx: ModelContext, req: CompletionRequest, request_id: str, finals: list[RequestOutput]
 ) -> dict[str, Any]:
     """The non-streaming response body for finished requests (one per prompt)."""
     choices = []
@@ -111,7 +116,7 @@ def completion_body(
 
 
 async def _stream(
-    ctx: ServingContext, req: CompletionRequest, request_id: str, streams: list[Any]
+    ctx: ModelContext, req: CompletionRequest, request_id: str, streams: list[Any]
 ) -> AsyncIterator[str]:
     created = now()
     # Per choice: characters and tokens already sent (echo sends the prompt first).
@@ -159,7 +164,7 @@ async def _stream(
 
 
 def _chunk(
-    ctx: ServingContext, request_id: str, created: int, choices: list[Any], extra: dict[str, Any]
+    ctx: ModelContext, request_id: str, created: int, choices: list[Any], extra: dict[str, Any]
 ) -> dict[str, Any]:
     return {
         "id": request_id,
@@ -171,14 +176,14 @@ def _chunk(
     }
 
 
-def _prompt_text(ctx: ServingContext, out: RequestOutput) -> str:
+def _prompt_text(ctx: ModelContext, out: RequestOutput) -> str:
     if out.prompt is not None:
         return out.prompt
     return ctx.engine.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
 
 
 def _logprobs(
-    ctx: ServingContext,
+    ctx: ModelContext,
     req: CompletionRequest,
     out: RequestOutput,
     c: CompletionOutput,

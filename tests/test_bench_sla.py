@@ -1,0 +1,22 @@
+"""bench sla's nearest-rank percentile (the figures in docs/benchmarks.md use it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetserve.bench.sla import percentile
+
+
+@pytest.mark.parametrize(
+    ("values", "q", "expected"),
+    [
+        ([3.0], 99, 3.0),
+        ([5.0, 1.0, 4.0, 2.0, 3.0], 50, 3.0),
+        ([5.0, 1.0, 4.0, 2.0, 3.0], 99, 5.0),
+        ([5.0, 1.0, 4.0, 2.0, 3.0], 0, 1.0),
+        (list(map(float, range(1, 101))), 99, 99.0),
+        (list(map(float, range(1, 101))), 90, 90.0),
+    ],
+)
+def test_percentile_nearest_rank(values: list[float], q: float, expected: float) -> None:
+    assert percentile(values, q) == expected

@@ -1,0 +1,256 @@
+"""GenerateService without engine processes: fake engines behind real LocalReplicas, so
+the class queue, the per-level seats, shedding, cancellation and the replica set's
+add/drain/remove are checked with exact counts and orders (no timing)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.engine.arg_utils import EngineArgs
+from fleetserve.engine.async_engine import EngineDeadError
+from fleetserve.metrics import ServerMetrics
+from fleetserve.outputs import CompletionOutput, RequestOutput
+from fleetserve.serve.model_service import GenerateService, ShedError
+from fleetserve.serve.replica import LocalReplica
+from fleetserve.serve.sla import REQUEST_PRIORITY_SPAN, ServiceClass
+
+CLASSES = {
+    "interactive": ServiceClass("interactive", priority=0, max_waiting=2, max_queue_time_s=0.2),
+    "batch": ServiceClass("batch", priority=10, max_waiting=4),
+}
+
+
+class FakeStream:
+    def __init__(self, engine: FakeEngine, request_id: str, n: int) -> None:
+        self.engine, self.request_id, self.n = engine, request_id, n
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.closed = False
+
+    def __aiter__(self) -> FakeStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.closed:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            self.closed = True
+        return item
+
+    def finish(self) -> None:
+        out = CompletionOutput(0, "x", [7], "length")
+        self.queue.put_nowait(RequestOutput(self.request_id, None, [1], [out], True))
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.engine.aborted.append(self.request_id)
+
+
+class FakeEngine:
+    """AsyncEngine's surface as LocalReplica and GenerateService use it."""
+
+    def __init__(self) -> None:
+        self.is_ready = False
+        self.on_stats = None
+        self.num_kv_blocks = 1000
+        self.dead_reason: str | None = None
+        self.crashed = False
+        self.sent: list[tuple[str, int]] = []  # (request id, engine priority)
+        self.streams: dict[str, FakeStream] = {}
+        self.aborted: list[str] = []
+
+    async def start(self, timeout_s: float = 0.0) -> None:
+        self.is_ready = True
+
+    async def shutdown(self) -> None:
+        self.is_ready = False
+        self.dead_reason = "stopped"
+
+    def add_request(self, rid: str, prompt: Any, params: SamplingParams, priority: int) -> Any:
+        self.sent.append((rid, priority))
+        self.streams[rid] = FakeStream(self, rid, params.n)
+        return self.streams[rid]
+
+    def abort(self, rid: str) -> None:
+        self.streams[rid].close()
+
+    def abort_all(self, reason: str) -> None:
+        for s in self.streams.values():
+            s.queue.put_nowait(EngineDeadError(reason))
+
+
+class Service(GenerateService):
+    def _new_replica(self, index: int) -> LocalReplica:
+        return LocalReplica(index, FakeEngine(), max_num_seqs=self.config.scheduler.max_num_seqs)  # type: ignore[arg-type]
+
+
+def service(model: str, policy: str = "priority", replicas: int = 1) -> Service:
+    args = EngineArgs(model=model, max_num_seqs=2, scheduling_policy=policy)
+    metrics = ServerMetrics().model("m")
+    return Service("m", args, replicas, CLASSES, "interactive", metrics=metrics)
+
+
+def engine(svc: GenerateService, index: int = 0) -> FakeEngine:
+    return svc.replica_set.get(index).engine  # type: ignore[return-value]
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def admit(svc: GenerateService, rid: str, cls: str | None, priority: int = 0) -> asyncio.Task:  # type: ignore[type-arg]
+    params = SamplingParams(max_tokens=4)
+    return asyncio.ensure_future(svc.admit(rid, ["hello"], lambda: params, cls, priority))
+
+
+async def drain_streams(task: asyncio.Task) -> None:  # type: ignore[type-arg]
+    """Consumes a request's streams to the end (the handler's part)."""
+    for s in task.result():
+        async for _ in s:
+            pass
+
+
+def test_classes_get_seats_per_level_and_go_in_priority_order(tiny_llama: str) -> None:
+    async def main() -> None:
+        svc = service(tiny_llama)
+        await svc.start()
+        eng = engine(svc)
+        batch = [admit(svc, f"b{i}", "batch") for i in range(4)]
+        await settle()
+        # Two batch requests fill the batch; two wait in the class queue.
+        assert [rid for rid, _ in eng.sent] == ["b0-0", "b1-0"]
+        assert (svc.num_waiting("batch"), svc.queue.num_waiting("batch")) == (4, 2)
+        inter = [admit(svc, f"i{i}", None) for i in range(3)]  # the default class
+        await settle()
+        # Interactive work is not blocked by batch work: two go at once (the engine's
+        # priority scheduler preempts batch ones for them); the third waits, ahead of batch.
+        assert [rid for rid, _ in eng.sent[2:]] == ["i0-0", "i1-0"]
+        assert dict(eng.sent)["i0-0"] == 0 and dict(eng.sent)["b0-0"] == 10 * REQUEST_PRIORITY_SPAN
+        assert [e.payload.items[0].request_id for e in svc.queue] == ["i2-0", "b2-0", "b3-0"]
+        # A batch request ends: its seat is a batch-level seat, interactive i2 still waits
+        # (two interactive sequences hold this level's batch).
+        eng.streams["b0-0"].finish()
+        await drain_streams(batch[0])
+        await settle()
+        assert [rid for rid, _ in eng.sent[4:]] == []
+        eng.streams["i0-0"].finish()
+        await drain_streams(inter[0])
+        await settle()
+        assert [rid for rid, _ in eng.sent[4:]] == ["i2-0"]
+        for rid, task in [("i1-0", inter[1]), ("i2-0", inter[2]), ("b1-0", batch[1])]:
+            eng.streams[rid].finish()
+            await drain_streams(task)
+        await settle()
+        assert [rid for rid, _ in eng.sent[5:]] == ["b2-0", "b3-0"]
+        assert len(svc.queue) == 0 and svc.num_waiting("batch") == 2
+        await svc.shutdown()
+
+    run(main)
+
+
+def test_full_class_queue_and_queue_time_shed_with_exact_counts(tiny_llama: str) -> None:
+    async def main() -> None:
+        svc = service(tiny_llama)
+        await svc.start()
+        running = [admit(svc, f"i{i}", "interactive") for i in range(2)]  # the batch
+        queued = [admit(svc, f"q{i}", "interactive") for i in range(2)]  # max_waiting=2
+        over = [admit(svc, f"x{i}", "interactive") for i in range(3)]
+        await settle()
+        for t in over:
+            with pytest.raises(ShedError, match="'interactive' queue is full") as e:
+                t.result()
+            assert e.value.code == "overloaded"
+        # Nothing frees a seat: after max_queue_time_s the two queued ones are shed,
+        # never having reached the engine.
+        for t in queued:
+            with pytest.raises(ShedError, match="waited 0.2 s in the 'interactive' queue"):
+                await t
+        assert [rid for rid, _ in engine(svc).sent] == ["i0-0", "i1-0"]
+        assert svc.num_waiting("interactive") == 2  # sent, not started
+        text = svc.metrics.server.render().decode()  # type: ignore[union-attr]
+        assert 'reason="queue_full"} 3.0' in text and 'reason="queue_timeout"} 2.0' in text
+        assert all(not t.done() or t.exception() is None for t in running)
+        await svc.shutdown()
+
+    run(main)
+
+
+def test_cancelled_wait_leaves_the_queue(tiny_llama: str) -> None:
+    async def main() -> None:
+        svc = service(tiny_llama)
+        await svc.start()
+        [admit(svc, f"b{i}", "batch") for i in range(2)]
+        waiting = admit(svc, "w", "batch")
+        await settle()
+        assert svc.queue.num_waiting("batch") == 1
+        waiting.cancel()  # the client left
+        await settle()
+        assert svc.queue.num_waiting("batch") == 0 and len(engine(svc).sent) == 2
+        await svc.shutdown()
+
+    run(main)
+
+
+def test_bad_class_and_priority_under_fcfs_are_refused(tiny_llama: str) -> None:
+    async def main() -> None:
+        svc = service(tiny_llama, policy="fcfs")
+        await svc.start()
+        with pytest.raises(ValueError, match="service_tier 'gold' is not a service class"):
+            await admit(svc, "a", "gold")
+        with pytest.raises(
+            ValueError, match="priority is not honoured by 'm': it schedules first-come"
+        ):
+            await admit(svc, "a", None, priority=3)
+        await admit(svc, "ok", None, priority=0)
+        await svc.shutdown()
+        prio = service(tiny_llama, policy="priority")
+        await prio.start()
+        await admit(prio, "p", "batch", priority=-3)
+        assert engine(prio).sent == [("p-0", 10 * REQUEST_PRIORITY_SPAN - 3)]
+        await prio.shutdown()
+
+    run(main)
+
+
+def test_replicas_added_and_drained_while_serving(tiny_llama: str) -> None:
+    async def main() -> None:
+        svc = service(tiny_llama, replicas=1)
+        await svc.start()
+        first = [admit(svc, f"a{i}", "batch") for i in range(3)]
+        await settle()
+        assert svc.queue.num_waiting("batch") == 1  # replica 0 is full
+        new = await svc.replica_set.add()  # the queued request goes to the new replica
+        await settle()
+        assert new.index == 1 and [rid for rid, _ in engine(svc, 1).sent] == ["a2-0"]
+        # Drain replica 0: it gets nothing new, finishes what it holds, then leaves.
+        drain = asyncio.ensure_future(svc.replica_set.drain(0, timeout_s=10))
+        await settle()
+        more = admit(svc, "b", "batch")
+        await settle()
+        assert [rid for rid, _ in engine(svc, 1).sent] == ["a2-0", "b-0"]
+        for t, rid in zip(first[:2], ["a0-0", "a1-0"], strict=True):
+            engine(svc, 0).streams[rid].finish()
+            await drain_streams(t)
+        assert await drain is True
+        assert [r.index for r in svc.replica_set] == [1] and svc.is_ready
+        await svc.replica_set.remove(1)  # the last one: its requests end, the model is down
+        with pytest.raises(EngineDeadError):
+            await drain_streams(more)
+        assert not svc.is_ready and svc.dead_reason is not None
+        with pytest.raises(EngineDeadError):
+            await admit(svc, "late", "batch")
+
+    run(main)
