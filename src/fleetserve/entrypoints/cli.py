@@ -15,6 +15,7 @@ _COMMANDS = {
     "serve": ("fleetserve.entrypoints.openai.api_server", "run the OpenAI-compatible server"),
     "generate": ("fleetserve.entrypoints.generate", "generate a completion offline"),
     "make-model": ("fleetserve.models.make_model", "write a random-weight HF checkpoint"),
+    "batch": ("fleetserve.entrypoints.batch", "batch jobs (run: a JSONL file of OpenAI lines)"),
 }
 _BENCH = {
     "offline": ("fleetserve.bench.offline", "offline throughput benchmark"),
@@ -24,6 +25,7 @@ _BENCH = {
     "spec": ("fleetserve.bench.spec", "one stream's decode speed with and without speculation"),
     "latency": ("fleetserve.bench.latency", "one stream: TTFT and decode tok/s (vs llama.cpp)"),
     "perplexity": ("fleetserve.bench.perplexity", "perplexity of each weight quantization"),
+    "batch": ("fleetserve.bench.batch", "`batch run` against the offline LLM.generate ceiling"),
 }
 _DEPLOY = {
     "k8s": ("fleetserve.deploy.k8s", "render Kubernetes + KEDA manifests from a fleet file"),
@@ -50,7 +52,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     _add_group(
         sub,
         "bench",
-        "benchmarks (offline | serve | sla | embed | spec | latency | perplexity)",
+        "benchmarks (offline | serve | sla | embed | spec | latency | perplexity | batch)",
         _BENCH,
         argv,
     )

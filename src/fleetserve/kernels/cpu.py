@@ -67,8 +67,7 @@ def _cache_dir() -> Path:
 def _build(cc: str) -> Path:
     src = b"".join(f.read_bytes() for f in [*_SOURCES, *_HEADERS])
     key = hashlib.sha256(
-        src
-        + " ".join([cc, *_FLAGS, *_LINK_FLAGS, platform.machine(), _cpu_signature()]).encode()
+        src + " ".join([cc, *_FLAGS, *_LINK_FLAGS, platform.machine(), _cpu_signature()]).encode()
     ).hexdigest()[:16]
     out = _cache_dir() / f"cpu_kernels-{key}.so"
     if out.exists():

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.entrypoints.openai.errors import APIError, from_value_error
 from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest
 from fleetserve.entrypoints.openai.serving_common import (
@@ -50,10 +51,11 @@ def _prompt_ids(ctx: ModelContext, req: ChatCompletionRequest) -> list[int]:
     return ids
 
 
-async def create_chat_completion(server: ServingContext, request: Request) -> Response:
-    req = parse(ChatCompletionRequest, await read_body(server, request))
-    ctx = server.generate_model(req.model)
-    class_name = service_class(request, req.service_tier)
+def chat_inputs(
+    ctx: ModelContext, req: ChatCompletionRequest
+) -> tuple[dict[str, list[int]], SamplingParams]:
+    """The engine prompt and sampling params of a chat request (no HTTP: the batch
+    runner calls this too). Raises APIError for what the client got wrong."""
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -62,14 +64,13 @@ async def create_chat_completion(server: ServingContext, request: Request) -> Re
         base = req.sampling_params(max_tokens, logprobs)
     except ValueError as e:
         raise from_value_error(e) from None
-    prompt = {"prompt_token_ids": _prompt_ids(ctx, req)}
-    request_id = new_id("chatcmpl")
-    streams = await admit(
-        request, ctx, request_id, [prompt], lambda: copy.copy(base), req.priority, class_name
-    )
-    if req.stream:
-        return SSEResponse(_stream(ctx, req, request_id, streams))
-    (final,) = await unless_disconnected(request, collect(streams))
+    return {"prompt_token_ids": _prompt_ids(ctx, req)}, base
+
+
+def chat_completion_body(
+    ctx: ModelContext, req: ChatCompletionRequest, request_id: str, final: RequestOutput
+) -> dict[str, Any]:
+    """The non-streaming response body for a finished request."""
     choices = [
         {
             "index": c.index,
@@ -81,16 +82,29 @@ async def create_chat_completion(server: ServingContext, request: Request) -> Re
         for c in final.outputs
     ]
     num_completion = sum(len(c.token_ids) for c in final.outputs)
-    return JSONResponse(
-        {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": now(),
-            "model": ctx.served_model_name,
-            "choices": choices,
-            "usage": usage(len(final.prompt_token_ids), num_completion),
-        }
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": now(),
+        "model": ctx.served_model_name,
+        "choices": choices,
+        "usage": usage(len(final.prompt_token_ids), num_completion),
+    }
+
+
+async def create_chat_completion(server: ServingContext, request: Request) -> Response:
+    req = parse(ChatCompletionRequest, await read_body(server, request))
+    ctx = server.generate_model(req.model)
+    class_name = service_class(request, req.service_tier)
+    prompt, base = chat_inputs(ctx, req)
+    request_id = new_id("chatcmpl")
+    streams = await admit(
+        request, ctx, request_id, [prompt], lambda: copy.copy(base), req.priority, class_name
     )
+    if req.stream:
+        return SSEResponse(_stream(ctx, req, request_id, streams))
+    (final,) = await unless_disconnected(request, collect(streams))
+    return JSONResponse(chat_completion_body(ctx, req, request_id, final))
 
 
 async def _stream(

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.entrypoints.openai.errors import APIError, from_value_error
 from fleetserve.entrypoints.openai.protocol import MAX_N, CompletionRequest
 from fleetserve.entrypoints.openai.serving_common import (
@@ -48,10 +49,9 @@ def _prompts(prompt: Any) -> list[Any]:
     return [{"prompt_token_ids": ids} for ids in prompt]
 
 
-async def create_completion(server: ServingContext, request: Request) -> Response:
-    req = parse(CompletionRequest, await read_body(server, request))
-    ctx = server.generate_model(req.model)
-    class_name = service_class(request, req.service_tier)
+def completion_inputs(req: CompletionRequest) -> tuple[list[Any], SamplingParams]:
+    """The engine prompts and sampling params of a completions request (no HTTP: the
+    batch runner calls this too). Raises APIError for what the client got wrong."""
     if req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -64,6 +64,14 @@ async def create_completion(server: ServingContext, request: Request) -> Respons
         base = req.sampling_params(req.max_tokens, req.logprobs, echo_lps)
     except ValueError as e:
         raise from_value_error(e) from None
+    return prompts, base
+
+
+async def create_completion(server: ServingContext, request: Request) -> Response:
+    req = parse(CompletionRequest, await read_body(server, request))
+    ctx = server.generate_model(req.model)
+    class_name = service_class(request, req.service_tier)
+    prompts, base = completion_inputs(req)
     request_id = new_id("cmpl")
     streams = await admit(
         request, ctx, request_id, prompts, lambda: copy.copy(base), req.priority, class_name
@@ -71,12 +79,13 @@ async def create_completion(server: ServingContext, request: Request) -> Respons
     if req.stream:
         return SSEResponse(_stream(ctx, req, request_id, streams))
     finals = await unless_disconnected(request, collect(streams))
-    return JSONResponse(_full_response(ctx, req, request_id, finals))
+    return JSONResponse(completion_body(ctx, req, request_id, finals))
 
 
-def _full_response(
+def completion_body(
     ctx: ModelContext, req: CompletionRequest, request_id: str, finals: list[RequestOutput]
 ) -> dict[str, Any]:
+    """The non-streaming response body for finished requests (one per prompt)."""
     choices = []
     num_prompt = num_completion = 0
     for i, out in enumerate(finals):

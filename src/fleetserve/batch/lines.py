@@ -1,0 +1,189 @@
+"""The Batch API's line formats: OpenAI's input lines, and its output and error lines.
+
+Input, one JSON object a line (blank lines are skipped, as OpenAI does):
+    {"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
+
+Output (a line whose request ran and answered 2xx):
+    {"id": "batch_req_...", "custom_id": "req-1",
+     "response": {"status_code": 200, "request_id": "...", "body": {...}}, "error": null}
+
+Error file (the request answered 4xx/5xx, or the line itself was unusable):
+    {"id": ..., "custom_id": ..., "response": {"status_code": 400, ...} | null,
+     "error": {"code": "...", "message": "..."}}
+
+A bad line never fails the whole file: it becomes one error line and the rest still run.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+EMBEDDINGS_URL = "/v1/embeddings"
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
+MAX_CUSTOM_ID_CHARS = 512
+MAX_LINES = 50_000  # OpenAI's limit on requests per batch
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    """One runnable request; `line_no` is its 0-based line in the input file."""
+
+    line_no: int
+    custom_id: str
+    url: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LineError:
+    """A line that cannot run; it goes straight to the error file."""
+
+    line_no: int
+    custom_id: str | None
+    message: str
+
+
+@dataclass(frozen=True)
+class LineResult:
+    """One finished line as it is written out: `ok` picks the output or the error file."""
+
+    line_no: int
+    custom_id: str | None
+    ok: bool
+    record: str  # the JSON line, without the newline
+
+
+def parse_lines(data: bytes, endpoint: str) -> list[BatchLine | LineError]:
+    """Every non-blank line of an input file, in order, as a runnable line or an error.
+
+    Raises ValueError only when the file as a whole is unusable (not UTF-8, no lines,
+    too many lines); a bad line is a LineError naming what is wrong with it.
+    """
+    if endpoint not in ENDPOINTS:
+        raise ValueError(f"endpoint must be one of {', '.join(ENDPOINTS)}; got {endpoint!r}")
+    return parse_split(split_input(data), endpoint)
+
+
+def parse_split(raw_lines: list[tuple[int, str]], endpoint: str) -> list[BatchLine | LineError]:
+    """`parse_lines` over the output of `split_input`."""
+    seen: set[str] = set()
+    out: list[BatchLine | LineError] = []
+    for line_no, raw in raw_lines:
+        item = parse_line(line_no, raw, endpoint)
+        if isinstance(item, BatchLine):
+            if item.custom_id in seen:
+                item = LineError(
+                    line_no, item.custom_id, f"custom_id {item.custom_id!r} is used twice"
+                )
+            else:
+                seen.add(item.custom_id)
+        out.append(item)
+    return out
+
+
+def split_input(data: bytes) -> list[tuple[int, str]]:
+    """(line_no, text) of each non-blank line. ValueError if the file cannot be a batch."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the file is not UTF-8 text (byte {e.start})") from None
+    lines = [(i, s) for i, s in enumerate(text.splitlines()) if s.strip()]
+    if not lines:
+        raise ValueError("the file has no lines; a batch needs at least one request")
+    if len(lines) > MAX_LINES:
+        raise ValueError(f"the file has {len(lines)} lines; a batch holds at most {MAX_LINES}")
+    return lines
+
+
+def first_url(raw_lines: list[tuple[int, str]]) -> str | None:
+    """The url of the first line naming a known endpoint: an offline file's endpoint."""
+    for _, raw in raw_lines:
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict) and obj.get("url") in ENDPOINTS:
+            return str(obj["url"])
+    return None
+
+
+def parse_line(line_no: int, raw: str, endpoint: str) -> BatchLine | LineError:
+    where = f"line {line_no + 1}"
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return LineError(line_no, None, f"{where} is not valid JSON: {e.msg} (column {e.colno})")
+    if not isinstance(obj, dict):
+        return LineError(line_no, None, f"{where} must be a JSON object")
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return LineError(line_no, None, f"{where}: custom_id is required (a non-empty string)")
+    if len(custom_id) > MAX_CUSTOM_ID_CHARS:
+        return LineError(
+            line_no, None, f"{where}: custom_id is longer than {MAX_CUSTOM_ID_CHARS} characters"
+        )
+
+    def bad(message: str) -> LineError:
+        return LineError(line_no, custom_id, f"{where}: {message}")
+
+    extra = sorted(set(obj) - {"custom_id", "method", "url", "body"})
+    if extra:
+        return bad(f"unknown field {extra[0]!r} (a line has custom_id, method, url, body)")
+    if obj.get("method") != "POST":
+        return bad(f"method must be 'POST'; got {obj.get('method')!r}")
+    url = obj.get("url")
+    if url != endpoint:
+        return bad(f"url must be the batch's endpoint {endpoint!r}; got {url!r}")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        return bad("body must be a JSON object")
+    return BatchLine(line_no, custom_id, url, body)
+
+
+def _line_id() -> str:
+    return f"batch_req_{uuid.uuid4().hex}"
+
+
+def response_result(line: BatchLine, status_code: int, request_id: str, body: Any) -> LineResult:
+    """The line's HTTP answer: 2xx to the output file, anything else to the error file."""
+    ok = 200 <= status_code < 300
+    response = {"status_code": status_code, "request_id": request_id, "body": body}
+    error = None
+    if not ok:
+        err = body.get("error") if isinstance(body, dict) else None
+        err = err if isinstance(err, dict) else {}
+        error = {
+            "code": str(err.get("code") or status_code),
+            "message": str(err.get("message") or f"the request failed with {status_code}"),
+        }
+    record = {"id": _line_id(), "custom_id": line.custom_id, "response": response, "error": error}
+    return LineResult(line.line_no, line.custom_id, ok, _dumps(record))
+
+
+def error_result(line_no: int, custom_id: str | None, code: str, message: str) -> LineResult:
+    """A line that never reached a model (unusable line, expired window)."""
+    record = {
+        "id": _line_id(),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
+    return LineResult(line_no, custom_id, False, _dumps(record))
+
+
+def invalid_result(err: LineError) -> LineResult:
+    return error_result(err.line_no, err.custom_id, "invalid_request", err.message)
+
+
+def jsonl(records: Iterable[str]) -> bytes:
+    return b"".join(r.encode("utf-8") + b"\n" for r in records)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))

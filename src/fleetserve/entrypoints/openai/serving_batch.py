@@ -1,0 +1,250 @@
+"""OpenAI's Files and Batches API (the part batches need), as a router to mount.
+
+    POST /v1/files                 multipart upload (purpose "batch")
+    GET  /v1/files                 newest first, paged by `after` / `limit`, `purpose`
+    DELETE /v1/files/{id}          (409 while an unfinished batch reads it)
+    GET  /v1/files/{id}            the File object
+    GET  /v1/files/{id}/content    its bytes (inputs, outputs, error files)
+    POST /v1/batches               create from an uploaded file
+    GET  /v1/batches               newest first, paged by `after` / `limit`
+    GET  /v1/batches/{id}
+    POST /v1/batches/{id}/cancel
+
+The router's lifespan starts the background worker (resuming batches a previous process
+left unfinished) and stops it on shutdown; mounting the router with
+`app.include_router(...)` merges that lifespan into the app's.
+
+The upload is multipart, not JSON, so it does its own front-door checks here: media type,
+size (413 before and while reading), a read timeout between chunks, and a file that must be
+UTF-8 JSONL with 1..50,000 lines. A browser can send a multipart form cross-site without a
+preflight; that only stores a file of bounded size: starting a batch needs a JSON body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import ClientDisconnect
+
+from fleetserve.batch.jobs import BatchJobs
+from fleetserve.batch.lines import ENDPOINTS, split_input
+from fleetserve.batch.runner import DEFAULT_CONCURRENCY, LineExecutor
+from fleetserve.batch.store import BatchStore
+from fleetserve.entrypoints.openai.body import ClientGone, read_json
+from fleetserve.entrypoints.openai.errors import APIError
+from fleetserve.entrypoints.openai.serving_common import parse, shorten
+
+MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
+MAX_METADATA_PAIRS = 16
+
+
+class CreateBatchRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = Field(default=None, max_length=MAX_METADATA_PAIRS)
+
+
+def batch_router(
+    store: BatchStore,
+    executor_factory: Callable[[], LineExecutor],
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    max_file_bytes: int = MAX_FILE_BYTES,
+    max_body_bytes: int = 1024 * 1024,
+    read_timeout_s: float = 15.0,
+) -> APIRouter:
+    """`executor_factory()` is called as each batch starts running, after the app's own
+    start-up, so it may hand out an engine that the app creates in its lifespan."""
+    jobs = BatchJobs(store, executor_factory, concurrency)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        await jobs.start()
+        try:
+            yield
+        finally:
+            await jobs.stop()
+
+    router = APIRouter(lifespan=lifespan)
+    router.batch_jobs = jobs  # type: ignore[attr-defined]  # for the lead's drain and tests
+
+    @router.post("/v1/files")
+    async def upload_file(request: Request) -> Response:
+        form = await _read_form(request, max_file_bytes, read_timeout_s)
+        try:
+            purpose = form.get("purpose")
+            if purpose != "batch":
+                shown = shorten(str(purpose))
+                raise APIError(400, f"purpose must be 'batch'; got {shown!r}", "purpose")
+            upload = form.get("file")
+            if not isinstance(upload, UploadFile):
+                raise APIError(400, "file is required (a multipart file field)", "file")
+            data = await upload.read()
+            filename = upload.filename or "upload.jsonl"
+        finally:
+            await form.close()  # the spooled temporary file
+        if len(data) > max_file_bytes:
+            raise APIError(413, f"the file is larger than {max_file_bytes} bytes", "file")
+        try:
+            split_input(data)
+        except ValueError as e:
+            raise APIError(400, str(e), "file") from None
+        record = store.add_file(data, filename, purpose)
+        return JSONResponse(record.to_api())
+
+    @router.get("/v1/files")
+    async def list_files(
+        after: str | None = None, limit: str = "10000", purpose: str | None = None
+    ) -> Response:
+        try:
+            page, has_more = store.list_files(after, _limit(limit, 10_000), purpose)
+        except ValueError as e:
+            raise APIError(400, str(e), "after") from None
+        return _page([f.to_api() for f in page], has_more)
+
+    @router.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str) -> Response:
+        try:
+            deleted = store.delete_file(file_id)
+        except ValueError as e:
+            raise APIError(409, str(e), code="file_in_use") from None
+        if not deleted:
+            raise _not_found("File", file_id)
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+    @router.get("/v1/files/{file_id}")
+    async def get_file(file_id: str) -> Response:
+        return JSONResponse(_file(store, file_id).to_api())
+
+    @router.get("/v1/files/{file_id}/content")
+    async def file_content(file_id: str) -> Response:
+        record = _file(store, file_id)
+        return FileResponse(store.file_path(record.id), media_type="application/octet-stream")
+
+    @router.post("/v1/batches")
+    async def create_batch(request: Request) -> Response:
+        req = parse(CreateBatchRequest, await read_json(request, max_body_bytes, read_timeout_s))
+        if req.endpoint not in ENDPOINTS:
+            raise APIError(
+                400,
+                f"endpoint must be one of {', '.join(ENDPOINTS)}; got {shorten(req.endpoint)!r}",
+                "endpoint",
+            )
+        if req.completion_window != "24h":
+            raise APIError(400, "completion_window must be '24h'", "completion_window")
+        source = store.get_file(req.input_file_id)
+        if source is None or source.purpose != "batch":
+            raise APIError(
+                400,
+                f"input_file_id: no file with purpose 'batch' has id "
+                f"{shorten(req.input_file_id)!r}",
+                "input_file_id",
+            )
+        batch = store.create_batch(source.id, req.endpoint, req.completion_window, req.metadata)
+        jobs.enqueue(batch.id)
+        return JSONResponse(batch.to_api())
+
+    @router.get("/v1/batches")
+    async def list_batches(after: str | None = None, limit: str = "20") -> Response:
+        try:
+            page, has_more = store.list_batches(after, _limit(limit, 100))
+        except ValueError as e:
+            raise APIError(400, str(e), "after") from None
+        return _page([b.to_api() for b in page], has_more)
+
+    @router.get("/v1/batches/{batch_id}")
+    async def get_batch(batch_id: str) -> Response:
+        batch = store.get_batch(batch_id)
+        if batch is None:
+            raise _not_found("Batch", batch_id)
+        return JSONResponse(batch.to_api())
+
+    @router.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str) -> Response:
+        batch = jobs.cancel(batch_id)
+        if batch is None:
+            raise _not_found("Batch", batch_id)
+        return JSONResponse(batch.to_api())
+
+    return router
+
+
+def _limit(text: str, most: int) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= most:
+        raise APIError(400, f"limit must be an integer in [1, {most}]; got {text!r}", "limit")
+    return int(text)
+
+
+def _page(data: list[dict[str, Any]], has_more: bool) -> Response:
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": has_more,
+        }
+    )
+
+
+def _not_found(kind: str, object_id: str) -> APIError:
+    return APIError(404, f"No such {kind} object: {shorten(object_id)!r}", code="not_found")
+
+
+def _file(store: BatchStore, file_id: str) -> Any:
+    record = store.get_file(file_id)
+    if record is None:
+        raise _not_found("File", file_id)
+    return record
+
+
+async def _read_form(request: Request, max_bytes: int, timeout_s: float) -> Any:
+    """The multipart form, read with a size bound and a per-chunk read timeout."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "multipart/form-data":
+        raise APIError(
+            415,
+            "Content-Type must be multipart/form-data for a file upload",
+            code="unsupported_media_type",
+        )
+    declared = request.headers.get("content-length")
+    # The form's own framing adds a little to the file: allow for it.
+    limit = max_bytes + 64 * 1024
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the file is larger than {max_bytes} bytes", "file")
+
+    async def bounded() -> AsyncGenerator[bytes, None]:
+        received = 0
+        chunks = request.stream().__aiter__()
+        while True:
+            try:
+                chunk = await asyncio.wait_for(chunks.__anext__(), timeout_s)
+            except StopAsyncIteration:
+                return
+            except (TimeoutError, asyncio.TimeoutError):
+                raise APIError(
+                    408, f"the upload stalled for {timeout_s:g} s", code="request_timeout"
+                ) from None
+            received += len(chunk)
+            if received > limit:
+                raise APIError(413, f"the file is larger than {max_bytes} bytes", "file")
+            yield chunk
+
+    parser = MultiPartParser(request.headers, bounded(), max_files=1, max_fields=4)
+    try:
+        return await parser.parse()
+    except MultiPartException as e:
+        raise APIError(400, f"malformed multipart body: {e.message}", "file") from None
+    except ClientDisconnect:
+        raise ClientGone() from None

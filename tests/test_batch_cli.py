@@ -1,0 +1,178 @@
+"""`fleetserve batch run` on a real tiny engine: answers equal the offline LLM's, bad lines
+become error lines, and a run killed with SIGKILL resumes to exactly-once output."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.engine.llm import LLM
+from fleetserve.entrypoints.cli import main
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def _write(path: Path, lines: list[Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
+
+
+def _req(custom_id: str, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def _cmd(inp: Path, out: Path, model: str, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "fleetserve.entrypoints.cli", "batch", "run", str(inp),
+        "-o", str(out), "--model", model, "--no-progress", *extra,
+    ]  # fmt: skip
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_chat_and_completion_lines_match_the_offline_llm(tiny_llama: str, tmp_path: Path) -> None:
+    questions = [f"question number {i}: what is {i} + {i}?" for i in range(5)]
+    chat_lines: list[Any] = [
+        _req(f"q{i}", CHAT, {"messages": [{"role": "user", "content": q}], "max_tokens": 8,
+                             "temperature": 0, "ignore_eos": True})
+        for i, q in enumerate(questions)
+    ]  # fmt: skip
+    chat_lines += [
+        "{broken",
+        _req("bad-top-p", CHAT, {"messages": [{"role": "user", "content": "x"}], "top_p": 2}),
+        _req("other-url", COMPLETIONS, {"prompt": "x"}),
+        _req("streamed", CHAT, {"messages": [{"role": "user", "content": "x"}], "stream": True}),
+    ]
+    inp, out = tmp_path / "chat.jsonl", tmp_path / "chat.out.jsonl"
+    _write(inp, chat_lines)
+    _run(_cmd(inp, out, tiny_llama, "--max-num-seqs", "4"))
+    got = _read(out)
+    assert [g["custom_id"] for g in got] == [
+        "q0", "q1", "q2", "q3", "q4", None, "bad-top-p", "other-url", "streamed",
+    ]  # fmt: skip
+
+    llm = LLM(tiny_llama)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref = llm.chat([[{"role": "user", "content": q}] for q in questions], params, use_tqdm=False)
+    for g, r in zip(got[:5], ref, strict=True):
+        assert g["error"] is None and g["response"]["status_code"] == 200
+        body = g["response"]["body"]
+        assert body["object"] == "chat.completion"
+        assert body["id"] == g["response"]["request_id"]
+        assert body["choices"][0]["message"]["content"] == r.outputs[0].text
+        assert body["usage"]["prompt_tokens"] == len(r.prompt_token_ids)
+        assert body["usage"]["completion_tokens"] == 8
+    assert "not valid JSON" in got[5]["error"]["message"] and got[5]["response"] is None
+    assert got[6]["response"]["status_code"] == 400
+    assert got[6]["response"]["body"]["error"]["param"] == "top_p"
+    assert "url must be the batch's endpoint" in got[7]["error"]["message"]
+    assert got[8]["response"]["body"]["error"]["param"] == "stream"
+
+    prompts = ["The capital of", "Once upon a time"]
+    cmpl_lines = [
+        _req(f"p{i}", COMPLETIONS, {"prompt": p, "max_tokens": 6, "temperature": 0,
+                                    "ignore_eos": True, "model": "llama-0"})
+        for i, p in enumerate(prompts)
+    ]  # fmt: skip
+    cmpl_lines.append(_req("wrong-model", COMPLETIONS, {"prompt": "x", "model": "gpt-4o"}))
+    inp2, out2 = tmp_path / "cmpl.jsonl", tmp_path / "cmpl.out.jsonl"
+    _write(inp2, cmpl_lines)
+    _run(_cmd(inp2, out2, tiny_llama, "--max-num-seqs", "4", "--served-model-name", "llama-0"))
+    got2 = _read(out2)
+    ref2 = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)  # fmt: skip
+    for g, r in zip(got2[:2], ref2, strict=True):
+        body = g["response"]["body"]
+        assert body["object"] == "text_completion" and body["model"] == "llama-0"
+        assert body["choices"][0]["text"] == r.outputs[0].text
+    assert got2[2]["response"]["status_code"] == 404
+    assert got2[2]["error"]["code"] == "model_not_found"
+
+    # Done already: the same command rewrites OUTPUT from the checkpoint, running nothing.
+    out2.unlink()
+    assert main(["batch", "run", str(inp2), "-o", str(out2), "--model", "/nonexistent"]) == 0
+    assert _read(out2) == got2
+    # A different INPUT for the same OUTPUT is refused, not mixed in.
+    _write(inp2, cmpl_lines[:1])
+    assert main(["batch", "run", str(inp2), "-o", str(out2), "--model", tiny_llama]) == 2
+
+
+def test_config_and_model_flags_do_not_mix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inp = tmp_path / "in.jsonl"
+    _write(inp, [_req("a", CHAT, {"messages": [{"role": "user", "content": "x"}]})])
+    out = str(tmp_path / "o.jsonl")
+    argv = ["batch", "run", str(inp), "-o", out, "--config", "f.yaml", "--model", "m"]
+    assert main(argv) == 2
+    assert "--config describes every model; leave out --model" in capsys.readouterr().err
+    assert main(["batch", "run", str(tmp_path / "missing.jsonl"), "-o", "x"]) == 2
+    assert "INPUT: cannot read" in capsys.readouterr().err
+
+
+def _committed(ckpt: Path) -> dict[str, str]:
+    """custom_id -> its committed JSON line, read from the checkpoint as another process."""
+    db = ckpt / "batch.db"
+    if not db.exists():
+        return {}
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
+            rows = conn.execute("SELECT custom_id, record FROM results").fetchall()
+    except sqlite3.OperationalError:  # the tables are not created yet
+        return {}
+    return dict(rows)
+
+
+def test_sigkill_mid_run_then_rerun_is_exactly_once(tiny_llama: str, tmp_path: Path) -> None:
+    n = 24
+    lines = [
+        _req(f"id-{i}", CHAT, {"messages": [{"role": "user", "content": f"count to {i}"}],
+                               "max_tokens": 24, "ignore_eos": True, "temperature": 0})
+        for i in range(n)
+    ]  # fmt: skip
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, lines)
+    ckpt = Path(f"{out}.ckpt")
+    cmd = _cmd(inp, out, tiny_llama, "--max-num-seqs", "2", "--concurrency", "2")
+    # Its own session, so that SIGKILL reaches the engine process too (a preempted node).
+    proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while len(_committed(ckpt)) < 4:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "no line was committed in time"
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    before = _committed(ckpt)
+    assert 4 <= len(before) < n, "the run must be killed mid-way"
+    assert not out.exists()
+
+    rerun = _run(cmd)
+    assert f"{n} lines ({n} ok, 0 failed)" in rerun.stderr
+    got = out.read_text(encoding="utf-8").splitlines()
+    assert [json.loads(g)["custom_id"] for g in got] == [f"id-{i}" for i in range(n)]
+    # Lines committed before the kill were not run again: their records are unchanged.
+    by_id = {json.loads(g)["custom_id"]: g for g in got}
+    assert all(by_id[cid] == rec for cid, rec in before.items())
