@@ -93,7 +93,7 @@ class FleetLineExecutor:
         self, ctx: ModelContext, request_id: str, prompts: list[Any], base: Any, priority: int
     ) -> list[RequestOutput]:
         service = ctx.engine
-        cls = self.class_name if self.class_name in service.class_names else None
+        cls = self.class_name if self.class_name in service.queue.classes else None
         try:
             streams = await service.admit(
                 request_id, prompts, lambda: copy.copy(base), cls, priority
