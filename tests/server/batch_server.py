@@ -2,8 +2,9 @@
 
     python tests/server/batch_server.py --model DIR --state-dir DIR --port N [--concurrency K]
 
-It mounts the router the way `fleetserve serve` will (include_router, the app's APIError
-handler, the registry started in the app's lifespan), until the lead wires it there.
+It mounts the router the way `fleetserve serve` does (include_router, the app's APIError
+handler, the registry started in the app's lifespan), with a small file limit and a
+concurrency the tests choose; test_server_batch.py also checks `fleetserve serve` itself.
 """
 
 from __future__ import annotations

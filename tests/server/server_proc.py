@@ -13,7 +13,7 @@ import time
 import httpx
 import psutil
 
-STARTUP_TIMEOUT_S = 120.0
+STARTUP_TIMEOUT_S = 240.0  # several servers may load at once on a 2-core machine
 
 
 def free_port() -> int:
@@ -37,7 +37,9 @@ class ServerProc:
             *(["--model", model] if model is not None else []),
             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *extra_args,
         ]  # fmt: skip
-        full_env = {**os.environ, **(env or {})}
+        # Each server keeps its Batch API state to itself (and leaves none behind).
+        self.state_dir = tempfile.TemporaryDirectory(prefix="fleetserve-state-")
+        full_env = {**os.environ, "FLEETSERVE_STATE_DIR": self.state_dir.name, **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env)
         self.core_pid: int | None = None
 
@@ -59,8 +61,9 @@ class ServerProc:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+        out = self.output()  # before stop(), which closes the log
         self.stop()
-        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.output()}")
+        raise RuntimeError(f"server not ready after {timeout_s} s:\n{out}")
 
     def descendants(self) -> list[psutil.Process]:
         try:

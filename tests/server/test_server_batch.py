@@ -132,7 +132,9 @@ def test_completions_and_embeddings_batches(server: BatchServer) -> None:
     d2 = _wait(c, b2.id, lambda b: b.status == "completed")
     assert d2.request_counts.failed == 1
     (err,) = _jsonl(c, d2.error_file_id)
-    assert "/v1/embeddings is not served by the model 'tiny'" in err["error"]["message"]
+    # The registry's wrong-kind refusal, as over HTTP: a generate model has no embeddings.
+    assert "the model 'tiny' is a generate model" in err["error"]["message"]
+    assert err["response"]["status_code"] == 400
 
 
 def test_upload_and_create_errors(server: BatchServer) -> None:
@@ -244,3 +246,26 @@ def test_files_list_and_delete(server: BatchServer) -> None:
     with pytest.raises(openai.NotFoundError):
         c.files.delete(a)
     assert a not in [f.id for f in c.files.list(purpose="batch")]
+
+
+def test_fleetserve_serve_mounts_the_batch_api(tiny_llama: str, tmp_path: Path) -> None:
+    """`fleetserve serve` itself (not the helper app) answers the Files and Batch API,
+    keeping its state in --state-dir."""
+    from server_proc import ServerProc
+
+    state = tmp_path / "state"
+    srv = ServerProc(tiny_llama, "--served-model-name", "tiny", "--state-dir", str(state))
+    try:
+        srv.wait_ready()
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        lines = [_line(f"q{i}", f"question {i}") for i in range(3)]
+        batch = client.batches.create(
+            input_file_id=_upload(client, lines), endpoint=CHAT, completion_window="24h"
+        )
+        done = _wait(client, batch.id, lambda b: b.status == "completed")
+        assert done.request_counts.completed == 3 and done.request_counts.failed == 0
+        out = _jsonl(client, done.output_file_id)
+        assert sorted(o["custom_id"] for o in out) == ["q0", "q1", "q2"]
+        assert (state / "files").is_dir()
+    finally:
+        assert srv.stop() == 0, srv.final_output

@@ -35,13 +35,16 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from fleetserve.batch.store import BatchStore, default_state_dir
 from fleetserve.entrypoints.engine_args_cli import add_engine_args, engine_args_from
+from fleetserve.entrypoints.openai.batch_executor import FleetLineExecutor
 from fleetserve.entrypoints.openai.body import ClientGone
 from fleetserve.entrypoints.openai.errors import APIError, error_body, error_response
 from fleetserve.entrypoints.openai.http_protocol import FrontDoorH11Protocol
 from fleetserve.entrypoints.openai.openapi import install_request_schemas
 from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from fleetserve.entrypoints.openai.protocol_embed import EmbeddingRequest, PredictRequest
+from fleetserve.entrypoints.openai.serving_batch import batch_router
 from fleetserve.entrypoints.openai.serving_chat import create_chat_completion
 from fleetserve.entrypoints.openai.serving_common import (
     ServingContext,
@@ -65,6 +68,18 @@ _CLIENT_CLOSED = 499  # nginx's code for "client closed request"; nobody reads i
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
+    g.add_argument(
+        "--state-dir",
+        default=None,
+        help="where Batch API jobs and files live (SQLite + files; default: "
+        "$FLEETSERVE_STATE_DIR, else ~/.local/state/fleetserve)",
+    )
+    g.add_argument(
+        "--batch-concurrency",
+        type=int,
+        default=64,
+        help="Batch API lines in flight at once (they queue in the `batch` class)",
+    )
     g.add_argument(
         "--config",
         default=None,
@@ -140,8 +155,13 @@ class ServerState:
 
 
 def build_app(
-    state: ServerState, drain_timeout: float, allowed_origins: Sequence[str] = ()
+    state: ServerState,
+    drain_timeout: float,
+    allowed_origins: Sequence[str] = (),
+    batch_store: BatchStore | None = None,
+    batch_concurrency: int = 64,
 ) -> FastAPI:
+    """The server's ASGI app; with `batch_store`, the OpenAI Batch and Files API too."""
     registry = state.ctx.registry
 
     @contextlib.asynccontextmanager
@@ -235,6 +255,18 @@ def build_app(
         assert isinstance(service, CustomService)
         return JSONResponse(await unless_disconnected(request, run_predict(service, body)))
 
+    if batch_store is not None:
+        # The Batch API's worker starts with the app (it resumes unfinished batches) and
+        # runs each line through the registry, in the model's `batch` class if it has one.
+        app.include_router(
+            batch_router(
+                batch_store,
+                lambda: FleetLineExecutor(state.ctx),
+                concurrency=batch_concurrency,
+                max_body_bytes=state.ctx.max_body_bytes,
+                read_timeout_s=state.ctx.read_timeout_s,
+            )
+        )
     install_request_schemas(
         app,
         {
@@ -447,7 +479,10 @@ def run(args: argparse.Namespace) -> int:
     metrics.registry.register(FleetCollector(list(registry)))
     ctx = ServingContext(registry, args.max_request_bytes, args.request_read_timeout)
     state = ServerState(ctx, metrics, api_key)
-    app = build_app(state, args.drain_timeout, args.allowed_origins)
+    if args.batch_concurrency < 1:
+        raise ValueError(f"--batch-concurrency must be >= 1, got {args.batch_concurrency}")
+    store = BatchStore(args.state_dir or default_state_dir())
+    app = build_app(state, args.drain_timeout, args.allowed_origins, store, args.batch_concurrency)
     config = uvicorn.Config(
         app,
         host=args.host,
