@@ -27,7 +27,7 @@ from fleetserve.engine.embedding import EmbeddingResult
 from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
-from fleetserve.ray.router import num_known_replicas
+from fleetserve.ray.router_state import num_known_replicas
 from fleetserve.ray.wire import RemoteError
 from fleetserve.serve.admission import ShedError
 from fleetserve.serve.batch_service import ServiceNotReadyError

@@ -17,7 +17,7 @@ from fleetserve.entrypoints.openai.api_server import ServerState, build_app
 from fleetserve.entrypoints.openai.serving_common import ServingContext
 from fleetserve.metrics import ServerMetrics
 from fleetserve.ray.clients import RayCustomClient, RayEmbedClient, RayGenerateClient
-from fleetserve.ray.router import _ROUTERS
+from fleetserve.ray.router_state import ROUTERS
 from fleetserve.serve.fleet_config import parse_fleet_config
 from fleetserve.serve.registry import ModelService, Registry
 
@@ -75,7 +75,7 @@ class RayFleetCollector(Collector):
             labels=labels,
         )
         for model, deployment in self.deployments.items():
-            router = _ROUTERS.get(deployment)
+            router = ROUTERS.get(deployment)
             if router is None:
                 continue
             for view in router.loads():

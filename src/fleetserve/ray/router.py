@@ -28,18 +28,9 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from fleetserve.ray import router_state
 from fleetserve.serve.base import RouteRequest, RoutingPolicy, load_key
 from fleetserve.serve.policies import make_policy
-
-# deployment name -> its router in this process (the ingress reads the replica count).
-_ROUTERS: dict[str, FleetRequestRouter] = {}
-
-
-def num_known_replicas(deployment_name: str) -> int | None:
-    """Replicas the router of this process knows for the deployment; None before its
-    first request (Serve makes a handle's router lazily)."""
-    router = _ROUTERS.get(deployment_name)
-    return None if router is None else len(router.curr_replicas)
 
 
 @dataclass
@@ -90,7 +81,7 @@ class FleetRequestRouter(RequestRouter):
         self._next_index = itertools.count()
         # internal_request_id -> (replica, tokens counted against it)
         self._routed: dict[str, tuple[ReplicaID, int]] = {}
-        _ROUTERS[self._deployment_id.name] = self
+        router_state.ROUTERS[self._deployment_id.name] = self
 
     def _view(self, replica: RunningReplica) -> ReplicaLoadView:
         view = self._views.get(replica.replica_id)
