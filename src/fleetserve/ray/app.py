@@ -137,4 +137,6 @@ def build_app(
         max_ongoing_requests=100_000,
         ray_actor_options={"num_cpus": 0},
     )(FleetIngress)
-    return ingress.bind(fleet.model_dump(), handles, max_ongoing, options or IngressOptions())
+    # Only what the file said: re-validated in the ingress, defaults must not read as given.
+    fleet_data = fleet.model_dump(exclude_unset=True)
+    return ingress.bind(fleet_data, handles, max_ongoing, options or IngressOptions())

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -27,6 +27,7 @@ from fleetserve.engine.embedding import EmbeddingResult
 from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
+from fleetserve.ray import router_state
 from fleetserve.ray.router_state import num_known_replicas
 from fleetserve.ray.wire import RemoteError
 from fleetserve.serve.admission import ShedError
@@ -47,11 +48,11 @@ class _Item:
 
 @dataclass
 class _Pending:
+    """A queued request; `turn` resolves when it may be sent (its seats are reserved)."""
+
     items: list[_Item]
-    future: asyncio.Future[list[RayStream]]
+    turn: asyncio.Future[None]
     arrival: float
-    class_name: str = ""
-    streams: list[RayStream] = field(default_factory=list)
 
 
 class RayStream:
@@ -182,6 +183,14 @@ class RayGenerateClient:
         return {name: self.queue.num_waiting(name) for name in self.queue.classes}
 
     async def start(self, timeout_s: float = 600.0) -> None:
+        loop = asyncio.get_running_loop()
+
+        def replicas_changed() -> None:
+            # More replicas, more room: queued requests need not wait for one to finish.
+            # (Serve may run the handle's router on a thread of its own.)
+            loop.call_soon_threadsafe(self._dispatch)
+
+        router_state.LISTENERS.setdefault(self.deployment_name, []).append(replicas_changed)
         self._started = True
 
     async def shutdown(self) -> None:
@@ -189,8 +198,8 @@ class RayGenerateClient:
 
     def abort_all(self, reason: str) -> None:
         while (entry := self.queue.pop()) is not None:
-            if not entry.payload.future.done():
-                entry.payload.future.set_exception(EngineDeadError(reason))
+            if not entry.payload.turn.done():
+                entry.payload.turn.set_exception(EngineDeadError(reason))
 
     # ------------------------------------------------------------- admission
     @property
@@ -208,7 +217,11 @@ class RayGenerateClient:
         priority: int = 0,
     ) -> list[RayStream]:
         """As GenerateService.admit: validate, queue by class, return the streams once
-        dispatched. Cancelling the wait takes the request out of the queue."""
+        dispatched. Cancelling the wait takes the request out of the queue.
+
+        The request is sent from its own task, once its turn comes: a Serve handle call
+        belongs to the HTTP request whose context makes it (its request id, its
+        cancellation), so it must not be made from another request's task."""
         cls = self.queue.resolve(class_name)
         if priority != 0 and not self.priority_ordered:
             raise ValueError(
@@ -218,7 +231,7 @@ class RayGenerateClient:
         items = [self._prepare(f"{request_id}-{i}", p, params_for()) for i, p in enumerate(prompts)]
         arrival = time.monotonic()
         loop = asyncio.get_running_loop()
-        pending = _Pending(items, loop.create_future(), arrival, cls.name)
+        pending = _Pending(items, loop.create_future(), arrival)
         try:
             entry = self.queue.push(pending, cls.name, priority, arrival)
         except QueueFullError as e:
@@ -227,12 +240,12 @@ class RayGenerateClient:
         self._schedule_expiry()
         self._dispatch()
         try:
-            return await pending.future
+            await pending.turn
         except asyncio.CancelledError:
-            self.queue.remove(entry)
-            for s in pending.streams:
-                s.close()
+            if not self.queue.remove(entry) and pending.turn.done():
+                self._release(len(items))  # its turn came, but it left before sending
             raise
+        return self._send(entry)
 
     def _prepare(self, request_id: str, prompt: PromptType, params: SamplingParams) -> _Item:
         text, ids = self._rules.tokenize_prompt(prompt)
@@ -248,40 +261,50 @@ class RayGenerateClient:
         return _Item(request_id, routed, params, len(ids), num_new)
 
     def _dispatch(self) -> None:
+        """Gives queued requests their turn, most important first, while there is room."""
         while (entry := self.queue.peek()) is not None:
             if self.num_in_flight_streams > 0 and self.num_in_flight_streams >= self.capacity:
                 return
             self.queue.pop()
-            self._send(entry)
+            self.num_in_flight_streams += len(entry.payload.items)
+            entry.payload.turn.set_result(None)
 
-    def _send(self, entry: Entry[_Pending]) -> None:
+    def _release(self, num_streams: int) -> None:
+        self.num_in_flight_streams -= num_streams
+        self._dispatch()
+
+    def _send(self, entry: Entry[_Pending]) -> list[RayStream]:
         pending = entry.payload
-        cls = entry.service_class
         caller = self.handle.options(stream=True)
-        for item in pending.items:
-            gen = caller.generate.remote(
-                request_id=item.request_id,
-                prompt=item.prompt,
-                params=item.params,
-                priority=engine_priority(cls, entry.priority),
-                num_prompt_tokens=item.num_prompt_tokens,
-                num_new_tokens=item.num_new_tokens,
-                level=cls.priority,
-            )
-            assert isinstance(gen, DeploymentResponseGenerator)  # stream=True
-            stream = RayStream(self, item.request_id, item.params.n, gen)
-            stream.class_name, stream.arrival = cls.name, pending.arrival
-            self.num_in_flight_streams += 1
-            pending.streams.append(stream)
-        if pending.future.done():  # the client left while it was being sent
-            for s in pending.streams:
-                s.close()
-            return
-        pending.future.set_result(list(pending.streams))
+        streams: list[RayStream] = []
+        try:
+            for item in pending.items:
+                streams.append(self._call(caller, item, entry))
+        except BaseException:
+            for s in streams:
+                s.close()  # gives its seat back
+            self._release(len(pending.items) - len(streams))
+            raise
+        return streams
+
+    def _call(self, caller: DeploymentHandle, item: _Item, entry: Entry[_Pending]) -> RayStream:
+        cls = entry.service_class
+        gen = caller.generate.remote(
+            request_id=item.request_id,
+            prompt=item.prompt,
+            params=item.params,
+            priority=engine_priority(cls, entry.priority),
+            num_prompt_tokens=item.num_prompt_tokens,
+            num_new_tokens=item.num_new_tokens,
+            level=cls.priority,
+        )
+        assert isinstance(gen, DeploymentResponseGenerator)  # stream=True
+        stream = RayStream(self, item.request_id, item.params.n, gen)
+        stream.class_name, stream.arrival = cls.name, entry.payload.arrival
+        return stream
 
     def _finished(self, stream: RayStream) -> None:
-        self.num_in_flight_streams -= 1
-        self._dispatch()
+        self._release(1)
 
     def _schedule_expiry(self) -> None:
         deadline = self.queue.next_deadline()
@@ -298,8 +321,8 @@ class RayGenerateClient:
         for entry in self.queue.expire(time.monotonic()):
             cls = entry.service_class
             self._shed(cls.name, "queue_timeout")
-            if not entry.payload.future.done():
-                entry.payload.future.set_exception(
+            if not entry.payload.turn.done():
+                entry.payload.turn.set_exception(
                     ShedError(
                         f"the request waited {cls.max_queue_time_s:g} s in the {cls.name!r} "
                         "queue (its max_queue_time_s) without starting; try again later",

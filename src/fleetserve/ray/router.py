@@ -79,8 +79,9 @@ class FleetRequestRouter(RequestRouter):
         )
         self._views: dict[ReplicaID, ReplicaLoadView] = {}
         self._next_index = itertools.count()
-        # internal_request_id -> (replica, tokens counted against it)
-        self._routed: dict[str, tuple[ReplicaID, int]] = {}
+        # internal_request_id -> (replica, tokens counted against it) per call: the calls
+        # one HTTP request makes (a completion of several prompts) share its id.
+        self._routed: dict[str, list[tuple[ReplicaID, int]]] = {}
         router_state.ROUTERS[self._deployment_id.name] = self
 
     def _view(self, replica: RunningReplica) -> ReplicaLoadView:
@@ -96,6 +97,7 @@ class FleetRequestRouter(RequestRouter):
         live = {r.replica_id for r in replicas}
         for replica_id in [rid for rid in self._views if rid not in live]:
             del self._views[replica_id]
+        router_state.replicas_changed(self._deployment_id.name)
 
     def index_of(self, replica_id: ReplicaID) -> int | None:
         view = self._views.get(replica_id)
@@ -125,16 +127,21 @@ class FleetRequestRouter(RequestRouter):
             return
         view.num_outstanding_requests += 1
         view.num_outstanding_tokens += route.num_tokens
-        self._routed[pending_request.metadata.internal_request_id] = (replica_id, route.num_tokens)
+        calls = self._routed.setdefault(pending_request.metadata.internal_request_id, [])
+        calls.append((replica_id, route.num_tokens))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        entry = self._routed.pop(internal_request_id, None)
-        if entry is None:
+        calls = self._routed.get(internal_request_id, [])
+        match = next((c for c in calls if c[0] == replica_id), None)
+        if match is None:
             return
-        view = self._views.get(entry[0])
+        calls.remove(match)
+        if not calls:
+            del self._routed[internal_request_id]
+        view = self._views.get(replica_id)
         if view is not None:
             view.num_outstanding_requests -= 1
-            view.num_outstanding_tokens -= entry[1]
+            view.num_outstanding_tokens -= match[1]
 
     def loads(self) -> Sequence[ReplicaLoadView]:
         """The replicas' figures as this router sees them (for the ingress's metrics)."""

@@ -5,9 +5,17 @@ this module is imported by name, so the router and the ingress share one dict.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 ROUTERS: dict[str, Any] = {}  # deployment name -> FleetRequestRouter
+# deployment name -> called (on the router's thread) when its replica set changes
+LISTENERS: dict[str, list[Callable[[], None]]] = {}
+
+
+def replicas_changed(deployment_name: str) -> None:
+    for listener in LISTENERS.get(deployment_name, []):
+        listener()
 
 
 def num_known_replicas(deployment_name: str) -> int | None:
