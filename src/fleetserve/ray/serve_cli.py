@@ -37,12 +37,13 @@ def run_on_ray(args: argparse.Namespace, fleet: FleetConfig, api_key: str | None
     def on_signal(signum: int, frame: Any) -> None:
         stop.set()
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     started_here = args.ray_address is None
     if started_here:
         ray.init(include_dashboard=False, log_to_driver=args.log_level == "debug")
     else:
         ray.init(address=args.ray_address, log_to_driver=args.log_level == "debug")
+    # After ray.init, which installs a SIGTERM handler of its own that aborts the process.
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
