@@ -132,3 +132,15 @@ def test_a_failed_batch_item_keeps_its_index() -> None:
     rebuilt = pickle.loads(pickle.dumps(remote)).exception(batch=True)
     assert isinstance(rebuilt, BatchItemError) and rebuilt.index == 3
     assert isinstance(rebuilt.error, ValueError) and str(rebuilt.error) == "cannot classify"
+
+
+def test_fleetserve_and_the_local_server_do_not_import_ray() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, fleetserve, fleetserve.entrypoints.openai.api_server, "
+        "fleetserve.serve.registry; print('ray' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
