@@ -83,7 +83,7 @@ def test_deployment_options_follow_the_fleet_file(tiny_llama: str) -> None:
                     "autoscale": {"min_replicas": 0, "max_replicas": 3, "target_queue_depth": 2},
                     "placement": {"num_cpus": 2, "resources": {"spot": 1}, "memory_gb": 1},
                 },
-                {"name": "emb", "kind": "embed", "replicas": 2},
+                {"name": "emb", "kind": "embed"},
             ]
         }
     )
@@ -103,7 +103,7 @@ def test_deployment_options_follow_the_fleet_file(tiny_llama: str) -> None:
     router = opts["request_router_config"]
     assert router["request_router_kwargs"]["policy"] == "prefix_affinity"
     opts, seats = model_options(cfg.models[1])
-    assert (opts["num_replicas"], seats) == (2, 32)
+    assert (opts["num_replicas"], seats) == (1, 32)
     assert "request_router_config" not in opts and "autoscaling_config" not in opts
 
 
