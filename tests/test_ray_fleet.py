@@ -175,6 +175,36 @@ def test_replicas_spread_over_the_worker_nodes(fleet: tuple[Any, str]) -> None:
     assert head not in nodes  # the head has no CPU for them
 
 
+def test_interactive_overtakes_a_batch_flood(fleet: tuple[Any, str]) -> None:
+    """The ingress's class queue sends the interactive request ahead of the batch requests
+    queued before it, and the engine's priority scheduler runs it ahead of those running."""
+    _, base_url = fleet
+    c = client(base_url)
+    finished: list[str] = []
+
+    def one(name: str, cls: str, max_tokens: int) -> None:
+        c.completions.create(
+            model="tiny",
+            prompt=f"{PROMPT} {name}",
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            extra_headers={"X-Fleetserve-Class": cls},
+        )
+        finished.append(name)
+
+    with concurrent.futures.ThreadPoolExecutor(41) as pool:
+        flood = [pool.submit(one, f"batch{i}", "batch", 40) for i in range(40)]
+        time.sleep(2.0)  # the flood fills both replicas and the ingress's queue
+        urgent = pool.submit(one, "interactive", "interactive", 4)
+        urgent.result(timeout=120)
+        num_batch_done = len(finished) - 1
+        for f in flood:
+            f.result(timeout=300)
+    # Only the batch requests already running could finish first (2 replicas x 4 seats).
+    assert num_batch_done <= 8, finished
+
+
 def test_removing_a_worker_under_load_leaves_no_request_hanging(fleet: tuple[Any, str]) -> None:
     cluster, base_url = fleet
     c = client(base_url)
