@@ -90,6 +90,18 @@ def wait_healthy(base_url: str, timeout_s: float = 300.0) -> None:
     wait_until(ok, timeout_s, "/health to answer 200")
 
 
+def replica_actors(deployment: str, app: str = "fleetserve") -> dict[str, str]:
+    """Actor id -> node id of the deployment's live replicas."""
+    from ray._private.state import state
+
+    name = f"ServeReplica:{app}:{deployment}"
+    return {
+        a["ActorID"]: a["Address"]["NodeID"]
+        for a in state.actor_table(None).values()
+        if a["ActorClassName"] == name and a["State"] == "ALIVE"
+    }
+
+
 def replica_nodes(deployment: str, app: str = "fleetserve") -> list[str]:
     """Node ids of the deployment's live replica actors. (The GCS's actor table: the public
     state API needs the dashboard, which these small clusters leave out.)"""

@@ -6,6 +6,8 @@ a worker node removed under load without any request hanging."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +17,7 @@ import numpy as np
 import openai
 import pytest
 
-from ray_cluster import ray_cluster, replica_nodes, wait_healthy
+from ray_cluster import ray_cluster, replica_actors, replica_nodes, wait_healthy, wait_until
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -203,6 +205,24 @@ def test_interactive_overtakes_a_batch_flood(fleet: tuple[Any, str]) -> None:
             f.result(timeout=300)
     # Only the batch requests already running could finish first (2 replicas x 4 seats).
     assert num_batch_done <= 8, finished
+
+
+def test_a_replica_whose_engine_dies_is_replaced(fleet: tuple[Any, str]) -> None:
+    _, base_url = fleet
+    before = replica_actors("model-tiny")
+    handle = serve.get_deployment_handle("model-tiny", app_name="fleetserve")
+    info = handle.info.remote().result(timeout_s=60)
+    os.kill(info["core_pid"], signal.SIGKILL)
+    # Its health check fails (check_health: the engine is dead) and Serve starts another.
+    wait_until(
+        lambda: len(after := replica_actors("model-tiny")) == 2 and after.keys() != before.keys(),
+        240,
+        "Serve to replace the replica whose engine died",
+    )
+    c = client(base_url)
+    for _ in range(4):  # both replicas serve again
+        got = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
+        assert got.usage is not None and got.usage.completion_tokens == 4
 
 
 def test_removing_a_worker_under_load_leaves_no_request_hanging(fleet: tuple[Any, str]) -> None:

@@ -112,6 +112,7 @@ class GenerateReplica:
         return {
             "node_id": _node_id(),
             "pid": os.getpid(),
+            "core_pid": self.replica.engine.core_pid,
             "num_routed": self.replica.num_routed,
             "stats": dict(self.replica.stats),
         }
