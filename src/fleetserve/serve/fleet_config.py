@@ -21,6 +21,11 @@
       batch: {priority: 10, max_waiting: 100000}
     default_class: interactive
 
+On Ray Serve (`fleetserve serve --ray`) a model may instead of `replicas` say
+`autoscale: {min_replicas, max_replicas, target_queue_depth, upscale_delay_s,
+downscale_delay_s}`, and `placement: {num_cpus, memory_gb, resources,
+max_replicas_per_node}`; the local server refuses both rather than ignore them.
+
 Unknown keys and bad values are refused with the key's path (`models[0].engine.max_num_seqs`).
 `engine:` takes EngineArgs' fields; the model list's `model` is EngineArgs.model. A fleet
 defaults its generate engines to the "priority" scheduling policy, so that the classes'
@@ -83,6 +88,36 @@ class ClassConfig(_Strict):
     max_queue_time_s: float | None = Field(default=None, gt=0.0)
 
 
+class AutoscaleConfig(_Strict):
+    """Replicas follow queue depth (Ray Serve only: `fleetserve serve --ray`). A replica is
+    sized for a batch (`max_num_seqs`) running plus `target_queue_depth` waiting; see
+    fleetserve/ray/autoscale.py for the policy. min_replicas 0 scales to zero."""
+
+    min_replicas: int = Field(default=1, ge=0, le=1024)
+    max_replicas: int = Field(default=4, ge=1, le=1024)
+    target_queue_depth: float = Field(default=4.0, gt=0.0)
+    upscale_delay_s: float = Field(default=5.0, ge=0.0)
+    downscale_delay_s: float = Field(default=60.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoscaleConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})"
+            )
+        return self
+
+
+class PlacementConfig(_Strict):
+    """Where a model's replicas run (Ray Serve only): Ray resources per replica, and at most
+    `max_replicas_per_node` of them on one node (1 spreads them over the nodes)."""
+
+    num_cpus: float = Field(default=1.0, ge=0.0)
+    memory_gb: float | None = Field(default=None, gt=0.0)
+    resources: dict[str, float] = Field(default_factory=dict)
+    max_replicas_per_node: int | None = Field(default=None, ge=1)
+
+
 class ModelEntry(_Strict):
     name: str
     kind: ModelKind = "generate"
@@ -94,9 +129,13 @@ class ModelEntry(_Strict):
     handler: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
     deploy: DeployConfig | None = None  # read by `fleetserve deploy k8s` only
+    autoscale: AutoscaleConfig | None = None
+    placement: PlacementConfig | None = None
 
     @model_validator(mode="after")
     def _check_kind(self) -> ModelEntry:
+        if self.autoscale is not None and "replicas" in self.model_fields_set:
+            raise ValueError("give replicas or autoscale, not both (autoscale starts at min)")
         if not _NAME.match(self.name):
             raise ValueError(f"name {self.name!r}: no spaces or control characters")
         if self.kind == "custom":
@@ -147,6 +186,15 @@ class FleetConfig(_Strict):
                 f"({', '.join(sorted(self.classes))})"
             )
         return self
+
+    def ray_only_keys(self) -> list[str]:
+        """The keys only `fleetserve serve --ray` honours, where this fleet sets them."""
+        return [
+            f"models[{i}].{key}"
+            for i, m in enumerate(self.models)
+            for key in ("autoscale", "placement")
+            if getattr(m, key) is not None
+        ]
 
     @property
     def default_class_name(self) -> str:

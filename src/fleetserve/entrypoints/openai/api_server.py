@@ -53,10 +53,10 @@ from fleetserve.entrypoints.openai.serving_common import (
     unless_disconnected,
 )
 from fleetserve.entrypoints.openai.serving_completion import create_completion
-from fleetserve.entrypoints.openai.serving_embedding import create_embedding
+from fleetserve.entrypoints.openai.serving_embedding import Embedder, create_embedding
+from fleetserve.entrypoints.openai.serving_predict import Predictor
 from fleetserve.entrypoints.openai.serving_predict import predict as run_predict
 from fleetserve.metrics import CONTENT_TYPE, ServerMetrics
-from fleetserve.serve.batch_service import CustomService, EmbedService
 from fleetserve.serve.fleet_config import FleetConfig, load_fleet_config, single_model_fleet
 from fleetserve.serve.fleet_metrics import FleetCollector
 from fleetserve.serve.policies import POLICY_NAMES
@@ -121,6 +121,18 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="web origins (https://app.example) whose pages may call the API (CORS); default: none",
     )
     g.add_argument("--log-level", default="info")
+    ray = p.add_argument_group("ray (pip install fleetserve[ray])")
+    ray.add_argument(
+        "--ray",
+        action="store_true",
+        help="run the fleet as a Ray Serve application (one deployment per model)",
+    )
+    ray.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="auto|HOST:PORT",
+        help="the Ray cluster to join (with --ray); default: start a local one",
+    )
     dp = p.add_argument_group("data parallel")
     dp.add_argument(
         "--data-parallel-size",
@@ -245,14 +257,14 @@ def build_app(
     async def embeddings(request: Request) -> Response:
         body = parse(EmbeddingRequest, await read_body(state.ctx, request))
         service = state.ctx.model(body.model, "embed")
-        assert isinstance(service, EmbedService)
+        assert isinstance(service, Embedder)
         return JSONResponse(await unless_disconnected(request, create_embedding(service, body)))
 
     @app.post("/v1/models/{name}:predict")
     async def predict(name: str, request: Request) -> Response:
         body = parse(PredictRequest, await read_body(state.ctx, request))
         service = state.ctx.model(name, "custom")
-        assert isinstance(service, CustomService)
+        assert isinstance(service, Predictor)
         return JSONResponse(await unless_disconnected(request, run_predict(service, body)))
 
     if batch_store is not None:
@@ -474,6 +486,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--request-read-timeout must be > 0, got {args.request_read_timeout}")
     api_key = api_key_from(args.api_key, os.environ)
     fleet = fleet_from_args(args)
+    if args.ray:
+        from fleetserve.ray.serve_cli import run_on_ray
+
+        return run_on_ray(args, fleet, api_key)
+    if args.ray_address is not None:
+        raise ValueError("--ray-address needs --ray")
+    ray_only = fleet.ray_only_keys()
+    if ray_only:
+        raise ValueError(f"{', '.join(ray_only)}: only `fleetserve serve --ray` honours these")
     metrics = ServerMetrics()
     registry = build_registry(fleet, metrics)
     metrics.registry.register(FleetCollector(list(registry)))

@@ -8,9 +8,9 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import anyio
 from fastapi import Request
@@ -32,8 +32,9 @@ from fleetserve.entrypoints.openai.errors import (
 from fleetserve.outputs import RequestOutput
 from fleetserve.serve.admission import ShedError
 from fleetserve.serve.base import ReplicaStreamLike
-from fleetserve.serve.model_service import GenerateService
 from fleetserve.serve.registry import ModelService, Registry, UnknownModelError, WrongKindError
+from fleetserve.serve.sla import ClassQueue
+from fleetserve.tokenizer import Tokenizer
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -44,11 +45,34 @@ CLASS_HEADER = "X-Fleetserve-Class"
 RETRY_AFTER_DEAD_S = 10
 
 
+@runtime_checkable
+class GenerateFrontend(Protocol):
+    """What the completion and chat handlers need of a generate model: GenerateService
+    here, fleetserve.ray's client of a Serve deployment on Ray."""
+
+    name: str
+    tokenizer: Tokenizer
+
+    @property
+    def queue(self) -> ClassQueue[Any]:
+        """Its SLA class queue (which classes it has, how many wait in each)."""
+        ...
+
+    async def admit(
+        self,
+        request_id: str,
+        prompts: list[Any],
+        params_for: Callable[[], Any],
+        class_name: str | None = None,
+        priority: int = 0,
+    ) -> Sequence[ReplicaStreamLike]: ...
+
+
 @dataclass(frozen=True)
 class ModelContext:
     """The model one request is for: its service (tokenizer, admission) and its name."""
 
-    engine: GenerateService
+    engine: GenerateFrontend
     served_model_name: str
 
 
@@ -71,7 +95,7 @@ class ServingContext:
 
     def generate_model(self, name: str | None) -> ModelContext:
         service = self.model(name, "generate")
-        assert isinstance(service, GenerateService)
+        assert isinstance(service, GenerateFrontend)
         return ModelContext(service, service.name)
 
 
@@ -148,16 +172,17 @@ async def admit(
     returns its streams once it is on a replica; a client that leaves meanwhile leaves
     the queue (ClientGone)."""
     try:
-        return await unless_disconnected(
+        streams = await unless_disconnected(
             request, ctx.engine.admit(request_id, prompts, params_for, class_name, priority)
         )
+        return list(streams)
     except ClientGone:
         raise
     except Exception as e:
         raise engine_error(e) from None
 
 
-async def merged(streams: list[ReplicaStreamLike]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged(streams: Sequence[ReplicaStreamLike]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several streams as they come, tagged with the stream's index."""
     if len(streams) == 1:
         async for out in streams[0]:
@@ -191,7 +216,7 @@ async def merged(streams: list[ReplicaStreamLike]) -> AsyncIterator[tuple[int, R
             s.close()
 
 
-async def collect(streams: list[ReplicaStreamLike]) -> list[RequestOutput]:
+async def collect(streams: Sequence[ReplicaStreamLike]) -> list[RequestOutput]:
     finals: list[RequestOutput | None] = [None] * len(streams)
     try:
         async for i, out in merged(streams):
@@ -269,7 +294,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def token_text(engine: GenerateService, token_id: int) -> str:
+def token_text(engine: GenerateFrontend, token_id: int) -> str:
     return engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
 

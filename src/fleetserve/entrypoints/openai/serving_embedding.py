@@ -8,17 +8,33 @@ Each input item is one batcher item, so the items of concurrent requests share b
 from __future__ import annotations
 
 import base64
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from fleetserve.engine.embedding import EmbeddingResult
 from fleetserve.entrypoints.openai.batch_errors import batch_api_error
 from fleetserve.entrypoints.openai.errors import APIError
 from fleetserve.entrypoints.openai.protocol_embed import MAX_EMBEDDING_INPUTS, EmbeddingRequest
-from fleetserve.serve.batch_service import EmbedService
 
 
-async def create_embedding(service: EmbedService, body: EmbeddingRequest) -> dict[str, Any]:
+@runtime_checkable
+class Embedder(Protocol):
+    """What this handler needs of an embed model: EmbedService here, fleetserve.ray's
+    client of a Serve deployment on Ray."""
+
+    name: str
+
+    @property
+    def dimension(self) -> int: ...
+
+    def check_ready(self) -> None: ...
+
+    async def embed(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> EmbeddingResult: ...
+
+
+async def create_embedding(service: Embedder, body: EmbeddingRequest) -> dict[str, Any]:
     """The response body; raises APIError (400 bad input, 503 loading/overloaded, 500)."""
     inputs = body.inputs()
     if not inputs:

@@ -7,14 +7,23 @@ per-instance error) with a body naming it, and the batch-mates from other reques
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from fleetserve.entrypoints.openai.batch_errors import batch_api_error
 from fleetserve.entrypoints.openai.protocol_embed import PredictRequest
-from fleetserve.serve.batch_service import CustomService
+from fleetserve.serve.custom import Instance, Prediction
 
 
-async def predict(service: CustomService, body: PredictRequest) -> dict[str, Any]:
+@runtime_checkable
+class Predictor(Protocol):
+    """What this handler needs of a custom model: CustomService here, fleetserve.ray's
+    client of a Serve deployment on Ray."""
+
+    async def predict(self, instances: Sequence[Instance]) -> list[Prediction]: ...
+
+
+async def predict(service: Predictor, body: PredictRequest) -> dict[str, Any]:
     """The response body; raises APIError (400 bad instance, 503, 500 handler failure)."""
     try:
         predictions = await service.predict(body.instances)

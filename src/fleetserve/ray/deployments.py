@@ -1,0 +1,172 @@
+"""What runs inside one Serve replica of a model: a generate replica is one fleetserve
+engine (AsyncEngine + its EngineCore process, behind the same LocalReplica the local
+server uses); an embed or custom replica is the local EmbedService / CustomService with
+its dynamic batcher.
+
+Refusals travel back as `RemoteError` values, not exceptions (see wire.py). A replica
+reports its load to Serve twice: `record_routing_stats` for the ingress's router (step
+latency, queue depth, prefix cache), `record_autoscaling_stats` for the queue-depth
+autoscaling policy (autoscale.py). `check_health` fails once the engine process is gone,
+and Serve replaces the replica.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.engine.arg_utils import EngineArgs
+from fleetserve.engine.async_engine import AsyncEngine
+from fleetserve.engine.embedding import MINILM_NAME
+from fleetserve.outputs import RequestOutput
+from fleetserve.ray.wire import RemoteError
+from fleetserve.serve.batch_service import CustomService, EmbedService
+from fleetserve.serve.batcher import BatchingConfig
+from fleetserve.serve.replica import LocalReplica
+
+# Each request is one the ingress let through its class queue; the engine never refuses.
+_ENGINE_MAX_WAITING = 1 << 20
+
+
+def _node_id() -> str:
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
+class GenerateReplica:
+    """One engine. `args` are the model entry's EngineArgs (num_threads: the replica's)."""
+
+    async def __init__(self, model_name: str, args: EngineArgs) -> None:  # type: ignore[misc]
+        self.model_name = model_name
+        if args.num_threads is None:
+            args = replace(args, num_threads=1)
+        engine = AsyncEngine(args, _ENGINE_MAX_WAITING)
+        self.replica = LocalReplica(0, engine, max_num_seqs=engine.config.scheduler.max_num_seqs)
+        await self.replica.start()
+
+    async def generate(
+        self,
+        *,
+        request_id: str,
+        prompt: dict[str, Any],
+        params: SamplingParams,
+        priority: int,
+        num_prompt_tokens: int,
+        num_new_tokens: int,
+        level: int,
+    ) -> AsyncIterator[RequestOutput | RemoteError]:
+        """The request's outputs (cumulative, the newest when the reader fell behind); a
+        refusal or failure is one RemoteError and the end. `num_new_tokens` is for the
+        ingress's router only. Cancelling the call (the client left) aborts the request."""
+        try:
+            stream = self.replica.submit(
+                request_id, prompt, params, priority, num_prompt_tokens, level=level
+            )
+        except Exception as e:  # noqa: BLE001 -- every refusal goes back as data
+            yield RemoteError.of(e)
+            return
+        try:
+            async for out in stream:
+                yield out
+        except Exception as e:  # noqa: BLE001
+            yield RemoteError.of(e)
+        finally:
+            stream.close()
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        r = self.replica
+        return {
+            "step_latency_s": r.step_latency_s,
+            "num_outstanding_requests": r.num_outstanding_requests,
+            "num_outstanding_tokens": r.num_outstanding_tokens,
+            "num_requests_waiting": r.queue_depth,
+            "prefix_cache_queries": r.stats.get("prefix_cache_queries", 0.0),
+            "prefix_cache_hits": r.stats.get("prefix_cache_hits", 0.0),
+            "kv_cache_usage_perc": r.stats.get("kv_cache_usage_perc", 0.0),
+        }
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        stats = self.replica.stats
+        running = float(stats.get("num_requests_running", 0.0))
+        # Sent to the engine but not yet scheduled there, plus the scheduler's own queue.
+        waiting = float(max(self.replica.num_outstanding_requests - running, 0.0))
+        return {
+            "num_running": running,
+            "num_waiting": waiting,
+            "kv_cache_usage": float(stats.get("kv_cache_usage_perc", 0.0)),
+        }
+
+    def check_health(self) -> None:
+        reason = self.replica.dead_reason
+        if reason is not None:
+            raise RuntimeError(f"the engine of {self.model_name!r} is dead: {reason}")
+
+    async def info(self) -> dict[str, Any]:
+        """Where it runs and its engine's counters (tests, `fleetserve` tooling)."""
+        return {
+            "node_id": _node_id(),
+            "pid": os.getpid(),
+            "core_pid": self.replica.engine.core_pid,
+            "num_routed": self.replica.num_routed,
+            "stats": dict(self.replica.stats),
+        }
+
+    async def __del__(self) -> None:
+        await self.replica.stop()
+
+
+class BatchReplica:
+    """An embed or custom model with its dynamic batcher (fleet_config's model entry)."""
+
+    async def __init__(self, entry: dict[str, Any]) -> None:  # type: ignore[misc]
+        batching = BatchingConfig(**(entry.get("batching") or {}))
+        self.service: EmbedService | CustomService
+        if entry["kind"] == "embed":
+            self.service = EmbedService(
+                entry["name"], entry.get("model") or MINILM_NAME, batching=batching
+            )
+        else:
+            self.service = CustomService(
+                entry["name"], entry["handler"], options=entry["options"], batching=batching
+            )
+        await self.service.start()
+
+    async def dimension(self) -> int:
+        assert isinstance(self.service, EmbedService)
+        return self.service.dimension
+
+    async def embed(
+        self, inputs: Sequence[str] | Sequence[Sequence[int]]
+    ) -> tuple[np.ndarray, list[int]] | RemoteError:
+        assert isinstance(self.service, EmbedService)
+        try:
+            result = await self.service.embed(inputs)
+        except Exception as e:  # noqa: BLE001 -- every refusal goes back as data
+            return RemoteError.of(e)
+        return result.vectors, result.num_tokens
+
+    async def predict(self, instances: list[dict[str, Any]]) -> list[Any] | RemoteError:
+        assert isinstance(self.service, CustomService)
+        try:
+            return await self.service.predict(instances)
+        except Exception as e:  # noqa: BLE001
+            return RemoteError.of(e)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        batcher = self.service.batcher
+        return {
+            "num_running": float(batcher.num_running),
+            "num_waiting": float(batcher.num_waiting),
+        }
+
+    async def info(self) -> dict[str, Any]:
+        return {"node_id": _node_id(), "pid": os.getpid()}
+
+    async def __del__(self) -> None:
+        await self.service.shutdown(timeout_s=5.0)

@@ -1,0 +1,125 @@
+"""The OpenAI ingress deployment: the local server's FastAPI app (same routes, errors,
+auth, metrics, health) over a registry of clients of the model deployments (clients.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from fleetserve.entrypoints.openai.api_server import ServerState, build_app
+from fleetserve.entrypoints.openai.serving_common import ServingContext
+from fleetserve.metrics import ServerMetrics
+from fleetserve.ray.clients import RayCustomClient, RayEmbedClient, RayGenerateClient
+from fleetserve.ray.router_state import ROUTERS
+from fleetserve.serve.fleet_config import parse_fleet_config
+from fleetserve.serve.registry import ModelService, Registry
+
+
+@dataclass(frozen=True)
+class IngressOptions:
+    """The local server's front-door settings (`fleetserve serve` flags)."""
+
+    api_key: str | None = None
+    max_request_bytes: int = 8 * 1024 * 1024
+    request_read_timeout_s: float = 15.0
+    drain_timeout_s: float = 30.0
+    allowed_origins: tuple[str, ...] = ()
+
+
+class RayFleetCollector(Collector):
+    """The local server's fleet series (serve/fleet_metrics.py) on Ray: the queue depth
+    `fleetserve:num_requests_waiting{model_name, class}` (the ingress's class queues), and
+    per Serve replica of each generate model, as the ingress's router sees it,
+    `fleetserve:replica_*{model_name, replica}`."""
+
+    def __init__(self, services: Sequence[ModelService], deployments: Mapping[str, str]) -> None:
+        self.services = services
+        self.deployments = deployments  # model name -> deployment name
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        waiting = GaugeMetricFamily(
+            "fleetserve:num_requests_waiting",
+            "Requests not started yet: in their class queue at the ingress.",
+            labels=["model_name", "class"],
+        )
+        for service in self.services:
+            for name, n in service.waiting_by_class().items():
+                waiting.add_metric([service.name, name], n)
+        yield waiting
+        labels = ["model_name", "replica"]
+        tokens = GaugeMetricFamily(
+            "fleetserve:replica_outstanding_tokens",
+            "Prompt tokens not yet prefilled plus tokens still to generate, routed to it.",
+            labels=labels,
+        )
+        requests = GaugeMetricFamily(
+            "fleetserve:replica_outstanding_requests",
+            "Requests routed to it and not finished.",
+            labels=labels,
+        )
+        queried = CounterMetricFamily(
+            "fleetserve:replica_prefix_cache_queries",
+            "Prompt tokens looked up in its prefix cache (as of its last routing stats).",
+            labels=labels,
+        )
+        hits = CounterMetricFamily(
+            "fleetserve:replica_prefix_cache_hits",
+            "Prompt tokens found in its prefix cache (as of its last routing stats).",
+            labels=labels,
+        )
+        for model, deployment in self.deployments.items():
+            router = ROUTERS.get(deployment)
+            if router is None:
+                continue
+            for view in router.loads():
+                lv = [model, str(view.index)]
+                stats = view.replica.routing_stats or {}
+                tokens.add_metric(lv, view.num_outstanding_tokens)
+                requests.add_metric(lv, view.num_outstanding_requests)
+                queried.add_metric(lv, float(stats.get("prefix_cache_queries", 0.0)))
+                hits.add_metric(lv, float(stats.get("prefix_cache_hits", 0.0)))
+        yield from (tokens, requests, queried, hits)
+
+
+@serve.ingress()
+class FleetIngress:
+    def __init__(
+        self,
+        fleet: dict[str, Any],
+        handles: dict[str, DeploymentHandle],
+        max_ongoing: dict[str, int],
+        options: IngressOptions,
+    ) -> None:
+        config = parse_fleet_config(fleet, "fleet config")
+        metrics = ServerMetrics()
+        services: list[ModelService] = []
+        for entry in config.models:
+            handle = handles[entry.name]
+            if entry.kind == "generate":
+                services.append(
+                    RayGenerateClient(
+                        entry, config, handle, max_ongoing[entry.name], metrics.model(entry.name)
+                    )
+                )
+            elif entry.kind == "embed":
+                services.append(RayEmbedClient(entry, handle))
+            else:
+                services.append(RayCustomClient(entry, handle))
+        registry = Registry(services)
+        generate = {
+            m.name: handles[m.name].deployment_name for m in config.models if m.kind == "generate"
+        }
+        metrics.registry.register(RayFleetCollector(services, generate))
+        ctx = ServingContext(registry, options.max_request_bytes, options.request_read_timeout_s)
+        self.state = ServerState(ctx, metrics, options.api_key)
+        self._app = build_app(self.state, options.drain_timeout_s, options.allowed_origins)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self._app

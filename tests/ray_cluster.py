@@ -1,0 +1,119 @@
+"""A small simulated Ray cluster for the Ray Serve tests: a head and two worker nodes in
+this machine (ray.cluster_utils.Cluster), with Serve's HTTP proxy on a free port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+TESTS_DIR = str(Path(__file__).resolve().parent)
+SRC_DIR = str(Path(__file__).resolve().parent.parent / "src")
+# Small object stores: the tests move tokens and vectors, not tensors.
+OBJECT_STORE_BYTES = 80 * 2**20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def ray_cluster(
+    num_workers: int = 2, worker_cpus: int = 2, env: dict[str, str] | None = None
+) -> Iterator[tuple[Any, str]]:
+    """(cluster, base_url of Serve's proxy); everything is shut down on exit. `env` is set
+    for the cluster's processes (engines read FLEETSERVE_DEBUG_STEP_DELAY_S)."""
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    # Workers are processes of the raylets started here: they import fleetserve (and the
+    # tests' custom handler) from the same paths as this process.
+    paths = [SRC_DIR, TESTS_DIR, os.environ.get("PYTHONPATH", "")]
+    saved = dict(os.environ)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    os.environ.update(env or {})
+    cluster = Cluster(
+        initialize_head=True,
+        # The head runs Serve's controller and proxy and the ingress (0 CPUs each); the
+        # model replicas need the workers' CPUs, as on a real cluster.
+        head_node_args={
+            "num_cpus": 0,
+            "object_store_memory": OBJECT_STORE_BYTES,
+            "include_dashboard": False,
+        },
+    )
+    try:
+        for _ in range(num_workers):
+            cluster.add_node(num_cpus=worker_cpus, object_store_memory=OBJECT_STORE_BYTES)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        port = free_port()
+        # One proxy, on the head: these nodes share one host, and a proxy per node would
+        # share the port, so removing a node would also drop the connections of its proxy.
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        yield cluster, f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def wait_healthy(base_url: str, timeout_s: float = 300.0) -> None:
+    def ok() -> bool:
+        try:
+            return httpx.get(f"{base_url}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(ok, timeout_s, "/health to answer 200")
+
+
+def replica_actors(deployment: str, app: str = "fleetserve") -> dict[str, str]:
+    """Actor id -> node id of the deployment's live replicas."""
+    from ray._private.state import state
+
+    name = f"ServeReplica:{app}:{deployment}"
+    return {
+        a["ActorID"]: a["Address"]["NodeID"]
+        for a in state.actor_table(None).values()
+        if a["ActorClassName"] == name and a["State"] == "ALIVE"
+    }
+
+
+def replica_nodes(deployment: str, app: str = "fleetserve") -> list[str]:
+    """Node ids of the deployment's live replica actors. (The GCS's actor table: the public
+    state API needs the dashboard, which these small clusters leave out.)"""
+    from ray._private.state import state
+
+    name = f"ServeReplica:{app}:{deployment}"
+    return [
+        a["Address"]["NodeID"]
+        for a in state.actor_table(None).values()
+        if a["ActorClassName"] == name and a["State"] == "ALIVE"
+    ]
+
+
+def scrape(base_url: str) -> str:
+    return httpx.get(f"{base_url}/metrics", timeout=10).text

@@ -1,0 +1,146 @@
+"""The Ray layer's pieces that need no cluster: the fleet file's autoscale and placement
+keys, their mapping onto Serve's deployment options, the queue-depth policy's arithmetic,
+refusals crossing the process boundary as data, and the local server refusing the keys
+only Ray honours."""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+from typing import Any
+
+import pytest
+
+from fleetserve.engine.async_engine import EngineDeadError, EngineOverloadedError
+from fleetserve.serve.batch_service import ServiceNotReadyError
+from fleetserve.serve.batcher import BatchItemError
+from fleetserve.serve.fleet_config import parse_fleet_config
+
+
+def fleet(**entry: Any) -> dict[str, Any]:
+    return {"models": [{"name": "m", **entry}]}
+
+
+def test_autoscale_and_placement_are_validated_by_key() -> None:
+    cfg = parse_fleet_config(
+        fleet(autoscale={"min_replicas": 0, "max_replicas": 3}, placement={"num_cpus": 2})
+    )
+    auto = cfg.models[0].autoscale
+    assert auto is not None and (auto.min_replicas, auto.max_replicas) == (0, 3)
+    assert cfg.ray_only_keys() == ["models[0].autoscale", "models[0].placement"]
+    with pytest.raises(ValueError, match=r"models\[0\].autoscale.*exceeds max_replicas"):
+        parse_fleet_config(fleet(autoscale={"min_replicas": 3, "max_replicas": 2}))
+    with pytest.raises(ValueError, match="replicas or autoscale"):
+        parse_fleet_config(fleet(replicas=2, autoscale={}))
+    with pytest.raises(ValueError, match=r"models\[0\].autoscale.target_queue_depth"):
+        parse_fleet_config(fleet(autoscale={"target_queue_depth": 0}))
+    with pytest.raises(ValueError, match=r"models\[0\].placement.max_replicas_per_node"):
+        parse_fleet_config(fleet(placement={"max_replicas_per_node": 0}))
+    with pytest.raises(ValueError, match=r"models\[0\].placement.gpus"):
+        parse_fleet_config(fleet(placement={"gpus": 1}))
+
+
+def test_the_local_server_refuses_what_only_ray_honours(tmp_path: Any) -> None:
+    from fleetserve.entrypoints.openai.api_server import add_cli_args, run
+
+    path = tmp_path / "fleet.yaml"
+    path.write_text("models:\n  - name: m\n    autoscale: {min_replicas: 0}\n")
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    with pytest.raises(ValueError, match=r"models\[0\].autoscale: only `fleetserve serve --ray`"):
+        run(parser.parse_args(["--config", str(path)]))
+    with pytest.raises(ValueError, match="--ray-address needs --ray"):
+        run(parser.parse_args(["--config", str(path), "--ray-address", "auto"]))
+
+
+def test_queue_depth_policy_sizes_for_seats_plus_target() -> None:
+    pytest.importorskip("ray")
+    from fleetserve.ray.autoscale import QueueDepthPolicy
+
+    p = QueueDepthPolicy(seats_per_replica=4, target_queue_depth=2)
+    assert p.desired(current=1, running=0, waiting=0, kv_usage=0.0) == 0  # idle: to min
+    assert p.desired(current=1, running=4, waiting=2, kv_usage=0.1) == 1  # at target
+    assert p.desired(current=1, running=4, waiting=3, kv_usage=0.1) == 2  # past it
+    assert p.desired(current=2, running=8, waiting=16, kv_usage=0.1) == 4
+    # Waiting for KV blocks, not seats: one more replica even under the target.
+    assert p.desired(current=2, running=3, waiting=1, kv_usage=0.95) == 3
+    with pytest.raises(ValueError, match="target_queue_depth"):
+        QueueDepthPolicy(4, 0)
+
+
+def test_deployment_options_follow_the_fleet_file(tiny_llama: str) -> None:
+    pytest.importorskip("ray")
+    from fleetserve.ray.app import model_options
+
+    cfg = parse_fleet_config(
+        {
+            "models": [
+                {
+                    "name": "chat#1",
+                    "model": tiny_llama,
+                    "routing": "prefix_affinity",
+                    "engine": {"max_num_seqs": 8},
+                    "autoscale": {"min_replicas": 0, "max_replicas": 3, "target_queue_depth": 2},
+                    "placement": {"num_cpus": 2, "resources": {"spot": 1}, "memory_gb": 1},
+                },
+                {"name": "emb", "kind": "embed"},
+            ]
+        }
+    )
+    opts, seats = model_options(cfg.models[0])
+    assert seats == 8
+    assert opts["name"] == "model-chat_1"
+    assert opts["max_ongoing_requests"] == 8 + 4
+    assert opts["ray_actor_options"] == {
+        "num_cpus": 2,
+        "memory": 2**30,
+        "resources": {"spot": 1},
+    }
+    auto = opts["autoscaling_config"]
+    assert (auto["min_replicas"], auto["initial_replicas"], auto["max_replicas"]) == (0, 0, 3)
+    assert auto["policy"]["policy_kwargs"] == {"seats_per_replica": 8, "target_queue_depth": 2}
+    assert "num_replicas" not in opts
+    router = opts["request_router_config"]
+    assert router["request_router_kwargs"]["policy"] == "prefix_affinity"
+    opts, seats = model_options(cfg.models[1])
+    assert (opts["num_replicas"], seats) == (1, 32)
+    assert "request_router_config" not in opts and "autoscaling_config" not in opts
+
+
+@pytest.mark.parametrize(
+    ("error", "batch", "expected"),
+    [
+        (ValueError("bad max_tokens"), False, ValueError),
+        (EngineOverloadedError("full"), False, EngineOverloadedError),
+        (EngineDeadError("gone"), False, EngineDeadError),
+        (ServiceNotReadyError("loading"), True, ServiceNotReadyError),
+        (RuntimeError("bug"), True, RuntimeError),
+    ],
+)
+def test_refusals_cross_as_data(error: Exception, batch: bool, expected: type) -> None:
+    from fleetserve.ray.wire import RemoteError
+
+    remote = pickle.loads(pickle.dumps(RemoteError.of(error)))
+    rebuilt = remote.exception(batch)
+    assert type(rebuilt) is expected and str(rebuilt) == str(error)
+
+
+def test_a_failed_batch_item_keeps_its_index() -> None:
+    from fleetserve.ray.wire import RemoteError
+
+    remote = RemoteError.of(BatchItemError(3, ValueError("cannot classify")))
+    rebuilt = pickle.loads(pickle.dumps(remote)).exception(batch=True)
+    assert isinstance(rebuilt, BatchItemError) and rebuilt.index == 3
+    assert isinstance(rebuilt.error, ValueError) and str(rebuilt.error) == "cannot classify"
+
+
+def test_fleetserve_and_the_local_server_do_not_import_ray() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, fleetserve, fleetserve.entrypoints.openai.api_server, "
+        "fleetserve.serve.registry; print('ray' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
