@@ -41,6 +41,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
+    p.add_argument("--quantization", default=None, choices=["none", "gguf", "int8"], help="weights")
     p.add_argument("--json", default=None, help="write the figures here")
 
 
@@ -81,6 +82,7 @@ def run_fleetserve(
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        quantization=args.quantization,
     )
     startup = time.perf_counter() - t0
     params = [
@@ -118,6 +120,7 @@ def run_fleetserve(
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         num_engine_steps=llm.engine.core.num_steps - steps0,
+        quantization=llm.engine.config.quantization,
     )
     if parallel:
         result["ranks"] = rank_stats
