@@ -176,3 +176,28 @@ def test_sigkill_mid_run_then_rerun_is_exactly_once(tiny_llama: str, tmp_path: P
     # Lines committed before the kill were not run again: their records are unchanged.
     by_id = {json.loads(g)["custom_id"]: g for g in got}
     assert all(by_id[cid] == rec for cid, rec in before.items())
+
+
+def test_config_fleet_serves_lines_by_model_name(tiny_llama: str, tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "models:\n"
+        f"  - {{name: chat, kind: generate, model: {json.dumps(tiny_llama)},"
+        " engine: {max_num_seqs: 4}}\n"
+        "classes:\n"
+        "  interactive: {priority: 0, max_waiting: 8}\n"
+        "  batch: {priority: 10, max_waiting: 1000}\n"
+        "default_class: interactive\n",
+        encoding="utf-8",
+    )
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, [_req(f"c{i}", CHAT, {**body, "model": "chat"}) for i in range(12)]
+           + [_req("nope", CHAT, {**body, "model": "nope"})])  # fmt: skip
+    cmd = [sys.executable, "-m", "fleetserve.entrypoints.cli", "batch", "run", str(inp),
+           "-o", str(out), "--config", str(fleet), "--no-progress"]  # fmt: skip
+    assert "13 lines (12 ok, 1 failed)" in _run(cmd).stderr
+    got = _read(out)
+    assert all(g["response"]["body"]["model"] == "chat" for g in got[:12])
+    assert got[12]["response"]["status_code"] == 404
+    assert got[12]["error"]["code"] == "model_not_found"

@@ -132,9 +132,9 @@ def test_completions_and_embeddings_batches(server: BatchServer) -> None:
     d2 = _wait(c, b2.id, lambda b: b.status == "completed")
     assert d2.request_counts.failed == 1
     (err,) = _jsonl(c, d2.error_file_id)
-    # The registry's wrong-kind refusal, as over HTTP: a generate model has no embeddings.
-    assert "the model 'tiny' is a generate model" in err["error"]["message"]
+    # The registry's answer, as over HTTP: the model exists but is not an embed model.
     assert err["response"]["status_code"] == 400
+    assert "'tiny' is a generate model; this endpoint serves embed" in err["error"]["message"]
 
 
 def test_upload_and_create_errors(server: BatchServer) -> None:
