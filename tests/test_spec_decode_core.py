@@ -267,7 +267,7 @@ def test_speculative_config_parse() -> None:
 
 def test_spec_decode_metrics_pool_replicas_and_count_deltas() -> None:
     from fleetserve.metrics import ServerMetrics
-    from fleetserve.serve.dp_engine import _spec_decode_totals
+    from fleetserve.serve.model_service import _spec_decode_totals
 
     assert _spec_decode_totals([{"num_requests_running": 1.0}]) == {}
     pooled = _spec_decode_totals(
@@ -280,10 +280,11 @@ def test_spec_decode_metrics_pool_replicas_and_count_deltas() -> None:
     )  # fmt: skip
     assert pooled["spec_decode_acceptance_rate"] == 0.5
     assert pooled["spec_decode_mean_accepted_length"] == 3.0
-    m = ServerMetrics("m")
+    server = ServerMetrics()
+    m = server.model("m")
     m.set_engine_stats(pooled)
     m.set_engine_stats({**pooled, "spec_decode_num_accepted_tokens": 10})
-    text = m.render().decode()
+    text = server.render().decode()
     assert 'fleetserve:spec_decode_num_accepted_tokens_total{model_name="m"} 10.0' in text
     assert 'fleetserve:spec_decode_num_draft_tokens_total{model_name="m"} 16.0' in text
     assert 'fleetserve:spec_decode_acceptance_rate{model_name="m"} 0.5' in text
