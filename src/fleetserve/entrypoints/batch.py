@@ -109,7 +109,7 @@ def _checkpointed_batch(store: Any, input_path: str, data: bytes) -> str:
 
 def _registry(args: argparse.Namespace, n: int) -> Any:
     """The fleet file's models, or the engine flags' one model."""
-    from fleetserve.entrypoints.openai.api_server import default_served_name
+    from fleetserve.entrypoints.openai.api_server import served_name
     from fleetserve.metrics import ServerMetrics
     from fleetserve.serve.fleet_config import load_fleet_config, single_model_fleet
     from fleetserve.serve.registry import build_registry
@@ -118,17 +118,7 @@ def _registry(args: argparse.Namespace, n: int) -> Any:
         fleet = load_fleet_config(args.config)
     else:
         engine_args = engine_args_from(args)
-        name = args.served_model_name
-        if name is None:
-            path = engine_args.model
-            if path is None:
-                from fleetserve.models.default_model import default_model_path
-
-                try:
-                    path = default_model_path()
-                except OSError as e:
-                    raise ValueError(str(e)) from e
-            name = default_served_name(path)
+        name = served_name(engine_args, args.served_model_name)
         fleet = single_model_fleet(name, engine_args, 1, "least_loaded", n)
     try:
         return build_registry(fleet, ServerMetrics())

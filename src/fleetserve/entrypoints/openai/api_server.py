@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from fleetserve.batch.store import BatchStore, default_state_dir
+from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.entrypoints.engine_args_cli import add_engine_args, engine_args_from
 from fleetserve.entrypoints.openai.batch_executor import FleetLineExecutor
 from fleetserve.entrypoints.openai.body import ClientGone
@@ -445,20 +446,26 @@ def fleet_from_args(args: argparse.Namespace) -> FleetConfig:
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     engine_args = engine_args_from(args)
-    name = args.served_model_name
-    if name is None:
-        path = engine_args.model
-        if path is None:
-            from fleetserve.models.default_model import default_model_path
-
-            try:
-                path = default_model_path()
-            except OSError as e:
-                raise ValueError(str(e)) from e
-        name = default_served_name(path)
+    name = served_name(engine_args, args.served_model_name)
     return single_model_fleet(
         name, engine_args, args.data_parallel_size, args.routing, args.max_waiting_requests
     )
+
+
+def served_name(engine_args: EngineArgs, given: str | None) -> str:
+    """The name clients send for a model given by flags: --served-model-name, else the
+    checkpoint's file or folder name (the default model's when none is named)."""
+    if given is not None:
+        return given
+    path = engine_args.model
+    if path is None:
+        from fleetserve.models.default_model import default_model_path
+
+        try:
+            path = default_model_path()
+        except OSError as e:
+            raise ValueError(str(e)) from e
+    return default_served_name(path)
 
 
 def api_key_from(flag: str | None, env: Mapping[str, str]) -> str | None:
