@@ -17,6 +17,7 @@ from fleetserve.engine.async_engine import EngineDeadError
 from fleetserve.metrics import ServerMetrics
 from fleetserve.outputs import CompletionOutput, RequestOutput
 from fleetserve.serve.admission import ShedError
+from fleetserve.serve.fleet_config import ResilienceConfig
 from fleetserve.serve.model_service import GenerateService
 from fleetserve.serve.replica import LocalReplica
 from fleetserve.serve.sla import REQUEST_PRIORITY_SPAN, ServiceClass
@@ -32,6 +33,7 @@ class FakeStream:
         self.engine, self.request_id, self.n = engine, request_id, n
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.closed = False
+        self.finished = False
 
     def __aiter__(self) -> FakeStream:
         return self
@@ -43,7 +45,7 @@ class FakeStream:
         if isinstance(item, BaseException):
             raise item
         if item.finished:
-            self.closed = True
+            self.closed = self.finished = True
         return item
 
     def finish(self) -> None:
@@ -69,6 +71,11 @@ class FakeEngine:
         self.sent: list[tuple[str, int]] = []  # (request id, engine priority)
         self.streams: dict[str, FakeStream] = {}
         self.aborted: list[str] = []
+        self.on_notice = None
+        self.core_pid = None
+
+    def kill(self) -> None:
+        self.dead_reason = "killed"
 
     async def start(self, timeout_s: float = 0.0) -> None:
         self.is_ready = True
@@ -77,7 +84,9 @@ class FakeEngine:
         self.is_ready = False
         self.dead_reason = "stopped"
 
-    def add_request(self, rid: str, prompt: Any, params: SamplingParams, priority: int) -> Any:
+    def add_request(
+        self, rid: str, prompt: Any, params: SamplingParams, priority: int, resume: Any = None
+    ) -> Any:
         self.sent.append((rid, priority))
         self.streams[rid] = FakeStream(self, rid, params.n)
         return self.streams[rid]
@@ -98,7 +107,11 @@ class Service(GenerateService):
 def service(model: str, policy: str = "priority", replicas: int = 1) -> Service:
     args = EngineArgs(model=model, max_num_seqs=2, scheduling_policy=policy)
     metrics = ServerMetrics().model("m")
-    return Service("m", args, replicas, CLASSES, "interactive", metrics=metrics)
+    # Replicas are added and removed by hand here: no replacement, no waiting for one.
+    resilience = ResilienceConfig(replace_failed=False, migration_wait_s=0.0)
+    return Service(
+        "m", args, replicas, CLASSES, "interactive", metrics=metrics, resilience=resilience
+    )
 
 
 def engine(svc: GenerateService, index: int = 0) -> FakeEngine:

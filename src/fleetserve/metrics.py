@@ -88,6 +88,17 @@ class ServerMetrics:
             "Requests refused before any compute: its class queue full, or its queue time over.",
             ["model_name", "class", "reason"], registry=r,
         )  # fmt: skip
+        self.migrations = Counter(
+            "fleetserve:request_migrations",
+            "Requests resumed on another replica after theirs was lost, by why it was lost.",
+            ["model_name", "reason"], registry=r,
+        )  # fmt: skip
+        self.replica_events = Counter(
+            "fleetserve:replica_events",
+            "Replica lifecycle events: started, failed (died), hung, notice, drained, "
+            "start_failed.",
+            ["model_name", "event"], registry=r,
+        )  # fmt: skip
         self.batch_size = Histogram(
             "fleetserve:batch_size",
             "Requests per batch run by an embed or custom model's dynamic batcher.",
@@ -167,6 +178,12 @@ class ModelMetrics:
             s.e2e.labels(self.model_name, class_name).observe(e2e)
             if ttft is not None and num_tokens > 1:
                 s.tpot.labels(self.model_name, class_name).observe((e2e - ttft) / (num_tokens - 1))
+
+    def add_migration(self, reason: str) -> None:
+        self.server.migrations.labels(self.model_name, reason).inc()
+
+    def add_replica_event(self, event: str) -> None:
+        self.server.replica_events.labels(self.model_name, event).inc()
 
     def add_shed(self, class_name: str, reason: str) -> None:
         self.server.shed.labels(self.model_name, class_name, reason).inc()

@@ -110,8 +110,11 @@ def test_sigterm_drains(fresh_server: Any) -> None:
     assert wait_until(lambda: not pid_alive(core_pid), 5)
 
 
-def test_engine_killed_under_load(fresh_server: Any) -> None:
-    srv = fresh_server().wait_ready()
+def test_engine_killed_under_load_without_replacement(fresh_server: Any) -> None:
+    """With no replica to move to (one replica, not replaced) a lost engine ends every
+    request at once with a clear error; tests/server/test_chaos.py has the default, where
+    requests move to a replacement."""
+    srv = fresh_server("--no-replace-failed").wait_ready()
     core_pid = srv.core_pid
     assert core_pid is not None
     body = {"prompt": "c", "max_tokens": 1900, "ignore_eos": True, "stream": True}

@@ -46,6 +46,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         group_id: str | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -58,8 +59,11 @@ class Request:
         # Siblings of one n>1 request share a group id: they wait for the first one's
         # prompt blocks so that they reuse them through the prefix cache.
         self.group_id = group_id
-        self.all_token_ids: list[int] = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        # A request resumed on this engine after its replica was lost (migration) comes
+        # with the tokens it had generated there; like a preempted request, it recomputes
+        # their K/V and samples on from the next position.
+        self.output_token_ids: list[int] = list(output_token_ids or ())
+        self.all_token_ids: list[int] = list(prompt_token_ids) + self.output_token_ids
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hits when first scheduled
         self.num_preemptions = 0

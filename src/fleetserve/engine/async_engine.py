@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import msgspec
@@ -34,6 +34,7 @@ from fleetserve.engine.wire import (
     AddRequest,
     CoreFailure,
     CoreMessage,
+    CoreNotice,
     CoreOutputs,
     CoreReady,
     EngineSpec,
@@ -50,12 +51,23 @@ class EngineDeadError(RuntimeError):
     """The core process is gone; no request can be served any more."""
 
 
+class ReplicaGoneError(EngineDeadError):
+    """This engine can no longer serve the request (its process died, it is being drained
+    or stopped), though another replica may: the fleet resumes the request elsewhere
+    (request migration, serve/migration.py)."""
+
+
 class EngineNotReadyError(RuntimeError):
     """The model is still loading."""
 
 
 class EngineOverloadedError(RuntimeError):
     """Too many requests are waiting; the caller should retry later."""
+
+
+def resume_tokens(resume: RequestOutput) -> list[list[int] | None]:
+    """Per child of a resumed request: the tokens it had (None: it had finished)."""
+    return [None if c.finished else list(c.token_ids) for c in resume.outputs]
 
 
 class RequestStream:
@@ -70,6 +82,7 @@ class RequestStream:
         self.started = False  # the first output arrived
         self.finished = False
         self.closed = False
+        self.lost = False  # ended by ReplicaGoneError: the request goes on elsewhere
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -82,6 +95,7 @@ class RequestStream:
         while not self.queue.empty() and not isinstance(item, BaseException):
             item = self.queue.get_nowait()
         if isinstance(item, BaseException):
+            self.lost = isinstance(item, ReplicaGoneError)
             self.close()
             raise item
         if item.finished:
@@ -120,6 +134,10 @@ class AsyncEngine:
         self.stats: dict[str, float] = {}
         # Called with every step's stats (a data-parallel frontend tracks its replicas).
         self.on_stats: Callable[[dict[str, float]], None] | None = None
+        # Called when the core says it will be taken away (SIGTERM, a spot notice).
+        self.on_notice: Callable[[CoreNotice], None] | None = None
+        self.sigterm_grace_s = 15.0
+        self.notice: dict[str, Any] | None = None
         self._streams: dict[str, RequestStream] = {}
         self._num_unstarted = 0
         self._proc: subprocess.Popen[bytes] | None = None
@@ -155,7 +173,13 @@ class AsyncEngine:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)  # type: ignore[arg-type]
         spec = EngineSpec(
-            asdict(self.args), in_addr, out_addr, os.getpid(), self.data_parallel_rank
+            asdict(self.args),
+            in_addr,
+            out_addr,
+            os.getpid(),
+            self.data_parallel_rank,
+            self.sigterm_grace_s,
+            self.notice,
         )
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "fleetserve.engine.core_proc", msgspec.json.encode(spec)],
@@ -193,7 +217,13 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.clear_engine_stats()  # a dead engine runs and holds nothing
         for stream in list(self._streams.values()):
-            stream.queue.put_nowait(EngineDeadError(reason))
+            stream.queue.put_nowait(ReplicaGoneError(reason))
+
+    def kill(self) -> None:
+        """SIGKILL the core now (a hung one cannot be asked to stop)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self.dead_reason = self.dead_reason or "the engine was killed"
+            self._proc.kill()
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         for task in self._tasks:
@@ -234,8 +264,11 @@ class AsyncEngine:
         prompt: PromptType,
         params: SamplingParams,
         priority: int = 0,
+        resume: RequestOutput | None = None,
     ) -> RequestStream:
-        """Validate and submit; raises ValueError for bad input before anything is sent."""
+        """Validate and submit; raises ValueError for bad input before anything is sent.
+        `resume`: the request's last output seen on a replica that was lost; it goes on
+        from there (see OutputProcessor.add_request)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if self.num_kv_blocks is None:
@@ -257,17 +290,21 @@ class AsyncEngine:
                 f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
                 f"the KV cache capacity of {capacity} tokens"
             )
-        child_ids = self.output_processor.add_request(request_id, text, ids, params)
+        child_ids = self.output_processor.add_request(request_id, text, ids, params, resume)
         try:
             # Encoded before anything is counted: a message that cannot be encoded fails
             # here and leaves no trace.
+            outputs = [[] for _ in child_ids] if resume is None else resume_tokens(resume)
+            if any(outputs):  # the prompt's logprobs were already sent
+                params = replace(params, prompt_logprobs=None)
             wire_params = params_to_wire(params)
             group = request_id if len(child_ids) > 1 else None
             messages = [
                 self._encoder.encode(
-                    AddRequest(cid, ids, wire_params, self.eos_token_ids, priority, group)
+                    AddRequest(cid, ids, wire_params, self.eos_token_ids, priority, group, out)
                 )
-                for cid in child_ids
+                for cid, out in zip(child_ids, outputs, strict=True)
+                if out is not None
             ]
         except Exception:
             self.output_processor.abort(request_id)
@@ -283,7 +320,7 @@ class AsyncEngine:
         except BaseException:
             stream.close()
             raise
-        if self.metrics is not None:
+        if self.metrics is not None and resume is None:
             self.metrics.add_prompt_tokens(len(ids))
         return stream
 
@@ -302,10 +339,10 @@ class AsyncEngine:
         if stream is not None:
             stream.close()
 
-    def abort_all(self, reason: str) -> None:
-        """Ends every open stream with EngineDeadError(reason); closing them aborts them."""
+    def abort_all(self, reason: str, error: type[EngineDeadError] = EngineDeadError) -> None:
+        """Ends every open stream with `error(reason)`; closing them aborts them."""
         for stream in list(self._streams.values()):
-            stream.queue.put_nowait(EngineDeadError(reason))
+            stream.queue.put_nowait(error(reason))
 
     def _release(self, stream: RequestStream) -> None:
         """A stream was closed: forget it, and abort it in the core if it was unfinished."""
@@ -319,7 +356,7 @@ class AsyncEngine:
         self.output_processor.abort(stream.request_id)
         if child_ids and self.dead_reason is None:
             self._send(AbortRequests(child_ids))
-        if self.metrics is not None and child_ids:
+        if self.metrics is not None and child_ids and not stream.lost:
             self.metrics.add_finished("abort", len(child_ids))
 
     def _send(self, msg: Any) -> None:
@@ -334,6 +371,8 @@ class AsyncEngine:
                 return
             if isinstance(msg, CoreOutputs):
                 self._handle_outputs(msg)
+            elif isinstance(msg, CoreNotice) and self.on_notice is not None:
+                self.on_notice(msg)
 
     def _handle_outputs(self, msg: CoreOutputs) -> None:
         self.stats = msg.stats

@@ -3,8 +3,14 @@
 The API process binds two ipc:// sockets; this process connects to them and speaks the
 messages of engine/wire.py (msgpack via msgspec structs, never pickle). The loop
 drains its input without blocking between steps while requests run, blocks on input when
-idle, reports engine stats after every step, and exits when the frontend says so, when it
-gets SIGTERM, or when its parent process is gone.
+idle, reports engine stats after every step, and exits when the frontend says so or when
+its parent process is gone.
+
+SIGTERM is a notice, not an order: it is what Kubernetes sends a pod and what a spot
+machine's shutdown sends its processes. The core tells the frontend (CoreNotice) and keeps
+serving while the frontend moves its requests to other replicas (request migration); it
+exits when the frontend sends Shutdown, at the notice's deadline, or on a second SIGTERM.
+A cloud's spot notice (serve/notices.py, polled in a thread) is handled the same way.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -25,6 +32,7 @@ from fleetserve.engine.wire import (
     AddRequest,
     CoreFailure,
     CoreInput,
+    CoreNotice,
     CoreOutputs,
     CoreReady,
     EngineSpec,
@@ -66,8 +74,53 @@ class _Terminated(Exception):
     pass
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise _Terminated()
+class _Notices:
+    """Preemption notices from the signal handler and the watcher thread, for the loop to
+    send once each; the earliest deadline is when the core exits by itself."""
+
+    def __init__(self, sigterm_grace_s: float) -> None:
+        self.sigterm_grace_s = sigterm_grace_s
+        self._lock = threading.Lock()
+        self._unsent: list[CoreNotice] = []
+        self.deadline: float | None = None
+        self.sigterms = 0
+
+    def add(self, notice: CoreNotice) -> None:
+        with self._lock:
+            self._unsent.append(notice)
+            if self.deadline is None or notice.deadline < self.deadline:
+                self.deadline = notice.deadline
+
+    def take(self) -> list[CoreNotice]:
+        with self._lock:
+            out, self._unsent = self._unsent, []
+            return out
+
+    def on_sigterm(self, signum: int, frame: object) -> None:
+        self.sigterms += 1
+        if self.sigterms > 1:
+            raise _Terminated()
+        deadline = time.time() + self.sigterm_grace_s
+        self.add(CoreNotice("SIGTERM", deadline, f"drain within {self.sigterm_grace_s:g} s"))
+
+
+_NOTICES = _Notices(15.0)
+
+
+def _start_notice_watcher(config: dict[str, Any] | None) -> Any:
+    """Polls the cloud's metadata endpoint for a spot notice (None: no watcher)."""
+    if config is None:
+        return None
+    from fleetserve.serve.notices import NoticeConfig, NoticeThread, make_watcher
+
+    cfg = NoticeConfig(**config)
+
+    def on_notice(n: Any) -> None:
+        _NOTICES.add(CoreNotice(n.provider, n.deadline, n.detail))
+
+    thread = NoticeThread(make_watcher(cfg), on_notice, cfg.poll_interval_s)
+    thread.start()
+    return thread
 
 
 def run_core(spec: EngineSpec) -> int:
@@ -86,8 +139,11 @@ def run_core(spec: EngineSpec) -> int:
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(CoreInput)  # type: ignore[arg-type]
     core = None
+    watcher = None
+    _NOTICES.sigterm_grace_s = spec.sigterm_grace_s
     try:
         try:
+            watcher = _start_notice_watcher(spec.notice)
             step_delay_s = debug_step_delay_s(
                 os.environ.get(DEBUG_STEP_DELAY_ENV), spec.data_parallel_rank
             )
@@ -113,6 +169,8 @@ def run_core(spec: EngineSpec) -> int:
         traceback.print_exc()
         return 1
     finally:
+        if watcher is not None:
+            watcher.stop()
         if core is not None:
             core.shutdown()
         in_sock.close(0)
@@ -152,6 +210,10 @@ def _loop(
             _handle(core, msg, rejected)
         if os.getppid() != ppid:
             return  # the frontend is gone; nobody will read what we produce
+        for notice in _NOTICES.take():
+            out_sock.send(encoder.encode(notice))
+        if _NOTICES.deadline is not None and time.time() >= _NOTICES.deadline:
+            return  # the frontend had until the deadline to move our requests
         if not got_input and not core.has_unfinished_requests():
             continue
         num_steps = core.num_steps
@@ -175,6 +237,7 @@ def _handle(core: Any, msg: CoreInput, rejected: list[tuple[str, str]]) -> None:
                     eos_token_ids=tuple(msg.eos_token_ids),
                     priority=msg.priority,
                     group_id=msg.group_id,
+                    output_token_ids=msg.output_token_ids,
                 )
             )
         except ValueError as e:
@@ -193,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C in a terminal reaches the whole process group; the frontend decides when we
     # stop (it drains first), so only SIGTERM or a Shutdown message ends this process.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, _NOTICES.on_sigterm)
     return run_core(spec)
 
 

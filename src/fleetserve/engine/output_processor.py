@@ -59,26 +59,36 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        resume: RequestOutput | None = None,
     ) -> list[str]:
-        """Registers a request; returns the core request ids of its n children."""
+        """Registers a request; returns the core request ids of its n children.
+
+        `resume` is the request's last output as its client saw it on a replica that was
+        lost: the children start from it (tokens, logprobs, text, finished ones stay
+        finished), so the outputs continue it without repeating or dropping a token."""
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if resume is not None and len(resume.outputs) != params.n:
+            raise ValueError(f"resume has {len(resume.outputs)} outputs for n={params.n}")
         children = {}
         for i in range(params.n):
             cid = child_request_id(request_id, i, params.n)
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens
             )
-            out = CompletionOutput(
-                index=i,
-                text="",
-                token_ids=[],
-                logprobs=[] if params.logprobs is not None else None,
-                cumulative_logprob=0.0 if params.logprobs is not None else None,
-            )
-            children[cid] = _Child(i, detok, out)
+            if resume is None:
+                out = CompletionOutput(
+                    index=i,
+                    text="",
+                    token_ids=[],
+                    logprobs=[] if params.logprobs is not None else None,
+                    cumulative_logprob=0.0 if params.logprobs is not None else None,
+                )
+                children[cid] = _Child(i, detok, out)
+            else:
+                children[cid] = _resumed_child(i, detok, resume.outputs[i])
             self.child_to_parent[cid] = request_id
-        self.parents[request_id] = _ParentState(
+        state = _ParentState(
             request_id,
             prompt,
             list(prompt_token_ids),
@@ -87,6 +97,15 @@ class OutputProcessor:
             arrival_time=time.monotonic(),
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
+        if resume is not None:
+            state.prompt_logprobs = (
+                list(resume.prompt_logprobs) if resume.prompt_logprobs is not None else None
+            )
+            state.num_cached_tokens = resume.num_cached_tokens
+            state.metrics = dict(resume.metrics)
+            if any(c.token_ids for c in resume.outputs):
+                state.first_token_time = state.arrival_time  # measured on the first replica
+        self.parents[request_id] = state
         return list(children)
 
     def child_ids(self, request_id: str) -> list[str]:
@@ -227,6 +246,16 @@ def _held_back(text: str, stops: list[str]) -> int:
                 longest = k
                 break
     return longest
+
+
+def _resumed_child(index: int, detok: IncrementalDetokenizer, seen: CompletionOutput) -> _Child:
+    """A child that continues `seen`: its detokenizer replays the tokens one at a time, as
+    they were first decoded, so the text it goes on from (held-back stop-string prefixes
+    included) is the text the first replica had."""
+    full_text = "".join(detok.add_tokens([t]) for t in seen.token_ids)
+    if seen.finish_reason is not None:
+        full_text = seen.text
+    return _Child(index, detok, _snapshot(seen), full_text)
 
 
 def _snapshot(out: CompletionOutput) -> CompletionOutput:

@@ -47,6 +47,8 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     # and the request's own priority folded into one number, see serve/sla.py).
     priority: int = 0
     group_id: str | None = None
+    # Tokens it already generated on a replica that was lost (request migration).
+    output_token_ids: list[int] = []
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -114,7 +116,16 @@ class CoreFailure(msgspec.Struct, tag="failure", array_like=True):
     message: str
 
 
-CoreMessage = CoreReady | CoreOutputs | CoreFailure
+class CoreNotice(msgspec.Struct, tag="notice", array_like=True):
+    """The core's machine or process will be taken away (SIGTERM, a cloud's spot
+    preemption notice): the frontend should drain it by `deadline` (time.time())."""
+
+    source: str
+    deadline: float
+    detail: str = ""
+
+
+CoreMessage = CoreReady | CoreOutputs | CoreFailure | CoreNotice
 
 
 class EngineSpec(msgspec.Struct):
@@ -125,3 +136,8 @@ class EngineSpec(msgspec.Struct):
     output_address: str
     parent_pid: int
     data_parallel_rank: int = 0
+    # After SIGTERM the core keeps serving for this long while the frontend moves its
+    # requests elsewhere, then exits by itself (a second SIGTERM ends it at once).
+    sigterm_grace_s: float = 15.0
+    # A cloud's spot notice source ({provider, url, poll_interval_s}; serve/notices.py).
+    notice: dict[str, Any] | None = None

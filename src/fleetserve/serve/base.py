@@ -92,9 +92,13 @@ class Replica(ReplicaLoad, Protocol):
     """
 
     # Called with the replica when one of its requests ends (its seats are free again),
-    # and after each of its engine steps' stats (set by its service).
+    # after each of its engine steps' stats, and with (replica, notice) when its engine
+    # says it will be taken away (set by its service).
     on_finish: Callable[[Any], None] | None
     on_stats: Callable[[Any], None] | None
+    on_notice: Callable[[Any, Any], None] | None
+    # Set once drain() or stop() began: it takes no new requests.
+    draining: bool
 
     @property
     def dead_reason(self) -> str | None:
@@ -120,6 +124,15 @@ class Replica(ReplicaLoad, Protocol):
     def num_routed(self) -> int: ...
 
     @property
+    def pid(self) -> int | None:
+        """Its engine's process id where it runs on this machine (None elsewhere)."""
+        ...
+
+    def hung_for(self, now: float) -> float:
+        """Seconds it has held work without an engine step (0 when idle or progressing)."""
+        ...
+
+    @property
     def queue_depth(self) -> int:
         """Requests waiting in its engine's scheduler at its last step."""
         ...
@@ -140,7 +153,11 @@ class Replica(ReplicaLoad, Protocol):
         num_prompt_tokens: int,
         level: int = 0,
         observer: StreamObserver | None = None,
-    ) -> ReplicaStreamLike: ...
+        resume: RequestOutput | None = None,
+    ) -> ReplicaStreamLike:
+        """`resume`: the request's last output seen on a lost replica; the request goes
+        on from it here (request migration, serve/migration.py)."""
+        ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -148,16 +165,24 @@ class Replica(ReplicaLoad, Protocol):
         """Whether a request of `num_seqs` sequences at class level `level` may be sent now."""
         ...
 
-    async def drain(self, timeout_s: float) -> bool:
-        """Stops taking requests and waits for those it holds; True if they all finished."""
+    async def drain(self, timeout_s: float, migrate: bool = True) -> bool:
+        """Stops taking requests and lets those it holds finish within `timeout_s`; with
+        `migrate`, the ones that would not are handed over at once and the rest at the
+        end (ReplicaGoneError: their service resumes them elsewhere). True if they all
+        finished here."""
         ...
 
     def abort_all(self, reason: str) -> None:
-        """Ends every request it holds with EngineDeadError(reason)."""
+        """Ends every request it holds with EngineDeadError(reason) (no migration)."""
         ...
 
-    async def stop(self) -> None:
-        """Ends what it still holds (EngineDeadError) and releases its process."""
+    def evict_all(self, reason: str) -> None:
+        """Hands every request it holds over to other replicas (ReplicaGoneError)."""
+        ...
+
+    async def stop(self, kill: bool = False) -> None:
+        """Hands what it still holds over (ReplicaGoneError) and releases its process;
+        `kill` kills the process first (a hung engine cannot be asked to stop)."""
         ...
 
 

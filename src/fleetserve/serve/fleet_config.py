@@ -86,6 +86,7 @@ class ClassConfig(_Strict):
     priority: int = Field(default=0, ge=0, le=1_000_000)
     max_waiting: int = Field(default=256, ge=0)
     max_queue_time_s: float | None = Field(default=None, gt=0.0)
+    hedge_after_s: float | None = Field(default=None, gt=0.0)
 
 
 class AutoscaleConfig(_Strict):
@@ -118,6 +119,25 @@ class PlacementConfig(_Strict):
     max_replicas_per_node: int | None = Field(default=None, ge=1)
 
 
+class ResilienceConfig(_Strict):
+    """How a generate model survives losing replicas (serve/migration.py, model_service.py).
+
+    A request whose replica dies, is drained or hangs is resumed on another replica, at
+    most `migration_limit` times (0: never; it then fails), waiting up to
+    `migration_wait_s` for one to be up. A replica that dies is replaced
+    (`replace_failed`); one that holds work and runs no engine step for `hang_timeout_s`
+    is declared hung, its requests move and it is killed and replaced. A preemption
+    notice (SIGTERM to its process, a cloud's spot notice) drains it: short requests
+    finish, the rest move, all before the notice's deadline; SIGTERM gives
+    `sigterm_grace_s`."""
+
+    migration_limit: int = Field(default=3, ge=0, le=100)
+    migration_wait_s: float = Field(default=60.0, ge=0.0)
+    replace_failed: bool = True
+    hang_timeout_s: float | None = Field(default=60.0, gt=0.0)
+    sigterm_grace_s: float = Field(default=15.0, gt=0.0, le=3600.0)
+
+
 class ModelEntry(_Strict):
     name: str
     kind: ModelKind = "generate"
@@ -131,6 +151,7 @@ class ModelEntry(_Strict):
     deploy: DeployConfig | None = None  # read by `fleetserve deploy k8s` only
     autoscale: AutoscaleConfig | None = None
     placement: PlacementConfig | None = None
+    resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
 
     @model_validator(mode="after")
     def _check_kind(self) -> ModelEntry:
@@ -147,6 +168,8 @@ class ModelEntry(_Strict):
             raise ValueError("batching is for embed and custom models (generate batches itself)")
         if self.kind != "generate" and self.engine is not None:
             raise ValueError(f"engine is for generate models, not {self.kind!r}")
+        if self.kind != "generate" and "resilience" in self.model_fields_set:
+            raise ValueError(f"resilience is for generate models, not {self.kind!r}")
         if self.kind != "generate" and self.routing != "least_loaded":
             raise ValueError(f"routing is for generate models, not {self.kind!r}")
         if self.kind != "generate" and self.replicas != 1:
@@ -202,7 +225,7 @@ class FleetConfig(_Strict):
 
     def service_classes(self) -> dict[str, ServiceClass]:
         return {
-            name: ServiceClass(name, c.priority, c.max_waiting, c.max_queue_time_s)
+            name: ServiceClass(name, c.priority, c.max_waiting, c.max_queue_time_s, c.hedge_after_s)
             for name, c in self.classes.items()
         }
 
@@ -251,13 +274,20 @@ def load_fleet_config(path: str) -> FleetConfig:
 
 
 def single_model_fleet(
-    name: str, args: EngineArgs, replicas: int, routing: str, max_waiting: int
+    name: str,
+    args: EngineArgs,
+    replicas: int,
+    routing: str,
+    max_waiting: int,
+    resilience: dict[str, Any] | None = None,
 ) -> FleetConfig:
     """`fleetserve serve` without --config: one generate model, one class (`default`),
     the engine exactly as its flags say (fcfs unless --scheduling-policy priority)."""
     fields = dataclasses.asdict(args)
     model = fields.pop("model")
     entry = {"name": name, "model": model, "replicas": replicas, "routing": routing}
+    if resilience is not None:
+        entry["resilience"] = resilience
     return parse_fleet_config(
         {
             "models": [{**entry, "engine": fields}],

@@ -11,6 +11,12 @@ requests fills the queue and the batch, and an `interactive` request still goes 
 engine at once and takes a batch request's seat on the next step. A request still queued
 past its class's `max_queue_time_s` is shed (503) before it costs any compute.
 
+Once sent, each engine request is a `MigratingStream` (serve/migration.py): the service
+keeps its prompt and the output its reader last got, and when its replica is lost (died,
+drained, hung, stopped) resumes it on another one. A supervisor task notices dead and hung
+replicas (every `_SUPERVISE_INTERVAL_S`), keeps the replica count (replacing lost ones),
+and drains a replica whose engine got a preemption notice (SIGTERM, a spot notice).
+
 The service owns its queue, its ReplicaSet and its Router; everything runs on the API
 process's event loop thread.
 """
@@ -18,7 +24,9 @@ process's event loop thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import logging
 import os
 import time
 from collections import Counter
@@ -32,11 +40,16 @@ from fleetserve.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineNotReadyError,
+    EngineOverloadedError,
+    ReplicaGoneError,
 )
 from fleetserve.engine.llm_engine import PromptRules, PromptType
+from fleetserve.engine.wire import CoreNotice
 from fleetserve.metrics import ModelMetrics
 from fleetserve.serve.admission import ClassObserver, Pending, PreparedPrompt, ShedError
 from fleetserve.serve.base import Replica, ReplicaStreamLike, RouteRequest
+from fleetserve.serve.fleet_config import ResilienceConfig
+from fleetserve.serve.migration import MigratingStream
 from fleetserve.serve.policies import make_policy
 from fleetserve.serve.replica import LocalReplica
 from fleetserve.serve.replica_set import ReplicaSet
@@ -46,6 +59,16 @@ from fleetserve.tokenizer import Tokenizer
 
 # The engines' own bound on unstarted requests; the class queues bound them first.
 _ENGINE_MAX_WAITING = 1 << 20
+# How often the supervisor looks at the replicas (a dead one is noticed by its engine's
+# process watch within 0.2 s; this bounds how soon it is replaced and a hang is seen).
+_SUPERVISE_INTERVAL_S = 0.25
+# A replica given a notice stops taking requests at once and lets its requests run until
+# this long before the deadline; then the rest move and it is stopped.
+_NOTICE_MARGIN_S = 3.0
+# Failed replica starts are retried after this long, doubling up to a minute.
+_RESTART_BACKOFF_S = 1.0
+
+log = logging.getLogger("fleetserve.serve")
 
 
 class GenerateService:
@@ -63,10 +86,13 @@ class GenerateService:
         metrics: ModelMetrics | None = None,
         imbalance_tokens: int = 2048,
         straggler_factor: float = 2.0,
+        resilience: ResilienceConfig | None = None,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {num_replicas}")
         self.name = name
+        self.resilience = resilience or ResilienceConfig()
+        self.target_replicas = num_replicas
         # The thread budget (given, or every CPU) is split between the replicas, as the
         # multiproc executor splits a replica's between its ranks.
         total_threads = args.num_threads or os.cpu_count() or 1
@@ -81,7 +107,7 @@ class GenerateService:
         # elsewhere a non-zero one is refused rather than ignored.
         self.priority_ordered = self.config.scheduler.policy == "priority"
         self.replica_set = ReplicaSet(self._new_replica)
-        self.replica_set.on_change = self._dispatch
+        self.replica_set.on_change = self._pulse
         for _ in range(num_replicas):
             self.replica_set.create()
         policy = make_policy(
@@ -98,14 +124,24 @@ class GenerateService:
         )
         self._unstarted: Counter[str] = Counter()
         self._started = False
+        self._closing = False
         self._expiry: asyncio.TimerHandle | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._retiring: set[int] = set()  # replicas being drained or removed
+        self._starting = 0
+        self._restart_after = 0.0
+        self._restart_backoff = _RESTART_BACKOFF_S
+        self._changed = asyncio.Event()
 
     def _new_replica(self, index: int) -> Replica:
         """A replica of this model: a local engine-core process (other transports plug in
         here: a Ray actor, a remote server)."""
         engine = AsyncEngine(self._replica_args, _ENGINE_MAX_WAITING, self.metrics, index)
+        engine.sigterm_grace_s = self.resilience.sigterm_grace_s
         replica = LocalReplica(index, engine, max_num_seqs=self.config.scheduler.max_num_seqs)
         replica.on_stats = self._publish_stats
+        replica.on_notice = self._on_notice
         return replica
 
     # ------------------------------------------------------------- state
@@ -121,6 +157,8 @@ class GenerateService:
     def dead_reason(self) -> str | None:
         """None while any replica is alive (or loading); else why each one is down."""
         reasons = [r.dead_reason for r in self.replica_set]
+        if self._recovering:
+            return None  # down for now; a replacement is on its way
         if not reasons:
             return "the model has no replica"
         if any(reason is None for reason in reasons):
@@ -153,11 +191,16 @@ class GenerateService:
     async def start(self, timeout_s: float = 600.0) -> None:
         await self.replica_set.start_all(timeout_s)
         self._started = True
+        self._supervisor = asyncio.create_task(self._supervise())
         self._dispatch()
 
     async def shutdown(self) -> None:
+        self._closing = True
         if self._expiry is not None:
             self._expiry.cancel()
+        for task in [self._supervisor, *self._tasks]:
+            if task is not None:
+                task.cancel()
         self._fail_queued(lambda: EngineDeadError("the server is shutting down"))
         await self.replica_set.stop_all()
 
@@ -183,7 +226,7 @@ class GenerateService:
             if self.dead_reason is not None and self.replica_set.members:
                 raise EngineDeadError(self.dead_reason)
             raise EngineNotReadyError("the model is still loading")
-        if not self.replica_set.live:
+        if not self.replica_set.live and not self._recovering:
             raise EngineDeadError(self.dead_reason or "no replica of the model is serving")
         cls = self.queue.resolve(class_name)
         if priority != 0 and not self.priority_ordered:
@@ -217,7 +260,8 @@ class GenerateService:
     ) -> PreparedPrompt:
         text, ids = self._rules.tokenize_prompt(prompt)
         self._rules.validate(ids, params)
-        capacity = min(r.kv_capacity_tokens or 0 for r in self.replica_set.live)
+        capacities = [r.kv_capacity_tokens for r in self.replica_set if r.kv_capacity_tokens]
+        capacity = min(capacities, default=self.max_model_len)
         room = min(self.max_model_len, capacity) - len(ids)
         if room < 1:
             raise ValueError(f"the prompt's {len(ids)} tokens do not fit the KV cache")
@@ -240,6 +284,8 @@ class GenerateService:
             level = entry.service_class.priority
             no_room = {r.index for r in self.replica_set if not r.has_room(level, pending.num_seqs)}
             if not self.replica_set.live:
+                if self._recovering:
+                    return  # queued requests wait for the replacement (or their deadline)
                 self._fail_queued(
                     lambda: EngineDeadError(self.dead_reason or "no replica is serving")
                 )
@@ -267,18 +313,28 @@ class GenerateService:
                     replica = self.router.choose(route)  # later prompts of a wide request
                 observer = ClassObserver(self.metrics, cls.name, pending.arrival, self._unstarted)
                 try:
-                    stream = replica.submit(
+                    inner = replica.submit(
                         item.request_id,
                         item.prompt,
                         copy.copy(item.params),
                         engine_priority(cls, entry.priority),
                         item.num_prompt_tokens,
                         level=cls.priority,
-                        observer=observer,
                     )
                 except BaseException:
                     observer.on_end()  # it never started
                     raise
+                stream = MigratingStream(
+                    self,
+                    item.request_id,
+                    item.params.n,
+                    inner,
+                    replica.index,
+                    observer=observer,
+                    migration_limit=self.resilience.migration_limit,
+                    hedge_after_s=cls.hedge_after_s,
+                    context=(item, cls, engine_priority(cls, entry.priority)),
+                )
                 streams.append(stream)
         except Exception as e:
             for s in streams:
@@ -328,6 +384,217 @@ class GenerateService:
     def _shed(self, class_name: str, reason: str) -> None:
         if self.metrics is not None:
             self.metrics.add_shed(class_name, reason)
+
+    # ------------------------------------------------------------- migration
+    @property
+    def _recovering(self) -> bool:
+        """A replica is loading (or will be started) that queued requests may wait for."""
+        if self._closing or not self._started:
+            return False
+        loading = any(
+            r.dead_reason is None and not r.healthy and r.index not in self._retiring
+            for r in self.replica_set
+        )
+        if loading or self._starting > 0:
+            return True
+        # The supervisor will start a replacement, unless the last start failed.
+        return self.resilience.replace_failed and self._restart_backoff == _RESTART_BACKOFF_S
+
+    async def resubmit(
+        self, stream: MigratingStream, exclude: set[int]
+    ) -> tuple[ReplicaStreamLike, int]:
+        """Puts `stream`'s request on a live replica not in `exclude`, going on from the
+        output its reader last got; waits up to migration_wait_s for one to be up."""
+        item, cls, priority = stream.context
+        last = stream.last
+        done = [] if last is None else [t for c in last.outputs for t in c.token_ids]
+        route = RouteRequest(
+            item.request_id,
+            tuple(item.prompt["prompt_token_ids"]) + tuple(done),
+            (item.params.max_tokens or 0) * item.params.n - len(done),
+            priority,
+        )
+        deadline = time.monotonic() + self.resilience.migration_wait_s
+        refused = set(exclude)
+        while True:
+            if self._closing:
+                raise EngineDeadError("the server is shutting down")
+            try:
+                replica = self.router.choose(route, exclude=refused)
+            except NoHealthyReplicaError:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._recovering:
+                    raise EngineDeadError(
+                        f"no replica of {self.name!r} could take the request over "
+                        f"(waited {self.resilience.migration_wait_s:g} s, migration_wait_s)"
+                    ) from None
+                self._changed.clear()
+                with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+                refused = set(exclude)  # a refusal may have been momentary
+                continue
+            try:
+                inner = replica.submit(
+                    item.request_id,
+                    item.prompt,
+                    copy.copy(item.params),
+                    priority,
+                    item.num_prompt_tokens,
+                    level=cls.priority,
+                    resume=last if done else None,
+                )
+            except (EngineDeadError, EngineNotReadyError, EngineOverloadedError):
+                refused.add(replica.index)
+                continue
+            return inner, replica.index
+
+    def on_migrated(self, stream: MigratingStream, error: ReplicaGoneError) -> None:
+        reason = (
+            "drained"
+            if "drain" in str(error)
+            else "stopped"
+            if "stop" in str(error)
+            else ("hung" if "hung" in str(error) else "died")
+        )
+        log.info("%s: request %s moves off replica %d (%s)", self.name, stream.request_id,
+                 stream.replica_index, error)  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.add_migration(reason)
+
+    # ------------------------------------------------------------- supervision
+    def _event(self, event: str) -> None:
+        if self.metrics is not None:
+            self.metrics.add_replica_event(event)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_notice(self, replica: Replica, notice: CoreNotice) -> None:
+        """Its engine will be taken away by `notice.deadline`: drain it now (short
+        requests finish, the rest move before the deadline); a replacement starts."""
+        if replica.index in self._retiring or self._closing:
+            return  # already on its way out
+        log.warning("%s: replica %d got a preemption notice (%s, %s); draining it",
+                    self.name, replica.index, notice.source, notice.detail)  # fmt: skip
+        self._event("notice")
+        window = max(0.0, notice.deadline - time.time() - _NOTICE_MARGIN_S)
+        self.start_drain(replica.index, window)
+
+    def start_drain(self, index: int, timeout_s: float) -> bool:
+        """drain_replica in the background; False if it is already being drained."""
+        self.replica_set.get(index)  # KeyError: no such replica
+        if index in self._retiring or self._closing:
+            return False
+        self._retiring.add(index)
+        self._spawn(self.drain_replica(index, timeout_s))
+        return True
+
+    async def drain_replica(self, index: int, timeout_s: float) -> bool:
+        """Routes nothing more to the replica, lets its short requests finish within
+        `timeout_s`, moves the rest to other replicas, then stops and removes it (the
+        supervisor starts a replacement). True if none of its requests had to move."""
+        replica = self.replica_set.get(index)  # KeyError: no such replica
+        self._retiring.add(index)
+        try:
+            self._dispatch()
+            clean = await replica.drain(timeout_s)
+            await self.replica_set.remove(index)
+            self._event("drained")
+            return clean
+        finally:
+            self._retiring.discard(index)
+            self._pulse()
+
+    def _pulse(self) -> None:
+        self._changed.set()
+        self._dispatch()
+
+    async def _supervise(self) -> None:
+        while True:
+            await asyncio.sleep(_SUPERVISE_INTERVAL_S)
+            try:
+                self._check_replicas()
+            except Exception:  # the supervisor must outlive any one bad check
+                log.exception("%s: replica supervision failed", self.name)
+
+    def _check_replicas(self) -> None:
+        now = time.monotonic()
+        hang_s = self.resilience.hang_timeout_s
+        for r in list(self.replica_set):
+            if r.index in self._retiring:
+                continue
+            if r.dead_reason is not None:
+                log.error("%s: replica %d died: %s", self.name, r.index, r.dead_reason)
+                self._event("failed")
+                self._retiring.add(r.index)
+                self._spawn(self._remove(r.index, kill=False))
+            elif hang_s is not None and r.hung_for(now) > hang_s:
+                log.error("%s: replica %d ran no step for %.1f s while holding work; "
+                          "killing it", self.name, r.index, r.hung_for(now))  # fmt: skip
+                self._event("hung")
+                self._retiring.add(r.index)
+                r.evict_all("the replica hung")
+                self._spawn(self._remove(r.index, kill=True))
+        self._keep_count(now)
+
+    async def _remove(self, index: int, kill: bool) -> None:
+        try:
+            replica = self.replica_set.get(index)
+            if kill:
+                await replica.stop(kill=True)
+            await self.replica_set.remove(index)
+        finally:
+            self._retiring.discard(index)
+            self._pulse()
+
+    def _keep_count(self, now: float) -> None:
+        """Starts replicas while fewer than the target are up or loading."""
+        if not self.resilience.replace_failed or now < self._restart_after:
+            return
+        serving = sum(
+            1 for r in self.replica_set if r.dead_reason is None and r.index not in self._retiring
+        )
+        if serving + self._starting < self.target_replicas:
+            self._starting += 1
+            self._spawn(self._start_one())
+
+    async def _start_one(self) -> None:
+        try:
+            await self.replica_set.add()
+        except Exception as e:
+            self._event("start_failed")
+            self._restart_after = time.monotonic() + self._restart_backoff
+            self._restart_backoff = min(self._restart_backoff * 2, 60.0)
+            log.error("%s: a replacement replica failed to start: %s", self.name, e)
+        else:
+            self._event("started")
+            self._restart_backoff = _RESTART_BACKOFF_S
+        finally:
+            self._starting -= 1
+            self._pulse()
+
+    def replica_views(self) -> list[dict[str, Any]]:
+        """The replicas as the admin API shows them."""
+        out = []
+        for r in self.replica_set:
+            state = (
+                "dead" if r.dead_reason is not None
+                else "draining" if r.index in self._retiring or r.draining
+                else "ready" if r.healthy
+                else "starting"
+            )  # fmt: skip
+            out.append(
+                {
+                    "id": f"{self.name}:{r.index}",
+                    "index": r.index,
+                    "state": state,
+                    "pid": r.pid,
+                    "num_requests": r.num_outstanding_requests,
+                }
+            )
+        return out
 
     def _publish_stats(self, replica: Replica) -> None:
         """The model-level gauges sum (or pool) the healthy replicas' latest stats."""

@@ -87,6 +87,7 @@ def _build_generate(entry: ModelEntry, fleet: FleetConfig, metrics: ModelMetrics
         fleet.default_class_name,
         routing=entry.routing,
         metrics=metrics,
+        resilience=entry.resilience,
     )
 
 

@@ -20,8 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 from fleetserve.core.sampling_params import SamplingParams
-from fleetserve.engine.async_engine import AsyncEngine, RequestStream
+from fleetserve.engine.async_engine import AsyncEngine, ReplicaGoneError, RequestStream
 from fleetserve.engine.llm_engine import PromptType
+from fleetserve.engine.wire import CoreNotice
 from fleetserve.outputs import RequestOutput
 from fleetserve.serve.base import StreamObserver
 
@@ -51,6 +52,7 @@ class LocalReplica:
         self.num_outstanding_tokens = 0
         self.num_routed = 0
         self.draining = False
+        self._num_evicted = 0
         self._seqs_by_level: Counter[int] = Counter()
         # Called whenever a request of this replica ends (its seats are free again).
         self.on_finish: Callable[[Any], None] | None = None
@@ -59,26 +61,75 @@ class LocalReplica:
         self.stats: dict[str, float] = {}
         # Called after each stats update (the data-parallel engine republishes gauges).
         self.on_stats: Callable[[Any], None] | None = None
+        # Called with (replica, notice) when its engine says it will be taken away.
+        self.on_notice: Callable[[Any, CoreNotice], None] | None = None
+        self.notice: CoreNotice | None = None
         engine.on_stats = self._update_stats
+        engine.on_notice = self._on_notice
+        self._streams: dict[str, ReplicaStream] = {}
+        # When its engine last made progress (a step that ran) or, if it was idle, got
+        # work: a replica that holds work and makes none for long is hung.
+        self.last_progress = time.monotonic()
 
     # ------------------------------------------------------------- lifecycle
     async def start(self, timeout_s: float = 600.0) -> None:
         await self.engine.start(timeout_s)
 
-    async def drain(self, timeout_s: float) -> bool:
-        """Takes no new requests from now on; waits up to `timeout_s` for the ones it holds
-        to finish. True if they all did (the caller then stops it)."""
+    async def drain(self, timeout_s: float, migrate: bool = True) -> bool:
+        """Takes no new requests from now on and lets the ones it holds finish for up to
+        `timeout_s`; with `migrate`, the requests not expected to finish in that time are
+        handed over (ReplicaGoneError: their service resumes them on another replica) at
+        once, and whatever still runs at the end is handed over then. True if every
+        request finished here."""
         self.draining = True
         deadline = time.monotonic() + timeout_s
+        if migrate:
+            step_s = self.step_latency_s or self._step_latency_ewma or 0.05
+            for stream in list(self._streams.values()):
+                if stream.num_ungenerated * step_s > timeout_s:
+                    self._evict(stream, "the replica is being drained")
         while self.num_outstanding_requests > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return self.num_outstanding_requests == 0
+        clean = self.num_outstanding_requests == 0 and not self._num_evicted
+        if migrate:
+            for stream in list(self._streams.values()):
+                self._evict(stream, "the replica was drained")
+        return clean
 
-    async def stop(self) -> None:
-        """Ends its open requests (EngineDeadError) and shuts its engine process down."""
+    def _evict(self, stream: ReplicaStream, reason: str) -> None:
+        if not stream.inner.finished and not stream.inner.closed:
+            self._num_evicted += 1
+            stream.inner.queue.put_nowait(ReplicaGoneError(reason))
+
+    def evict_all(self, reason: str) -> None:
+        """Hands every request it holds over to the other replicas (ReplicaGoneError)."""
+        for stream in list(self._streams.values()):
+            self._evict(stream, reason)
+
+    async def stop(self, kill: bool = False) -> None:
+        """Hands its open requests over (ReplicaGoneError) and shuts its engine process
+        down; `kill` SIGKILLs it first (a hung engine cannot be asked)."""
         self.draining = True
-        self.engine.abort_all("the replica was stopped")
+        self.evict_all("the replica was stopped")
+        if kill:
+            self.engine.kill()
         await self.engine.shutdown()
+
+    def hung_for(self, now: float) -> float:
+        """Seconds it has held work without an engine step; 0 when idle or progressing."""
+        if self.num_outstanding_requests == 0 or self.dead_reason is not None:
+            return 0.0
+        return now - self.last_progress
+
+    def _on_notice(self, notice: CoreNotice) -> None:
+        if self.notice is None:
+            self.notice = notice
+            if self.on_notice is not None:
+                self.on_notice(self, notice)
+
+    @property
+    def pid(self) -> int | None:
+        return self.engine.core_pid
 
     @property
     def dead_reason(self) -> str | None:
@@ -130,6 +181,7 @@ class LocalReplica:
         self.stats = stats
         num_steps = int(stats.get("num_steps", 0))
         if num_steps > self.num_steps:  # stats also come after steps that ran nothing
+            self.last_progress = time.monotonic()
             latest = stats.get("last_step_seconds", 0.0)
             prev = self._step_latency_ewma
             a = self.ewma_alpha
@@ -147,18 +199,27 @@ class LocalReplica:
         num_prompt_tokens: int,
         level: int = 0,
         observer: StreamObserver | None = None,
+        resume: RequestOutput | None = None,
     ) -> ReplicaStream:
         """Hands the request to this replica's engine (raising what `add_request` raises).
         `priority` is the engine's (class and request folded, serve/sla.py); `level` the
-        class's, for `has_room`."""
-        inner = self.engine.add_request(request_id, prompt, params, priority)
+        class's, for `has_room`; `resume` the output it goes on from (migration)."""
+        inner = self.engine.add_request(request_id, prompt, params, priority, resume)
         # add_request has filled in max_tokens when the client left it out.
         num_new_tokens = (params.max_tokens or 0) * params.n
+        num_done = 0 if resume is None else sum(len(c.token_ids) for c in resume.outputs)
+        num_prompt = num_prompt_tokens + num_done  # what it prefills here
+        if self.num_outstanding_requests == 0:
+            self.last_progress = time.monotonic()
         self.num_outstanding_requests += 1
-        self.num_outstanding_tokens += num_prompt_tokens + num_new_tokens
+        self.num_outstanding_tokens += num_prompt + num_new_tokens - num_done
         self.num_routed += 1
         self._seqs_by_level[level] += params.n
-        return ReplicaStream(self, inner, num_prompt_tokens, num_new_tokens, level, observer)
+        stream = ReplicaStream(
+            self, inner, num_prompt, num_new_tokens - num_done, level, observer, num_done
+        )
+        self._streams[request_id] = stream
+        return stream
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -166,7 +227,9 @@ class LocalReplica:
     def _retire(self, num_tokens: int) -> None:
         self.num_outstanding_tokens -= num_tokens
 
-    def _finish(self, num_tokens_left: int, level: int, num_seqs: int) -> None:
+    def _finish(self, stream: ReplicaStream, num_tokens_left: int) -> None:
+        self._streams.pop(stream.request_id, None)
+        level, num_seqs = stream.level, stream.n
         self.num_outstanding_tokens -= num_tokens_left
         self.num_outstanding_requests -= 1
         self._seqs_by_level[level] -= num_seqs
@@ -188,6 +251,7 @@ class ReplicaStream:
         num_new: int,
         level: int = 0,
         observer: StreamObserver | None = None,
+        num_generated: int = 0,
     ) -> None:
         self.replica = replica
         self.level = level
@@ -197,7 +261,7 @@ class ReplicaStream:
         self.n = inner.n
         self._num_unprefilled = num_prompt_tokens
         self._num_ungenerated = num_new
-        self._num_generated = 0
+        self._num_generated = num_generated
         self._settled = False
 
     def __aiter__(self) -> ReplicaStream:
@@ -232,7 +296,12 @@ class ReplicaStream:
             self._settled = True
             if self.observer is not None:
                 self.observer.on_end()
-            self.replica._finish(self._num_unprefilled + self._num_ungenerated, self.level, self.n)
+            self.replica._finish(self, self._num_unprefilled + self._num_ungenerated)
+
+    @property
+    def num_ungenerated(self) -> int:
+        """Tokens it may still generate (max_tokens times n, less those it has)."""
+        return self._num_ungenerated
 
     def close(self) -> None:
         self.inner.close()

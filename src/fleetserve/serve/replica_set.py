@@ -69,21 +69,24 @@ class ReplicaSet:
         self._changed()
         return replica
 
-    async def drain(self, index: int, timeout_s: float = 30.0) -> bool:
+    async def drain(self, index: int, timeout_s: float = 30.0, migrate: bool = True) -> bool:
         """Routes nothing more to the replica, lets it finish what it holds (up to
-        `timeout_s`; the rest is aborted), then stops and removes it. True if nothing
-        had to be aborted."""
+        `timeout_s`; the rest moves to other replicas, or with migrate=False is aborted),
+        then stops and removes it. True if nothing had to move or be aborted."""
         replica = self.get(index)
-        clean = await replica.drain(timeout_s)
+        clean = await replica.drain(timeout_s, migrate)
         await self.remove(index)
         return clean
 
     async def remove(self, index: int) -> None:
-        """Stops the replica now (its open requests end with EngineDeadError) and forgets it."""
+        """Stops the replica now (its open requests move to other replicas:
+        ReplicaGoneError) and forgets it."""
         replica = self.get(index)
         self.members.remove(replica)
-        await replica.stop()
-        self._changed()
+        try:
+            await replica.stop()
+        finally:
+            self._changed()
 
     async def stop_all(self) -> None:
         await asyncio.gather(*(r.stop() for r in self.members))

@@ -34,10 +34,15 @@ class ServiceClass:
     priority: int = 0
     max_waiting: int = 256
     max_queue_time_s: float | None = None
+    # No first token this long after it was sent: a copy goes to another replica and the
+    # first to answer wins (serve/migration.py). None: no hedging.
+    hedge_after_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a class needs a name")
+        if self.hedge_after_s is not None and not self.hedge_after_s > 0:
+            raise ValueError(f"classes.{self.name}.hedge_after_s must be > 0")
         if self.max_waiting < 0:
             raise ValueError(f"classes.{self.name}.max_waiting must be >= 0")
         if self.max_queue_time_s is not None and not self.max_queue_time_s > 0:

@@ -38,6 +38,7 @@ from starlette.middleware.cors import CORSMiddleware
 from fleetserve.batch.store import BatchStore, default_state_dir
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.entrypoints.engine_args_cli import add_engine_args, engine_args_from
+from fleetserve.entrypoints.openai.admin import admin_router
 from fleetserve.entrypoints.openai.batch_executor import FleetLineExecutor
 from fleetserve.entrypoints.openai.body import ClientGone
 from fleetserve.entrypoints.openai.errors import APIError, error_body, error_response
@@ -147,6 +148,34 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         default="least_loaded",
         choices=POLICY_NAMES,
         help="how requests are spread over the replicas (with --data-parallel-size > 1)",
+    )
+    res = p.add_argument_group("resilience (a fleet file's `resilience:` per model)")
+    res.add_argument(
+        "--migration-limit",
+        type=int,
+        default=3,
+        help="times a request may move to another replica when its replica is lost "
+        "(died, drained, hung); 0: never (it fails with a clear error)",
+    )
+    res.add_argument(
+        "--no-replace-failed",
+        dest="replace_failed",
+        action="store_false",
+        help="do not start a new replica when one dies or hangs",
+    )
+    res.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a replica may hold work without an engine step before it is "
+        "declared hung (its requests move; it is killed and replaced)",
+    )
+    res.add_argument(
+        "--sigterm-grace",
+        type=float,
+        default=15.0,
+        help="seconds an engine process keeps serving after SIGTERM while its requests "
+        "move to other replicas",
     )
     add_engine_args(p)
 
@@ -280,6 +309,7 @@ def build_app(
                 read_timeout_s=state.ctx.read_timeout_s,
             )
         )
+    app.include_router(admin_router(state.ctx, key_required=state.api_key is not None))
     install_request_schemas(
         app,
         {
@@ -425,7 +455,8 @@ _MODEL_FLAGS = (
     "dtype", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
     "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching", "scheduling_policy",
     "seed", "device", "num_threads", "attention_backend", "tensor_parallel_size",
-    "pipeline_parallel_size",
+    "pipeline_parallel_size", "migration_limit", "replace_failed", "hang_timeout",
+    "sigterm_grace",
 )  # fmt: skip
 
 
@@ -447,8 +478,19 @@ def fleet_from_args(args: argparse.Namespace) -> FleetConfig:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     engine_args = engine_args_from(args)
     name = served_name(engine_args, args.served_model_name)
+    resilience = {
+        "migration_limit": args.migration_limit,
+        "replace_failed": args.replace_failed,
+        "hang_timeout_s": args.hang_timeout,
+        "sigterm_grace_s": args.sigterm_grace,
+    }
     return single_model_fleet(
-        name, engine_args, args.data_parallel_size, args.routing, args.max_waiting_requests
+        name,
+        engine_args,
+        args.data_parallel_size,
+        args.routing,
+        args.max_waiting_requests,
+        resilience,
     )
 
 
