@@ -77,6 +77,10 @@ class PreemptionNotice:
 
 @dataclass(frozen=True)
 class NoticeConfig:
+    """What to watch. GCP and Azure give 30 s from notice to stop, and a GCP deadline counts
+    from the poll that saw it, so keep `poll_interval_s` to a few seconds (AWS itself
+    suggests polling every 5 s)."""
+
     provider: Provider
     url: str | None = None  # base URL; None = the provider's documented address
     poll_interval_s: float = 1.0
@@ -379,8 +383,10 @@ def make_watcher(config: NoticeConfig) -> NoticeWatcher:
 
 class NoticeThread:
     """A daemon thread that polls `watcher` every `interval_s` until the first notice, hands
-    it to `on_notice` once (on this thread), and ends; or until `stop()`. The wait between
-    polls is an Event wait, so `stop()` returns after at most one HTTP timeout."""
+    it to `on_notice` once, and ends; or until `stop()`. `on_notice` runs on this thread:
+    an asyncio owner passes it on with `loop.call_soon_threadsafe`, and should not block it
+    for long (stop() waits only `timeout_s`). The wait between polls is an Event wait, so
+    `stop()` returns after at most one HTTP timeout (`HTTP_TIMEOUT_S`) of a poll in flight."""
 
     def __init__(
         self,
