@@ -184,10 +184,11 @@ def plan(
 
 
 class CapacityLoad(Protocol):
-    """What prefer_spot reads of a replica (every Replica and test stand-ins have these)."""
+    """What prefer_spot reads of a replica: its pool's capacity ("spot" or "on_demand")
+    and the Router's load figure."""
 
     @property
-    def capacity(self) -> Capacity: ...
+    def capacity(self) -> str: ...
 
     @property
     def num_outstanding_requests(self) -> int: ...
@@ -294,18 +295,12 @@ class PoolController:
         """What the next round would do."""
         return plan(self.pools, self.members(), self.available(), self._pending)
 
-    def counters(self) -> dict[str, PoolCounters]:
-        return {name: replace(c) for name, c in self._counters.items()}
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._tasks)
-
     def step(self) -> list[Action]:
         """Plans once and launches the actions (as tasks); returns them."""
-        by_index = {m.index: m for m in self._provisioner.members()}
+        members = self.members()
+        by_index = {m.index: m for m in members}
         by_name = {p.name: p for p in self.pools}
-        actions = self.actions()
+        actions = plan(self.pools, members, self.available(), self._pending)
         for a in actions:
             if isinstance(a, Start):
                 self._pending[a.pool] += 1
@@ -314,6 +309,13 @@ class PoolController:
                 self._stopping.add(a.index)
                 self._spawn(self._stop(by_index[a.index]), f"pool-stop-{a.index}")
         return actions
+
+    def counters(self) -> dict[str, PoolCounters]:
+        return {name: replace(c) for name, c in self._counters.items()}
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
 
     def poke(self) -> None:
         """Plan now rather than at the next interval (membership changed, e.g. a death)."""
