@@ -21,6 +21,16 @@
       batch: {priority: 10, max_waiting: 100000}
     default_class: interactive
 
+A generate model may instead of `replicas` run in pools of spot and on-demand capacity
+(serve/pools.py keeps them at their targets, SpotHedge-style):
+
+        pools:
+          - {name: spot, capacity: spot, replicas: 3, overprovision: 1,
+             notice: {provider: aws}}
+          - {name: base, capacity: on_demand, replicas: 1, max_fallback: 3}
+
+and a class may be pinned to spot capacity (`batch: {priority: 10, capacity: spot}`).
+
 On Ray Serve (`fleetserve serve --ray`) a model may instead of `replicas` say
 `autoscale: {min_replicas, max_replicas, target_queue_depth, upscale_delay_s,
 downscale_delay_s}`, and `placement: {num_cpus, memory_gb, resources,
@@ -39,7 +49,15 @@ import re
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.serve.deploy_config import DeployConfig
@@ -87,6 +105,54 @@ class ClassConfig(_Strict):
     max_waiting: int = Field(default=256, ge=0)
     max_queue_time_s: float | None = Field(default=None, gt=0.0)
     hedge_after_s: float | None = Field(default=None, gt=0.0)
+    # "spot": routed to spot replicas only (work that can wait out a preemption, e.g. batch).
+    capacity: Literal["any", "spot"] = "any"
+
+
+class NoticeConfig(_Strict):
+    """Where a spot replica learns it is about to be preempted (serve/notices.py polls it).
+    `url` None is the provider's documented metadata endpoint; set it to point elsewhere
+    (a proxy, or a local stand-in in tests)."""
+
+    provider: Literal["aws", "gcp", "azure"]
+    url: str | None = None
+    poll_interval_s: float = Field(default=1.0, gt=0.0, le=60.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> NoticeConfig:
+        if self.url is not None and not re.match(r"^https?://[^\s/]+", self.url):
+            raise ValueError(f"url {self.url!r}: expected http://host[:port]/path")
+        return self
+
+
+class PoolConfig(_Strict):
+    """One pool of a model's replicas. `replicas` is the pool's target. A spot pool runs
+    `overprovision` more than that, so a preemption usually leaves the target standing; an
+    on-demand pool may start up to `max_fallback` more while spot is short of its target."""
+
+    name: str
+    capacity: Literal["spot", "on_demand"]
+    replicas: int = Field(ge=0, le=64)
+    overprovision: int = Field(default=0, ge=0, le=64)
+    max_fallback: int = Field(default=0, ge=0, le=64)
+    notice: NoticeConfig | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> PoolConfig:
+        if not _NAME.match(self.name):
+            raise ValueError(f"name {self.name!r}: no spaces or control characters")
+        if self.capacity == "on_demand":
+            if self.overprovision:
+                raise ValueError("overprovision is for spot pools (on-demand is not preempted)")
+            if self.notice is not None:
+                raise ValueError("notice is for spot pools (on-demand is not preempted)")
+        elif self.max_fallback:
+            raise ValueError("max_fallback is for on_demand pools (spot is what falls back)")
+        return self
+
+    @property
+    def is_spot(self) -> bool:
+        return self.capacity == "spot"
 
 
 class AutoscaleConfig(_Strict):
@@ -152,9 +218,42 @@ class ModelEntry(_Strict):
     autoscale: AutoscaleConfig | None = None
     placement: PlacementConfig | None = None
     resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
+    pools: list[PoolConfig] | None = Field(default=None, min_length=1)
+
+    @field_validator("pools")
+    @classmethod
+    def _check_pools(cls, pools: list[PoolConfig] | None) -> list[PoolConfig] | None:
+        if pools is None:
+            return None
+        names = [p.name for p in pools]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError(f"pool names must be unique; repeated: {', '.join(dups)}")
+        if sum(p.replicas for p in pools) < 1:
+            raise ValueError("the pools' replicas add up to 0: at least one replica is needed")
+        total = sum(p.replicas + p.overprovision + p.max_fallback for p in pools)
+        if total > 64:
+            raise ValueError(
+                f"replicas + overprovision + max_fallback add up to {total}; at most 64"
+            )
+        if any(p.is_spot for p in pools) and not any(
+            p.replicas + p.max_fallback > 0 for p in pools if not p.is_spot
+        ):
+            raise ValueError(
+                "spot pools need an on_demand pool to fall back on (replicas or max_fallback "
+                "> 0): spot replicas can be preempted, or not granted, all at once"
+            )
+        return pools
 
     @model_validator(mode="after")
     def _check_kind(self) -> ModelEntry:
+        if self.pools is not None:
+            if self.kind != "generate":
+                raise ValueError(f"pools is for generate models, not {self.kind!r}")
+            if "replicas" in self.model_fields_set:
+                raise ValueError("give replicas or pools, not both (each pool has replicas)")
+            if self.autoscale is not None:
+                raise ValueError("give autoscale or pools, not both")
         if self.autoscale is not None and "replicas" in self.model_fields_set:
             raise ValueError("give replicas or autoscale, not both (autoscale starts at min)")
         if not _NAME.match(self.name):
@@ -184,6 +283,17 @@ class ModelEntry(_Strict):
         )
         return EngineArgs(model=self.model, **fields)
 
+    def replica_plan(self) -> list[PoolConfig]:
+        """The model's pools; without `pools`, one on-demand pool named "default" of
+        `replicas`, so that the code past the config always sees pools."""
+        if self.pools is not None:
+            return list(self.pools)
+        return [PoolConfig(name="default", capacity="on_demand", replicas=self.replicas)]
+
+    @property
+    def has_spot(self) -> bool:
+        return any(p.is_spot for p in self.replica_plan())
+
 
 class FleetConfig(_Strict):
     models: list[ModelEntry] = Field(min_length=1)
@@ -208,6 +318,14 @@ class FleetConfig(_Strict):
                 f"default_class {self.default_class!r} is not one of the classes "
                 f"({', '.join(sorted(self.classes))})"
             )
+        pinned = sorted(self.spot_only_classes())
+        for i, m in enumerate(self.models):
+            if pinned and m.kind == "generate" and not m.has_spot:
+                # Its requests of that class could never be routed: refused, not queued forever.
+                raise ValueError(
+                    f"classes.{pinned[0]}.capacity is 'spot' but models[{i}] ({m.name!r}) "
+                    "has no spot pool"
+                )
         return self
 
     def ray_only_keys(self) -> list[str]:
@@ -222,6 +340,10 @@ class FleetConfig(_Strict):
     @property
     def default_class_name(self) -> str:
         return self.default_class or next(iter(self.classes))
+
+    def spot_only_classes(self) -> frozenset[str]:
+        """The classes routed to spot replicas only (serve/pools.py's prefer_spot)."""
+        return frozenset(name for name, c in self.classes.items() if c.capacity == "spot")
 
     def service_classes(self) -> dict[str, ServiceClass]:
         return {
