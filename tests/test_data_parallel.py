@@ -468,8 +468,14 @@ def test_slowed_replica_gets_less_traffic(fleet: Fleet) -> None:
 
 def core_pid(server: ServerProc, rank: int) -> int:
     tag = f'"data_parallel_rank":{rank}'
+    import psutil
+
     for p in server.descendants():
-        if any(tag in arg for arg in p.cmdline()):
+        try:
+            cmdline = p.cmdline()
+        except psutil.Error:  # a core just killed (a zombie until reaped)
+            continue
+        if any(tag in arg for arg in cmdline):
             return p.pid
     raise AssertionError(f"no engine core with {tag}")
 

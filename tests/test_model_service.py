@@ -100,7 +100,7 @@ class FakeEngine:
 
 
 class Service(GenerateService):
-    def _new_replica(self, index: int) -> LocalReplica:
+    def _new_replica(self, index: int, pool: Any = None) -> LocalReplica:
         return LocalReplica(index, FakeEngine(), max_num_seqs=self.config.scheduler.max_num_seqs)  # type: ignore[arg-type]
 
 

@@ -99,6 +99,9 @@ class Replica(ReplicaLoad, Protocol):
     on_notice: Callable[[Any, Any], None] | None
     # Set once drain() or stop() began: it takes no new requests.
     draining: bool
+    # Its pool (serve/pools.py) and the pool's capacity: "spot" or "on_demand".
+    pool: str
+    capacity: str
 
     @property
     def dead_reason(self) -> str | None:

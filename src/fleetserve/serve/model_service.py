@@ -30,7 +30,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -48,9 +48,11 @@ from fleetserve.engine.wire import CoreNotice
 from fleetserve.metrics import ModelMetrics
 from fleetserve.serve.admission import ClassObserver, Pending, PreparedPrompt, ShedError
 from fleetserve.serve.base import Replica, ReplicaStreamLike, RouteRequest
-from fleetserve.serve.fleet_config import ResilienceConfig
+from fleetserve.serve.fleet_config import PoolConfig, ResilienceConfig
 from fleetserve.serve.migration import MigratingStream
 from fleetserve.serve.policies import make_policy
+from fleetserve.serve.pools import PoolController, prefer_spot
+from fleetserve.serve.provision import LocalProvisioner
 from fleetserve.serve.replica import LocalReplica
 from fleetserve.serve.replica_set import ReplicaSet
 from fleetserve.serve.router import NoHealthyReplicaError, Router
@@ -65,8 +67,6 @@ _SUPERVISE_INTERVAL_S = 0.25
 # A replica given a notice stops taking requests at once and lets its requests run until
 # this long before the deadline; then the rest move and it is stopped.
 _NOTICE_MARGIN_S = 3.0
-# Failed replica starts are retried after this long, doubling up to a minute.
-_RESTART_BACKOFF_S = 1.0
 
 log = logging.getLogger("fleetserve.serve")
 
@@ -87,16 +87,24 @@ class GenerateService:
         imbalance_tokens: int = 2048,
         straggler_factor: float = 2.0,
         resilience: ResilienceConfig | None = None,
+        pools: Sequence[PoolConfig] | None = None,
+        spot_only_classes: frozenset[str] = frozenset(),
+        capacity_check: Callable[[PoolConfig], bool] | None = None,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {num_replicas}")
         self.name = name
         self.resilience = resilience or ResilienceConfig()
-        self.target_replicas = num_replicas
+        self.pools = list(pools) if pools else [
+            PoolConfig(name="default", capacity="on_demand", replicas=num_replicas)
+        ]  # fmt: skip
+        self.has_spot = any(p.is_spot for p in self.pools)
+        self.spot_only_classes = spot_only_classes
         # The thread budget (given, or every CPU) is split between the replicas, as the
         # multiproc executor splits a replica's between its ranks.
+        planned = sum(p.replicas + p.overprovision for p in self.pools)
         total_threads = args.num_threads or os.cpu_count() or 1
-        self._replica_args = replace(args, num_threads=max(1, total_threads // num_replicas))
+        self._replica_args = replace(args, num_threads=max(1, total_threads // planned))
         self.args = args
         self.config, self.source = args.resolve()
         self.tokenizer = Tokenizer.from_source(self.source)
@@ -108,8 +116,6 @@ class GenerateService:
         self.priority_ordered = self.config.scheduler.policy == "priority"
         self.replica_set = ReplicaSet(self._new_replica)
         self.replica_set.on_change = self._pulse
-        for _ in range(num_replicas):
-            self.replica_set.create()
         policy = make_policy(
             routing,
             block_size=self.config.cache.block_size,
@@ -129,17 +135,25 @@ class GenerateService:
         self._supervisor: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._retiring: set[int] = set()  # replicas being drained or removed
-        self._starting = 0
-        self._restart_after = 0.0
-        self._restart_backoff = _RESTART_BACKOFF_S
+        self._num_failed = 0  # replicas that died
         self._changed = asyncio.Event()
+        self.provisioner = LocalProvisioner(
+            self.replica_set, self.drain_replica, self._retiring, capacity_check=capacity_check
+        )
+        self.controller = PoolController(
+            self.pools, self.provisioner, interval_s=_SUPERVISE_INTERVAL_S
+        )
+        self._controller_task: asyncio.Task[None] | None = None
 
-    def _new_replica(self, index: int) -> Replica:
-        """A replica of this model: a local engine-core process (other transports plug in
-        here: a Ray actor, a remote server)."""
+    def _new_replica(self, index: int, pool: PoolConfig | None) -> Replica:
+        """A replica of this model in `pool`: a local engine-core process (other
+        transports plug in here: a Ray actor, a remote server)."""
+        pool = pool or self.pools[0]
         engine = AsyncEngine(self._replica_args, _ENGINE_MAX_WAITING, self.metrics, index)
         engine.sigterm_grace_s = self.resilience.sigterm_grace_s
+        engine.notice = pool.notice.model_dump() if pool.notice is not None else None
         replica = LocalReplica(index, engine, max_num_seqs=self.config.scheduler.max_num_seqs)
+        replica.pool, replica.capacity = pool.name, pool.capacity
         replica.on_stats = self._publish_stats
         replica.on_notice = self._on_notice
         return replica
@@ -157,8 +171,8 @@ class GenerateService:
     def dead_reason(self) -> str | None:
         """None while any replica is alive (or loading); else why each one is down."""
         reasons = [r.dead_reason for r in self.replica_set]
-        if self._recovering:
-            return None  # down for now; a replacement is on its way
+        if self._recovering or (not self._started and not self._closing):
+            return None  # loading, or down for now with a replacement on its way
         if not reasons:
             return "the model has no replica"
         if any(reason is None for reason in reasons):
@@ -167,7 +181,9 @@ class GenerateService:
 
     @property
     def crashed(self) -> bool:
-        return any(r.crashed for r in self.replica_set)
+        """A replica's engine exited unasked and no replica took its place."""
+        lost = self._num_failed > 0 and not self.replica_set.live
+        return lost or any(r.crashed for r in self.replica_set)
 
     @property
     def num_in_flight(self) -> int:
@@ -189,10 +205,36 @@ class GenerateService:
 
     # ------------------------------------------------------------- lifecycle
     async def start(self, timeout_s: float = 600.0) -> None:
-        await self.replica_set.start_all(timeout_s)
+        """Fills the pools (the PoolController starts the replicas) and returns once they
+        are up; raises if a replica fails to load and none is up. With replace_failed the
+        controller keeps the pools full from then on; a supervisor watches the replicas."""
+        self.provisioner.start_timeout_s = timeout_s
+        self._controller_task = asyncio.create_task(self.controller.run())
+        deadline = time.monotonic() + timeout_s
+        while True:
+            await asyncio.sleep(0.05)
+            settled = self.controller.in_flight == 0 and not self.controller.actions()
+            if settled and self.replica_set.live:
+                break
+            failed = self.provisioner.last_start_error
+            idle = self.controller.in_flight == 0
+            if failed is not None and idle and not self.replica_set.live:
+                await self._stop_controller()
+                raise RuntimeError(failed)
+            if time.monotonic() > deadline:
+                await self._stop_controller()
+                raise RuntimeError(f"{self.name}: the replicas did not load within {timeout_s} s")
+        if not self.resilience.replace_failed:
+            await self._stop_controller()
         self._started = True
         self._supervisor = asyncio.create_task(self._supervise())
         self._dispatch()
+
+    async def _stop_controller(self) -> None:
+        self.controller.stop()
+        if self._controller_task is not None:
+            await asyncio.gather(self._controller_task, return_exceptions=True)
+            self._controller_task = None
 
     async def shutdown(self) -> None:
         self._closing = True
@@ -201,6 +243,7 @@ class GenerateService:
         for task in [self._supervisor, *self._tasks]:
             if task is not None:
                 task.cancel()
+        await self._stop_controller()
         self._fail_queued(lambda: EngineDeadError("the server is shutting down"))
         await self.replica_set.stop_all()
 
@@ -283,6 +326,8 @@ class GenerateService:
             pending = entry.payload
             level = entry.service_class.priority
             no_room = {r.index for r in self.replica_set if not r.has_room(level, pending.num_seqs)}
+            if entry.service_class.name in self.spot_only_classes:
+                no_room |= {r.index for r in self.replica_set if r.capacity != "spot"}
             if not self.replica_set.live:
                 if self._recovering:
                     return  # queued requests wait for the replacement (or their deadline)
@@ -307,10 +352,12 @@ class GenerateService:
                     (item.params.max_tokens or 0) * item.params.n,
                     entry.priority,
                 )
+                narrow = self._narrow(cls.name)
                 try:
-                    replica = self.router.choose(route, exclude=no_room)
+                    replica = self.router.choose(route, exclude=no_room, narrow=narrow)
                 except NoHealthyReplicaError:
-                    replica = self.router.choose(route)  # later prompts of a wide request
+                    # Later prompts of a wide request.
+                    replica = self.router.choose(route, narrow=narrow)
                 observer = ClassObserver(self.metrics, cls.name, pending.arrival, self._unstarted)
                 try:
                     inner = replica.submit(
@@ -385,6 +432,15 @@ class GenerateService:
         if self.metrics is not None:
             self.metrics.add_shed(class_name, reason)
 
+    def _narrow(self, class_name: str) -> Callable[[list[Replica]], list[Replica]] | None:
+        """Spot first: among the router's candidates, the spot replicas with room, unless
+        none has; a class pinned to spot gets spot replicas only."""
+        if not self.has_spot:
+            return None
+        spot_only = class_name in self.spot_only_classes
+        overload = self.router.overload_requests
+        return lambda cands: prefer_spot(cands, overload, spot_only)
+
     # ------------------------------------------------------------- migration
     @property
     def _recovering(self) -> bool:
@@ -395,10 +451,10 @@ class GenerateService:
             r.dead_reason is None and not r.healthy and r.index not in self._retiring
             for r in self.replica_set
         )
-        if loading or self._starting > 0:
+        if loading or self.controller.in_flight > 0:
             return True
-        # The supervisor will start a replacement, unless the last start failed.
-        return self.resilience.replace_failed and self._restart_backoff == _RESTART_BACKOFF_S
+        # The controller will start a replacement, unless its pools are backing off.
+        return self._controller_task is not None and any(self.controller.available().values())
 
     async def resubmit(
         self, stream: MigratingStream, exclude: set[int]
@@ -420,7 +476,7 @@ class GenerateService:
             if self._closing:
                 raise EngineDeadError("the server is shutting down")
             try:
-                replica = self.router.choose(route, exclude=refused)
+                replica = self.router.choose(route, exclude=refused, narrow=self._narrow(cls.name))
             except NoHealthyReplicaError:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._recovering:
@@ -509,6 +565,7 @@ class GenerateService:
 
     def _pulse(self) -> None:
         self._changed.set()
+        self.controller.poke()
         self._dispatch()
 
     async def _supervise(self) -> None:
@@ -528,6 +585,7 @@ class GenerateService:
             if r.dead_reason is not None:
                 log.error("%s: replica %d died: %s", self.name, r.index, r.dead_reason)
                 self._event("failed")
+                self._num_failed += 1
                 self._retiring.add(r.index)
                 self._spawn(self._remove(r.index, kill=False))
             elif hang_s is not None and r.hung_for(now) > hang_s:
@@ -537,7 +595,6 @@ class GenerateService:
                 self._retiring.add(r.index)
                 r.evict_all("the replica hung")
                 self._spawn(self._remove(r.index, kill=True))
-        self._keep_count(now)
 
     async def _remove(self, index: int, kill: bool) -> None:
         try:
@@ -547,32 +604,6 @@ class GenerateService:
             await self.replica_set.remove(index)
         finally:
             self._retiring.discard(index)
-            self._pulse()
-
-    def _keep_count(self, now: float) -> None:
-        """Starts replicas while fewer than the target are up or loading."""
-        if not self.resilience.replace_failed or now < self._restart_after:
-            return
-        serving = sum(
-            1 for r in self.replica_set if r.dead_reason is None and r.index not in self._retiring
-        )
-        if serving + self._starting < self.target_replicas:
-            self._starting += 1
-            self._spawn(self._start_one())
-
-    async def _start_one(self) -> None:
-        try:
-            await self.replica_set.add()
-        except Exception as e:
-            self._event("start_failed")
-            self._restart_after = time.monotonic() + self._restart_backoff
-            self._restart_backoff = min(self._restart_backoff * 2, 60.0)
-            log.error("%s: a replacement replica failed to start: %s", self.name, e)
-        else:
-            self._event("started")
-            self._restart_backoff = _RESTART_BACKOFF_S
-        finally:
-            self._starting -= 1
             self._pulse()
 
     def replica_views(self) -> list[dict[str, Any]]:
@@ -589,6 +620,8 @@ class GenerateService:
                 {
                     "id": f"{self.name}:{r.index}",
                     "index": r.index,
+                    "pool": getattr(r, "pool", "default"),
+                    "capacity": getattr(r, "capacity", "on_demand"),
                     "state": state,
                     "pid": r.pid,
                     "num_requests": r.num_outstanding_requests,

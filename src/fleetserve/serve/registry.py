@@ -88,6 +88,8 @@ def _build_generate(entry: ModelEntry, fleet: FleetConfig, metrics: ModelMetrics
         routing=entry.routing,
         metrics=metrics,
         resilience=entry.resilience,
+        pools=entry.replica_plan(),
+        spot_only_classes=fleet.spot_only_classes(),
     )
 
 

@@ -45,6 +45,9 @@ class LocalReplica:
             raise ValueError(f"ewma_alpha must be in (0, 1], got {ewma_alpha}")
         self.index = index
         self.engine = engine
+        # The pool it belongs to and that pool's capacity (serve/pools.py).
+        self.pool = "default"
+        self.capacity = "on_demand"
         self.ewma_alpha = ewma_alpha
         self.warmup_steps = warmup_steps
         self.max_num_seqs = max_num_seqs

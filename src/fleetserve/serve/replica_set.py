@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from fleetserve.serve.base import Replica
 
 
 class ReplicaSet:
-    def __init__(self, factory: Callable[[int], Replica]) -> None:
+    """`factory(index, pool)` makes a replica of a pool (serve/pools.py's PoolConfig; None:
+    the model's default pool)."""
+
+    def __init__(self, factory: Callable[[int, Any], Replica]) -> None:
         self._factory = factory
         self.members: list[Replica] = []
         self._next_index = 0
@@ -39,9 +43,9 @@ class ReplicaSet:
                 return r
         raise KeyError(f"no replica {index}; replicas: {[r.index for r in self.members]}")
 
-    def create(self) -> Replica:
+    def create(self, pool: Any = None) -> Replica:
         """A new member, not started (it is not healthy, so nothing is routed to it yet)."""
-        replica = self._factory(self._next_index)
+        replica = self._factory(self._next_index, pool)
         self._next_index += 1
         replica.on_finish = self._changed
         self.members.append(replica)
@@ -57,10 +61,10 @@ class ReplicaSet:
                 raise RuntimeError(f"replica {r.index}: {res}") from res
         self._changed()
 
-    async def add(self, timeout_s: float = 600.0) -> Replica:
+    async def add(self, timeout_s: float = 600.0, pool: Any = None) -> Replica:
         """Starts one more replica while the others serve; it takes requests once loaded.
         If it fails to start it is removed again and the error is raised."""
-        replica = self.create()
+        replica = self.create(pool)
         try:
             await replica.start(timeout_s)
         except BaseException:

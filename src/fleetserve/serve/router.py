@@ -91,8 +91,16 @@ class Router(Generic[R]):
             return healthy
         return fast
 
-    def choose(self, request: RouteRequest, exclude: Collection[int] = ()) -> R:
+    def choose(
+        self,
+        request: RouteRequest,
+        exclude: Collection[int] = (),
+        narrow: Callable[[list[R]], list[R]] | None = None,
+    ) -> R:
+        """`narrow` picks among the candidates before the policy does (spot first)."""
         cands = self.candidates(exclude)
+        if narrow is not None:
+            cands = narrow(cands)
         if not cands:
             raise NoHealthyReplicaError("no healthy replica can take the request")
         return self.policy.choose(request, cands)
