@@ -325,9 +325,14 @@ class AsyncEngine:
         return stream
 
     async def generate(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        resume: RequestOutput | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        stream = self.add_request(request_id, prompt, params, priority)
+        stream = self.add_request(request_id, prompt, params, priority, resume)
         try:
             async for out in stream:
                 yield out
