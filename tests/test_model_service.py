@@ -13,11 +13,12 @@ import pytest
 
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
-from fleetserve.engine.async_engine import EngineDeadError
+from fleetserve.engine.async_engine import EngineDeadError, ReplicaGoneError
 from fleetserve.metrics import ServerMetrics
 from fleetserve.outputs import CompletionOutput, RequestOutput
 from fleetserve.serve.admission import ShedError
 from fleetserve.serve.fleet_config import ResilienceConfig
+from fleetserve.serve.migration import MigrationLimitError
 from fleetserve.serve.model_service import GenerateService
 from fleetserve.serve.replica import LocalReplica
 from fleetserve.serve.sla import REQUEST_PRIORITY_SPAN, ServiceClass
@@ -268,5 +269,30 @@ def test_replicas_added_and_drained_while_serving(tiny_llama: str) -> None:
         assert not svc.is_ready and svc.dead_reason is not None
         with pytest.raises(EngineDeadError):
             await admit(svc, "late", "batch")
+
+    run(main)
+
+
+def test_migration_moves_a_lost_request_until_its_limit(tiny_llama: str) -> None:
+    async def main() -> None:
+        svc = service(tiny_llama, replicas=2)
+        svc.resilience = ResilienceConfig(replace_failed=False, migration_limit=1)
+        await svc.start()
+        task = admit(svc, "m", "batch")
+        await settle()
+        [stream] = task.result()
+        first = stream.replica_index
+        other = 1 - first
+        # Its replica is lost: it goes on on the other one, resumed from what was seen.
+        engine(svc, first).streams["m-0"].queue.put_nowait(ReplicaGoneError("died"))
+        consumer = asyncio.ensure_future(stream.__anext__())
+        await settle()
+        assert stream.replica_index == other and stream.migrations == 1
+        assert [rid for rid, _ in engine(svc, other).sent] == ["m-0"]
+        # Lost again: past migration_limit=1, a clear error instead of a third replica.
+        engine(svc, other).streams["m-0"].queue.put_nowait(ReplicaGoneError("died again"))
+        with pytest.raises(MigrationLimitError, match="migration_limit of 1"):
+            await consumer
+        await svc.shutdown()
 
     run(main)
