@@ -95,8 +95,8 @@ class ServerMetrics:
         )  # fmt: skip
         self.replica_events = Counter(
             "fleetserve:replica_events",
-            "Replica lifecycle events: started, failed (died), hung, notice, drained, "
-            "start_failed.",
+            "Replica lifecycle events: started, start_failed, no_capacity (its pool had "
+            "none), failed (died), hung, notice, drained.",
             ["model_name", "event"], registry=r,
         )  # fmt: skip
         self.batch_size = Histogram(

@@ -138,7 +138,11 @@ class GenerateService:
         self._num_failed = 0  # replicas that died
         self._changed = asyncio.Event()
         self.provisioner = LocalProvisioner(
-            self.replica_set, self.drain_replica, self._retiring, capacity_check=capacity_check
+            self.replica_set,
+            self.drain_replica,
+            self._retiring,
+            capacity_check=capacity_check,
+            on_event=self._event,
         )
         self.controller = PoolController(
             self.pools, self.provisioner, interval_s=_SUPERVISE_INTERVAL_S

@@ -32,6 +32,7 @@ class LocalProvisioner:
         retiring: set[int],
         start_timeout_s: float = 600.0,
         capacity_check: Callable[[PoolConfig], bool] | None = None,
+        on_event: Callable[[str], None] | None = None,
     ) -> None:
         """`drain(index, timeout_s)` drains and removes a replica (its requests move);
         `retiring` is the service's set of replicas being drained or removed."""
@@ -40,12 +41,14 @@ class LocalProvisioner:
         self._retiring = retiring
         self.start_timeout_s = start_timeout_s
         self.capacity_check = capacity_check
+        self.on_event = on_event or (lambda event: None)
         self._starting: set[int] = set()
         self.last_start_error: str | None = None
         self.started_at: dict[int, float] = {}
 
     async def start(self, pool: PoolConfig) -> int:
         if self.capacity_check is not None and not self.capacity_check(pool):
+            self.on_event("no_capacity")
             raise CapacityUnavailableError(f"pool {pool.name!r} has no {pool.capacity} capacity")
         try:
             replica = self.replica_set.create(pool)
@@ -57,12 +60,14 @@ class LocalProvisioner:
             await replica.start(self.start_timeout_s)
         except BaseException as e:
             self.last_start_error = f"replica {replica.index}: {e}"
+            self.on_event("start_failed")
             self._starting.discard(replica.index)
             await self.replica_set.remove(replica.index)
             raise
         self._starting.discard(replica.index)
         self.started_at[replica.index] = time.monotonic()
         self.last_start_error = None
+        self.on_event("started")
         self.replica_set._changed()
         return replica.index
 
