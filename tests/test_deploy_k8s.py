@@ -314,3 +314,24 @@ def test_kustomize_builds_the_folder(tmp_path: Path) -> None:
     key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
     assert sorted(map(key, docs)) == sorted(map(key, rendered))
     assert {d["metadata"].get("namespace", "fleetserve") for d in docs} == {"fleetserve"}
+
+
+def test_pools_are_refused_with_the_deploy_alternative() -> None:
+    from fleetserve.deploy.k8s import RenderOptions, render_fleet
+    from fleetserve.serve.fleet_config import parse_fleet_config
+
+    fleet = parse_fleet_config(
+        {
+            "models": [
+                {
+                    "name": "chat",
+                    "pools": [
+                        {"name": "spot", "capacity": "spot", "replicas": 1},
+                        {"name": "base", "capacity": "on_demand", "replicas": 1},
+                    ],
+                }
+            ]
+        }
+    )
+    with pytest.raises(ValueError, match=r"models\[0\].pools .*deploy: \{pool: spot\}"):
+        render_fleet(fleet, RenderOptions())

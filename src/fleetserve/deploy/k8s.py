@@ -159,6 +159,14 @@ def render_pool(fleet: FleetConfig, entry: ModelEntry, opts: RenderOptions) -> l
 
 
 def render_fleet(fleet: FleetConfig, opts: RenderOptions) -> list[Manifest]:
+    for i, m in enumerate(fleet.models):
+        if m.pools is not None:
+            # Inside one pod, spot and on-demand replicas would share that pod's node.
+            raise ValueError(
+                f"models[{i}].pools (model {m.name!r}): on Kubernetes a pool is a set of "
+                "pods on spot or on-demand nodes: give the model `deploy: {pool: spot}` (one "
+                "model entry per pool) instead of `pools:`, which is for one server's replicas"
+            )
     slugs = [model_slug(m.name) for m in fleet.models]
     for i, slug in enumerate(slugs):
         if slugs.index(slug) != i:
