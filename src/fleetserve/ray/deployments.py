@@ -7,7 +7,9 @@ Refusals travel back as `RemoteError` values, not exceptions (see wire.py). A re
 reports its load to Serve twice: `record_routing_stats` for the ingress's router (step
 latency, queue depth, prefix cache), `record_autoscaling_stats` for the queue-depth
 autoscaling policy (autoscale.py). `check_health` fails once the engine process is gone,
-and Serve replaces the replica.
+and Serve replaces the replica. A request this replica can no longer serve (its engine
+died, Serve is stopping it) ends with a "gone" RemoteError, so that the ingress resumes
+it on another replica (`generate(resume=...)`, request migration; clients.py).
 """
 
 from __future__ import annotations
