@@ -1,6 +1,6 @@
-"""The ingress's side of each model deployment: service-like objects that the local
-server's handlers and registry take as they take GenerateService / EmbedService /
-CustomService, backed by Serve deployment handles.
+"""The ingress's client of a generate model's deployment: what the local server's
+handlers and registry take as they take GenerateService, backed by a Serve deployment
+handle (embed and custom models: batch_clients.py).
 
 A generate request goes through the same steps as on the local server, in the ingress:
 tokenize and validate (400s), its class's queue (serve/sla.py: ordered by class, then the
@@ -9,31 +9,40 @@ passes), then dispatch while the model has room: in-flight requests below its re
 times `max_ongoing_requests` (one replica's worth when none is known yet, so that the
 first request reaches Serve and wakes a scaled-to-zero deployment). Serve's router (ours,
 router.py) then picks the replica, and the engine's priority scheduler orders what it holds.
+
+Each sent engine request is a `MigratingStream` (serve/migration.py) over its calls: when
+the replica running it is lost (its actor, node or engine process died, Serve stopped it;
+streams.py), the client is its `Resubmitter` and calls the deployment again with
+`resume=` the last output its reader got and `avoid=` the replicas the request was lost
+on, which the router never picks for it; the new replica prefills prompt + tokens so far
+and the reader's stream goes on. The request keeps its seat in the ingress meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from fleetserve.core.sampling_params import SamplingParams
-from fleetserve.engine.async_engine import EngineDeadError
-from fleetserve.engine.embedding import EmbeddingResult
+from fleetserve.engine.async_engine import EngineDeadError, ReplicaGoneError
 from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
 from fleetserve.ray import router_state
 from fleetserve.ray.router_state import num_known_replicas
-from fleetserve.ray.wire import RemoteError
+from fleetserve.ray.streams import RayStream, RequestObserver
 from fleetserve.serve.admission import ShedError
-from fleetserve.serve.batch_service import ServiceNotReadyError
+from fleetserve.serve.base import ReplicaStreamLike
 from fleetserve.serve.fleet_config import FleetConfig, ModelEntry
-from fleetserve.serve.sla import ClassQueue, Entry, QueueFullError, engine_priority
+from fleetserve.serve.migration import MigratingStream
+from fleetserve.serve.sla import ClassQueue, Entry, QueueFullError, ServiceClass, engine_priority
 from fleetserve.tokenizer import Tokenizer
 
 
@@ -46,6 +55,25 @@ class _Item:
     num_new_tokens: int
 
 
+log = logging.getLogger("fleetserve.ray")
+
+# How often a request that lost its replica looks for Serve to list another one.
+_REPLICA_POLL_S = 0.2
+# The replica index a MigratingStream is given for a call: Serve's router places a call
+# after it is made, so the client learns the replica later (RayStream.replica_index).
+_UNPLACED = -1
+
+
+@dataclass
+class _Call:
+    """What sending an engine request (again) needs: MigratingStream's `context`."""
+
+    item: _Item
+    service_class: ServiceClass
+    priority: int  # the engine's (class and request folded)
+    lost_on: set[int] = field(default_factory=set)  # replicas it was lost on
+
+
 @dataclass
 class _Pending:
     """A queued request; `turn` resolves when it may be sent (its seats are reserved)."""
@@ -53,74 +81,6 @@ class _Pending:
     items: list[_Item]
     turn: asyncio.Future[None]
     arrival: float
-
-
-class RayStream:
-    """One request's outputs from a generate deployment (`ReplicaStreamLike`). A replica
-    lost mid-stream (its node left) ends the stream with EngineDeadError at once."""
-
-    def __init__(
-        self, client: RayGenerateClient, request_id: str, n: int, gen: DeploymentResponseGenerator
-    ) -> None:
-        self.client, self.request_id, self.n, self._gen = client, request_id, n, gen
-        self.class_name = ""
-        self.arrival = time.monotonic()
-        self._first: float | None = None
-        self._done = False
-
-    def __aiter__(self) -> RayStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            item = await self._gen.__anext__()
-        except StopAsyncIteration:
-            self._end()
-            raise
-        except asyncio.CancelledError:
-            self.close()
-            raise
-        except Exception as e:  # noqa: BLE001 -- the replica (or its node) is gone
-            self.close()
-            raise EngineDeadError(f"the replica serving the request failed: {_short(e)}") from e
-        if isinstance(item, RemoteError):
-            self.close()
-            raise item.exception(batch=False)
-        self._observe(item)
-        if item.finished:
-            self._end()
-        return item
-
-    def _observe(self, out: RequestOutput) -> None:
-        now = time.monotonic()
-        if self._first is None:
-            self._first = now
-        metrics = self.client.metrics
-        if out.finished and metrics is not None:
-            num_tokens = sum(len(c.token_ids) for c in out.outputs)
-            metrics.add_prompt_tokens(len(out.prompt_token_ids))
-            metrics.add_generation_tokens(num_tokens)
-            metrics.observe_finished(out)
-            metrics.observe_latency(
-                self.class_name, self._first - self.arrival, now - self.arrival, num_tokens
-            )
-
-    def _end(self) -> None:
-        if not self._done:
-            self._done = True
-            self.client._finished(self)
-
-    def close(self) -> None:
-        """Aborts the request in its replica if it has not finished."""
-        if not self._done:
-            self._gen.cancel()
-        self._end()
-
-
-def _short(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
 
 
 class RayGenerateClient:
@@ -147,8 +107,11 @@ class RayGenerateClient:
         self.queue: ClassQueue[_Pending] = ClassQueue(
             fleet.service_classes(), fleet.default_class_name
         )
+        self.resilience = entry.resilience
         self.num_in_flight_streams = 0
+        self._unstarted: Counter[str] = Counter()  # sent, no output yet (RequestObserver)
         self._started = False
+        self._closing = False
         self._expiry: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------- ModelService
@@ -162,7 +125,7 @@ class RayGenerateClient:
 
     @property
     def dead_reason(self) -> str | None:
-        return None  # Serve replaces dead replicas; a lost one fails only its requests
+        return None  # Serve replaces dead replicas; their requests move to others
 
     @property
     def crashed(self) -> bool:
@@ -194,6 +157,7 @@ class RayGenerateClient:
         self._started = True
 
     async def shutdown(self) -> None:
+        self._closing = True
         self.abort_all("the server is shutting down")
 
     def abort_all(self, reason: str) -> None:
@@ -215,7 +179,7 @@ class RayGenerateClient:
         params_for: Callable[[], SamplingParams],
         class_name: str | None = None,
         priority: int = 0,
-    ) -> list[RayStream]:
+    ) -> list[MigratingStream]:
         """As GenerateService.admit: validate, queue by class, return the streams once
         dispatched. Cancelling the wait takes the request out of the queue.
 
@@ -273,13 +237,32 @@ class RayGenerateClient:
         self.num_in_flight_streams -= num_streams
         self._dispatch()
 
-    def _send(self, entry: Entry[_Pending]) -> list[RayStream]:
+    def _send(self, entry: Entry[_Pending]) -> list[MigratingStream]:
         pending = entry.payload
+        cls = entry.service_class
         caller = self.handle.options(stream=True)
-        streams: list[RayStream] = []
+        streams: list[MigratingStream] = []
         try:
             for item in pending.items:
-                streams.append(self._call(caller, item, entry))
+                call = _Call(item, cls, engine_priority(cls, entry.priority))
+                inner = self._call(caller, call)
+                observer = RequestObserver(
+                    self.metrics, cls.name, pending.arrival, self._unstarted, self._release_one
+                )
+                stream = MigratingStream(
+                    self,
+                    item.request_id,
+                    item.params.n,
+                    inner,
+                    _UNPLACED,
+                    observer=observer,
+                    migration_limit=self.resilience.migration_limit,
+                    # No hedging here: a copy made before the first call is routed could
+                    # land on the same replica, under the same engine request id.
+                    hedge_after_s=None,
+                    context=call,
+                )
+                streams.append(stream)
         except BaseException:
             for s in streams:
                 s.close()  # gives its seat back
@@ -287,24 +270,83 @@ class RayGenerateClient:
             raise
         return streams
 
-    def _call(self, caller: DeploymentHandle, item: _Item, entry: Entry[_Pending]) -> RayStream:
-        cls = entry.service_class
+    def _call(
+        self,
+        caller: DeploymentHandle,
+        call: _Call,
+        resume: RequestOutput | None = None,
+        avoid: frozenset[int] = frozenset(),
+    ) -> RayStream:
+        item = call.item
+        num_done = 0 if resume is None else sum(len(c.token_ids) for c in resume.outputs)
         gen = caller.generate.remote(
             request_id=item.request_id,
             prompt=item.prompt,
             params=item.params,
-            priority=engine_priority(cls, entry.priority),
+            priority=call.priority,
             num_prompt_tokens=item.num_prompt_tokens,
-            num_new_tokens=item.num_new_tokens,
-            level=cls.priority,
+            num_new_tokens=max(item.num_new_tokens - num_done, 0),
+            level=call.service_class.priority,
+            resume=resume,
+            avoid=sorted(avoid),
         )
         assert isinstance(gen, DeploymentResponseGenerator)  # stream=True
-        stream = RayStream(self, item.request_id, item.params.n, gen)
-        stream.class_name, stream.arrival = cls.name, entry.payload.arrival
-        return stream
+        return RayStream(item.request_id, item.params.n, gen, lambda: self._placement(item))
 
-    def _finished(self, stream: RayStream) -> None:
+    def _placement(self, item: _Item) -> int | None:
+        router = router_state.ROUTERS.get(self.deployment_name)
+        return None if router is None else router.placement(item.request_id)
+
+    def _release_one(self) -> None:
         self._release(1)
+
+    # ------------------------------------------------------------- migration
+    async def resubmit(
+        self, stream: MigratingStream, exclude: set[int]
+    ) -> tuple[ReplicaStreamLike, int]:
+        """Resubmitter (serve/migration.py): calls the deployment again for `stream`'s
+        request, going on from the output its reader got last, never on a replica it was
+        lost on; first waits up to migration_wait_s for Serve to list a replica it may go
+        to (EngineDeadError if none). `exclude` holds only _UNPLACED: which replica each
+        call went to is the router's to say (RayStream.replica_index)."""
+        call: _Call = stream.context
+        old = stream.inner
+        if isinstance(old, RayStream) and old.replica_index is not None:
+            call.lost_on.add(old.replica_index)
+        avoid = frozenset(call.lost_on)
+        await self._wait_for_replica(avoid)
+        last = stream.last
+        done = last is not None and any(c.token_ids for c in last.outputs)
+        caller = self.handle.options(stream=True)
+        inner = self._call(caller, call, resume=last if done else None, avoid=avoid)
+        return inner, _UNPLACED
+
+    async def _wait_for_replica(self, avoid: frozenset[int]) -> None:
+        """Returns once Serve's router lists a replica not in `avoid` (at once when it
+        does; Serve then places the call, as it does any call)."""
+        wait_s = self.resilience.migration_wait_s
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self._closing:
+                raise EngineDeadError("the server is shutting down")
+            router = router_state.ROUTERS.get(self.deployment_name)
+            if router is None or router.has_replica_outside(avoid):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineDeadError(
+                    f"no replica of {self.name!r} could take the request over "
+                    f"(waited {wait_s:g} s, migration_wait_s)"
+                )
+            await asyncio.sleep(min(left, _REPLICA_POLL_S))
+
+    def on_migrated(self, stream: MigratingStream, error: ReplicaGoneError) -> None:
+        old = stream.inner
+        index = old.replica_index if isinstance(old, RayStream) else None
+        log.info("%s: request %s moves off replica %s (%s)", self.name, stream.request_id,
+                 index, error)  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.add_migration(migration_reason(error))
 
     def _schedule_expiry(self) -> None:
         deadline = self.queue.next_deadline()
@@ -337,102 +379,7 @@ class RayGenerateClient:
             self.metrics.add_shed(class_name, reason)
 
 
-class _RayBatchClient:
-    """An embed or custom deployment behind its handle; its queue is the replicas'."""
-
-    def __init__(self, entry: ModelEntry, handle: DeploymentHandle) -> None:
-        self.name = entry.name
-        self.handle = handle
-        self.deployment_name = handle.deployment_name
-        self.batching = entry.batching
-        self.num_calls = 0
-        self._started = False
-
-    @property
-    def is_ready(self) -> bool:
-        return self._started
-
-    @property
-    def dead_reason(self) -> str | None:
-        return None
-
-    @property
-    def crashed(self) -> bool:
-        return False
-
-    @property
-    def num_in_flight(self) -> int:
-        return self.num_calls
-
-    def card(self) -> dict[str, Any]:
-        return {"replicas": num_known_replicas(self.deployment_name) or 0}
-
-    def waiting_by_class(self) -> dict[str, int]:
-        return {}  # waiting items are counted by the replicas (record_autoscaling_stats)
-
-    async def start(self, timeout_s: float = 600.0) -> None:
-        self._started = True
-
-    async def shutdown(self) -> None:
-        self._started = False
-
-    def abort_all(self, reason: str) -> None:
-        self._started = False
-
-    def check_ready(self) -> None:
-        if not self._started:
-            raise ServiceNotReadyError(f"model {self.name!r} is not ready")
-
-    async def _call(self, method: str, arg: Any) -> Any:
-        self.check_ready()
-        self.num_calls += 1
-        try:
-            result = await getattr(self.handle, method).remote(arg)
-        except Exception as e:  # noqa: BLE001 -- the replica (or its node) is gone
-            raise RuntimeError(f"the replica serving the request failed: {_short(e)}") from e
-        finally:
-            self.num_calls -= 1
-        if isinstance(result, RemoteError):
-            raise result.exception(batch=True)
-        return result
-
-
-class RayEmbedClient(_RayBatchClient):
-    kind = "embed"
-
-    def __init__(self, entry: ModelEntry, handle: DeploymentHandle) -> None:
-        super().__init__(entry, handle)
-        self._dimension: int | None = None
-
-    @property
-    def dimension(self) -> int:
-        if self._dimension is None:
-            raise ServiceNotReadyError(f"model {self.name!r} is not ready")
-        return self._dimension
-
-    def check_ready(self) -> None:
-        super().check_ready()
-        if self._dimension is None:
-            raise ServiceNotReadyError(f"model {self.name!r} is still loading")
-
-    async def start(self, timeout_s: float = 600.0) -> None:
-        await super().start(timeout_s)
-        # Asked of a replica once; with min_replicas 0 this wakes one.
-        self._dimension = int(await self.handle.dimension.remote())
-
-    async def embed(self, inputs: Sequence[str] | Sequence[Sequence[int]]) -> EmbeddingResult:
-        vectors, num_tokens = await self._call("embed", list(inputs))
-        return EmbeddingResult(vectors, list(num_tokens))
-
-
-class RayCustomClient(_RayBatchClient):
-    kind = "custom"
-
-    async def predict(self, instances: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        if not instances:
-            raise ValueError("instances must not be empty")
-        for i, inst in enumerate(instances):
-            if not isinstance(inst, dict):
-                raise ValueError(f"instances[{i}] must be a JSON object")
-        result: list[dict[str, Any]] = await self._call("predict", list(instances))
-        return result
+def migration_reason(error: ReplicaGoneError) -> str:
+    """The `reason` label of fleetserve:request_migrations_total for a lost replica."""
+    text = str(error)
+    return "drained" if "drain" in text else "stopped" if "stop" in text else "died"

@@ -7,7 +7,9 @@ Refusals travel back as `RemoteError` values, not exceptions (see wire.py). A re
 reports its load to Serve twice: `record_routing_stats` for the ingress's router (step
 latency, queue depth, prefix cache), `record_autoscaling_stats` for the queue-depth
 autoscaling policy (autoscale.py). `check_health` fails once the engine process is gone,
-and Serve replaces the replica.
+and Serve replaces the replica. A request this replica can no longer serve (its engine
+died, Serve is stopping it) ends with a "gone" RemoteError, so that the ingress resumes
+it on another replica (`generate(resume=...)`, request migration; clients.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
-from fleetserve.engine.async_engine import AsyncEngine
+from fleetserve.engine.async_engine import AsyncEngine, EngineDeadError, ReplicaGoneError
 from fleetserve.engine.embedding import MINILM_NAME
 from fleetserve.outputs import RequestOutput
 from fleetserve.ray.wire import RemoteError
@@ -37,6 +39,16 @@ def _node_id() -> str:
     import ray
 
     return str(ray.get_runtime_context().get_node_id())
+
+
+def lost_as_gone(e: Exception, replica: Any) -> Exception:
+    """A dead or stopping engine's refusal as ReplicaGoneError: another replica can take
+    the request (the ingress resumes it there), so it must not read as final. `replica`:
+    the LocalReplica (its dead_reason and draining)."""
+    gone = replica.dead_reason is not None or replica.draining
+    if gone and isinstance(e, EngineDeadError) and not isinstance(e, ReplicaGoneError):
+        return ReplicaGoneError(str(e))
+    return e
 
 
 class GenerateReplica:
@@ -60,22 +72,27 @@ class GenerateReplica:
         num_prompt_tokens: int,
         num_new_tokens: int,
         level: int,
+        resume: RequestOutput | None = None,
+        avoid: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput | RemoteError]:
         """The request's outputs (cumulative, the newest when the reader fell behind); a
-        refusal or failure is one RemoteError and the end. `num_new_tokens` is for the
-        ingress's router only. Cancelling the call (the client left) aborts the request."""
+        refusal or failure is one RemoteError and the end. `resume`: the request's last
+        output the ingress saw from a replica it lost; the request goes on from there
+        (request migration). `num_new_tokens` and `avoid` are for the ingress's router
+        only. Cancelling the call (the client left) aborts the request."""
         try:
             stream = self.replica.submit(
-                request_id, prompt, params, priority, num_prompt_tokens, level=level
-            )
+                request_id, prompt, params, priority, num_prompt_tokens, level=level,
+                resume=resume,
+            )  # fmt: skip
         except Exception as e:  # noqa: BLE001 -- every refusal goes back as data
-            yield RemoteError.of(e)
+            yield RemoteError.of(lost_as_gone(e, self.replica))
             return
         try:
             async for out in stream:
                 yield out
         except Exception as e:  # noqa: BLE001
-            yield RemoteError.of(e)
+            yield RemoteError.of(lost_as_gone(e, self.replica))
         finally:
             stream.close()
 
@@ -114,6 +131,7 @@ class GenerateReplica:
             "pid": os.getpid(),
             "core_pid": self.replica.engine.core_pid,
             "num_routed": self.replica.num_routed,
+            "num_requests": self.replica.num_outstanding_requests,
             "stats": dict(self.replica.stats),
         }
 

@@ -16,7 +16,8 @@ from ray.serve.handle import DeploymentHandle
 from fleetserve.entrypoints.openai.api_server import ServerState, build_app
 from fleetserve.entrypoints.openai.serving_common import ServingContext
 from fleetserve.metrics import ServerMetrics
-from fleetserve.ray.clients import RayCustomClient, RayEmbedClient, RayGenerateClient
+from fleetserve.ray.batch_clients import RayCustomClient, RayEmbedClient
+from fleetserve.ray.clients import RayGenerateClient
 from fleetserve.ray.router_state import ROUTERS
 from fleetserve.serve.fleet_config import parse_fleet_config
 from fleetserve.serve.registry import ModelService, Registry

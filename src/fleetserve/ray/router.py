@@ -11,6 +11,12 @@ Serve replica gets a stable small index on first sight (policies and metrics use
 
 The policy's pick is the first rank; the other replicas follow, least loaded first, as the
 fallback ranks Serve tries when the pick is at its `max_ongoing_requests`.
+
+Request migration (ingress side in clients.py): the router remembers which replica each
+engine request was last routed to (`placement`), so that the ingress knows which replica
+a lost stream was on, and a resubmitted request names the replicas it lost in its `avoid`
+argument, which the router never picks for it (if only those are left it picks none, and
+Serve tries again after a backoff, until a new replica is up).
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ from ray.serve.request_router import (
 from fleetserve.ray import router_state
 from fleetserve.serve.base import RouteRequest, RoutingPolicy, load_key
 from fleetserve.serve.policies import make_policy
+
+# Engine requests whose replica the router remembers (the newest; a request is looked up
+# only while it streams, so an old entry is never needed).
+_PLACEMENTS_KEPT = 10_000
 
 
 @dataclass
@@ -58,12 +68,23 @@ def route_of(pending: PendingRequest | None) -> RouteRequest | None:
     prompt = kw.get("prompt")
     if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
         return None
+    ids = tuple(prompt["prompt_token_ids"])
+    resume = kw.get("resume")
+    if resume is not None:  # a migrated request prefills its tokens so far too
+        ids += tuple(t for c in resume.outputs for t in c.token_ids)
     return RouteRequest(
         str(kw.get("request_id", "")),
-        tuple(prompt["prompt_token_ids"]),
+        ids,
         int(kw.get("num_new_tokens", 0)),
         int(kw.get("priority", 0)),
     )
+
+
+def avoided(pending: PendingRequest | None) -> frozenset[int]:
+    """The replica indices a resubmitted request must not go to (those it was lost on)."""
+    if pending is None:
+        return frozenset()
+    return frozenset(int(i) for i in pending.kwargs.get("avoid") or ())
 
 
 class FleetRequestRouter(RequestRouter):
@@ -82,6 +103,9 @@ class FleetRequestRouter(RequestRouter):
         # internal_request_id -> (replica, tokens counted against it) per call: the calls
         # one HTTP request makes (a completion of several prompts) share its id.
         self._routed: dict[str, list[tuple[ReplicaID, int]]] = {}
+        # engine request id -> index of the replica it was last routed to. Written on the
+        # router's thread, read (`placement`) on the ingress's: single dict operations.
+        self._placed: dict[str, int] = {}
         router_state.ROUTERS[self._deployment_id.name] = self
 
     def _view(self, replica: RunningReplica) -> ReplicaLoadView:
@@ -110,7 +134,13 @@ class FleetRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        views = sorted((self._view(r) for r in candidate_replicas), key=lambda v: v.index)
+        avoid = avoided(pending_request)
+        views = sorted(
+            (v for v in map(self._view, candidate_replicas) if v.index not in avoid),
+            key=lambda v: v.index,
+        )
+        if not views:
+            return []  # only replicas the request was lost on: Serve retries soon
         route = route_of(pending_request)
         if route is None:
             return [[v.replica for v in sorted(views, key=load_key)]]
@@ -127,6 +157,10 @@ class FleetRequestRouter(RequestRouter):
             return
         view.num_outstanding_requests += 1
         view.num_outstanding_tokens += route.num_tokens
+        self._placed.pop(route.req_id, None)  # (re)inserted as the newest
+        self._placed[route.req_id] = view.index
+        if len(self._placed) > _PLACEMENTS_KEPT:
+            del self._placed[next(iter(self._placed))]
         calls = self._routed.setdefault(pending_request.metadata.internal_request_id, [])
         calls.append((replica_id, route.num_tokens))
 
@@ -142,6 +176,17 @@ class FleetRequestRouter(RequestRouter):
         if view is not None:
             view.num_outstanding_requests -= 1
             view.num_outstanding_tokens -= match[1]
+
+    def placement(self, request_id: str) -> int | None:
+        """The index of the replica the engine request was last routed to; None if it
+        has not been routed (yet)."""
+        return self._placed.get(request_id)
+
+    def has_replica_outside(self, avoid: frozenset[int]) -> bool:
+        """Whether Serve lists a replica that is not one of `avoid` (one not routed to yet
+        has no index, so it counts)."""
+        replica_ids = list(self.curr_replicas)  # copied at once: Serve's thread changes it
+        return any(self.index_of(rid) not in avoid for rid in replica_ids)
 
     def loads(self) -> Sequence[ReplicaLoadView]:
         """The replicas' figures as this router sees them (for the ingress's metrics)."""

@@ -13,11 +13,12 @@ from fleetserve.engine.async_engine import (
     EngineDeadError,
     EngineNotReadyError,
     EngineOverloadedError,
+    ReplicaGoneError,
 )
 from fleetserve.serve.batch_service import ServiceNotReadyError
 from fleetserve.serve.batcher import BatcherOverloadedError, BatcherStoppedError, BatchItemError
 
-ErrorKind = Literal["value", "not_ready", "overloaded", "stopped", "dead", "internal"]
+ErrorKind = Literal["value", "not_ready", "overloaded", "stopped", "gone", "dead", "internal"]
 
 _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (BatcherOverloadedError, "overloaded"),
@@ -25,6 +26,7 @@ _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (ServiceNotReadyError, "not_ready"),
     (EngineNotReadyError, "not_ready"),
     (EngineOverloadedError, "overloaded"),
+    (ReplicaGoneError, "gone"),  # before its base class: the request may move on
     (EngineDeadError, "dead"),
     (ValueError, "value"),
 )
@@ -56,6 +58,7 @@ class RemoteError:
                 "not_ready": ServiceNotReadyError,
                 "overloaded": BatcherOverloadedError,
                 "stopped": BatcherStoppedError,
+                "gone": BatcherStoppedError,
                 "dead": BatcherStoppedError,
                 "internal": RuntimeError,
             }[self.kind](self.message)
@@ -65,6 +68,7 @@ class RemoteError:
             "not_ready": EngineNotReadyError,
             "overloaded": EngineOverloadedError,
             "stopped": EngineDeadError,
+            "gone": ReplicaGoneError,
             "dead": EngineDeadError,
             "internal": EngineDeadError,
         }[self.kind](self.message)
