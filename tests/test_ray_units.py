@@ -144,3 +144,20 @@ def test_fleetserve_and_the_local_server_do_not_import_ray() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_ray_refuses_what_only_the_local_server_honours() -> None:
+    from fleetserve.ray.app import build_app
+
+    pools = [
+        {"name": "spot", "capacity": "spot", "replicas": 1},
+        {"name": "base", "capacity": "on_demand", "replicas": 1},
+    ]
+    data = {
+        **fleet(pools=pools),
+        "classes": {"fast": {"hedge_after_s": 1.0}},
+    }
+    cfg = parse_fleet_config(data)
+    assert cfg.local_only_keys() == ["models[0].pools", "classes.fast.hedge_after_s"]
+    with pytest.raises(ValueError, match=r"models\[0\].pools, classes.fast.hedge_after_s"):
+        build_app(cfg)

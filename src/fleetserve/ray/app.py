@@ -114,6 +114,12 @@ def build_app(
     """The fleet (a fleet YAML path, its parsed dict, or a FleetConfig) as a Serve
     application; ValueError naming the key for a bad file, before anything starts."""
     fleet = _fleet(config)
+    local_only = fleet.local_only_keys()
+    if local_only:
+        raise ValueError(
+            f"{', '.join(local_only)}: served by the local server only (on Ray, Serve places "
+            "and replaces replicas: use placement.resources / node labels for spot nodes)"
+        )
     handles: dict[str, Any] = {}
     max_ongoing: dict[str, int] = {}
     for entry in fleet.models:

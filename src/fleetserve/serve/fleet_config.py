@@ -328,6 +328,13 @@ class FleetConfig(_Strict):
                 )
         return self
 
+    def local_only_keys(self) -> list[str]:
+        """The keys `fleetserve serve --ray` does not honour, where this fleet sets them
+        (pools are provisioned by the local server's PoolController; on Ray, Serve is)."""
+        out = [f"models[{i}].pools" for i, m in enumerate(self.models) if m.pools is not None]
+        out += [f"classes.{n}.hedge_after_s" for n, c in self.classes.items() if c.hedge_after_s]
+        return out
+
     def ray_only_keys(self) -> list[str]:
         """The keys only `fleetserve serve --ray` honours, where this fleet sets them."""
         return [
