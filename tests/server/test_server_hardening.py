@@ -283,7 +283,8 @@ def test_unimplemented_fields_are_refused_by_name(
 
 # 7. After the engine dies: no stale gauges or listed model; 503s say when to retry.
 def test_dead_engine_state(tiny_llama: str) -> None:
-    s = ServerProc(tiny_llama, "--max-num-seqs", "2").wait_ready()
+    # Not replaced: the model stays down, and the server must say so everywhere.
+    s = ServerProc(tiny_llama, "--max-num-seqs", "2", "--no-replace-failed").wait_ready()
     try:
         body = {"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=30) as r:

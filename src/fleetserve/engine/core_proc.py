@@ -257,7 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     # stop (it drains first), so only SIGTERM or a Shutdown message ends this process.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _NOTICES.on_sigterm)
-    return run_core(spec)
+    code = run_core(spec)
+    # Everything is shut down and flushed: skip the interpreter's final garbage collection
+    # of the model (seconds on a loaded machine), which would keep a drained replica's
+    # process, and its memory, around past the moment it was handed over.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
