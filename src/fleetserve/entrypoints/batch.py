@@ -39,6 +39,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="lines in flight (default: 2 x --max-num-seqs, so the scheduler never starves)",
     )
+    r.add_argument(
+        "--oversubscribe",
+        type=float,
+        default=None,
+        help="batches' worth of lines the engine holds at once, the surplus in its own queue "
+        "(default: --concurrency / --max-num-seqs; 1 sends one batch, refilled line by line)",
+    )
     r.add_argument("--no-progress", dest="progress", action="store_false")
     add_engine_args(r)
 
@@ -51,12 +58,19 @@ def run(args: argparse.Namespace) -> int:
         defaults = argparse.ArgumentParser()
         add_engine_args(defaults)
         given = [k for k, v in vars(defaults.parse_args([])).items() if getattr(args, k) != v]
-        if given or args.served_model_name is not None:
-            flags = ", ".join("--" + f.replace("_", "-") for f in given) or "--served-model-name"
+        given += [k for k in ("served_model_name", "oversubscribe") if getattr(args, k) is not None]
+        if given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given)
             raise ValueError(f"--config describes every model; leave out {flags}")
     concurrency = args.concurrency or 2 * args.max_num_seqs
     if concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
+    if args.oversubscribe is None:
+        # Every line in flight goes to the engine: the surplus over one batch waits in its
+        # queue, so a finished line's slot is refilled on the next step.
+        args.oversubscribe = min(64.0, max(1.0, concurrency / args.max_num_seqs))
+    elif not 1.0 <= args.oversubscribe <= 64.0:
+        raise ValueError(f"--oversubscribe must be in [1, 64], got {args.oversubscribe:g}")
     return asyncio.run(_run(args, concurrency))
 
 
@@ -119,7 +133,7 @@ def _registry(args: argparse.Namespace, n: int) -> Any:
     else:
         engine_args = engine_args_from(args)
         name = served_name(engine_args, args.served_model_name)
-        fleet = single_model_fleet(name, engine_args, 1, "least_loaded", n)
+        fleet = single_model_fleet(name, engine_args, 1, "least_loaded", n, args.oversubscribe)
     try:
         return build_registry(fleet, ServerMetrics())
     except OSError as e:  # a missing checkpoint

@@ -18,7 +18,7 @@
         batching: {max_batch_size: 8, batch_wait_timeout_s: 0.02}
     classes:
       interactive: {priority: 0, max_waiting: 64, max_queue_time_s: 5}
-      batch: {priority: 10, max_waiting: 100000}
+      batch: {priority: 10, max_waiting: 100000, oversubscribe: 2}
     default_class: interactive
 
 On Ray Serve (`fleetserve serve --ray`) a model may instead of `replicas` say
@@ -83,9 +83,15 @@ class BatchingConfig(_Strict):
 
 
 class ClassConfig(_Strict):
+    """`oversubscribe`: how many batches (`max_num_seqs`) of this class's and more important
+    sequences a replica takes; above 1 the surplus waits in the engine's own queue and
+    fills a finished sequence's slot on the next step (throughput for `batch`). More
+    important classes keep their seats, and the engine's priority order, untouched."""
+
     priority: int = Field(default=0, ge=0, le=1_000_000)
     max_waiting: int = Field(default=256, ge=0)
     max_queue_time_s: float | None = Field(default=None, gt=0.0)
+    oversubscribe: float = Field(default=1.0, ge=1.0, le=64.0)
 
 
 class AutoscaleConfig(_Strict):
@@ -178,6 +184,14 @@ class FleetConfig(_Strict):
         for name in self.classes:
             if not _NAME.match(name):
                 raise ValueError(f"classes: name {name!r}: no spaces or control characters")
+        factors: dict[int, tuple[str, float]] = {}
+        for name, c in self.classes.items():
+            other = factors.setdefault(c.priority, (name, c.oversubscribe))
+            if other[1] != c.oversubscribe:
+                raise ValueError(
+                    f"classes: {other[0]!r} and {name!r} share priority {c.priority} (and so "
+                    "a replica's seats) but not oversubscribe; give them the same one"
+                )
         if self.default_class is None and len(self.classes) > 1:
             raise ValueError("default_class is required when there is more than one class")
         if self.default_class is not None and self.default_class not in self.classes:
@@ -202,7 +216,7 @@ class FleetConfig(_Strict):
 
     def service_classes(self) -> dict[str, ServiceClass]:
         return {
-            name: ServiceClass(name, c.priority, c.max_waiting, c.max_queue_time_s)
+            name: ServiceClass(name, c.priority, c.max_waiting, c.max_queue_time_s, c.oversubscribe)
             for name, c in self.classes.items()
         }
 
@@ -251,17 +265,23 @@ def load_fleet_config(path: str) -> FleetConfig:
 
 
 def single_model_fleet(
-    name: str, args: EngineArgs, replicas: int, routing: str, max_waiting: int
+    name: str,
+    args: EngineArgs,
+    replicas: int,
+    routing: str,
+    max_waiting: int,
+    oversubscribe: float = 1.0,
 ) -> FleetConfig:
     """`fleetserve serve` without --config: one generate model, one class (`default`),
-    the engine exactly as its flags say (fcfs unless --scheduling-policy priority)."""
+    the engine exactly as its flags say (fcfs unless --scheduling-policy priority).
+    `fleetserve batch run`, whose one class is all batch work, oversubscribes it."""
     fields = dataclasses.asdict(args)
     model = fields.pop("model")
     entry = {"name": name, "model": model, "replicas": replicas, "routing": routing}
     return parse_fleet_config(
         {
             "models": [{**entry, "engine": fields}],
-            "classes": {"default": {"max_waiting": max_waiting}},
+            "classes": {"default": {"max_waiting": max_waiting, "oversubscribe": oversubscribe}},
         },
         "the command line",
     )

@@ -41,7 +41,14 @@ from fleetserve.serve.policies import make_policy
 from fleetserve.serve.replica import LocalReplica
 from fleetserve.serve.replica_set import ReplicaSet
 from fleetserve.serve.router import NoHealthyReplicaError, Router
-from fleetserve.serve.sla import ClassQueue, Entry, QueueFullError, ServiceClass, engine_priority
+from fleetserve.serve.sla import (
+    ClassQueue,
+    Entry,
+    QueueFullError,
+    ServiceClass,
+    engine_priority,
+    oversubscription,
+)
 from fleetserve.tokenizer import Tokenizer
 
 # The engines' own bound on unstarted requests; the class queues bound them first.
@@ -104,7 +111,12 @@ class GenerateService:
         """A replica of this model: a local engine-core process (other transports plug in
         here: a Ray actor, a remote server)."""
         engine = AsyncEngine(self._replica_args, _ENGINE_MAX_WAITING, self.metrics, index)
-        replica = LocalReplica(index, engine, max_num_seqs=self.config.scheduler.max_num_seqs)
+        replica = LocalReplica(
+            index,
+            engine,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            oversubscribe=oversubscription(self.queue.classes),
+        )
         replica.on_stats = self._publish_stats
         return replica
 

@@ -34,14 +34,29 @@ class ServiceClass:
     priority: int = 0
     max_waiting: int = 256
     max_queue_time_s: float | None = None
+    # Batches' worth of sequences a replica takes at this class's level (>= 1): above 1
+    # the surplus waits in the engine's queue, ready for the next free slot.
+    oversubscribe: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a class needs a name")
+        if not self.oversubscribe >= 1.0:
+            raise ValueError(f"classes.{self.name}.oversubscribe must be >= 1")
         if self.max_waiting < 0:
             raise ValueError(f"classes.{self.name}.max_waiting must be >= 0")
         if self.max_queue_time_s is not None and not self.max_queue_time_s > 0:
             raise ValueError(f"classes.{self.name}.max_queue_time_s must be > 0")
+
+
+def oversubscription(classes: Mapping[str, ServiceClass]) -> dict[int, float]:
+    """Class level -> the factor of a batch a replica takes at that level, for the levels
+    above one batch (classes that share a level share its seats: the larger factor)."""
+    out: dict[int, float] = {}
+    for c in classes.values():
+        if c.oversubscribe > 1.0:
+            out[c.priority] = max(out.get(c.priority, 1.0), c.oversubscribe)
+    return out
 
 
 def engine_priority(service_class: ServiceClass, request_priority: int) -> int:
