@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         "llm_generate_s": round(llm_s, 2),
         "llm_lines_per_s": round(args.num_lines / llm_s, 1),
         "llm_out_tok_per_s": round(ceiling["tokens"] / llm_s, 1),
+        "llm_engine_steps": ceiling["steps"],
         "load_1min_before_ceiling_and_after": [round(load1, 2), round(load2, 2)],
         "batch_runs": [],
     }
@@ -132,7 +133,7 @@ def _batch_run(
     if proc.returncode != 0:
         print(proc.stderr, file=sys.stderr)
         return None
-    m = re.search(r"ran (\d+) lines in ([0-9.]+) s", proc.stderr)
+    m = re.search(r"ran (\d+) lines in ([0-9.]+) s \(.*, (\d+) engine steps\)", proc.stderr)
     if m is None:
         print(f"no run time in batch run's output:\n{proc.stderr}", file=sys.stderr)
         return None
@@ -143,6 +144,7 @@ def _batch_run(
     return {
         "oversubscribe": "default" if oversubscribe is None else oversubscribe,
         "batch_run_s": round(batch_s, 2),
+        "engine_steps": int(m.group(3)),
         "batch_run_wall_s": round(wall_s, 2),
         "batch_lines_per_s": round(args.num_lines / batch_s, 1),
         "batch_out_tok_per_s": round(tokens / batch_s, 1),
@@ -164,9 +166,11 @@ def _ceiling(args: argparse.Namespace, lines: list[dict[str, Any]]) -> dict[str,
     t0 = time.perf_counter()
     outs = llm.chat(conversations, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
+    steps = int(llm.engine.stats()["num_steps"])
     llm.engine.shutdown()
     return {
         "seconds": seconds,
+        "steps": steps,
         "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
         "texts": [o.outputs[0].text for o in outs],
     }

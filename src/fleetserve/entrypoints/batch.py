@@ -154,6 +154,7 @@ async def _run_on_engine(args: argparse.Namespace, store: Any, batch_id: str, n:
         t0 = time.perf_counter()
         await run_batch(store, batch_id, FleetLineExecutor(server), n, on_result=bar)
         run_s = time.perf_counter() - t0
+        steps = _engine_steps(registry)
     finally:
         if bar is not None:
             bar.close()
@@ -161,9 +162,17 @@ async def _run_on_engine(args: argparse.Namespace, store: Any, batch_id: str, n:
     # Timed from the model being loaded, so that throughput figures leave start-up out.
     rate = bar.num_run / max(run_s, 1e-9)
     print(
-        f"fleetserve: ran {bar.num_run} lines in {run_s:.2f} s ({rate:.1f} lines/s)",
+        f"fleetserve: ran {bar.num_run} lines in {run_s:.2f} s ({rate:.1f} lines/s, "
+        f"{steps} engine steps)",
         file=sys.stderr,
     )
+
+
+def _engine_steps(registry: Any) -> int:
+    """Steps the generate engines ran (from their latest stats): fewer for the same lines
+    means fuller batches, a figure that does not move with the machine's load."""
+    replicas = [r for s in registry if s.kind == "generate" for r in s.replica_set]
+    return sum(int(r.stats.get("num_steps", 0)) for r in replicas)
 
 
 class _Progress:
