@@ -126,6 +126,12 @@ def test_config_and_model_flags_do_not_mix(
     argv = ["batch", "run", str(inp), "-o", out, "--config", "f.yaml", "--model", "m"]
     assert main(argv) == 2
     assert "--config describes every model; leave out --model" in capsys.readouterr().err
+    # The fleet file's classes say how far a replica is oversubscribed, not the flag.
+    argv = ["batch", "run", str(inp), "-o", out, "--config", "f.yaml", "--oversubscribe", "2"]
+    assert main(argv) == 2
+    assert "leave out --oversubscribe" in capsys.readouterr().err
+    assert main(["batch", "run", str(inp), "-o", out, "--oversubscribe", "0.5"]) == 2
+    assert "--oversubscribe must be in [1, 64], got 0.5" in capsys.readouterr().err
     assert main(["batch", "run", str(tmp_path / "missing.jsonl"), "-o", "x"]) == 2
     assert "INPUT: cannot read" in capsys.readouterr().err
 

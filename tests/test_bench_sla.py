@@ -1,10 +1,11 @@
-"""bench sla's nearest-rank percentile (the figures in docs/benchmarks.md use it)."""
+"""bench sla: the nearest-rank percentile (the figures in docs/benchmarks.md use it) and
+the --phases list."""
 
 from __future__ import annotations
 
 import pytest
 
-from fleetserve.bench.sla import percentile
+from fleetserve.bench.sla import parse_phases, percentile
 
 
 @pytest.mark.parametrize(
@@ -20,3 +21,12 @@ from fleetserve.bench.sla import percentile
 )
 def test_percentile_nearest_rank(values: list[float], q: float, expected: float) -> None:
     assert percentile(values, q) == expected
+
+
+def test_phases_are_checked_and_kept_in_order() -> None:
+    assert parse_phases("idle, classes") == ["idle", "classes"]
+    assert parse_phases("classes,idle,one-class") == ["classes", "idle", "one-class"]
+    with pytest.raises(ValueError, match="--phases: busy; choose from"):
+        parse_phases("idle,busy")
+    with pytest.raises(ValueError, match="--phases: none given"):
+        parse_phases(" , ")

@@ -28,7 +28,7 @@ models:
     batching: {max_batch_size: 8, batch_wait_timeout_s: 0.02}
 classes:
   interactive: {priority: 0, max_waiting: 64, max_queue_time_s: 5}
-  batch: {priority: 10, max_waiting: 100000}
+  batch: {priority: 10, max_waiting: 100000, oversubscribe: 2}
 default_class: interactive
 """
 
@@ -48,6 +48,7 @@ def test_the_example_parses(tmp_path: Path) -> None:
     classes = cfg.service_classes()
     assert classes["interactive"].max_queue_time_s == 5.0
     assert classes["batch"].priority == 10 and classes["batch"].max_queue_time_s is None
+    assert (classes["interactive"].oversubscribe, classes["batch"].oversubscribe) == (1.0, 2.0)
     assert cfg.default_class_name == "interactive"
 
 
@@ -81,6 +82,11 @@ def one(**model: object) -> dict[str, object]:
         ({**one(), "classes": {"a": {"max_queue_time_s": 0}}},
          "classes.a.max_queue_time_s: Input should be greater than 0"),
         ({**one(), "classes": {"a": {"priorty": 1}}}, "classes.a.priorty: Extra inputs"),
+        ({**one(), "classes": {"a": {"oversubscribe": 0.5}}},
+         "classes.a.oversubscribe: Input should be greater than or equal to 1"),
+        ({**one(), "classes": {"a": {"oversubscribe": 2}, "b": {}}, "default_class": "a"},
+         "classes: 'a' and 'b' share priority 0 (and so a replica's seats) but not "
+         "oversubscribe; give them the same one"),
         ({**one(), "classes": {"a": {}, "b": {}}}, "default_class is required"),
         ({**one(), "classes": {"a": {}}, "default_class": "b"},
          "default_class 'b' is not one of the classes (a)"),

@@ -21,7 +21,7 @@ from fleetserve.serve.fleet_config import ResilienceConfig
 from fleetserve.serve.migration import MigrationLimitError
 from fleetserve.serve.model_service import GenerateService
 from fleetserve.serve.replica import LocalReplica
-from fleetserve.serve.sla import REQUEST_PRIORITY_SPAN, ServiceClass
+from fleetserve.serve.sla import REQUEST_PRIORITY_SPAN, ServiceClass, oversubscription
 
 CLASSES = {
     "interactive": ServiceClass("interactive", priority=0, max_waiting=2, max_queue_time_s=0.2),
@@ -102,16 +102,26 @@ class FakeEngine:
 
 class Service(GenerateService):
     def _new_replica(self, index: int, pool: Any = None) -> LocalReplica:
-        return LocalReplica(index, FakeEngine(), max_num_seqs=self.config.scheduler.max_num_seqs)  # type: ignore[arg-type]
+        return LocalReplica(
+            index,
+            FakeEngine(),  # type: ignore[arg-type]
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            oversubscribe=oversubscription(self.queue.classes),
+        )
 
 
-def service(model: str, policy: str = "priority", replicas: int = 1) -> Service:
+def service(
+    model: str,
+    policy: str = "priority",
+    replicas: int = 1,
+    classes: dict[str, ServiceClass] = CLASSES,
+) -> Service:
     args = EngineArgs(model=model, max_num_seqs=2, scheduling_policy=policy)
     metrics = ServerMetrics().model("m")
     # Replicas are added and removed by hand here: no replacement, no waiting for one.
     resilience = ResilienceConfig(replace_failed=False, migration_wait_s=0.0)
     return Service(
-        "m", args, replicas, CLASSES, "interactive", metrics=metrics, resilience=resilience
+        "m", args, replicas, classes, "interactive", metrics=metrics, resilience=resilience
     )
 
 
@@ -176,6 +186,56 @@ def test_classes_get_seats_per_level_and_go_in_priority_order(tiny_llama: str) -
         await svc.shutdown()
 
     run(main)
+
+
+def test_an_oversubscribed_class_fills_its_seats_and_leaves_interactive_ones(
+    tiny_llama: str,
+) -> None:
+    """batch with oversubscribe 2.5 (max_num_seqs 2): five batch sequences go to the
+    engine (three wait in its queue, not here); interactive still gets its two seats."""
+    classes = {**CLASSES, "batch": ServiceClass("batch", priority=10, oversubscribe=2.5)}
+    assert oversubscription(classes) == {10: 2.5}
+
+    async def main() -> None:
+        svc = service(tiny_llama, classes=classes)
+        await svc.start()
+        eng = engine(svc)
+        batch = [admit(svc, f"b{i}", "batch") for i in range(7)]
+        await settle()
+        assert [rid for rid, _ in eng.sent] == [f"b{i}-0" for i in range(5)]
+        assert (svc.num_waiting("batch"), svc.queue.num_waiting("batch")) == (7, 2)
+        inter = [admit(svc, f"i{i}", "interactive") for i in range(3)]
+        await settle()
+        # The interactive level counts only its own: two seats, the third waits here.
+        assert [rid for rid, _ in eng.sent[5:]] == ["i0-0", "i1-0"]
+        assert svc.queue.num_waiting("interactive") == 1
+        # Seven sequences held: a finished batch one frees no batch seat (5 is the level's
+        # cap over itself and interactive), a finished interactive one lets i2 in.
+        eng.streams["b0-0"].finish()
+        await drain_streams(batch[0])
+        await settle()
+        assert len(eng.sent) == 7
+        eng.streams["i0-0"].finish()
+        await drain_streams(inter[0])
+        await settle()
+        assert [rid for rid, _ in eng.sent[7:]] == ["i2-0"]
+        for rid, task in [("i1-0", inter[1]), ("i2-0", inter[2]), ("b1-0", batch[1])]:
+            eng.streams[rid].finish()
+            await drain_streams(task)
+        await settle()
+        # Now three batch sequences are held: both queued ones go (3 + 2 = 5).
+        assert [rid for rid, _ in eng.sent[8:]] == ["b5-0", "b6-0"]
+        assert len(svc.queue) == 0
+        await svc.shutdown()
+
+    run(main)
+
+
+def test_oversubscribe_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="classes.batch.oversubscribe must be >= 1"):
+        ServiceClass("batch", oversubscribe=0.5)
+    with pytest.raises(ValueError, match="oversubscribe of level 3 must be >= 1, got 0.5"):
+        LocalReplica(0, FakeEngine(), oversubscribe={3: 0.5})  # type: ignore[arg-type]
 
 
 def test_full_class_queue_and_queue_time_shed_with_exact_counts(tiny_llama: str) -> None:

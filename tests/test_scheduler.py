@@ -425,6 +425,27 @@ def test_priority_waiting_request_takes_a_full_batch_seat() -> None:
     assert h.all_free()
 
 
+def test_priority_arrival_goes_ahead_of_a_deep_queue_of_less_important_work() -> None:
+    """An oversubscribed batch class keeps a queue of its requests waiting in the engine:
+    an important arrival still takes a seat on the next step, ahead of all of them, and a
+    slot freed by a batch request goes to the oldest waiting one, the preempted first."""
+    h = Harness(max_num_seqs=2, policy="priority")
+    for i in range(6):
+        h.add(f"low{i}", 5, max_tokens=3 if i == 0 else 20, priority=10)
+    assert h.step() == {"low0": 5, "low1": 5}
+    h.add("high", 5, max_tokens=2, priority=0)
+    assert h.step() == {"low0": 1, "high": 5}  # low1, the newest running, gives its seat
+    assert h.sched.requests["low1"].status == RequestStatus.PREEMPTED
+    # low0 ends this step; its slot goes straight to the oldest waiting request (low1),
+    # without a round trip: the engine's own queue refills it on the next step.
+    assert h.step() == {"low0": 1, "high": 1}
+    assert h.finish_reasons == {"low0": "length", "high": "length"}
+    assert set(h.step()) == {"low1", "low2"}  # low1 resumes on its cached prefix block
+    h.run()
+    assert set(h.finish_reasons) == {f"low{i}" for i in range(6)} | {"high"}
+    assert h.all_free()
+
+
 def test_fcfs_waiting_request_never_preempts_for_a_seat() -> None:
     h = Harness(max_num_seqs=1, policy="fcfs")
     h.add("a", 5, max_tokens=3, priority=10)

@@ -148,6 +148,19 @@ def test_upload_and_create_errors(server: BatchServer) -> None:
     with pytest.raises(openai.APIStatusError, match="larger than") as big:
         c.files.create(file=("a.jsonl", b"x" * (1 << 20) + b"\n"), purpose="batch")
     assert big.value.status_code == 413
+    # Just under the limit: it streams to disk in many chunks and comes back byte for byte.
+    body = {"messages": [{"role": "user", "content": "é" * 480}], "max_tokens": 1}
+    lines = [
+        json.dumps({"custom_id": f"n{i}", "method": "POST", "url": CHAT, "body": body},
+                   ensure_ascii=False)
+        for i in range(880)
+    ]  # fmt: skip
+    data = ("\n".join(lines) + "\n").encode()  # 2-byte characters cut across chunks
+    assert (1 << 20) - 128 * 1024 < len(data) <= 1 << 20
+    whole = c.files.create(file=("big.jsonl", data), purpose="batch")
+    assert whole.bytes == len(data) and c.files.content(whole.id).content == data
+    with pytest.raises(openai.BadRequestError, match="purpose"):  # file first, then refused
+        c.files.create(file=("a.jsonl", data), purpose="fine-tune")
     r = httpx.post(f"{server.url}/v1/files", json={"purpose": "batch"})
     assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
     with pytest.raises(openai.NotFoundError):

@@ -16,6 +16,7 @@ A bad line never fails the whole file: it becomes one error line and the rest st
 
 from __future__ import annotations
 
+import codecs
 import json
 import uuid
 from collections.abc import Iterable
@@ -99,6 +100,51 @@ def split_input(data: bytes) -> list[tuple[int, str]]:
     if len(lines) > MAX_LINES:
         raise ValueError(f"the file has {len(lines)} lines; a batch holds at most {MAX_LINES}")
     return lines
+
+
+class InputCheck:
+    """`split_input`'s checks on a file that arrives in chunks (an upload on its way to
+    disk), without holding it: UTF-8, at least one non-blank line, at most MAX_LINES (as
+    soon as there are more). `feed` each chunk, then `finish`; both raise ValueError."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+        self._offset = 0  # bytes fed before the current chunk
+        self._open_line_has_text = False  # the line not yet ended has a non-blank char
+        self.num_lines = 0  # non-blank lines ended so far
+
+    def feed(self, chunk: bytes, final: bool = False) -> None:
+        held = len(self._decoder.getstate()[0])  # a character's first bytes, cut off
+        try:
+            text = self._decoder.decode(chunk, final)
+        except UnicodeDecodeError as e:
+            start = self._offset - held + e.start  # e.start counts the held bytes too
+            raise ValueError(f"the file is not UTF-8 text (byte {start})") from None
+        self._offset += len(chunk)
+        # The same line breaks as str.splitlines. A "\r\n" cut between two chunks reads
+        # as a break and an empty line: empty lines are not counted, so the count holds.
+        for part in text.splitlines(keepends=True):
+            self._open_line_has_text = self._open_line_has_text or bool(part.strip())
+            if part.splitlines() != [part]:  # it ends with a line break
+                self._end_line()
+        if final and self._open_line_has_text:
+            self._end_line()
+
+    def finish(self) -> int:
+        """The number of non-blank lines; ValueError if the file cannot be a batch."""
+        self.feed(b"", final=True)
+        if self.num_lines == 0:
+            raise ValueError("the file has no lines; a batch needs at least one request")
+        return self.num_lines
+
+    def _end_line(self) -> None:
+        if self._open_line_has_text:
+            self.num_lines += 1
+            if self.num_lines > MAX_LINES:
+                raise ValueError(
+                    f"the file has more than {MAX_LINES} lines; a batch holds at most {MAX_LINES}"
+                )
+        self._open_line_has_text = False
 
 
 def first_url(raw_lines: list[tuple[int, str]]) -> str | None:

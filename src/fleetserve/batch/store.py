@@ -116,12 +116,20 @@ class BatchStore:
     def file_path(self, file_id: str) -> str:
         return os.path.join(self.files_dir, file_id)
 
+    @staticmethod
+    def new_file_id() -> str:
+        return f"file-{uuid.uuid4().hex}"
+
     def add_file(self, data: bytes, filename: str, purpose: str) -> FileRecord:
         """Writes the content first, then the row: a crash between leaves an orphan file,
         never a row without content."""
-        file_id = f"file-{uuid.uuid4().hex}"
+        file_id = self.new_file_id()
         self._write_atomic(self.file_path(file_id), data)
-        rec = FileRecord(file_id, purpose, len(data), filename, _now())
+        return self.add_file_row(file_id, len(data), filename, purpose)
+
+    def add_file_row(self, file_id: str, size: int, filename: str, purpose: str) -> FileRecord:
+        """The row of a file whose content is already whole at `file_path(file_id)`."""
+        rec = FileRecord(file_id, purpose, size, filename, _now())
         with self._tx() as db:
             db.execute(
                 "INSERT INTO files VALUES (?, ?, ?, ?, ?)",

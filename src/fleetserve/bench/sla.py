@@ -1,11 +1,14 @@
 """`fleetserve bench sla`: what SLA classes buy an interactive user during a batch flood.
 
-Against one running server, two phases with the same load:
-1. `one class`: a flood of `--flood` long streaming completions, then `--probes` short
-   ones sent one after another while the flood runs, all in the same class
-   (`--flat-class`, default: the server's default class);
-2. `classes`: the same, with the flood sent as `--flood-class` (e.g. batch) and the
-   probes as `--probe-class` (e.g. interactive), through the `X-Fleetserve-Class` header.
+Against one running server, the phases `--phases` names, in its order (default
+`one-class,classes`):
+- `idle`: the `--probes` short streaming completions alone, one after another, as
+  `--probe-class`: the interactive TTFT without any batch load, the baseline;
+- `one-class`: a flood of `--flood` long streaming completions, then the probes sent one
+  after another while the flood runs, all in the same class (`--flat-class`, default:
+  the server's default class);
+- `classes`: the same, with the flood sent as `--flood-class` (e.g. batch) and the
+  probes as `--probe-class` (e.g. interactive), through the `X-Fleetserve-Class` header.
 Reported per phase: the probes' time to first token (p50, p99, max) and the flood's
 completed count and duration. The server needs both classes in its fleet config.
 """
@@ -21,6 +24,8 @@ from typing import Any
 
 import httpx
 
+PHASES = ("idle", "one-class", "classes")
+
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, no /v1")
@@ -33,6 +38,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flood-class", default="batch")
     p.add_argument("--probe-class", default="interactive")
     p.add_argument("--flat-class", default=None, help="phase 1's class (default: the server's)")
+    p.add_argument(
+        "--phases",
+        default="one-class,classes",
+        help=f"comma-separated, run in this order; of: {', '.join(PHASES)}",
+    )
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", default=None, help="write the figures here")
 
@@ -83,9 +93,13 @@ async def _stream(
 
 
 async def run_phase(
-    args: argparse.Namespace, phase: str, flood_cls: str | None, probe_cls: str | None
+    args: argparse.Namespace,
+    phase: str,
+    flood_cls: str | None,
+    probe_cls: str | None,
+    num_flood: int,
 ) -> PhaseResult:
-    limits = httpx.Limits(max_connections=args.flood + 8)
+    limits = httpx.Limits(max_connections=num_flood + 8)
     async with httpx.AsyncClient(
         base_url=args.base_url, timeout=args.timeout, limits=limits
     ) as client:
@@ -94,9 +108,10 @@ async def run_phase(
             asyncio.ensure_future(
                 _stream(client, args.model, f"batch job {i}: the", args.flood_max_tokens, flood_cls)
             )
-            for i in range(args.flood)
+            for i in range(num_flood)
         ]
-        await asyncio.sleep(1.0)  # the flood is in: the batch is full, the rest queued
+        if flood:
+            await asyncio.sleep(1.0)  # the flood is in: the batch is full, the rest queued
         ttfts: list[float] = []
         for i in range(args.probes):
             probe = await _stream(client, args.model, f"hi {i}", args.probe_max_tokens, probe_cls)
@@ -119,14 +134,30 @@ async def run_phase(
     )
 
 
+def parse_phases(text: str) -> list[str]:
+    phases = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in phases if p not in PHASES]
+    if bad or not phases:
+        raise ValueError(f"--phases: {', '.join(bad) or 'none given'}; choose from {PHASES}")
+    return phases
+
+
 def run(args: argparse.Namespace) -> int:
     if args.flood < 1 or args.probes < 1:
         raise ValueError("--flood and --probes must be >= 1")
+    phases = parse_phases(args.phases)
 
     async def main() -> list[PhaseResult]:
-        flat = await run_phase(args, "one class", args.flat_class, args.flat_class)
-        classes = await run_phase(args, "classes", args.flood_class, args.probe_class)
-        return [flat, classes]
+        results = []
+        for phase in phases:
+            if phase == "idle":
+                res = await run_phase(args, phase, None, args.probe_class, 0)
+            elif phase == "one-class":
+                res = await run_phase(args, phase, args.flat_class, args.flat_class, args.flood)
+            else:
+                res = await run_phase(args, phase, args.flood_class, args.probe_class, args.flood)
+            results.append(res)
+        return results
 
     results = asyncio.run(main())
     print(

@@ -39,6 +39,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="lines in flight (default: 2 x --max-num-seqs, so the scheduler never starves)",
     )
+    r.add_argument(
+        "--oversubscribe",
+        type=float,
+        default=None,
+        help="batches' worth of lines the engine holds at once, the surplus in its own queue "
+        "(default: --concurrency / --max-num-seqs; 1 sends one batch, refilled line by line)",
+    )
     r.add_argument("--no-progress", dest="progress", action="store_false")
     add_engine_args(r)
 
@@ -51,12 +58,19 @@ def run(args: argparse.Namespace) -> int:
         defaults = argparse.ArgumentParser()
         add_engine_args(defaults)
         given = [k for k, v in vars(defaults.parse_args([])).items() if getattr(args, k) != v]
-        if given or args.served_model_name is not None:
-            flags = ", ".join("--" + f.replace("_", "-") for f in given) or "--served-model-name"
+        given += [k for k in ("served_model_name", "oversubscribe") if getattr(args, k) is not None]
+        if given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given)
             raise ValueError(f"--config describes every model; leave out {flags}")
     concurrency = args.concurrency or 2 * args.max_num_seqs
     if concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
+    if args.oversubscribe is None:
+        # Every line in flight goes to the engine: the surplus over one batch waits in its
+        # queue, so a finished line's slot is refilled on the next step.
+        args.oversubscribe = min(64.0, max(1.0, concurrency / args.max_num_seqs))
+    elif not 1.0 <= args.oversubscribe <= 64.0:
+        raise ValueError(f"--oversubscribe must be in [1, 64], got {args.oversubscribe:g}")
     return asyncio.run(_run(args, concurrency))
 
 
@@ -119,7 +133,9 @@ def _registry(args: argparse.Namespace, n: int) -> Any:
     else:
         engine_args = engine_args_from(args)
         name = served_name(engine_args, args.served_model_name)
-        fleet = single_model_fleet(name, engine_args, 1, "least_loaded", n)
+        fleet = single_model_fleet(
+            name, engine_args, 1, "least_loaded", n, oversubscribe=args.oversubscribe
+        )
     try:
         return build_registry(fleet, ServerMetrics())
     except OSError as e:  # a missing checkpoint
@@ -140,6 +156,7 @@ async def _run_on_engine(args: argparse.Namespace, store: Any, batch_id: str, n:
         t0 = time.perf_counter()
         await run_batch(store, batch_id, FleetLineExecutor(server), n, on_result=bar)
         run_s = time.perf_counter() - t0
+        steps = _engine_steps(registry)
     finally:
         if bar is not None:
             bar.close()
@@ -147,9 +164,17 @@ async def _run_on_engine(args: argparse.Namespace, store: Any, batch_id: str, n:
     # Timed from the model being loaded, so that throughput figures leave start-up out.
     rate = bar.num_run / max(run_s, 1e-9)
     print(
-        f"fleetserve: ran {bar.num_run} lines in {run_s:.2f} s ({rate:.1f} lines/s)",
+        f"fleetserve: ran {bar.num_run} lines in {run_s:.2f} s ({rate:.1f} lines/s, "
+        f"{steps} engine steps)",
         file=sys.stderr,
     )
+
+
+def _engine_steps(registry: Any) -> int:
+    """Steps the generate engines ran (from their latest stats): fewer for the same lines
+    means fuller batches, a figure that does not move with the machine's load."""
+    replicas = [r for s in registry if s.kind == "generate" for r in s.replica_set]
+    return sum(int(r.stats.get("num_steps", 0)) for r in replicas)
 
 
 class _Progress:

@@ -18,7 +18,7 @@
         batching: {max_batch_size: 8, batch_wait_timeout_s: 0.02}
     classes:
       interactive: {priority: 0, max_waiting: 64, max_queue_time_s: 5}
-      batch: {priority: 10, max_waiting: 100000}
+      batch: {priority: 10, max_waiting: 100000, oversubscribe: 2}
     default_class: interactive
 
 A generate model may instead of `replicas` run in pools of spot and on-demand capacity
@@ -101,10 +101,16 @@ class BatchingConfig(_Strict):
 
 
 class ClassConfig(_Strict):
+    """`oversubscribe`: how many batches (`max_num_seqs`) of this class's and more important
+    sequences a replica takes; above 1 the surplus waits in the engine's own queue and
+    fills a finished sequence's slot on the next step (throughput for `batch`). More
+    important classes keep their seats, and the engine's priority order, untouched."""
+
     priority: int = Field(default=0, ge=0, le=1_000_000)
     max_waiting: int = Field(default=256, ge=0)
     max_queue_time_s: float | None = Field(default=None, gt=0.0)
     hedge_after_s: float | None = Field(default=None, gt=0.0)
+    oversubscribe: float = Field(default=1.0, ge=1.0, le=64.0)
     # "spot": routed to spot replicas only (work that can wait out a preemption, e.g. batch).
     capacity: Literal["any", "spot"] = "any"
 
@@ -311,6 +317,14 @@ class FleetConfig(_Strict):
         for name in self.classes:
             if not _NAME.match(name):
                 raise ValueError(f"classes: name {name!r}: no spaces or control characters")
+        factors: dict[int, tuple[str, float]] = {}
+        for name, c in self.classes.items():
+            other = factors.setdefault(c.priority, (name, c.oversubscribe))
+            if other[1] != c.oversubscribe:
+                raise ValueError(
+                    f"classes: {other[0]!r} and {name!r} share priority {c.priority} (and so "
+                    "a replica's seats) but not oversubscribe; give them the same one"
+                )
         if self.default_class is None and len(self.classes) > 1:
             raise ValueError("default_class is required when there is more than one class")
         if self.default_class is not None and self.default_class not in self.classes:
@@ -354,7 +368,14 @@ class FleetConfig(_Strict):
 
     def service_classes(self) -> dict[str, ServiceClass]:
         return {
-            name: ServiceClass(name, c.priority, c.max_waiting, c.max_queue_time_s, c.hedge_after_s)
+            name: ServiceClass(
+                name,
+                c.priority,
+                c.max_waiting,
+                c.max_queue_time_s,
+                hedge_after_s=c.hedge_after_s,
+                oversubscribe=c.oversubscribe,
+            )  # fmt: skip
             for name, c in self.classes.items()
         }
 
@@ -409,9 +430,11 @@ def single_model_fleet(
     routing: str,
     max_waiting: int,
     resilience: dict[str, Any] | None = None,
+    oversubscribe: float = 1.0,
 ) -> FleetConfig:
     """`fleetserve serve` without --config: one generate model, one class (`default`),
-    the engine exactly as its flags say (fcfs unless --scheduling-policy priority)."""
+    the engine exactly as its flags say (fcfs unless --scheduling-policy priority).
+    `fleetserve batch run`, whose one class is all batch work, oversubscribes it."""
     fields = dataclasses.asdict(args)
     model = fields.pop("model")
     entry = {"name": name, "model": model, "replicas": replicas, "routing": routing}
@@ -420,7 +443,7 @@ def single_model_fleet(
     return parse_fleet_config(
         {
             "models": [{**entry, "engine": fields}],
-            "classes": {"default": {"max_waiting": max_waiting}},
+            "classes": {"default": {"max_waiting": max_waiting, "oversubscribe": oversubscribe}},
         },
         "the command line",
     )

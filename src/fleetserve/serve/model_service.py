@@ -56,7 +56,14 @@ from fleetserve.serve.provision import LocalProvisioner
 from fleetserve.serve.replica import LocalReplica
 from fleetserve.serve.replica_set import ReplicaSet
 from fleetserve.serve.router import NoHealthyReplicaError, Router
-from fleetserve.serve.sla import ClassQueue, Entry, QueueFullError, ServiceClass, engine_priority
+from fleetserve.serve.sla import (
+    ClassQueue,
+    Entry,
+    QueueFullError,
+    ServiceClass,
+    engine_priority,
+    oversubscription,
+)
 from fleetserve.tokenizer import Tokenizer
 
 # The engines' own bound on unstarted requests; the class queues bound them first.
@@ -156,7 +163,12 @@ class GenerateService:
         engine = AsyncEngine(self._replica_args, _ENGINE_MAX_WAITING, self.metrics, index)
         engine.sigterm_grace_s = self.resilience.sigterm_grace_s
         engine.notice = pool.notice.model_dump() if pool.notice is not None else None
-        replica = LocalReplica(index, engine, max_num_seqs=self.config.scheduler.max_num_seqs)
+        replica = LocalReplica(
+            index,
+            engine,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            oversubscribe=oversubscription(self.queue.classes),
+        )
         replica.pool, replica.capacity = pool.name, pool.capacity
         replica.on_stats = self._publish_stats
         replica.on_notice = self._on_notice

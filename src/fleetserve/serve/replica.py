@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fleetserve.core.sampling_params import SamplingParams
@@ -31,7 +31,10 @@ class LocalReplica:
     """`ewma_alpha` is the weight of each new step time. Step time grows with the work in
     the step (a long prefill chunk), so the EWMA is slow to move and is reported only after
     `warmup_steps` steps: a few heavy steps alone should not make a replica a straggler.
-    `max_num_seqs` is the engine's batch size: the seats `has_room` hands out per level."""
+    `max_num_seqs` is the engine's batch size: the seats `has_room` hands out per level.
+    `oversubscribe` maps a class level to a factor (>= 1) of those seats that the level may
+    fill: a level given 2 sends up to two batches' worth, so that the engine keeps a queue
+    of that level's requests to refill its batch from at once (default 1: one batch)."""
 
     def __init__(
         self,
@@ -40,9 +43,15 @@ class LocalReplica:
         ewma_alpha: float = 0.1,
         warmup_steps: int = 8,
         max_num_seqs: int = 64,
+        oversubscribe: Mapping[int, float] | None = None,
     ) -> None:
         if not 0.0 < ewma_alpha <= 1.0:
             raise ValueError(f"ewma_alpha must be in (0, 1], got {ewma_alpha}")
+        self._seats: dict[int, int] = {}  # levels with more seats than one batch
+        for level, factor in (oversubscribe or {}).items():
+            if not factor >= 1.0:
+                raise ValueError(f"oversubscribe of level {level} must be >= 1, got {factor}")
+            self._seats[level] = int(max_num_seqs * factor)
         self.index = index
         self.engine = engine
         # The pool it belongs to and that pool's capacity (serve/pools.py).
@@ -161,9 +170,16 @@ class LocalReplica:
         important) may be sent now: the sequences it holds at this level or more important
         ones leave room in one batch. Less important work never blocks more important work:
         the engine's priority scheduler preempts it. An idle level always has room, so a
-        request wider than the batch still runs."""
+        request wider than the batch still runs.
+
+        An oversubscribed level (a less important class, say `batch`) may hold more than a
+        batch: the surplus waits in the engine's own queue, which refills a finished
+        sequence's slot on the very next step instead of after a round trip through this
+        process. A more important level is not affected: it counts only its own and more
+        important sequences, and the engine's priority order puts it ahead of the surplus."""
         used = sum(n for lv, n in self._seqs_by_level.items() if lv <= level)
-        return used == 0 or used + num_seqs <= self.max_num_seqs
+        seats = self._seats.get(level, self.max_num_seqs)
+        return used == 0 or used + num_seqs <= seats
 
     @property
     def step_latency_s(self) -> float | None:

@@ -37,16 +37,31 @@ class ServiceClass:
     # No first token this long after it was sent: a copy goes to another replica and the
     # first to answer wins (serve/migration.py). None: no hedging.
     hedge_after_s: float | None = None
+    # Batches' worth of sequences a replica takes at this class's level (>= 1): above 1
+    # the surplus waits in the engine's queue, ready for the next free slot.
+    oversubscribe: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a class needs a name")
         if self.hedge_after_s is not None and not self.hedge_after_s > 0:
             raise ValueError(f"classes.{self.name}.hedge_after_s must be > 0")
+        if not self.oversubscribe >= 1.0:
+            raise ValueError(f"classes.{self.name}.oversubscribe must be >= 1")
         if self.max_waiting < 0:
             raise ValueError(f"classes.{self.name}.max_waiting must be >= 0")
         if self.max_queue_time_s is not None and not self.max_queue_time_s > 0:
             raise ValueError(f"classes.{self.name}.max_queue_time_s must be > 0")
+
+
+def oversubscription(classes: Mapping[str, ServiceClass]) -> dict[int, float]:
+    """Class level -> the factor of a batch a replica takes at that level, for the levels
+    above one batch (classes that share a level share its seats: the larger factor)."""
+    out: dict[int, float] = {}
+    for c in classes.values():
+        if c.oversubscribe > 1.0:
+            out[c.priority] = max(out.get(c.priority, 1.0), c.oversubscribe)
+    return out
 
 
 def engine_priority(service_class: ServiceClass, request_priority: int) -> int:

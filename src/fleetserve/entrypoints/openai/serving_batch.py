@@ -14,33 +14,34 @@ The router's lifespan starts the background worker (resuming batches a previous 
 left unfinished) and stops it on shutdown; mounting the router with
 `app.include_router(...)` merges that lifespan into the app's.
 
-The upload is multipart, not JSON, so it does its own front-door checks here: media type,
-size (413 before and while reading), a read timeout between chunks, and a file that must be
-UTF-8 JSONL with 1..50,000 lines. A browser can send a multipart form cross-site without a
-preflight; that only stores a file of bounded size: starting a batch needs a JSON body.
+The upload is multipart, not JSON, so it does its own front-door checks (upload.py):
+media type, size (413 before and while reading), a read timeout between chunks; the
+file streams to disk as it arrives (batch/incoming.py), checked on the way to be UTF-8
+JSONL with 1..50,000 lines, and becomes a File only once whole and valid. A browser can
+send a multipart form cross-site without a preflight; that only stores a file of bounded
+size: starting a batch needs a JSON body.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.datastructures import UploadFile
-from starlette.formparsers import MultiPartException, MultiPartParser
-from starlette.requests import ClientDisconnect
 
+from fleetserve.batch.incoming import IncomingFile
 from fleetserve.batch.jobs import BatchJobs
-from fleetserve.batch.lines import ENDPOINTS, split_input
+from fleetserve.batch.lines import ENDPOINTS, InputCheck
 from fleetserve.batch.runner import DEFAULT_CONCURRENCY, LineExecutor
 from fleetserve.batch.store import BatchStore
-from fleetserve.entrypoints.openai.body import ClientGone, read_json
+from fleetserve.entrypoints.openai.body import read_json
 from fleetserve.entrypoints.openai.errors import APIError
 from fleetserve.entrypoints.openai.serving_common import parse, shorten
+from fleetserve.entrypoints.openai.upload import read_upload
 
 MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
 MAX_METADATA_PAIRS = 16
@@ -81,26 +82,29 @@ def batch_router(
 
     @router.post("/v1/files")
     async def upload_file(request: Request) -> Response:
-        form = await _read_form(request, max_file_bytes, read_timeout_s)
+        incoming = IncomingFile(store)
+        check = InputCheck()
+
+        def sink(chunk: bytes) -> None:
+            check.feed(chunk)
+            incoming.write(chunk)
+
         try:
-            purpose = form.get("purpose")
-            if purpose != "batch":
-                shown = shorten(str(purpose))
-                raise APIError(400, f"purpose must be 'batch'; got {shown!r}", "purpose")
-            upload = form.get("file")
-            if not isinstance(upload, UploadFile):
-                raise APIError(400, "file is required (a multipart file field)", "file")
-            data = await upload.read()
+            try:
+                upload = await read_upload(request, sink, max_file_bytes, read_timeout_s)
+                purpose = upload.fields.get("purpose")
+                if purpose != "batch":
+                    shown = shorten(str(purpose))
+                    raise APIError(400, f"purpose must be 'batch'; got {shown!r}", "purpose")
+                if upload.file_field != "file":
+                    raise APIError(400, "file is required (a multipart file field)", "file")
+                check.finish()
+            except ValueError as e:  # the line checks, as the file went by
+                raise APIError(400, str(e), "file") from None
             filename = upload.filename or "upload.jsonl"
+            record = await asyncio.to_thread(incoming.commit, filename, purpose)
         finally:
-            await form.close()  # the spooled temporary file
-        if len(data) > max_file_bytes:
-            raise APIError(413, f"the file is larger than {max_file_bytes} bytes", "file")
-        try:
-            split_input(data)
-        except ValueError as e:
-            raise APIError(400, str(e), "file") from None
-        record = store.add_file(data, filename, purpose)
+            incoming.discard()
         return JSONResponse(record.to_api())
 
     @router.get("/v1/files")
@@ -207,44 +211,3 @@ def _file(store: BatchStore, file_id: str) -> Any:
     if record is None:
         raise _not_found("File", file_id)
     return record
-
-
-async def _read_form(request: Request, max_bytes: int, timeout_s: float) -> Any:
-    """The multipart form, read with a size bound and a per-chunk read timeout."""
-    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media_type != "multipart/form-data":
-        raise APIError(
-            415,
-            "Content-Type must be multipart/form-data for a file upload",
-            code="unsupported_media_type",
-        )
-    declared = request.headers.get("content-length")
-    # The form's own framing adds a little to the file: allow for it.
-    limit = max_bytes + 64 * 1024
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"the file is larger than {max_bytes} bytes", "file")
-
-    async def bounded() -> AsyncGenerator[bytes, None]:
-        received = 0
-        chunks = request.stream().__aiter__()
-        while True:
-            try:
-                chunk = await asyncio.wait_for(chunks.__anext__(), timeout_s)
-            except StopAsyncIteration:
-                return
-            except (TimeoutError, asyncio.TimeoutError):
-                raise APIError(
-                    408, f"the upload stalled for {timeout_s:g} s", code="request_timeout"
-                ) from None
-            received += len(chunk)
-            if received > limit:
-                raise APIError(413, f"the file is larger than {max_bytes} bytes", "file")
-            yield chunk
-
-    parser = MultiPartParser(request.headers, bounded(), max_files=1, max_fields=4)
-    try:
-        return await parser.parse()
-    except MultiPartException as e:
-        raise APIError(400, f"malformed multipart body: {e.message}", "file") from None
-    except ClientDisconnect:
-        raise ClientGone() from None
