@@ -112,6 +112,7 @@ def test_phase_summary_counts_lost_changed_and_moved() -> None:
     assert s["num_migrations_logged"] == 2 and s["num_migrated_requests"] == 1
     assert s["migrated"]["added_e2e_s"]["p50"] == 0.0
     assert s["migrated"]["max_gap_s"]["max"] == 0.5
+    assert s["not_migrated"]["added_e2e_s"]["p50"] == 0.0  # request 0 stayed
     # Usage counts too (billed twice), and an unreproducible request is not compared.
     s = phase_summary([_result("abc", (5, 4))], [_result("abc")], [True], [], [], {})
     assert s["num_mismatched"] == 1

@@ -61,12 +61,10 @@ def phase_summary(
     ok = [r for r in results if r.ok]
     was_moved = [r for r in ok if r.stream_id in moved]
     stayed = [r for r in ok if r.stream_id not in moved]
-    added = [
-        got.e2e_s - want.e2e_s
-        for got, want in zip(results, reference, strict=True)
-        if got.ok and want.ok and got.stream_id in moved
-        and got.e2e_s is not None and want.e2e_s is not None
-    ]  # fmt: skip
+    added: dict[bool, list[float]] = {True: [], False: []}  # by moved or not
+    for got, want in zip(results, reference, strict=True):
+        if got.ok and want.ok and got.e2e_s is not None and want.e2e_s is not None:
+            added[got.stream_id in moved].append(got.e2e_s - want.e2e_s)
     return {
         "num_requests": len(results),
         "num_lost": len(lost),
@@ -83,12 +81,14 @@ def phase_summary(
             "ttft_s": _p([r.ttft_s for r in was_moved if r.ttft_s is not None]),
             "e2e_s": _p([r.e2e_s for r in was_moved if r.e2e_s is not None]),
             # Its end-to-end time less the same request's in the undisturbed run.
-            "added_e2e_s": _p(added),
+            "added_e2e_s": _p(added[True]),
             # The longest wait between two chunks: the stall its reader saw.
             "max_gap_s": _p([max(r.itl_s, default=0.0) for r in was_moved]),
         },
         "not_migrated": {
             "e2e_s": _p([r.e2e_s for r in stayed if r.e2e_s is not None]),
+            # The slowdown of the rest (fewer replicas for a while, a busier machine).
+            "added_e2e_s": _p(added[False]),
             "max_gap_s": _p([max(r.itl_s, default=0.0) for r in stayed]),
         },
         "faults": [asdict(f) for f in faults],
@@ -108,11 +108,17 @@ def format_report(report: dict[str, Any]) -> str:
     head = (
         f"{'system':<11} {'phase':<9} {'reqs':>5} {'lost':>5} {'diff':>5} {'moved':>5} "
         f"{'TTFT p50':>9} {'p99':>6} {'E2E p50':>8} {'p99':>6} "
-        f"{'moved E2E p50':>13} {'p99':>6} {'added p50':>9} {'p99':>6} {'stall p99':>9}"
+        f"{'moved E2E p50':>13} {'p99':>6} {'added p50':>9} {'p99':>6} {'stall p99':>9} "
+        f"{'rest added p50':>14} {'p99':>6} {'stall p99':>9}"
     )
-    lines = ["latency in ms; diff: streams unlike the reference run's (text or usage)", head]
+    lines = [
+        "latency in ms; diff: streams unlike the reference run's (text or usage); moved: "
+        "requests that changed replica; added: E2E less the same request's in the reference "
+        "run; stall: the longest gap between two chunks of a stream; rest: the other requests",
+        head,
+    ]
     for run in report["runs"]:
-        m = run["migrated"]
+        m, rest = run["migrated"], run["not_migrated"]
         lines.append(
             f"{run['system']:<11} {run['phase']:<9} {run['num_requests']:>5} "
             f"{run['num_lost']:>5} {run['num_mismatched']:>5} {run['num_migrated_requests']:>5} "
@@ -120,7 +126,9 @@ def format_report(report: dict[str, Any]) -> str:
             f"{_ms(run['e2e_s']['p50']):>8} {_ms(run['e2e_s']['p99']):>6} "
             f"{_ms(m['e2e_s']['p50']):>13} {_ms(m['e2e_s']['p99']):>6} "
             f"{_ms(m['added_e2e_s']['p50']):>9} {_ms(m['added_e2e_s']['p99']):>6} "
-            f"{_ms(m['max_gap_s']['p99']):>9}"
+            f"{_ms(m['max_gap_s']['p99']):>9} "
+            f"{_ms(rest['added_e2e_s']['p50']):>14} {_ms(rest['added_e2e_s']['p99']):>6} "
+            f"{_ms(rest['max_gap_s']['p99']):>9}"
         )
     lines.append("")
     lines.append(
