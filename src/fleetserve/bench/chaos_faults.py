@@ -142,8 +142,9 @@ def signal_replica(
     if not target.knows_readiness:
         del seen["out_of_routing_s"], seen["removed_s"], seen["replacement_ready_s"]
     while time.monotonic() - t0 < measure_timeout_s and any(v is None for v in seen.values()):
-        now = time.monotonic() - t0
         states = target.replica_states()
+        # Taken after the look: each time is when the change was seen, an upper bound.
+        now = time.monotonic() - t0
         new = {p: s for p, s in states.items() if p not in before}
         if seen["gone_s"] is None and not pid_alive(pid):
             seen["gone_s"] = now
