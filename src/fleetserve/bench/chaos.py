@@ -149,11 +149,11 @@ def _migrations_total(url: str) -> float | None:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    total = None
+    total = 0.0  # a labelled counter has no sample before its first move
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "fleetserve:request_migrations_total":
-                total = (total or 0.0) + s.value
+                total += s.value
     return total
 
 
@@ -182,13 +182,16 @@ def run_phase(
     log_start = len(server.output())
     moves0 = metrics()
     faults: list[FaultRecord] = []
+    failures: list[BaseException] = []
     stop = threading.Event()
-    chaos = threading.Thread(
-        target=lambda: faults.extend(
-            run_faults(target, phase, args.num_faults, args.interval, stop)
-        ),
-        daemon=True,
-    )
+
+    def inject() -> None:
+        try:
+            faults.extend(run_faults(target, phase, args.num_faults, args.interval, stop))
+        except BaseException as e:  # raised in the bench's thread once the load is over
+            failures.append(e)
+
+    chaos = threading.Thread(target=inject, daemon=True)
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     if phase in SIGNALS:
@@ -200,6 +203,8 @@ def run_phase(
     duration = time.perf_counter() - t0
     if phase in SIGNALS:
         chaos.join()  # the last fault's measurement may outlast the load
+    if failures:
+        raise RuntimeError(f"{system} {phase}: the fault injection failed") from failures[0]
     moves = migrated_ids(server.output()[log_start:])
     moves1 = metrics()
     extra = {
