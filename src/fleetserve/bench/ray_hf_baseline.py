@@ -51,6 +51,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="requests a replica runs at once (each its own generate call); others queue",
     )
     p.add_argument("--object-store-mb", type=int, default=200)
+    p.add_argument(
+        "--token-delay-s",
+        type=float,
+        default=0.0,
+        help="sleep this long before each streamed token, as a slower device would (the "
+        "counterpart of fleetserve's FLEETSERVE_DEBUG_STEP_DELAY_S in `bench chaos`)",
+    )
 
 
 def load_hf(model_path: str) -> tuple[Any, Any]:
@@ -77,15 +84,20 @@ class _Done:
 class TokenQueueStreamer(BaseStreamer):
     """Hands each new token id from generate's thread to the event loop's queue."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: "asyncio.Queue[Any]") -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, queue: "asyncio.Queue[Any]", delay_s: float = 0.0
+    ) -> None:
         self.loop = loop
         self.queue = queue
+        self.delay_s = delay_s
         self.seen_prompt = False
 
     def put(self, value: Any) -> None:
         if not self.seen_prompt:  # generate's first put is the prompt itself
             self.seen_prompt = True
             return
+        if self.delay_s:
+            time.sleep(self.delay_s)  # generate's own thread: only this request slows
         for tid in value.reshape(-1).tolist():
             self.loop.call_soon_threadsafe(self.queue.put_nowait, tid)
 
@@ -96,13 +108,16 @@ class TokenQueueStreamer(BaseStreamer):
 class HFCompletions:
     """The replica: one model, one `generate()` per request."""
 
-    def __init__(self, model_path: str, served_name: str, num_threads: int) -> None:
+    def __init__(
+        self, model_path: str, served_name: str, num_threads: int, token_delay_s: float = 0.0
+    ) -> None:
         import torch
 
         torch.set_num_threads(num_threads)
         self.model, self.tokenizer = load_hf(model_path)
         self.served_name = served_name
         self.eos_token_id = self.tokenizer.eos_token_id
+        self.token_delay_s = token_delay_s
 
     def _generate(self, ids: list[int], params: dict[str, Any], streamer: Any) -> list[int]:
         import torch
@@ -176,7 +191,7 @@ class HFCompletions:
         self, req_id: str, ids: list[int], params: dict[str, Any], loop: asyncio.AbstractEventLoop
     ) -> AsyncIterator[str]:
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        streamer = TokenQueueStreamer(loop, queue)
+        streamer = TokenQueueStreamer(loop, queue, self.token_delay_s)
         loop.run_in_executor(None, self._generate_into, ids, params, streamer)
         created = int(time.time())
         out: list[int] = []
@@ -271,7 +286,7 @@ def build_app(args: argparse.Namespace, model_path: str, served_name: str) -> An
         max_ongoing_requests=args.max_ongoing_requests,
         ray_actor_options={"num_cpus": args.num_cpus / args.num_replicas},
     )
-    return deployment.bind(model_path, served_name, args.num_threads)
+    return deployment.bind(model_path, served_name, args.num_threads, args.token_delay_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.num_replicas < 1 or args.max_ongoing_requests < 1:
         raise ValueError("--num-replicas and --max-ongoing-requests must be >= 1")
+    if args.token_delay_s < 0:
+        raise ValueError(f"--token-delay-s must be >= 0, got {args.token_delay_s}")
     from fleetserve.models.default_model import default_model_path
 
     model_path = os.path.abspath(args.model or default_model_path())

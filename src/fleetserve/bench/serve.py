@@ -164,14 +164,27 @@ async def send_one(
 ) -> RequestResult:
     path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
     expected = p.max_tokens if args.ignore_eos else None
+    return await stream_completion(client, args.base_url + path, _body(args, p), expected)
+
+
+async def stream_completion(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], expected: int | None
+) -> RequestResult:
+    """POSTs one streaming (chat) completion `body` to `url` and times it as a client sees
+    it. A stream that ends without `data: [DONE]` (its server went away mid-answer) is a
+    failed request, as is an error event inside it."""
     t0 = time.perf_counter()
     ttft: float | None = None
     last = t0
     gaps: list[float] = []
     num_chunks = 0
     usage: dict[str, Any] = {}
+    texts: list[str] = []
+    finish: str | None = None
+    stream_id: str | None = None
+    done = False
     try:
-        async with client.stream("POST", args.base_url + path, json=_body(args, p)) as resp:
+        async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")[:200]
                 return RequestResult(0, 0, expected, error=f"HTTP {resp.status_code}: {text}")
@@ -180,12 +193,17 @@ async def send_one(
                     continue
                 data = line[len("data:") :].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 obj = json.loads(data)
                 if "error" in obj:
                     return RequestResult(0, 0, expected, error=f"stream error: {obj['error']}")
                 usage = obj.get("usage") or usage
-                if _chunk_text(obj):
+                stream_id = obj.get("id") or stream_id
+                for c in obj.get("choices") or []:
+                    finish = c.get("finish_reason") or finish
+                text = _chunk_text(obj)
+                if text:
                     now = time.perf_counter()
                     if ttft is None:
                         ttft = now - t0
@@ -193,9 +211,12 @@ async def send_one(
                         gaps.append(now - last)
                     last = now
                     num_chunks += 1
+                    texts.append(text)
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         return RequestResult(0, 0, expected, error=f"{type(e).__name__}: {e}"[:200])
     e2e = time.perf_counter() - t0
+    if not done:
+        return RequestResult(0, 0, expected, error="the stream ended before data: [DONE]")
     if ttft is None:
         return RequestResult(0, 0, expected, error="no output text in the stream")
     return RequestResult(
@@ -205,6 +226,9 @@ async def send_one(
         ttft_s=ttft,
         e2e_s=e2e,
         itl_s=gaps,
+        text="".join(texts),
+        finish_reason=finish,
+        stream_id=stream_id,
     )
 
 

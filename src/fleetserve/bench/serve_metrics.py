@@ -26,6 +26,9 @@ class RequestResult:
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None
+    text: str = ""  # the output text, all chunks joined
+    finish_reason: str | None = None
+    stream_id: str | None = None  # the `id` its chunks carried (the server's request id)
 
     @property
     def ok(self) -> bool:

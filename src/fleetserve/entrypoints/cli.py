@@ -26,6 +26,7 @@ _BENCH = {
     "latency": ("fleetserve.bench.latency", "one stream: TTFT and decode tok/s (vs llama.cpp)"),
     "perplexity": ("fleetserve.bench.perplexity", "perplexity of each weight quantization"),
     "batch": ("fleetserve.bench.batch", "`batch run` against the offline LLM.generate ceiling"),
+    "chaos": ("fleetserve.bench.chaos", "replicas killed under streaming load: lost, latency"),
 }
 _DEPLOY = {
     "k8s": ("fleetserve.deploy.k8s", "render Kubernetes + KEDA manifests from a fleet file"),
@@ -52,7 +53,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     _add_group(
         sub,
         "bench",
-        "benchmarks (offline | serve | sla | embed | spec | latency | perplexity | batch)",
+        "benchmarks (offline | serve | sla | embed | spec | latency | perplexity | batch | chaos)",
         _BENCH,
         argv,
     )

@@ -1,0 +1,110 @@
+"""A server process a benchmark starts for itself on 127.0.0.1: started, waited for,
+and stopped with everything it started (engine processes, Ray workers).
+
+The benchmark may signal only processes it started; `owns(pid)` says whether a pid is
+one of this server's descendants, so a chaos run never touches anything else.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+
+import httpx
+import psutil
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pid_alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped by its parent, counts as gone)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class LocalServer:
+    """`cmd` (a server that binds 127.0.0.1:`port` and answers GET /ready with 200 once it
+    serves) run as a child process; its output goes to a log file."""
+
+    def __init__(
+        self, cmd: Sequence[str], port: int, env: dict[str, str] | None = None, name: str = ""
+    ) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.name = name or os.path.basename(cmd[0])
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 -- lives as long as the server
+            "w+", prefix=f"fleetserve-bench-{self.name}-", suffix=".log"
+        )
+        self.proc = subprocess.Popen(
+            list(cmd),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,  # a Ctrl-C of the bench reaches the bench only
+        )
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def wait_ready(self, timeout_s: float) -> LocalServer:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode}:\n{self.output()[-4000:]}"
+                )
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        out = self.output()
+        self.stop()
+        raise RuntimeError(f"{self.name} not ready after {timeout_s:g} s:\n{out[-4000:]}")
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            kids = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        return kids
+
+    def owns(self, pid: int) -> bool:
+        """Whether `pid` is a live descendant of this server (one it started)."""
+        return any(k.pid == pid for k in self.descendants())
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM, then SIGKILL if it does not exit; then SIGKILL any of its descendants
+        still running (each by pid, only those seen as its descendants)."""
+        kids = self.descendants()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait(10)
+        for k in kids:
+            try:
+                if k.is_running() and k.status() != psutil.STATUS_ZOMBIE:
+                    k.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if not self.log.closed:
+            self.final_output = self.output()
+            self.log.close()
+        return code
