@@ -13,9 +13,10 @@ past its class's `max_queue_time_s` is shed (503) before it costs any compute.
 
 Once sent, each engine request is a `MigratingStream` (serve/migration.py): the service
 keeps its prompt and the output its reader last got, and when its replica is lost (died,
-drained, hung, stopped) resumes it on another one. A supervisor task notices dead and hung
-replicas (every `_SUPERVISE_INTERVAL_S`), keeps the replica count (replacing lost ones),
-and drains a replica whose engine got a preemption notice (SIGTERM, a spot notice).
+drained, hung, stopped) resumes it on another one. Its Supervisor (serve/supervisor.py)
+removes dead and hung replicas and drains those given a preemption notice; its
+PoolController (serve/pools.py, over serve/provision.py) starts replicas to keep the
+pools at their targets, falling back to on-demand when spot is short.
 
 The service owns its queue, its ReplicaSet and its Router; everything runs on the API
 process's event loop thread.
@@ -44,7 +45,6 @@ from fleetserve.engine.async_engine import (
     ReplicaGoneError,
 )
 from fleetserve.engine.llm_engine import PromptRules, PromptType
-from fleetserve.engine.wire import CoreNotice
 from fleetserve.metrics import ModelMetrics
 from fleetserve.serve.admission import ClassObserver, Pending, PreparedPrompt, ShedError
 from fleetserve.serve.base import Replica, ReplicaStreamLike, RouteRequest
@@ -64,16 +64,11 @@ from fleetserve.serve.sla import (
     engine_priority,
     oversubscription,
 )
+from fleetserve.serve.supervisor import SUPERVISE_INTERVAL_S, Supervisor
 from fleetserve.tokenizer import Tokenizer
 
 # The engines' own bound on unstarted requests; the class queues bound them first.
 _ENGINE_MAX_WAITING = 1 << 20
-# How often the supervisor looks at the replicas (a dead one is noticed by its engine's
-# process watch within 0.2 s; this bounds how soon it is replaced and a hang is seen).
-_SUPERVISE_INTERVAL_S = 0.25
-# A replica given a notice stops taking requests at once and lets its requests run until
-# this long before the deadline; then the rest move and it is stopped.
-_NOTICE_MARGIN_S = 3.0
 
 log = logging.getLogger("fleetserve.serve")
 
@@ -139,20 +134,18 @@ class GenerateService:
         self._started = False
         self._closing = False
         self._expiry: asyncio.TimerHandle | None = None
-        self._supervisor: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._retiring: set[int] = set()  # replicas being drained or removed
-        self._num_failed = 0  # replicas that died
         self._changed = asyncio.Event()
+        self.supervisor = Supervisor(name, self.replica_set, self.resilience, metrics, self._pulse)
+        self._retiring = self.supervisor.retiring  # replicas being drained or removed
         self.provisioner = LocalProvisioner(
             self.replica_set,
-            self.drain_replica,
+            self.supervisor.drain_replica,
             self._retiring,
             capacity_check=capacity_check,
-            on_event=self._event,
+            on_event=self.supervisor.event,
         )
         self.controller = PoolController(
-            self.pools, self.provisioner, interval_s=_SUPERVISE_INTERVAL_S
+            self.pools, self.provisioner, interval_s=SUPERVISE_INTERVAL_S
         )
         self._controller_task: asyncio.Task[None] | None = None
 
@@ -171,7 +164,7 @@ class GenerateService:
         )
         replica.pool, replica.capacity = pool.name, pool.capacity
         replica.on_stats = self._publish_stats
-        replica.on_notice = self._on_notice
+        replica.on_notice = self.supervisor.on_notice
         return replica
 
     # ------------------------------------------------------------- state
@@ -198,7 +191,7 @@ class GenerateService:
     @property
     def crashed(self) -> bool:
         """A replica's engine exited unasked and no replica took its place."""
-        lost = self._num_failed > 0 and not self.replica_set.live
+        lost = self.supervisor.num_failed > 0 and not self.replica_set.live
         return lost or any(r.crashed for r in self.replica_set)
 
     @property
@@ -243,7 +236,7 @@ class GenerateService:
         if not self.resilience.replace_failed:
             await self._stop_controller()
         self._started = True
-        self._supervisor = asyncio.create_task(self._supervise())
+        self.supervisor.start()
         self._dispatch()
 
     async def _stop_controller(self) -> None:
@@ -256,9 +249,7 @@ class GenerateService:
         self._closing = True
         if self._expiry is not None:
             self._expiry.cancel()
-        for task in [self._supervisor, *self._tasks]:
-            if task is not None:
-                task.cancel()
+        self.supervisor.stop()
         await self._stop_controller()
         self._fail_queued(lambda: EngineDeadError("the server is shutting down"))
         await self.replica_set.stop_all()
@@ -534,116 +525,21 @@ class GenerateService:
             self.metrics.add_migration(reason)
 
     # ------------------------------------------------------------- supervision
-    def _event(self, event: str) -> None:
-        if self.metrics is not None:
-            self.metrics.add_replica_event(event)
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _on_notice(self, replica: Replica, notice: CoreNotice) -> None:
-        """Its engine will be taken away by `notice.deadline`: drain it now (short
-        requests finish, the rest move before the deadline); a replacement starts."""
-        if replica.index in self._retiring or self._closing:
-            return  # already on its way out
-        log.warning("%s: replica %d got a preemption notice (%s, %s); draining it",
-                    self.name, replica.index, notice.source, notice.detail)  # fmt: skip
-        self._event("notice")
-        window = max(0.0, notice.deadline - time.time() - _NOTICE_MARGIN_S)
-        self.start_drain(replica.index, window)
-
-    def start_drain(self, index: int, timeout_s: float) -> bool:
-        """drain_replica in the background; False if it is already being drained."""
-        self.replica_set.get(index)  # KeyError: no such replica
-        if index in self._retiring or self._closing:
-            return False
-        self._retiring.add(index)
-        self._spawn(self.drain_replica(index, timeout_s))
-        return True
-
-    async def drain_replica(self, index: int, timeout_s: float) -> bool:
-        """Routes nothing more to the replica, lets its short requests finish within
-        `timeout_s`, moves the rest to other replicas, then stops and removes it (the
-        supervisor starts a replacement). True if none of its requests had to move."""
-        replica = self.replica_set.get(index)  # KeyError: no such replica
-        self._retiring.add(index)
-        try:
-            self._dispatch()
-            clean = await replica.drain(timeout_s)
-            await self.replica_set.remove(index)
-            self._event("drained")
-            return clean
-        finally:
-            self._retiring.discard(index)
-            self._pulse()
-
     def _pulse(self) -> None:
+        """Routable replicas changed: wake migrations waiting for one, replan the pools,
+        send what waits."""
         self._changed.set()
         self.controller.poke()
         self._dispatch()
 
-    async def _supervise(self) -> None:
-        while True:
-            await asyncio.sleep(_SUPERVISE_INTERVAL_S)
-            try:
-                self._check_replicas()
-            except Exception:  # the supervisor must outlive any one bad check
-                log.exception("%s: replica supervision failed", self.name)
+    def start_drain(self, index: int, timeout_s: float) -> bool:
+        return self.supervisor.start_drain(index, timeout_s)
 
-    def _check_replicas(self) -> None:
-        now = time.monotonic()
-        hang_s = self.resilience.hang_timeout_s
-        for r in list(self.replica_set):
-            if r.index in self._retiring:
-                continue
-            if r.dead_reason is not None:
-                log.error("%s: replica %d died: %s", self.name, r.index, r.dead_reason)
-                self._event("failed")
-                self._num_failed += 1
-                self._retiring.add(r.index)
-                self._spawn(self._remove(r.index, kill=False))
-            elif hang_s is not None and r.hung_for(now) > hang_s:
-                log.error("%s: replica %d ran no step for %.1f s while holding work; "
-                          "killing it", self.name, r.index, r.hung_for(now))  # fmt: skip
-                self._event("hung")
-                self._retiring.add(r.index)
-                r.evict_all("the replica hung")
-                self._spawn(self._remove(r.index, kill=True))
-
-    async def _remove(self, index: int, kill: bool) -> None:
-        try:
-            replica = self.replica_set.get(index)
-            if kill:
-                await replica.stop(kill=True)
-            await self.replica_set.remove(index)
-        finally:
-            self._retiring.discard(index)
-            self._pulse()
+    async def drain_replica(self, index: int, timeout_s: float) -> bool:
+        return await self.supervisor.drain_replica(index, timeout_s)
 
     def replica_views(self) -> list[dict[str, Any]]:
-        """The replicas as the admin API shows them."""
-        out = []
-        for r in self.replica_set:
-            state = (
-                "dead" if r.dead_reason is not None
-                else "draining" if r.index in self._retiring or r.draining
-                else "ready" if r.healthy
-                else "starting"
-            )  # fmt: skip
-            out.append(
-                {
-                    "id": f"{self.name}:{r.index}",
-                    "index": r.index,
-                    "pool": getattr(r, "pool", "default"),
-                    "capacity": getattr(r, "capacity", "on_demand"),
-                    "state": state,
-                    "pid": r.pid,
-                    "num_requests": r.num_outstanding_requests,
-                }
-            )
-        return out
+        return self.supervisor.replica_views()
 
     def _publish_stats(self, replica: Replica) -> None:
         """The model-level gauges sum (or pool) the healthy replicas' latest stats."""
