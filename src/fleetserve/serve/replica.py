@@ -20,11 +20,12 @@ from collections.abc import Callable
 from typing import Any
 
 from fleetserve.core.sampling_params import SamplingParams
-from fleetserve.engine.async_engine import AsyncEngine, ReplicaGoneError, RequestStream
+from fleetserve.engine.async_engine import ReplicaGoneError
 from fleetserve.engine.llm_engine import PromptType
 from fleetserve.engine.wire import CoreNotice
 from fleetserve.outputs import RequestOutput
 from fleetserve.serve.base import StreamObserver
+from fleetserve.serve.engine_client import EngineClient, EngineStream
 
 
 class LocalReplica:
@@ -36,7 +37,7 @@ class LocalReplica:
     def __init__(
         self,
         index: int,
-        engine: AsyncEngine,
+        engine: EngineClient,
         ewma_alpha: float = 0.1,
         warmup_steps: int = 8,
         max_num_seqs: int = 64,
@@ -249,7 +250,7 @@ class ReplicaStream:
     def __init__(
         self,
         replica: LocalReplica,
-        inner: RequestStream,
+        inner: EngineStream,
         num_prompt_tokens: int,
         num_new: int,
         level: int = 0,
