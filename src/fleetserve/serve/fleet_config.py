@@ -31,6 +31,11 @@ A generate model may instead of `replicas` run in pools of spot and on-demand ca
 
 and a class may be pinned to spot capacity (`batch: {priority: 10, capacity: spot}`).
 
+A gateway's generate model may instead be served by other fleetserve servers (pods,
+serve/remote.py): `remote: {urls: [http://10.0.0.7:8000, ...]}` or `remote: {dns:
+chat-pods.llm.svc:8000, refresh_s: 10}`; `model` and `engine` then describe the pods'
+model (the gateway tokenizes), and `replicas` / `pools` are left out.
+
 On Ray Serve (`fleetserve serve --ray`) a model may instead of `replicas` say
 `autoscale: {min_replicas, max_replicas, target_queue_depth, upscale_delay_s,
 downscale_delay_s}`, and `placement: {num_cpus, memory_gb, resources,

@@ -20,8 +20,6 @@ there, the rest move). A pod that stops answering for `dead_after_s` is dead.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +36,7 @@ from fleetserve.engine.async_engine import (
 )
 from fleetserve.engine.wire import CoreNotice
 from fleetserve.outputs import RequestOutput
+from fleetserve.serve.remote_stream import RemoteStream, error_code, error_message
 from fleetserve.serve.remote_wire import (
     GENERATE_PATH,
     LOAD_PATH,
@@ -51,41 +50,6 @@ from fleetserve.serve.remote_wire import (
 from fleetserve.serve.replica import LocalReplica
 
 _CONNECT_TIMEOUT_S = 3.0
-
-
-class RemoteStream:
-    """One request's outputs from a pod; same iteration and `close()` as RequestStream.
-    Closing it before it finishes closes its HTTP stream, which aborts it on the pod."""
-
-    def __init__(self, engine: RemoteEngine, request_id: str, n: int) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self.n = n
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.started = False
-        self.finished = False
-        self.closed = False
-        self.task: asyncio.Task[None] | None = None
-
-    def __aiter__(self) -> RemoteStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished or self.closed:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        while not self.queue.empty() and not isinstance(item, BaseException):
-            item = self.queue.get_nowait()  # cumulative: only the newest matters
-        if isinstance(item, BaseException):
-            self.close()
-            raise item
-        self.finished = item.finished
-        return item
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.engine._release(self)
 
 
 class RemoteEngine:
@@ -113,6 +77,9 @@ class RemoteEngine:
         self.on_stats: Callable[[dict[str, float]], None] | None = None
         self.on_notice: Callable[[Any], None] | None = None
         self.report: LoadReport | None = None
+        self._pod_steps = 0
+        self._num_steps = 0
+        self._step_latency_s: float | None = None
         self._reachable = False
         self._draining = False
         self._unreachable_since: float | None = None
@@ -174,7 +141,7 @@ class RemoteEngine:
             return f"{type(e).__name__}: {e}"
         if resp.status_code != 200:
             self._reachable = False
-            message = _error_message(resp.content)
+            message = error_message(resp.content)
             if resp.status_code in (401, 403, 404):
                 self._fail_all(f"the pod at {self.url} refused the gateway ({resp.status_code}: "
                                f"{message})")  # fmt: skip
@@ -195,13 +162,22 @@ class RemoteEngine:
         self.max_num_seqs = report.max_num_seqs
         if report.draining:
             self._on_draining(report.drain_left_s)
+        # The pod's step count restarts when its replicas do; the replica needs one that
+        # only grows (a step is progress: a pod that makes none while holding work hangs).
+        grown = report.num_steps - self._pod_steps
+        self._num_steps += grown if grown >= 0 else report.num_steps
+        self._pod_steps = report.num_steps
+        if report.step_latency_s is not None:
+            self._step_latency_s = report.step_latency_s
         stats = {
             "num_requests_running": float(report.num_requests_running),
             "num_requests_waiting": float(report.queue_depth),
             "kv_cache_usage_perc": report.kv_cache_usage_perc,
-            "num_steps": float(report.num_steps),
-            # The pod's own step-latency EWMA stands in for its latest step.
-            "last_step_seconds": report.step_latency_s or 0.0,
+            # Steps count once the pod has a step latency (its replicas' EWMA, which
+            # stands in for a latest step): a made-up 0 s would make its peers stragglers.
+            "num_steps": float(self._num_steps if self._step_latency_s is not None else 0),
+            "last_step_seconds": self._step_latency_s or 0.0,
+            # The pod's hit rate as one query (the service pools hits over queries).
             "prefix_cache_queries": 1.0,
             "prefix_cache_hits": report.prefix_cache_hit_rate,
         }
@@ -256,7 +232,7 @@ class RemoteEngine:
                 self.model, request_id, ids, params_to_http(params), text, priority, resume
             )  # fmt: skip
         )
-        stream = RemoteStream(self, request_id, params.n)
+        stream = RemoteStream(self._release, request_id, params.n)
         reader = FrameReader(request_id, text, ids, params.n, resume)
         self._streams[request_id] = stream
         stream.task = asyncio.create_task(self._run(stream, body, reader))
@@ -293,10 +269,10 @@ class RemoteEngine:
             stream.queue.put_nowait(ReplicaGoneError(f"a bad frame from {self.url}: {e}"))
 
     def _refusal(self, status: int, raw: bytes) -> Exception:
-        message = _error_message(raw)
+        message = error_message(raw)
         if status in (400, 413, 422):
             return ValueError(message)
-        if status == 503 and _error_code(raw) == "draining":
+        if status == 503 and error_code(raw) == "draining":
             self._on_draining(None)
         if status >= 500 or status in (408, 429):
             return ReplicaGoneError(f"the pod at {self.url} answered {status}: {message}")
@@ -322,23 +298,6 @@ class RemoteEngine:
         self._streams.pop(stream.request_id, None)
         if stream.task is not None and not stream.task.done():
             stream.task.cancel()  # closes its HTTP stream: the pod aborts the request
-
-
-def _error_body(raw: bytes) -> dict[str, Any]:
-    with contextlib.suppress(ValueError):
-        body = json.loads(raw)
-        if isinstance(body, dict) and isinstance(body.get("error"), dict):
-            return body["error"]  # type: ignore[no-any-return]
-    return {}
-
-
-def _error_message(raw: bytes) -> str:
-    return str(_error_body(raw).get("message") or raw[:200].decode("utf-8", "replace"))
-
-
-def _error_code(raw: bytes) -> str | None:
-    code = _error_body(raw).get("code")
-    return code if isinstance(code, str) else None
 
 
 class RemoteReplica(LocalReplica):

@@ -1,6 +1,7 @@
 """LocalReplica: the `Replica` (serve/base.py) whose engine is a local EngineCore process,
 reached through an AsyncEngine (ipc sockets, msgpack), with the load figures the router
-and the model service read.
+and the model service read. serve/remote.py's RemoteReplica is the same replica over
+another engine client (serve/engine_client.py): a fleetserve server reached over HTTP.
 
 The replica owns those figures and changes them only through its own methods, all called
 on the event loop thread: `submit` adds a request's work, its `ReplicaStream` retires the
