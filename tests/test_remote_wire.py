@@ -15,6 +15,7 @@ import pytest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.outputs import CompletionOutput, RequestOutput
 from fleetserve.serve.fleet_config import RemoteConfig, parse_fleet_config
+from fleetserve.serve.pools import MemberView, PoolController, Start
 from fleetserve.serve.remote_pool import POOL_NAME, RemoteTargets
 from fleetserve.serve.remote_wire import (
     ErrorFrame,
@@ -203,3 +204,23 @@ def test_dns_names_resolve_to_urls() -> None:
     assert targets.pool().replicas == 0
     urls = asyncio.run(targets.resolve())
     assert "http://127.0.0.1:8123" in urls
+
+
+class NoMembers:
+    async def start(self, pool: object) -> int:
+        raise AssertionError("not started in this test")
+
+    async def stop(self, index: int) -> None: ...
+
+    def members(self) -> list[MemberView]:
+        return []
+
+
+def test_pool_target_follows_the_addresses() -> None:
+    pool = RemoteTargets(RemoteConfig(dns="pods.ns.svc:8000")).pool()
+    controller = PoolController([pool], NoMembers())
+    assert controller.actions() == []
+    controller.set_target(POOL_NAME, 2)
+    assert controller.actions() == [Start(POOL_NAME), Start(POOL_NAME)]
+    with pytest.raises(KeyError):
+        controller.set_target("elsewhere", 1)

@@ -190,6 +190,26 @@ def test_internal_api_refuses_bad_requests(pods: list[ServerProc]) -> None:
     refused({**good, "resume": resume}, 400)  # already at max_tokens, yet not finished
 
 
+def test_gateway_follows_a_dns_name(
+    tiny_llama: str, pods: list[ServerProc], reference: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """`remote: {dns: HOST:PORT}`: the pool starts empty and follows what the name
+    resolves to (an IP literal here: one pod; a headless Service lists every pod)."""
+    port = pods[2].port
+    config = tmp_path / "fleet.yaml"
+    config.write_text(
+        f"models:\n  - name: tiny\n    model: {tiny_llama}\n"
+        f"    remote: {{dns: '127.0.0.1:{port}', refresh_s: 0.5, api_key_env: POD_KEY}}\n"
+    )
+    srv = ServerProc(None, "--config", str(config), env={"POD_KEY": POD_KEY})
+    try:
+        srv.wait_ready()
+        assert [r["url"] for r in replicas(srv.url)] == [pods[2].url]
+        check_same(run_streams(srv.url, requests(1)), reference[:1])
+    finally:
+        srv.stop()
+
+
 def test_admin_drain_moves_streams(gateway: ServerProc, reference: list[dict[str, Any]]) -> None:
     moved = metric(scrape(gateway.url), "fleetserve:request_migrations_total")
 

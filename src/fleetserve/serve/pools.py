@@ -318,8 +318,9 @@ class PoolController:
         names = [p.name for p in self.pools]
         if pool not in names:
             raise KeyError(f"no pool {pool!r}; pools: {names}")
-        self.pools = tuple(replace(p, replicas=replicas) if p.name == pool else p
-                           for p in self.pools)  # fmt: skip
+        self.pools = tuple(
+            p.model_copy(update={"replicas": replicas}) if p.name == pool else p for p in self.pools
+        )
         self.poke()
 
     def counters(self) -> dict[str, PoolCounters]:

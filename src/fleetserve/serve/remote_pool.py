@@ -102,7 +102,10 @@ class RemoteTargets:
             except OSError as e:
                 log.warning("%s: resolving %s failed: %s", service.name, self.config.dns, e)
             else:
-                self.update(service, found)
+                try:
+                    self.update(service, found)
+                except Exception:  # the loop must outlive one bad round
+                    log.exception("%s: following %s failed", service.name, self.config.dns)
             await asyncio.sleep(self.config.refresh_s)
 
     def update(self, service: RemoteService, found: list[str]) -> None:
