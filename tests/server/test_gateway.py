@@ -151,6 +151,11 @@ def _generate_status(pod: ServerProc, **over: Any) -> int:
     return r.status_code
 
 
+def load_of(pod: ServerProc) -> dict[str, Any]:
+    r = httpx.get(f"{pod.url}{LOAD_PATH}", headers=AUTH, timeout=10)
+    return r.json()  # type: ignore[no-any-return]
+
+
 def test_internal_api_refuses_bad_requests(pods: list[ServerProc]) -> None:
     pod = pods[0]
     url = f"{pod.url}{GENERATE_PATH}"
@@ -163,6 +168,16 @@ def test_internal_api_refuses_bad_requests(pods: list[ServerProc]) -> None:
     ok = httpx.post(url, content=msgspec.msgpack.encode(good),
                     headers={**AUTH, "Content-Type": MSGPACK}, timeout=30)  # fmt: skip
     assert ok.status_code == 200 and ok.content  # frames
+
+    # A gateway that leaves aborts the request on the pod (500 tokens would take 10 s).
+    long = {**good, "params": {"max_tokens": 500, "ignore_eos": True}}
+    with httpx.stream("POST", url, json=long, headers=AUTH, timeout=30) as r:
+        assert r.status_code == 200
+        chunks = r.iter_raw()
+        next(chunks)
+        assert load_of(pod)["num_outstanding_requests"] == 1
+        del chunks
+    assert wait_until(lambda: load_of(pod)["num_outstanding_requests"] == 0, 5)
 
     def refused(body: Any, status: int, param: str | None = None, **kw: Any) -> None:
         sent = {"headers": AUTH, **({} if "content" in kw else {"json": body}), **kw}

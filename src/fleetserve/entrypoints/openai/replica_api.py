@@ -87,7 +87,7 @@ def replica_router(ctx: ServingContext) -> APIRouter:
             raise
         except Exception as e:
             raise engine_error(e) from None
-        return SSEResponse(frames(streams[0], params.n, req.resume), media_type=FRAMES)
+        return FramesResponse(streams[0], params.n, req.resume)
 
     @router.get(LOAD_PATH)
     async def load(model: str | None = None) -> Response:
@@ -117,6 +117,21 @@ def decode_request(request: Request, raw: bytes) -> GenerateRequest:
         raise APIError(400, f"the body is not valid {media_type}: {e}") from None
 
 
+class FramesResponse(SSEResponse):
+    """The request's frames; however the response ends (finished, failed, the gateway
+    gone even before the first frame), the request is closed: aborted if unfinished."""
+
+    def __init__(self, stream: ReplicaStreamLike, n: int, resume: RequestOutput | None) -> None:
+        super().__init__(frames(stream, n, resume), media_type=FRAMES)
+        self.stream = stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.stream.close()
+
+
 async def frames(
     stream: ReplicaStreamLike, n: int, resume: RequestOutput | None
 ) -> AsyncIterator[bytes]:
@@ -132,8 +147,6 @@ async def frames(
         # The server's state (draining, a dead engine, a shed) is no fault of the request.
         retry = err.status >= 500
         yield writer.error(ErrorFrame(err.status, err.message, err.code, err.param, retry))
-    finally:
-        stream.close()
 
 
 def load_report(service: GenerateService, ctx: ServingContext) -> LoadReport:
