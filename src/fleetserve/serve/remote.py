@@ -20,6 +20,7 @@ there, the rest move). A pod that stops answering for `dead_after_s` is dead.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +51,8 @@ from fleetserve.serve.remote_wire import (
 from fleetserve.serve.replica import LocalReplica
 
 _CONNECT_TIMEOUT_S = 3.0
+
+log = logging.getLogger("fleetserve.serve")
 
 
 class RemoteEngine:
@@ -120,7 +123,11 @@ class RemoteEngine:
     async def _poll_loop(self) -> None:
         while self.dead_reason is None:
             await asyncio.sleep(self.poll_interval_s)
-            error = await self._poll()
+            try:
+                error = await self._poll()
+            except Exception as e:  # a bug in one round must not stop the watch
+                log.exception("polling the pod at %s failed", self.url)
+                error = f"{type(e).__name__}: {e}"
             now = time.monotonic()
             if error is None:
                 self._unreachable_since = None
