@@ -35,6 +35,8 @@ class PreparedPrompt:
     prompt: dict[str, Any]  # {"prompt_token_ids": [...], "prompt": text?}
     params: SamplingParams
     num_prompt_tokens: int
+    # The output it goes on from (a gateway moved it here from a lost replica).
+    resume: RequestOutput | None = None
 
 
 @dataclass

@@ -31,6 +31,11 @@ A generate model may instead of `replicas` run in pools of spot and on-demand ca
 
 and a class may be pinned to spot capacity (`batch: {priority: 10, capacity: spot}`).
 
+A gateway's generate model may instead be served by other fleetserve servers (pods,
+serve/remote.py): `remote: {urls: [http://10.0.0.7:8000, ...]}` or `remote: {dns:
+chat-pods.llm.svc:8000, refresh_s: 10}`; `model` and `engine` then describe the pods'
+model (the gateway tokenizes), and `replicas` / `pools` are left out.
+
 On Ray Serve (`fleetserve serve --ray`) a model may instead of `replicas` say
 `autoscale: {min_replicas, max_replicas, target_queue_depth, upscale_delay_s,
 downscale_delay_s}`, and `placement: {num_cpus, memory_gb, resources,
@@ -210,6 +215,33 @@ class ResilienceConfig(_Strict):
     sigterm_grace_s: float = Field(default=15.0, gt=0.0, le=3600.0)
 
 
+class RemoteConfig(_Strict):
+    """A gateway's generate model served by other fleetserve servers (pods): `urls`, or a
+    `dns` name (host:port, e.g. a headless Service) whose addresses are re-resolved every
+    `refresh_s`. With `api_key_env`, the gateway sends the key held in that environment
+    variable to the pods (the file never holds the key itself)."""
+
+    urls: list[str] | None = Field(default=None, min_length=1, max_length=64)
+    dns: str | None = None
+    refresh_s: float = Field(default=10.0, gt=0.0, le=3600.0)
+    scheme: Literal["http", "https"] = "http"
+    api_key_env: str | None = None
+    poll_interval_s: float = Field(default=0.5, gt=0.0, le=60.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> RemoteConfig:
+        if (self.urls is None) == (self.dns is None):
+            raise ValueError("give urls or dns (one of them)")
+        for url in self.urls or []:
+            if not re.match(r"^https?://[^\s/]+:\d+/?$", url):
+                raise ValueError(f"urls: {url!r}: expected http://host:port")
+        if len(set(self.urls or [])) != len(self.urls or []):
+            raise ValueError("urls: each pod once")
+        if self.dns is not None and not re.match(r"^[A-Za-z0-9.-]+:\d+$", self.dns):
+            raise ValueError(f"dns {self.dns!r}: expected SERVICE.NAMESPACE.svc:PORT")
+        return self
+
+
 class ModelEntry(_Strict):
     name: str
     kind: ModelKind = "generate"
@@ -225,6 +257,9 @@ class ModelEntry(_Strict):
     placement: PlacementConfig | None = None
     resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
     pools: list[PoolConfig] | None = Field(default=None, min_length=1)
+    # Served by other fleetserve servers; `model` and `engine` still describe the model
+    # (the gateway tokenizes and validates), and should match the pods'.
+    remote: RemoteConfig | None = None
 
     @field_validator("pools")
     @classmethod
@@ -260,6 +295,13 @@ class ModelEntry(_Strict):
                 raise ValueError("give replicas or pools, not both (each pool has replicas)")
             if self.autoscale is not None:
                 raise ValueError("give autoscale or pools, not both")
+        if self.remote is not None:
+            if self.kind != "generate":
+                raise ValueError(f"remote is for generate models, not {self.kind!r}")
+            given = [k for k in ("replicas", "pools", "autoscale", "placement")
+                     if k in self.model_fields_set]  # fmt: skip
+            if given:
+                raise ValueError(f"remote lists the replicas; leave out {', '.join(given)}")
         if self.autoscale is not None and "replicas" in self.model_fields_set:
             raise ValueError("give replicas or autoscale, not both (autoscale starts at min)")
         if not _NAME.match(self.name):

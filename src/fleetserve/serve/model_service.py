@@ -46,13 +46,15 @@ from fleetserve.engine.async_engine import (
 )
 from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.metrics import ModelMetrics
+from fleetserve.outputs import RequestOutput
 from fleetserve.serve.admission import ClassObserver, Pending, PreparedPrompt, ShedError
 from fleetserve.serve.base import Replica, ReplicaStreamLike, RouteRequest
-from fleetserve.serve.fleet_config import PoolConfig, ResilienceConfig
+from fleetserve.serve.fleet_config import PoolConfig, RemoteConfig, ResilienceConfig
 from fleetserve.serve.migration import MigratingStream
 from fleetserve.serve.policies import make_policy
 from fleetserve.serve.pools import PoolController, prefer_spot
 from fleetserve.serve.provision import LocalProvisioner
+from fleetserve.serve.remote_pool import RemoteTargets
 from fleetserve.serve.replica import LocalReplica
 from fleetserve.serve.replica_set import ReplicaSet
 from fleetserve.serve.router import NoHealthyReplicaError, Router
@@ -92,11 +94,16 @@ class GenerateService:
         pools: Sequence[PoolConfig] | None = None,
         spot_only_classes: frozenset[str] = frozenset(),
         capacity_check: Callable[[PoolConfig], bool] | None = None,
+        remote: RemoteConfig | None = None,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {num_replicas}")
         self.name = name
         self.resilience = resilience or ResilienceConfig()
+        # Served by other fleetserve servers (pods) over HTTP: serve/remote_pool.py.
+        self.remote = RemoteTargets(remote) if remote is not None else None
+        if self.remote is not None:
+            pools = [self.remote.pool()]
         self.pools = list(pools) if pools else [
             PoolConfig(name="default", capacity="on_demand", replicas=num_replicas)
         ]  # fmt: skip
@@ -104,7 +111,7 @@ class GenerateService:
         self.spot_only_classes = spot_only_classes
         # The thread budget (given, or every CPU) is split between the replicas, as the
         # multiproc executor splits a replica's between its ranks.
-        planned = sum(p.replicas + p.overprovision for p in self.pools)
+        planned = max(1, sum(p.replicas + p.overprovision for p in self.pools))
         total_threads = args.num_threads or os.cpu_count() or 1
         self._replica_args = replace(args, num_threads=max(1, total_threads // planned))
         self.args = args
@@ -153,6 +160,10 @@ class GenerateService:
         """A replica of this model in `pool`: a local engine-core process (other
         transports plug in here: a Ray actor, a remote server)."""
         pool = pool or self.pools[0]
+        if self.remote is not None:
+            remote = self.remote.new_replica(index, self.replica_set, self.name, self.config)
+            remote.on_stats, remote.on_notice = self._publish_stats, self.supervisor.on_notice
+            return remote  # type: ignore[no-any-return]
         engine = AsyncEngine(self._replica_args, _ENGINE_MAX_WAITING, self.metrics, index)
         engine.sigterm_grace_s = self.resilience.sigterm_grace_s
         engine.notice = pool.notice.model_dump() if pool.notice is not None else None
@@ -218,6 +229,8 @@ class GenerateService:
         are up; raises if a replica fails to load and none is up. With replace_failed the
         controller keeps the pools full from then on; a supervisor watches the replicas."""
         self.provisioner.start_timeout_s = timeout_s
+        if self.remote is not None:
+            self.supervisor.spawn(self.remote.run(self))
         self._controller_task = asyncio.create_task(self.controller.run())
         deadline = time.monotonic() + timeout_s
         while True:
@@ -238,6 +251,9 @@ class GenerateService:
         self._started = True
         self.supervisor.start()
         self._dispatch()
+
+    def set_pool_target(self, pool: str, replicas: int) -> None:
+        self.controller.set_target(pool, replicas)
 
     async def _stop_controller(self) -> None:
         self.controller.stop()
@@ -267,11 +283,13 @@ class GenerateService:
         params_for: Callable[[], SamplingParams],
         class_name: str | None = None,
         priority: int = 0,
+        resume: RequestOutput | None = None,
     ) -> list[ReplicaStreamLike]:
         """Validates every prompt (ValueError naming the field), queues the request in its
         class and returns its streams once it is sent to a replica: one per prompt, all on
         their way. Raises ShedError (queue full / waited too long), EngineNotReadyError,
-        EngineDeadError. Cancelling the wait takes the request out of the queue."""
+        EngineDeadError. Cancelling the wait takes the request out of the queue.
+        `resume` (one prompt only): the output it goes on from (a gateway moved it here)."""
         if not self._started:
             if self.dead_reason is not None and self.replica_set.members:
                 raise EngineDeadError(self.dead_reason)
@@ -285,6 +303,10 @@ class GenerateService:
                 "first-served; serve it with scheduling_policy priority to order by priority"
             )
         items = [self._prepare(f"{request_id}-{i}", p, params_for()) for i, p in enumerate(prompts)]
+        if resume is not None:
+            if len(items) != 1:
+                raise ValueError("resume is for a request of one prompt")
+            items[0].resume = resume
         loop = asyncio.get_running_loop()
         arrival = time.monotonic()
         pending = Pending(items, loop.create_future(), arrival)
@@ -374,6 +396,7 @@ class GenerateService:
                         engine_priority(cls, entry.priority),
                         item.num_prompt_tokens,
                         level=cls.priority,
+                        resume=item.resume,
                     )
                 except BaseException:
                     observer.on_end()  # it never started
@@ -389,6 +412,7 @@ class GenerateService:
                     hedge_after_s=cls.hedge_after_s,
                     context=(item, cls, engine_priority(cls, entry.priority)),
                 )
+                stream.last = item.resume  # what its reader has: a move goes on from there
                 streams.append(stream)
         except Exception as e:
             for s in streams:

@@ -310,6 +310,19 @@ class PoolController:
                 self._spawn(self._stop(by_index[a.index]), f"pool-stop-{a.index}")
         return actions
 
+    def set_target(self, pool: str, replicas: int) -> None:
+        """Changes a pool's `replicas` while serving (a gateway's remote pool follows the
+        pods a DNS name lists); the next round starts or stops replicas to match."""
+        if replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {replicas}")
+        names = [p.name for p in self.pools]
+        if pool not in names:
+            raise KeyError(f"no pool {pool!r}; pools: {names}")
+        self.pools = tuple(
+            p.model_copy(update={"replicas": replicas}) if p.name == pool else p for p in self.pools
+        )
+        self.poke()
+
     def counters(self) -> dict[str, PoolCounters]:
         return {name: replace(c) for name, c in self._counters.items()}
 

@@ -90,6 +90,7 @@ def _build_generate(entry: ModelEntry, fleet: FleetConfig, metrics: ModelMetrics
         resilience=entry.resilience,
         pools=entry.replica_plan(),
         spot_only_classes=fleet.spot_only_classes(),
+        remote=entry.remote,
     )
 
 

@@ -1,6 +1,7 @@
 """LocalReplica: the `Replica` (serve/base.py) whose engine is a local EngineCore process,
 reached through an AsyncEngine (ipc sockets, msgpack), with the load figures the router
-and the model service read.
+and the model service read. serve/remote.py's RemoteReplica is the same replica over
+another engine client (serve/engine_client.py): a fleetserve server reached over HTTP.
 
 The replica owns those figures and changes them only through its own methods, all called
 on the event loop thread: `submit` adds a request's work, its `ReplicaStream` retires the
@@ -20,11 +21,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from fleetserve.core.sampling_params import SamplingParams
-from fleetserve.engine.async_engine import AsyncEngine, ReplicaGoneError, RequestStream
+from fleetserve.engine.async_engine import ReplicaGoneError
 from fleetserve.engine.llm_engine import PromptType
 from fleetserve.engine.wire import CoreNotice
 from fleetserve.outputs import RequestOutput
 from fleetserve.serve.base import StreamObserver
+from fleetserve.serve.engine_client import EngineClient, EngineStream
 
 
 class LocalReplica:
@@ -39,7 +41,7 @@ class LocalReplica:
     def __init__(
         self,
         index: int,
-        engine: AsyncEngine,
+        engine: EngineClient,
         ewma_alpha: float = 0.1,
         warmup_steps: int = 8,
         max_num_seqs: int = 64,
@@ -265,7 +267,7 @@ class ReplicaStream:
     def __init__(
         self,
         replica: LocalReplica,
-        inner: RequestStream,
+        inner: EngineStream,
         num_prompt_tokens: int,
         num_new: int,
         level: int = 0,

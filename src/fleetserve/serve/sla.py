@@ -69,6 +69,13 @@ def engine_priority(service_class: ServiceClass, request_priority: int) -> int:
     return service_class.priority * REQUEST_PRIORITY_SPAN + request_priority
 
 
+def split_engine_priority(priority: int) -> tuple[int, int]:
+    """engine_priority's inverse: (class priority, request priority), the request's own
+    being a signed 32-bit int."""
+    level = (priority + REQUEST_PRIORITY_SPAN // 2) // REQUEST_PRIORITY_SPAN
+    return level, priority - level * REQUEST_PRIORITY_SPAN
+
+
 class QueueFullError(RuntimeError):
     """The class's queue holds `max_waiting` requests already."""
 

@@ -70,7 +70,7 @@ class Supervisor:
         if self.metrics is not None:
             self.metrics.add_replica_event(event)
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -93,7 +93,7 @@ class Supervisor:
         if index in self.retiring or self.closing:
             return False
         self.retiring.add(index)
-        self._spawn(self.drain_replica(index, timeout_s))
+        self.spawn(self.drain_replica(index, timeout_s))
         return True
 
     async def drain_replica(self, index: int, timeout_s: float) -> bool:
@@ -131,14 +131,14 @@ class Supervisor:
                 self.event("failed")
                 self.num_failed += 1
                 self.retiring.add(r.index)
-                self._spawn(self._remove(r.index, kill=False))
+                self.spawn(self._remove(r.index, kill=False))
             elif hang_s is not None and r.hung_for(now) > hang_s:
                 log.error("%s: replica %d ran no step for %.1f s while holding work; "
                           "killing it", self.name, r.index, r.hung_for(now))  # fmt: skip
                 self.event("hung")
                 self.retiring.add(r.index)
                 r.evict_all("the replica hung")
-                self._spawn(self._remove(r.index, kill=True))
+                self.spawn(self._remove(r.index, kill=True))
 
     async def _remove(self, index: int, kill: bool) -> None:
         try:
@@ -169,6 +169,7 @@ class Supervisor:
                     "capacity": r.capacity,
                     "state": state,
                     "pid": r.pid,
+                    "url": getattr(r, "url", None),  # a remote replica's pod
                     "num_requests": r.num_outstanding_requests,
                 }
             )

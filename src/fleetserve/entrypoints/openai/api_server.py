@@ -46,6 +46,7 @@ from fleetserve.entrypoints.openai.http_protocol import FrontDoorH11Protocol
 from fleetserve.entrypoints.openai.openapi import install_request_schemas
 from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from fleetserve.entrypoints.openai.protocol_embed import EmbeddingRequest, PredictRequest
+from fleetserve.entrypoints.openai.replica_api import replica_router
 from fleetserve.entrypoints.openai.serving_batch import batch_router
 from fleetserve.entrypoints.openai.serving_chat import create_chat_completion
 from fleetserve.entrypoints.openai.serving_common import (
@@ -310,6 +311,7 @@ def build_app(
             )
         )
     app.include_router(admin_router(state.ctx, key_required=state.api_key is not None))
+    app.include_router(replica_router(state.ctx))
     install_request_schemas(
         app,
         {
@@ -349,7 +351,8 @@ class GuardMiddleware:
             err.headers = {"WWW-Authenticate": "Bearer"}
             await error_response(err)(scope, receive, send)
             return
-        if st.draining and scope["path"].startswith("/v1/") and scope["method"] == "POST":
+        draining_paths = ("/v1/", "/internal/v1/")
+        if st.draining and scope["path"].startswith(draining_paths) and scope["method"] == "POST":
             err = APIError(503, "the server is shutting down", code="draining")
             await error_response(err)(scope, receive, send)
             return
@@ -430,6 +433,7 @@ class DrainingServer(uvicorn.Server):
             return
         self.state.draining = True
         self.state.ctx.draining = True
+        self.state.ctx.drain_deadline = time.monotonic() + self.drain_timeout
         self.loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:

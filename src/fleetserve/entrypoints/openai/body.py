@@ -46,20 +46,7 @@ async def read_json(request: Request, max_bytes: int, timeout_s: float) -> dict[
     encoded (lone UTF-16 surrogates); ClientGone if the client disconnects meanwhile.
     """
     check_json_media_type(request)
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise APIError(413, f"the request body is larger than {max_bytes} bytes")
-    try:
-        raw = await asyncio.wait_for(_read_bounded(request, max_bytes), timeout_s)
-    except (TimeoutError, asyncio.TimeoutError):
-        raise APIError(
-            408,
-            f"the request body did not arrive within {timeout_s:g} s",
-            code="request_timeout",
-            headers={"Connection": "close"},
-        ) from None
-    except ClientDisconnect:
-        raise ClientGone() from None
+    raw = await read_bytes(request, max_bytes, timeout_s)
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -75,6 +62,25 @@ async def read_json(request: Request, max_bytes: int, timeout_s: float) -> dict[
             bad or None,
         )
     return body
+
+
+async def read_bytes(request: Request, max_bytes: int, timeout_s: float) -> bytes:
+    """The raw body: 413 past max_bytes, 408 if it takes longer than timeout_s to arrive;
+    ClientGone if the client disconnects meanwhile."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"the request body is larger than {max_bytes} bytes")
+    try:
+        return await asyncio.wait_for(_read_bounded(request, max_bytes), timeout_s)
+    except (TimeoutError, asyncio.TimeoutError):
+        raise APIError(
+            408,
+            f"the request body did not arrive within {timeout_s:g} s",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
+    except ClientDisconnect:
+        raise ClientGone() from None
 
 
 async def _read_bounded(request: Request, max_bytes: int) -> bytes:

@@ -82,6 +82,7 @@ class ServingContext:
     max_body_bytes: int
     read_timeout_s: float = 15.0
     draining: bool = False
+    drain_deadline: float | None = None  # time.monotonic() when draining ends
 
     def model(self, name: str | None, kind: str) -> ModelService:
         """The model called `name` for an endpoint serving `kind`: 404 if unknown, 400 if
@@ -255,8 +256,10 @@ class SSEResponse(StreamingResponse):
     byte (a queued request writes nothing for a while); leaving cancels the generator,
     whose cleanup aborts the request. Starlette does this only for older ASGI servers."""
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
-        super().__init__(content, media_type="text/event-stream")
+    def __init__(
+        self, content: AsyncIterator[str | bytes], media_type: str = "text/event-stream"
+    ) -> None:
+        super().__init__(content, media_type=media_type)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         async with anyio.create_task_group() as tg:
