@@ -300,6 +300,9 @@ def test_dead_engine_state(tiny_llama: str) -> None:
         for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
             assert metric(values, f"fleetserve:{gauge}") == 0, gauge
         assert httpx.get(f"{s.url}/v1/models").json()["data"] == []
+        # Down for good (not replaced): liveness fails, so an orchestrator restarts it.
+        live = httpx.get(f"{s.url}/live")
+        assert live.status_code == 503 and live.json()["error"]["code"] == "dead"
         resp = httpx.post(f"{s.url}/v1/completions", json={"prompt": "hi"}, timeout=10)
         assert resp.status_code == 503 and int(resp.headers["retry-after"]) > 0
     finally:

@@ -258,7 +258,13 @@ def build_app(
 
     @app.api_route("/live", methods=["GET", "HEAD"])
     async def live() -> Response:
-        """Liveness: the process answers. Restart it only when this fails."""
+        """Liveness: restart the process only when this fails. It fails when a model is
+        down for good: no replica serves and none is on its way (replacements failed, or
+        --no-replace-failed); a fresh process is then the only way back. A model that
+        lost replicas and is getting new ones is alive (and not ready)."""
+        reason = registry.dead_reason if not state.draining else None
+        if reason is not None:
+            return JSONResponse(error_body(503, reason, code="dead"), 503)
         return JSONResponse({"status": "ok"})
 
     @app.api_route("/ready", methods=["GET", "HEAD"])
