@@ -37,6 +37,7 @@ _GAUGES = {
 }
 # Engine stat key (a running total) -> counter help text.
 _COUNTERS = {
+    "num_preemptions": "Requests the engine preempted (KV blocks or seats ran short).",
     "spec_decode_num_drafts": "Draft verifications (request-steps with draft tokens).",
     "spec_decode_num_draft_tokens": "Draft tokens verified by the target model.",
     "spec_decode_num_accepted_tokens": "Draft tokens the target model accepted.",
@@ -130,23 +131,30 @@ class ModelMetrics:
         self.registry = server.registry
         self._gauges = {key: g.labels(model_name) for key, g in server.gauges.items()}
         self._totals = {key: c.labels(model_name) for key, c in server.totals.items()}
-        self._last_totals: dict[str, float] = {}
+        self._last_totals: dict[tuple[int, str], float] = {}
         self._prompt_tokens = server.prompt_tokens.labels(model_name)
         self._generation_tokens = server.generation_tokens.labels(model_name)
         for reason in ("stop", "length", "abort"):
             server.finished.labels(model_name, reason)
+        # Exported at 0 from the start, so that rates read 0 rather than nothing.
+        for reason in ("died", "drained", "stopped", "hung"):
+            server.migrations.labels(model_name, reason)
 
-    def set_engine_stats(self, stats: Mapping[str, float]) -> None:
+    def set_engine_stats(self, stats: Mapping[str, float], replica: int | None = 0) -> None:
+        """One engine's stats (`replica`: its index), or with replica=None the model's
+        gauges pooled over its replicas (running totals are then left alone)."""
         for key, gauge in self._gauges.items():
             if key in stats:
                 gauge.set(stats[key])
+        if replica is None:
+            return
         for key, counter in self._totals.items():
             if key in stats:
-                # The engine reports running totals; a restarted engine starts again at 0.
-                delta = stats[key] - self._last_totals.get(key, 0.0)
+                # Each engine reports its running totals; a new engine starts again at 0.
+                delta = stats[key] - self._last_totals.get((replica, key), 0.0)
                 if delta > 0:
                     counter.inc(delta)
-                self._last_totals[key] = stats[key]
+                self._last_totals[(replica, key)] = stats[key]
 
     def clear_engine_stats(self) -> None:
         for gauge in self._gauges.values():

@@ -37,6 +37,7 @@ def run_requests(url: str, num: int, max_tokens: int) -> int:
 
 def test_metrics_counts(server: ServerProc) -> None:
     url = server.url
+    run_requests(url, 1, max_tokens=2)  # every series exists after one request
     assert wait_until(lambda: metric(scrape(url), "fleetserve:num_requests_running") == 0, 10)
     before = scrape(url)
     for name in NAMES:

@@ -93,6 +93,22 @@ PANELS: tuple[Panel, ...] = (
     )),
     Panel("Dynamic batch size (embed / custom models)", "short",
           _quantiles("fleetserve:batch_size", "model_name", _M)),
+    Panel("Engine replicas by pool and state", "short", (
+        (f"sum by (model_name, pool, capacity, state) (fleetserve:replicas{{{_M}}})",
+         "{{model_name}} {{pool}} ({{capacity}}) {{state}}"),
+    ), "Spot and on-demand pools of each generate model (fallback replicas show here)."),
+    Panel("Requests moved to another replica / s", "reqps", (
+        (f"sum by (model_name, reason) ({_rate('fleetserve:request_migrations_total', _M)})",
+         "{{model_name}} {{reason}}"),
+    ), "Request migration: its replica died, was drained (spot notice, SIGTERM), hung."),
+    Panel("Replica events / s", "short", (
+        (f"sum by (model_name, event) ({_rate('fleetserve:replica_events_total', _M)})",
+         "{{model_name}} {{event}}"),
+    ), "started, failed (died), hung, notice (preemption), drained, no_capacity."),
+    Panel("Engine preemptions / s (KV cache or seats short)", "short", (
+        (f"sum by (model_name) ({_rate('fleetserve:num_preemptions_total', _M)})",
+         "{{model_name}}"),
+    )),
 )  # fmt: skip
 
 

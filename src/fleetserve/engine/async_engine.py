@@ -382,7 +382,7 @@ class AsyncEngine:
     def _handle_outputs(self, msg: CoreOutputs) -> None:
         self.stats = msg.stats
         if self.metrics is not None:
-            self.metrics.set_engine_stats(msg.stats)
+            self.metrics.set_engine_stats(msg.stats, self.data_parallel_rank)
         if self.on_stats is not None:
             self.on_stats(msg.stats)
         for req_id, reason in msg.rejected:

@@ -5,6 +5,7 @@ one signal autoscalers read."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -30,7 +31,26 @@ class FleetCollector(Collector):
             for name, n in service.waiting_by_class().items():
                 waiting.add_metric([service.name, name], n)
         yield waiting
-        yield from self._replicas([s for s in self.services if isinstance(s, GenerateService)])
+        generate = [s for s in self.services if isinstance(s, GenerateService)]
+        yield self._pools(generate)
+        yield from self._replicas(generate)
+
+    def _pools(self, services: list[GenerateService]) -> GaugeMetricFamily:
+        """Replicas per pool, capacity and state (every state of every pool, 0 included)."""
+        family = GaugeMetricFamily(
+            "fleetserve:replicas",
+            "Replicas of a generate model by pool, capacity (spot / on_demand) and state.",
+            labels=["model_name", "pool", "capacity", "state"],
+        )
+        for service in services:
+            counts = Counter(
+                (v["pool"], v["capacity"], v["state"]) for v in service.replica_views()
+            )
+            for pool in service.pools:
+                for state in ("starting", "ready", "draining", "dead"):
+                    n = counts[(pool.name, pool.capacity, state)]
+                    family.add_metric([service.name, pool.name, pool.capacity, state], n)
+        return family
 
     def _replicas(
         self, services: list[GenerateService]

@@ -581,7 +581,8 @@ class GenerateService:
                 / len(live),
                 "prefix_cache_hit_rate": hits / queries if queries else 0.0,
                 **_spec_decode_totals(live),
-            }
+            },
+            replica=None,
         )
 
 
