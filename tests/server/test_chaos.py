@@ -58,13 +58,15 @@ async def stream_one(c: openai.AsyncOpenAI, body: dict[str, Any]) -> dict[str, A
     return {"text": "".join(chunks), "finish": finish, "usage": usage, "chunks": len(chunks)}
 
 
-def run_streams(url: str, bodies: list[dict[str, Any]], during: Any = None) -> list[Any]:
+def run_streams(
+    url: str, bodies: list[dict[str, Any]], during: Any = None, api_key: str = "x"
+) -> list[Any]:
     """Streams every body at once; `during(url)` runs in a thread meanwhile (the chaos).
     Returns each stream's result or the exception it raised."""
 
     async def main() -> list[Any]:
         async with openai.AsyncOpenAI(
-            base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120
+            base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=120
         ) as c:
             tasks = [asyncio.ensure_future(stream_one(c, b)) for b in bodies]
             if during is not None:

@@ -7,7 +7,6 @@ signalled, by pid."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 from collections.abc import Iterator
@@ -16,35 +15,14 @@ from typing import Any
 
 import httpx
 import msgspec
-import openai
 import pytest
 from server_proc import ServerProc, metric, scrape, wait_until
-from test_chaos import MAX_TOKENS, STEP_DELAY_S, requests, stream_one
+from test_chaos import MAX_TOKENS, STEP_DELAY_S, requests, run_streams
 
 from fleetserve.serve.remote_wire import GENERATE_PATH, LOAD_PATH, MSGPACK
 
 POD_KEY = "pod-secret"
 AUTH = {"Authorization": f"Bearer {POD_KEY}"}
-
-
-def run_streams(
-    url: str, bodies: list[dict[str, Any]], during: Any = None, api_key: str = "x"
-) -> list[Any]:
-    """Streams every body at once with the openai client; `during(url)` runs in a thread
-    meanwhile. Each stream's result (text, usage, finish) or the exception it raised."""
-
-    async def main() -> list[Any]:
-        async with openai.AsyncOpenAI(
-            base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=120
-        ) as c:
-            tasks = [asyncio.ensure_future(stream_one(c, b)) for b in bodies]
-            if during is not None:
-                await asyncio.to_thread(during, url)
-            return await asyncio.wait_for(
-                asyncio.gather(*tasks, return_exceptions=True), timeout=180
-            )
-
-    return asyncio.run(main())
 
 
 @pytest.fixture(scope="module")
