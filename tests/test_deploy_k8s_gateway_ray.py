@@ -150,6 +150,10 @@ def test_what_cannot_work_is_refused_with_the_key(
 def test_bad_flags_are_refused_with_the_flag() -> None:
     with pytest.raises(ValueError, match="--gateway and --ray"):
         RenderOptions(gateway=GatewaySettings(), ray=kuberay.RaySettings())
+    with pytest.raises(ValueError, match="--monitor-label: --ray renders no ServiceMonitor"):
+        RenderOptions(ray=kuberay.RaySettings(), monitor_labels=(("release", "kps"),))
+    with pytest.raises(ValueError, match="--port 9000: with --ray"):
+        RenderOptions(ray=kuberay.RaySettings(), port=9000)
     with pytest.raises(ValueError, match="--gateway-cpu '2 cores'"):
         GatewaySettings(cpu="2 cores")
     with pytest.raises(ValueError, match="--gateway-replicas 0"):

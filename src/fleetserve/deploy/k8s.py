@@ -52,6 +52,10 @@ class RenderOptions:
     def __post_init__(self) -> None:
         if self.gateway is not None and self.ray is not None:
             raise ValueError("--gateway and --ray: on Ray the fleet's ingress is the gateway")
+        if self.ray is not None and self.monitor_labels:
+            raise ValueError("--monitor-label: --ray renders no ServiceMonitor")
+        if self.ray is not None and self.port != kuberay.SERVE_PORT:
+            raise ValueError(f"--port {self.port}: with --ray, Serve's proxy listens on 8000")
         if len(self.namespace) > 63 or not _DNS_LABEL.match(self.namespace):
             raise ValueError(
                 f"--namespace {self.namespace!r}: lower-case letters, digits and '-', "
