@@ -161,7 +161,7 @@ def test_bad_flags_are_refused_with_the_flag() -> None:
     with pytest.raises(ValueError, match="--ray-head-memory '8 GB'"):
         kuberay.RaySettings(head_memory="8 GB")
     with pytest.raises(ValueError, match="--ray-version 'latest'"):
-        kuberay.RaySettings(ray_version="latest")
+        kuberay.RaySettings(version="latest")
     with pytest.raises(ValueError, match="--api-key-secret 'Keys'"):
         SecretRef.parse("Keys")
     assert SecretRef.parse("keys:token") == SecretRef("keys", "token")
@@ -297,6 +297,11 @@ def test_cli_gateway_and_ray(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert head["resources"]["requests"]["cpu"] == "4"
     assert main([*ray_args, "--gateway"]) == 2
     assert "--gateway and --ray" in capsys.readouterr().err
+    # A setting of the gateway or of Ray without its flag is refused, not ignored.
+    assert main([*args, "--gateway-cpu", "4"]) == 2
+    assert "--gateway-cpu: give --gateway too" in capsys.readouterr().err
+    assert main([*args, "--ray-version", "2.60.0"]) == 2
+    assert "--ray-version: give --ray too" in capsys.readouterr().err
 
 
 def test_kustomize_builds_the_gateway_and_ray_folders(tmp_path: Path) -> None:

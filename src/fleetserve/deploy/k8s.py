@@ -274,14 +274,26 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("gateway: one endpoint over every generate model's pods")
     g.add_argument("--gateway", action="store_true", help="render the gateway")
-    g.add_argument("--gateway-replicas", type=int, default=GatewaySettings.replicas)
-    g.add_argument("--gateway-cpu", default=GatewaySettings.cpu)
-    g.add_argument("--gateway-memory", default=GatewaySettings.memory)
+    g.add_argument("--gateway-replicas", type=int, help=f"default {GatewaySettings.replicas}")
+    g.add_argument("--gateway-cpu", help=f"default {GatewaySettings.cpu}")
+    g.add_argument("--gateway-memory", help=f"default {GatewaySettings.memory}")
     r = p.add_argument_group("ray: a KubeRay RayService instead of the pools")
     r.add_argument("--ray", action="store_true", help="render a RayService (KubeRay)")
-    r.add_argument("--ray-head-cpu", default=kuberay.RaySettings.head_cpu)
-    r.add_argument("--ray-head-memory", default=kuberay.RaySettings.head_memory)
-    r.add_argument("--ray-version", default=kuberay.RAY_VERSION, help="the Ray version of --image")
+    r.add_argument("--ray-head-cpu", help=f"default {kuberay.RaySettings.head_cpu}")
+    r.add_argument("--ray-head-memory", help=f"default {kuberay.RaySettings.head_memory}")
+    r.add_argument("--ray-version", help=f"the Ray of --image (default {kuberay.RAY_VERSION})")
+
+
+def _settings(args: argparse.Namespace, flag: str, cls: Any) -> Any:
+    """`cls` from the `--FLAG-*` options given, if `--FLAG` is; its options without it
+    are refused rather than ignored."""
+    prefix = {"gateway": "gateway_", "ray": "ray_"}[flag]
+    given = {k: v for k, v in vars(args).items() if k.startswith(prefix) and v is not None}
+    if not getattr(args, flag):
+        if given:
+            raise ValueError(f"--{next(iter(given)).replace('_', '-')}: give --{flag} too")
+        return None
+    return cls(**{k.removeprefix(prefix): v for k, v in given.items()})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -300,12 +312,8 @@ def run(args: argparse.Namespace) -> int:
         args.prometheus_url,
         args.port,
         tuple(monitor_labels),
-        gateway=GatewaySettings(
-            args.gateway_replicas, args.gateway_cpu, args.gateway_memory
-        ) if args.gateway else None,
-        ray=kuberay.RaySettings(
-            args.ray_head_cpu, args.ray_head_memory, args.ray_version
-        ) if args.ray else None,
+        gateway=_settings(args, "gateway", GatewaySettings),
+        ray=_settings(args, "ray", kuberay.RaySettings),
         api_key=pods.SecretRef.parse(args.api_key_secret) if args.api_key_secret else None,
     )  # fmt: skip
     paths = write_manifests(render_fleet(fleet, opts), args.out)

@@ -42,14 +42,14 @@ _QUANTITY_SCALE = {"m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, 
 class RaySettings:
     head_cpu: str = "2"
     head_memory: str = "8Gi"
-    ray_version: str = RAY_VERSION
+    version: str = RAY_VERSION
 
     def __post_init__(self) -> None:
         pods.check_quantity("--ray-head-cpu", self.head_cpu, cpu=True)
         pods.check_quantity("--ray-head-memory", self.head_memory, cpu=False)
-        parts = self.ray_version.split(".")
+        parts = self.version.split(".")
         if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"--ray-version {self.ray_version!r}: expected X.Y.Z")
+            raise ValueError(f"--ray-version {self.version!r}: expected X.Y.Z")
 
 
 def whole_cpus(cpu: str) -> int:
@@ -206,7 +206,7 @@ def ray_service(
         "spec": {
             "serveConfigV2": dump_yaml(serve_config(fleet_file)),
             "rayClusterConfig": {
-                "rayVersion": settings.ray_version,
+                "rayVersion": settings.version,
                 "enableInTreeAutoscaling": True,
                 "headGroupSpec": {
                     "rayStartParams": {"dashboard-host": "0.0.0.0"},
