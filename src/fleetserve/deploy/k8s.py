@@ -287,7 +287,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace, flag: str, cls: Any) -> Any:
     """`cls` from the `--FLAG-*` options given, if `--FLAG` is; its options without it
     are refused rather than ignored."""
-    prefix = {"gateway": "gateway_", "ray": "ray_"}[flag]
+    prefix = f"{flag}_"
     given = {k: v for k, v in vars(args).items() if k.startswith(prefix) and v is not None}
     if not getattr(args, flag):
         if given:
