@@ -27,10 +27,15 @@ def free_port() -> int:
 
 @contextmanager
 def ray_cluster(
-    num_workers: int = 2, worker_cpus: int = 2, env: dict[str, str] | None = None
+    num_workers: int = 2,
+    worker_cpus: int = 2,
+    env: dict[str, str] | None = None,
+    worker_resources: list[dict[str, float]] | None = None,
 ) -> Iterator[tuple[Any, str]]:
     """(cluster, base_url of Serve's proxy); everything is shut down on exit. `env` is set
-    for the cluster's processes (engines read FLEETSERVE_DEBUG_STEP_DELAY_S)."""
+    for the cluster's processes (engines read FLEETSERVE_DEBUG_STEP_DELAY_S).
+    `worker_resources`: instead of `num_workers` alike, one worker per entry with those Ray
+    resources ("CPU" and custom ones), as a KubeRay worker group's pod offers them."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -52,8 +57,12 @@ def ray_cluster(
         },
     )
     try:
-        for _ in range(num_workers):
-            cluster.add_node(num_cpus=worker_cpus, object_store_memory=OBJECT_STORE_BYTES)
+        nodes = worker_resources or [{"CPU": worker_cpus}] * num_workers
+        for node in nodes:
+            custom = {k: v for k, v in node.items() if k != "CPU"}
+            cluster.add_node(
+                num_cpus=node["CPU"], resources=custom, object_store_memory=OBJECT_STORE_BYTES
+            )
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         port = free_port()

@@ -5,6 +5,10 @@ a Deployment running `fleetserve serve --config` on it, a Service for clients, a
 Service (`-pods`) that lists the pods for a gateway and for Prometheus, a
 PodDisruptionBudget and a KEDA ScaledObject on the model's queue depth. For the fleet: a
 Namespace, one ServiceMonitor and a kustomization.yaml (`kubectl apply -k DIR`).
+
+`--gateway` adds one endpoint over every model's pods (deploy/gateway.py); `--ray` renders
+the fleet as one KubeRay RayService instead of the pools (deploy/kuberay.py). With
+`--api-key-secret NAME[:KEY]` every server takes its API key from that Secret.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleetserve.deploy import keda, monitoring, pods
+from fleetserve.deploy import keda, kuberay, monitoring, pods
+from fleetserve.deploy.gateway import GATEWAY_NAME, GatewaySettings, render_gateway
 from fleetserve.deploy.yaml_out import dump_yaml
 from fleetserve.serve.deploy_config import DeployConfig
 from fleetserve.serve.fleet_config import FleetConfig, ModelEntry, parse_fleet_config
@@ -40,8 +45,17 @@ class RenderOptions:
     # Extra labels of the ServiceMonitor: a Prometheus picks monitors by label (the
     # kube-prometheus-stack chart's by `release: <its release name>`).
     monitor_labels: tuple[tuple[str, str], ...] = ()
+    gateway: GatewaySettings | None = None
+    ray: kuberay.RaySettings | None = None
+    api_key: pods.SecretRef | None = None
 
     def __post_init__(self) -> None:
+        if self.gateway is not None and self.ray is not None:
+            raise ValueError("--gateway and --ray: on Ray the fleet's ingress is the gateway")
+        if self.ray is not None and self.monitor_labels:
+            raise ValueError("--monitor-label: --ray renders no ServiceMonitor")
+        if self.ray is not None and self.port != kuberay.SERVE_PORT:
+            raise ValueError(f"--port {self.port}: with --ray, Serve's proxy listens on 8000")
         if len(self.namespace) > 63 or not _DNS_LABEL.match(self.namespace):
             raise ValueError(
                 f"--namespace {self.namespace!r}: lower-case letters, digits and '-', "
@@ -120,6 +134,7 @@ def render_pool(fleet: FleetConfig, entry: ModelEntry, opts: RenderOptions) -> l
         port=opts.port,
         config_map=f"{name}-config",
         config_sha256=hashlib.sha256(fleet_yaml.encode()).hexdigest(),
+        api_key=opts.api_key,
     )
     port = {"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}
     service = {
@@ -174,23 +189,24 @@ def render_fleet(fleet: FleetConfig, opts: RenderOptions) -> list[Manifest]:
                 f"models[{i}].name {fleet.models[i].name!r}: its Kubernetes name {slug!r} "
                 f"is also that of {fleet.models[slugs.index(slug)].name!r}"
             )
+    if opts.gateway is not None and "gateway" in slugs:
+        i = slugs.index("gateway")
+        raise ValueError(f"models[{i}].name {fleet.models[i].name!r}: its Kubernetes name "
+                         f"is the gateway's ({GATEWAY_NAME})")  # fmt: skip
     namespace = {
         "apiVersion": "v1",
         "kind": "Namespace",
         "metadata": {"name": opts.namespace, "labels": {"app.kubernetes.io/name": "fleetserve"}},
     }
     out = [Manifest("namespace.yaml", namespace)]
-    for entry in fleet.models:
-        out += render_pool(fleet, entry, opts)
-    selector = {"app.kubernetes.io/name": "fleetserve", "fleetserve/service": "pods"}
-    out.append(
-        Manifest(
-            "servicemonitor.yaml",
-            monitoring.service_monitor(
-                "fleetserve", opts.namespace, selector, dict(opts.monitor_labels)
-            ),
+    by_name = {m.name: slug for m, slug in zip(fleet.models, slugs, strict=True)}
+    if opts.ray is not None:
+        obj = kuberay.ray_service(
+            fleet, opts.ray, by_name, opts.namespace, opts.image, opts.api_key
         )
-    )
+        out.append(Manifest("rayservice.yaml", obj))
+    else:
+        out += _render_pods(fleet, opts, by_name)
     kustomization = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
@@ -198,6 +214,27 @@ def render_fleet(fleet: FleetConfig, opts: RenderOptions) -> list[Manifest]:
         "resources": [m.filename for m in out],
     }
     return [*out, Manifest("kustomization.yaml", kustomization)]
+
+
+def _render_pods(fleet: FleetConfig, opts: RenderOptions, slugs: dict[str, str]) -> list[Manifest]:
+    """The model pools, the gateway over them if asked for, and their ServiceMonitor."""
+    out = []
+    for entry in fleet.models:
+        out += render_pool(fleet, entry, opts)
+    selector = {"app.kubernetes.io/name": "fleetserve", monitoring.SERVICE_LABEL: "pods"}
+    services: tuple[str, ...] = ()
+    if opts.gateway is not None:
+        objs = render_gateway(
+            fleet, opts.gateway, slugs, opts.namespace, opts.image, opts.port, opts.api_key
+        )
+        out += [Manifest(f"gateway-{kind}.yaml", obj) for kind, obj in objs.items()]
+        # Requests wait in the gateway's class queues: its series are the queue depth.
+        selector = {"app.kubernetes.io/name": "fleetserve"}
+        services = ("pods", "gateway")
+    monitor = monitoring.service_monitor(
+        "fleetserve", opts.namespace, selector, dict(opts.monitor_labels), services=services
+    )
+    return [*out, Manifest("servicemonitor.yaml", monitor)]
 
 
 def write_manifests(manifests: list[Manifest], out_dir: str) -> list[Path]:
@@ -229,6 +266,34 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="a label of the ServiceMonitor, e.g. release=kube-prometheus-stack (repeatable)",
     )
+    p.add_argument(
+        "--api-key-secret",
+        default=None,
+        metavar="NAME[:KEY]",
+        help="every server's API key from this Secret (key default: api-key)",
+    )
+    g = p.add_argument_group("gateway: one endpoint over every generate model's pods")
+    g.add_argument("--gateway", action="store_true", help="render the gateway")
+    g.add_argument("--gateway-replicas", type=int, help=f"default {GatewaySettings.replicas}")
+    g.add_argument("--gateway-cpu", help=f"default {GatewaySettings.cpu}")
+    g.add_argument("--gateway-memory", help=f"default {GatewaySettings.memory}")
+    r = p.add_argument_group("ray: a KubeRay RayService instead of the pools")
+    r.add_argument("--ray", action="store_true", help="render a RayService (KubeRay)")
+    r.add_argument("--ray-head-cpu", help=f"default {kuberay.RaySettings.head_cpu}")
+    r.add_argument("--ray-head-memory", help=f"default {kuberay.RaySettings.head_memory}")
+    r.add_argument("--ray-version", help=f"the Ray of --image (default {kuberay.RAY_VERSION})")
+
+
+def _settings(args: argparse.Namespace, flag: str, cls: Any) -> Any:
+    """`cls` from the `--FLAG-*` options given, if `--FLAG` is; its options without it
+    are refused rather than ignored."""
+    prefix = f"{flag}_"
+    given = {k: v for k, v in vars(args).items() if k.startswith(prefix) and v is not None}
+    if not getattr(args, flag):
+        if given:
+            raise ValueError(f"--{next(iter(given)).replace('_', '-')}: give --{flag} too")
+        return None
+    return cls(**{k.removeprefix(prefix): v for k, v in given.items()})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -242,8 +307,20 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--monitor-label {item!r}: expected KEY=VALUE")
         monitor_labels.append((key, value))
     opts = RenderOptions(
-        args.namespace, args.image, args.prometheus_url, args.port, tuple(monitor_labels)
-    )
+        args.namespace,
+        args.image,
+        args.prometheus_url,
+        args.port,
+        tuple(monitor_labels),
+        gateway=_settings(args, "gateway", GatewaySettings),
+        ray=_settings(args, "ray", kuberay.RaySettings),
+        api_key=pods.SecretRef.parse(args.api_key_secret) if args.api_key_secret else None,
+    )  # fmt: skip
     paths = write_manifests(render_fleet(fleet, opts), args.out)
     print(f"wrote {len(paths)} files to {args.out}; apply with: kubectl apply -k {args.out}")
+    if opts.gateway is not None:
+        own = [m.name for m in fleet.models if m.kind != "generate"]
+        if own:
+            print(f"the gateway routes the generate models; {', '.join(own)} (embed/custom) "
+                  "stay at their own Services")  # fmt: skip
     return 0

@@ -17,6 +17,7 @@ from typing import Any
 
 MODEL_LABEL = "fleetserve/model"
 POOL_LABEL = "fleetserve/pool"
+SERVICE_LABEL = "fleetserve/service"
 POD_TARGET_LABELS = (MODEL_LABEL, POOL_LABEL)
 METRICS_PORT_NAME = "http"
 METRICS_PATH = "/metrics"
@@ -44,7 +45,15 @@ def service_monitor(
     selector: Mapping[str, str],
     labels: Mapping[str, str] | None = None,
     interval_s: int = 15,
+    services: Sequence[str] = (),
 ) -> dict[str, Any]:
+    """`services`: values of the Services' `fleetserve/service` label to scrape besides
+    those `selector` matches (the gateway: a model's queue is there while no pod is)."""
+    match: dict[str, Any] = {"matchLabels": dict(selector)}
+    if services:
+        match["matchExpressions"] = [
+            {"key": SERVICE_LABEL, "operator": "In", "values": list(services)}
+        ]
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
@@ -54,7 +63,7 @@ def service_monitor(
             "labels": {"app.kubernetes.io/name": "fleetserve", **(labels or {})},
         },
         "spec": {
-            "selector": {"matchLabels": dict(selector)},
+            "selector": match,
             "namespaceSelector": {"matchNames": [namespace]},
             "podTargetLabels": list(POD_TARGET_LABELS),
             "endpoints": [

@@ -17,6 +17,7 @@ only when it does not).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +32,55 @@ SHUTDOWN_MARGIN_S = 15
 STARTUP_PERIOD_S = 5
 
 
+API_KEY_ENV = "FLEETSERVE_API_KEY"  # the server's key (api_server.api_key_from)
+_SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
+
+
+def check_quantity(flag: str, value: str, cpu: bool) -> None:
+    """A flag's CPU or memory quantity, checked as the fleet file's deploy section is."""
+    try:
+        DeployConfig(cpu=value) if cpu else DeployConfig(memory=value)
+    except ValueError:
+        raise ValueError(
+            f"{flag} {value!r}: not a Kubernetes quantity (e.g. 2, 500m, 8Gi)"
+        ) from None
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    """A key of a Secret that holds the API key (`--api-key-secret NAME[:KEY]`)."""
+
+    name: str
+    key: str = "api-key"
+
+    def __post_init__(self) -> None:
+        if not _SECRET_NAME.match(self.name):
+            raise ValueError(f"--api-key-secret {self.name!r}: not a Kubernetes Secret name")
+        if not _SECRET_KEY.match(self.key):
+            raise ValueError(f"--api-key-secret {self.name}:{self.key}: not a Secret key")
+
+    @classmethod
+    def parse(cls, text: str) -> SecretRef:
+        name, sep, key = text.partition(":")
+        return cls(name, key) if sep else cls(name)
+
+    def env(self) -> dict[str, Any]:
+        """The container env entry that gives the server its key."""
+        ref = {"name": self.name, "key": self.key}
+        return {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": ref}}
+
+
 @dataclass(frozen=True)
 class PodSettings:
     image: str
     port: int
     config_map: str
     config_sha256: str  # a pod-template annotation: a changed fleet file rolls the pods
+    api_key: SecretRef | None = None
+    # A gateway stays ready while some model has no pod (its /ready would say 503 and take
+    # every model out of the Service); a model's pod is ready only when it can serve.
+    readiness_path: str = "/ready"
 
 
 def grace_period_s(deploy: DeployConfig) -> int:
@@ -73,13 +117,16 @@ def container(deploy: DeployConfig, pod: PodSettings) -> dict[str, Any]:
             drain,
         ],  # fmt: skip
         "ports": [{"name": "http", "containerPort": pod.port, "protocol": "TCP"}],
-        "env": [{"name": "FLEETSERVE_CACHE", "value": CACHE_DIR}],
+        "env": [
+            {"name": "FLEETSERVE_CACHE", "value": CACHE_DIR},
+            *([pod.api_key.env()] if pod.api_key is not None else []),
+        ],
         # CPU is requested, not limited: a throttled engine step is a latency spike.
         "resources": {"requests": {"cpu": deploy.cpu, "memory": deploy.memory}, "limits": limits},
         "startupProbe": _probe(
             "/health", STARTUP_PERIOD_S, math.ceil(deploy.startup_timeout_s / STARTUP_PERIOD_S)
         ),
-        "readinessProbe": _probe("/ready", 5, 1),
+        "readinessProbe": _probe(pod.readiness_path, 5, 1),
         "livenessProbe": _probe("/live", 10, 3),
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},

@@ -16,12 +16,14 @@ autoscaler reads can grow past its target before the ingress holds requests back
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import replace
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
 
+from fleetserve.entrypoints.openai.api_server import api_key_from
 from fleetserve.ray.autoscale import QueueDepthPolicy
 from fleetserve.ray.deployments import BatchReplica, GenerateReplica
 from fleetserve.ray.ingress import FleetIngress, IngressOptions
@@ -146,3 +148,12 @@ def build_app(
     # Only what the file said: re-validated in the ingress, defaults must not read as given.
     fleet_data = fleet.model_dump(exclude_unset=True)
     return ingress.bind(fleet_data, handles, max_ongoing, options or IngressOptions())
+
+
+def build_app_from_args(args: dict[str, Any]) -> Application:
+    """The fleet as Serve's config file runs it (KubeRay's `serveConfigV2`, `serve deploy`):
+    `import_path: fleetserve.ray.app:build_app_from_args` with the fleet file as `args`.
+    Serve calls an application builder with one argument, the `args` mapping, so the
+    front-door settings are `fleetserve serve`'s defaults, and the API key comes from
+    $FLEETSERVE_API_KEY on the node that builds the application (unset: no key)."""
+    return build_app(dict(args), IngressOptions(api_key=api_key_from(None, os.environ)))

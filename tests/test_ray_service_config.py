@@ -1,0 +1,70 @@
+"""The RayService of `fleetserve deploy k8s --ray`, as KubeRay runs it, on a simulated
+cluster: a head with no CPUs and one node per rendered worker group offering that group's
+Ray resources, plus a decoy node with CPUs only. The rendered `serveConfigV2` is applied
+the way KubeRay applies it (Serve's controller builds the application from the config,
+calling `build_app_from_args` with the fleet file), with the API key in the cluster's
+environment as the Secret would put it. Each model's replicas must land on its own
+group's node, never on the decoy, and the fleet must answer through Serve's proxy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+import yaml
+
+from fleetserve.deploy.k8s import RenderOptions, render_fleet
+from fleetserve.deploy.kuberay import RaySettings
+from fleetserve.serve.fleet_config import parse_fleet_config
+from ray_cluster import ray_cluster, replica_nodes, wait_healthy
+
+pytestmark = pytest.mark.slow
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+KEY = "ray-service-key"
+
+
+def fleet(model: str) -> dict[str, Any]:
+    return {
+        "models": [
+            {"name": "tiny", "model": model,
+             "engine": {"max_num_seqs": 4, "num_threads": 1, "max_model_len": 256},
+             "deploy": {"cpu": "1", "pool": "spot", "min_replicas": 1, "max_replicas": 1}},
+            {"name": "classifier", "kind": "custom", "handler": "fleet_handlers:Classifier",
+             "options": {"labels": ["even", "odd"]},
+             "deploy": {"cpu": "1", "min_replicas": 1, "max_replicas": 1}},
+        ],
+    }  # fmt: skip
+
+
+def test_the_rendered_serve_config_runs_each_model_on_its_group(tiny_llama: str) -> None:
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    objs = render_fleet(parse_fleet_config(fleet(tiny_llama)), RenderOptions(ray=RaySettings()))
+    (rs,) = [m.obj for m in objs if m.obj["kind"] == "RayService"]
+    groups = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    nodes = [{k: float(v) for k, v in g["resources"].items()} for g in groups]
+    decoy = {"CPU": 2.0}
+    config = ServeDeploySchema.model_validate(yaml.safe_load(rs["spec"]["serveConfigV2"]))
+    with ray_cluster(env={"FLEETSERVE_API_KEY": KEY}, worker_resources=[*nodes, decoy]) as (
+        _,
+        base_url,
+    ):
+        node_of = {
+            n["NodeID"]: next(iter(k for k in n["Resources"] if k.startswith("fleetserve-")), "")
+            for n in ray.nodes()
+            if n["Alive"]
+        }
+        _get_global_client().deploy_apps(config)
+        wait_healthy(base_url)
+        c = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        assert {m.id for m in c.models.list().data} == {"tiny", "classifier"}
+        out = c.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
+        assert out.usage is not None and out.usage.completion_tokens == 4
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0).models.list()
+        assert [node_of[n] for n in replica_nodes("model-tiny")] == ["fleetserve-tiny"]
+        assert [node_of[n] for n in replica_nodes("model-classifier")] == ["fleetserve-classifier"]
