@@ -72,7 +72,8 @@ def run_on_ray(
     )
     started_here = args.ray_address is None
     if started_here:
-        ray.init(include_dashboard=False, log_to_driver=False)
+        # "local": a Ray of its own, even where another runs on this machine.
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
     else:
         ray.init(address=args.ray_address, log_to_driver=False)
     bar = None
