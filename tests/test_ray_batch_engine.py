@@ -200,3 +200,55 @@ def test_ray_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "--ray-actors must be in [1, 1024], got 0" in capsys.readouterr().err
     assert main([*base, "--ray", "--ray-cpus-per-actor", "-1"]) == 2
     assert "--ray-cpus-per-actor must be in (0, 1024], got -1" in capsys.readouterr().err
+
+
+def test_driver_sends_only_uncommitted_lines_and_expires_past_the_window(
+    tiny_llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run_batch_on_ray` over the checkpoint, with the lines run in this process (the
+    Ray Data part, `run_lines`, is what the slow test covers)."""
+    import fleetserve.ray.batch as ray_batch
+    from fleetserve.batch.lines import jsonl
+    from fleetserve.batch.store import BatchStore
+
+    engine = load_engine(_model(tiny_llama))
+    sent: list[list[str]] = []
+
+    def local_run_lines(lines: Any, model: Any, options: Any) -> Any:
+        sent.append([x.custom_id for x in lines])
+        for r in engine.run(lines):
+            yield ray_batch.RayLineResult(r, 100.0)
+
+    monkeypatch.setattr(ray_batch, "run_lines", local_run_lines)
+    body = {"prompt": "a b c", "max_tokens": 2, "temperature": 0}
+    data = jsonl(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": COMPLETIONS,
+                             "body": body}) for i in range(5))  # fmt: skip
+    store = BatchStore(str(tmp_path / "ckpt"))
+    batch_id = store.create_batch(store.add_file(data, "in.jsonl", "batch").id,
+                                  COMPLETIONS, "24h", None).id  # fmt: skip
+    assert ray_batch.validate(store, batch_id)
+    (first,) = engine.run([BatchLine(1, "l1", COMPLETIONS, body)])
+    assert store.commit_result(batch_id, first)
+
+    options = RayBatchOptions()
+    stats = ray_batch.run_batch_on_ray(store, batch_id, _model(tiny_llama), options)
+    assert sent == [["l0", "l2", "l3", "l4"]] and stats.num_run == 4
+    records = [json.loads(r) for r in store.results(batch_id)]
+    assert [r["custom_id"] for r in records] == [f"l{i}" for i in range(5)]
+    assert records[1]["id"] == json.loads(first.record)["id"]  # kept, not run again
+    batch = store.get_batch(batch_id)
+    assert batch is not None and batch.status == "completed" and batch.completed == 5
+    # Done: a second run sends nothing.
+    ray_batch.run_batch_on_ray(store, batch_id, _model(tiny_llama), options)
+    assert len(sent) == 1
+
+    # Past the window, whatever has not come back is expired, not run.
+    batch2 = store.create_batch(store.add_file(data, "in.jsonl", "batch").id,
+                                COMPLETIONS, "24h", None).id  # fmt: skip
+    monkeypatch.setattr(ray_batch.time, "time", lambda: 4e9)  # after expires_at
+    ray_batch.run_batch_on_ray(store, batch2, _model(tiny_llama), options)
+    batch = store.get_batch(batch2)
+    assert batch is not None and batch.status == "expired"
+    codes = [json.loads(r)["error"] for r in store.results(batch2)]
+    assert codes[0] is None and all(c["code"] == "batch_expired" for c in codes[1:])
+    store.close()

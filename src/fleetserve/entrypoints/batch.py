@@ -117,7 +117,7 @@ async def _run(args: argparse.Namespace, concurrency: int) -> int:
             if args.ray:
                 from fleetserve.entrypoints.batch_ray import run_on_ray
 
-                run_on_ray(args, store, batch_id, concurrency, _progress)
+                run_on_ray(args, store, batch_id, _progress)
             else:
                 await _run_on_engine(args, store, batch_id, concurrency)
         _write_output(store, batch_id, args.output)

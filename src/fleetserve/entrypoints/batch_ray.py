@@ -19,6 +19,10 @@ from fleetserve.entrypoints.engine_args_cli import engine_args_from
 
 def check_ray_args(args: argparse.Namespace) -> None:
     """ValueError for flags the Ray run does not use or cannot take."""
+    try:
+        import ray.data  # noqa: F401
+    except ImportError:
+        raise ValueError("--ray needs Ray Data: pip install 'fleetserve[ray]'") from None
     if args.oversubscribe is not None:
         raise ValueError("--oversubscribe is for the local run (its class queue); leave it out")
     if args.ray_actors is not None and not 1 <= args.ray_actors <= 1024:
@@ -56,7 +60,6 @@ def run_on_ray(
     args: argparse.Namespace,
     store: Any,
     batch_id: str,
-    concurrency: int,
     progress: Callable[[Any, str, bool], Any],
 ) -> None:
     import ray

@@ -176,7 +176,8 @@ def run_batch_on_ray(
                 if on_result is not None:
                     on_result(item.result)
             last_commit = time.time()
-            first_ready = min(first_ready or item.actor_ready_at, item.actor_ready_at)
+            ready = item.actor_ready_at
+            first_ready = ready if first_ready is None else min(first_ready, ready)
             if deadline is not None and last_commit >= deadline:
                 break  # past the window: what is not back now is expired
         done = store.done_line_nos(batch_id)
