@@ -37,7 +37,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         "--concurrency",
         type=int,
         default=None,
-        help="lines in flight (default: 2 x --max-num-seqs, so the scheduler never starves)",
+        help="lines in flight (default: 2 x --max-num-seqs, so the scheduler never starves); "
+        "with --ray, the lines of each actor call",
     )
     r.add_argument(
         "--oversubscribe",
@@ -47,6 +48,22 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         "(default: --concurrency / --max-num-seqs; 1 sends one batch, refilled line by line)",
     )
     r.add_argument("--no-progress", dest="progress", action="store_false")
+    g = r.add_argument_group("ray (pip install fleetserve[ray])")
+    g.add_argument(
+        "--ray",
+        action="store_true",
+        help="spread the lines over engine replicas that are Ray Data actors, across nodes",
+    )
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        help="the cluster to join (auto: the one this machine is in; HOST:PORT); "
+        "default: start a local Ray",
+    )
+    g.add_argument("--ray-actors", type=int, default=None, help="engine replicas (default 1)")
+    g.add_argument(
+        "--ray-cpus-per-actor", type=float, default=None, help="CPUs Ray reserves per actor (1)"
+    )
     add_engine_args(r)
 
 
@@ -65,12 +82,21 @@ def run(args: argparse.Namespace) -> int:
     concurrency = args.concurrency or 2 * args.max_num_seqs
     if concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
-    if args.oversubscribe is None:
-        # Every line in flight goes to the engine: the surplus over one batch waits in its
-        # queue, so a finished line's slot is refilled on the next step.
-        args.oversubscribe = min(64.0, max(1.0, concurrency / args.max_num_seqs))
-    elif not 1.0 <= args.oversubscribe <= 64.0:
-        raise ValueError(f"--oversubscribe must be in [1, 64], got {args.oversubscribe:g}")
+    if args.ray:
+        from fleetserve.entrypoints.batch_ray import check_ray_args
+
+        check_ray_args(args)
+    else:
+        ray_flags = ("ray_address", "ray_actors", "ray_cpus_per_actor")
+        given = [f for f in ray_flags if getattr(args, f) is not None]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} needs --ray")
+        if args.oversubscribe is None:
+            # Every line in flight goes to the engine: the surplus over one batch waits in
+            # its queue, so a finished line's slot is refilled on the next step.
+            args.oversubscribe = min(64.0, max(1.0, concurrency / args.max_num_seqs))
+        elif not 1.0 <= args.oversubscribe <= 64.0:
+            raise ValueError(f"--oversubscribe must be in [1, 64], got {args.oversubscribe:g}")
     return asyncio.run(_run(args, concurrency))
 
 
@@ -88,7 +114,12 @@ async def _run(args: argparse.Namespace, concurrency: int) -> int:
         batch = store.get_batch(batch_id)
         assert batch is not None
         if batch.status not in ("completed", "expired"):
-            await _run_on_engine(args, store, batch_id, concurrency)
+            if args.ray:
+                from fleetserve.entrypoints.batch_ray import run_on_ray
+
+                run_on_ray(args, store, batch_id, _progress)
+            else:
+                await _run_on_engine(args, store, batch_id, concurrency)
         _write_output(store, batch_id, args.output)
     finally:
         store.close()
