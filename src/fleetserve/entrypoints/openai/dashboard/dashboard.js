@@ -4,7 +4,8 @@
 
 (() => {
   const POLL_MS = 1000;
-  const HISTORY_S = 300; // what the charts show
+  const HISTORY_S = 300; // what the charts keep
+  const MIN_SPAN_S = 60; // the narrowest time axis, while the page has watched less
   const KEY_STORE = "fleetserve.apiKey";
   const SVG = "http://www.w3.org/2000/svg";
   const COLORS = ["#2f6fde", "#e07b00", "#1f9e6e", "#9b51e0", "#d43f8d", "#6b7280"];
@@ -216,13 +217,16 @@
     return out;
   }
 
-  // A line chart of the last HISTORY_S seconds; gaps where a value is null.
+  // A line chart of what the page has watched (MIN_SPAN_S to HISTORY_S seconds back);
+  // gaps where a value is null.
   function chart(title, now, series, format, fixedMax) {
     const W = 300, H = 110, L = 4, R = 4, T = 14, B = 14;
     const all = series.flatMap((s) => s.values.map((v) => v[1]))
       .filter((v) => v !== null && v !== undefined);
     const top = fixedMax || Math.max(...all, 0) * 1.15 || 1;
-    const x = (t) => L + (W - L - R) * (1 - (now - t) / HISTORY_S);
+    const first = series.length && series[0].values.length ? series[0].values[0][0] : now;
+    const span = Math.min(HISTORY_S, Math.max(MIN_SPAN_S, now - first));
+    const x = (t) => L + (W - L - R) * (1 - (now - t) / span);
     const y = (v) => T + (H - T - B) * (1 - v / top);
     const box = svg("svg", { viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none",
       role: "img", "aria-label": title });
@@ -236,7 +240,8 @@
       box.append(t);
     };
     label(format(top), { x: L, y: T - 3 });
-    label("-5 min", { x: L, y: H - 2 });
+    label(span >= 120 ? `-${Math.round(span / 60)} min` : `-${Math.round(span)} s`,
+      { x: L, y: H - 2 });
     label("now", { x: W - R, y: H - 2, "text-anchor": "end" });
     const legend = el("div", { class: "legend" });
     for (const s of series) {

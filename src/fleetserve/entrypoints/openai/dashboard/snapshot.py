@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 from fleetserve.entrypoints.openai.dashboard.window import History, Totals, Window, read_totals
@@ -56,13 +56,19 @@ class HasReplicaViews(Protocol):
 class Snapshots:
     """Builds snapshots; one per server, since it keeps the totals' recent history."""
 
-    def __init__(self, metrics: ServerMetrics, services: Iterable[ServiceView]) -> None:
+    def __init__(
+        self,
+        metrics: ServerMetrics,
+        services: Iterable[ServiceView],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.metrics = metrics
         self.services = list(services)
+        self.clock = clock
         self.history = History(horizon_s=LATENCY_WINDOW_S)
 
     def take(self) -> dict[str, Any]:
-        now = read_totals(self.metrics.registry, time.monotonic())
+        now = read_totals(self.metrics.registry, self.clock())
         self.history.add(now)
         rates = self.history.window(now, RATE_WINDOW_S)
         latencies = self.history.window(now, LATENCY_WINDOW_S)
@@ -173,7 +179,8 @@ def _replicas(service: ServiceView, now: Totals) -> list[dict[str, Any]]:
                 "healthy": bool(s.get("healthy", 0.0)),
                 "straggler": bool(s.get("straggler", 0.0)),
                 "num_requests": v.get("num_requests", s.get("outstanding_requests")),
-                "step_latency_s": _r(s.get("step_latency_seconds")),
+                # The series says 0 before a replica's first step: no figure yet.
+                "step_latency_s": _r(s.get("step_latency_seconds") or None),
                 "prefix_cache_hit_rate": _r(s.get("prefix_cache_hit_rate")),
             }
         )
