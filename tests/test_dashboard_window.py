@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from fleetserve.entrypoints.openai.dashboard.snapshot import Snapshots
 from fleetserve.entrypoints.openai.dashboard.window import (
@@ -153,3 +154,30 @@ def test_snapshot_rates_errors_and_percentiles_per_model_and_class() -> None:
     fleet = snap["fleet"]
     assert fleet["num_models"] == 2 and fleet["num_replicas"] == 1 and fleet["waiting"] == 5
     assert fleet["requests_per_s"] == pytest.approx(7 / 5) and fleet["migrations_total"] == 1
+
+
+class FakeRayGenerate:
+    """A generate model on Ray: no admin view of its replicas, only the router's series."""
+
+    name, kind, is_ready, dead_reason = "ray", "generate", True, None
+
+    def waiting_by_class(self) -> dict[str, int]:
+        return {"default": 0}
+
+
+class RouterSeries:
+    def collect(self) -> Any:
+        g = GaugeMetricFamily(
+            "fleetserve:replica_outstanding_requests", "x", labels=["model_name", "replica"]
+        )
+        g.add_metric(["ray", "10"], 2.0)
+        g.add_metric(["ray", "2"], 0.0)
+        yield g
+
+
+def test_replicas_without_an_admin_view_come_from_the_series() -> None:
+    metrics = ServerMetrics()
+    metrics.registry.register(RouterSeries())  # type: ignore[arg-type]
+    (model,) = Snapshots(metrics, [FakeRayGenerate()]).take()["models"]
+    rows = [(r["index"], r["state"], r["healthy"], r["num_requests"]) for r in model["replicas"]]
+    assert rows == [(2, "ready", True, 0.0), (10, "ready", True, 2.0)]  # by index

@@ -163,9 +163,13 @@ def _replicas(service: ServiceView, now: Totals) -> list[dict[str, Any]]:
         for labels, _, value in now.select(f"{_NS}replica_{suffix}", {"model_name": name}):
             series.setdefault(labels["replica"], {})[suffix] = value
     views = service.replica_views() if isinstance(service, HasReplicaViews) else []
-    if not views:  # a transport without the admin view (Ray): what the series say
-        views = [{"index": int(i), "state": "ready" if s.get("healthy") else "unhealthy"}
-                 for i, s in series.items() if i.isdigit()]  # fmt: skip
+    if not isinstance(service, HasReplicaViews):
+        # Ray: the replicas its router lists (Serve routes only to healthy ones), no pools.
+        for figures in series.values():
+            figures.setdefault("healthy", 1.0)
+        indices = sorted(int(i) for i in series if i.isdigit())
+        views = [{"index": i, "state": "ready" if series[str(i)]["healthy"] else "unhealthy"}
+                 for i in indices]  # fmt: skip
     out = []
     for v in views:
         s = series.get(str(v.get("index")), {})
