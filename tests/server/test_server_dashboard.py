@@ -3,8 +3,9 @@ chromium-driver) against a real fleet server behind an API key: the page asks fo
 key, then shows every model of the fleet with its replicas, its figures change once
 traffic is sent, and the browser logs no console error.
 
-`FLEETSERVE_DASHBOARD_SCREENSHOT=docs/dashboard.png` keeps the final screenshot there
-(the README's picture); otherwise it goes to the test's temp folder.
+`FLEETSERVE_DASHBOARD_SCREENSHOT=PATH` keeps the final screenshot there (e.g.
+docs/dashboard.png; the README's copy shows the same fleet after 90 s of mixed traffic);
+otherwise it goes to the test's temp folder.
 """
 
 from __future__ import annotations

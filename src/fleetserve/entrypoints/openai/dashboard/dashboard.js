@@ -83,8 +83,10 @@
       const headers = apiKey ? { Authorization: "Bearer " + apiKey } : {};
       const res = await fetch("dashboard/api/snapshot", { headers, cache: "no-store" });
       if (res.status === 401) {
+        // Polling again with the same key would only fail again: wait for a new one.
         setStatus("key", "needs the API key");
         showKeyForm(true);
+        return;
       } else if (!res.ok) {
         setStatus("error", "HTTP " + res.status);
       } else {
