@@ -61,17 +61,33 @@ def console_errors(driver: Any) -> list[dict[str, Any]]:
     return [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
 
+# The page redraws every second, so elements found by one call may be gone by the next:
+# what the page shows is read in one script run instead (atomic within the page).
+READ_PAGE = """
+const out = {};
+const cells = (row) => [...row.querySelectorAll("td")].map((td) => td.textContent);
+for (const card of document.querySelectorAll("section.model[data-model]")) {
+  const figures = {}, classes = {};
+  for (const t of card.querySelectorAll("[data-figure]")) {
+    figures[t.dataset.figure] = t.querySelector(".v").textContent;
+  }
+  for (const row of card.querySelectorAll("tr[data-class]")) classes[row.dataset.class] = cells(row);
+  out[card.dataset.model] = {
+    figures, classes, replicas: [...card.querySelectorAll("tr[data-replica]")].map(cells),
+    charts: card.querySelectorAll(".chart").length,
+    lines: card.querySelectorAll(".chart svg path").length,
+  };
+}
+return out;
+"""
+
+
+def shown(driver: Any) -> dict[str, Any]:
+    return dict(driver.execute_script(READ_PAGE))
+
+
 def figure(driver: Any, model: str, name: str) -> str:
-    card = driver.find_element(By.CSS_SELECTOR, f'section.model[data-model="{model}"]')
-    tile = card.find_element(By.CSS_SELECTOR, f'[data-figure="{name}"] .v')
-    return str(tile.text)
-
-
-def class_cells(driver: Any, model: str, class_name: str) -> list[str]:
-    row = driver.find_element(
-        By.CSS_SELECTOR, f'section.model[data-model="{model}"] tr[data-class="{class_name}"]'
-    )
-    return [td.text for td in row.find_elements(By.TAG_NAME, "td")]
+    return str(shown(driver)[model]["figures"][name])
 
 
 def send_traffic(url: str, rounds: int) -> None:
@@ -119,22 +135,14 @@ def test_dashboard_shows_the_fleet_live(
     key_field.send_keys(OPS_API_KEY)
     browser.find_element(By.CSS_SELECTOR, "#key-form button[type=submit]").click()
     wait.until(lambda d: status.text == "live")
-    cards = wait.until(
-        lambda d: (
-            d.find_elements(By.CSS_SELECTOR, "section.model[data-model]")
-            if len(d.find_elements(By.CSS_SELECTOR, "section.model[data-model]")) == len(MODELS)
-            else None
-        )
-    )
-    assert {c.get_attribute("data-model") for c in cards} == MODELS
-    # Every replica of each model, with its pool.
+    wait.until(lambda d: set(shown(d)) == MODELS)
+    # Every replica of each model, with its pool (the admin API's list; one started since
+    # the last poll may take a second to appear).
     admin = httpx.get(f"{url}/admin/replicas", headers=AUTH, timeout=10).json()["data"]
     for model in MODELS:
-        shown = browser.find_elements(
-            By.CSS_SELECTOR, f'section.model[data-model="{model}"] tr[data-replica]'
-        )
-        pools = {r["pool"] for r in admin if r["model"] == model}
-        assert shown and pools <= {row.text.split()[1] for row in shown}, (model, pools)
+        want = {(f"{model}:{r['index']}", r["pool"]) for r in admin if r["model"] == model}
+        assert want
+        wait.until(lambda d, m=model, w=want: w <= {(r[0], r[1]) for r in shown(d)[m]["replicas"]})
 
     before = {m: int(figure(browser, m, "requests_total")) for m in MODELS}
     tokens_before = int(figure(browser, "chat-a", "generation_tokens_total"))
@@ -144,10 +152,10 @@ def test_dashboard_shows_the_fleet_live(
     assert int(figure(browser, "chat-a", "generation_tokens_total")) == tokens_before + 6 * ROUNDS
     assert float(figure(browser, "chat-a", "requests_per_s")) > 0
     # The class the streamed requests went to has latencies now (TTFT p50 is the 7th cell).
-    wait.until(lambda d: class_cells(d, "chat-b", "batch")[6] != "–")
-    assert class_cells(browser, "chat-b", "batch")[4] == str(before["chat-b"] + ROUNDS)
-    charts = browser.find_elements(By.CSS_SELECTOR, 'section.model[data-model="chat-a"] .chart')
-    assert len(charts) == 6 and browser.find_elements(By.CSS_SELECTOR, ".chart svg path")
+    wait.until(lambda d: shown(d)["chat-b"]["classes"]["batch"][6] != "–")
+    assert shown(browser)["chat-b"]["classes"]["batch"][4] == str(before["chat-b"] + ROUNDS)
+    page_a = shown(browser)["chat-a"]
+    assert page_a["charts"] == 6 and page_a["lines"] > 0
 
     assert console_errors(browser) == []
     shot = os.environ.get("FLEETSERVE_DASHBOARD_SCREENSHOT") or str(tmp_path / "dashboard.png")

@@ -232,7 +232,10 @@ class AccessLogMiddleware:
             # client left first; a started body that never ended: the client left.
             sent = status if status is not None else (500 if raised else _CLIENT_CLOSED)
             client_gone = status is not None and not body_done and not raised
-            self._done(record, sent, client_gone)
+            try:
+                self._done(record, sent, client_gone)
+            except Exception:  # noqa: BLE001 -- the answer is sent; a log bug must not fail it
+                logging.getLogger("fleetserve.serve").exception("access log: line not written")
 
     def _done(self, record: AccessRecord, status: int, client_gone: bool) -> None:
         if self.on_done is not None:
