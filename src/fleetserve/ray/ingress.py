@@ -130,7 +130,13 @@ class FleetIngress:
         ctx = ServingContext(registry, options.max_request_bytes, options.request_read_timeout_s)
         configure_access_log(options.access_log)
         self.state = ServerState(ctx, metrics, options.api_key)
-        self._app = build_app(self.state, options.drain_timeout_s, options.allowed_origins)
+        # Serve's proxy sends its request id in and returns it as X-Request-Id itself.
+        self._app = build_app(
+            self.state,
+            options.drain_timeout_s,
+            options.allowed_origins,
+            request_id_header=False,
+        )
 
     def __serve_build_asgi_app__(self) -> Any:
         return self._app

@@ -125,7 +125,10 @@ class AccessRecord:
             migrations = 0
             for s in self.streams:
                 if isinstance(s.inner, PlacedStream):
-                    replicas.extend(i for i in s.inner.replicas_used if i not in replicas)
+                    # On Ray the router picks inside Serve: the stream knows no index (< 0).
+                    replicas.extend(
+                        i for i in s.inner.replicas_used if i >= 0 and i not in replicas
+                    )
                     migrations += s.inner.migrations
             line["replicas"] = replicas
             line["migrations"] = migrations
@@ -191,10 +194,14 @@ class AccessLogMiddleware:
         app: Any,
         on_done: Callable[[AccessRecord, int], None] | None = None,
         quiet_paths: Iterable[str] = (),
+        add_header: bool = True,
     ) -> None:
         self.app = app
         self.on_done = on_done
         self.quiet_paths = frozenset(quiet_paths)
+        # False behind a proxy that returns the header itself (Ray Serve's: it passes
+        # its id in, which is the one logged here).
+        self.add_header = add_header
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -217,7 +224,8 @@ class AccessLogMiddleware:
             nonlocal status, body_done
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message = {**message, "headers": [*message.get("headers", []), header]}
+                if self.add_header:
+                    message = {**message, "headers": [*message.get("headers", []), header]}
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 body_done = True
             await send(message)

@@ -223,8 +223,10 @@ def build_app(
     allowed_origins: Sequence[str] = (),
     batch_store: BatchStore | None = None,
     batch_concurrency: int = 64,
+    request_id_header: bool = True,
 ) -> FastAPI:
-    """The server's ASGI app; with `batch_store`, the OpenAI Batch and Files API too."""
+    """The server's ASGI app; with `batch_store`, the OpenAI Batch and Files API too.
+    `request_id_header=False` leaves X-Request-Id to a proxy in front (Ray Serve's)."""
     registry = state.ctx.registry
 
     @contextlib.asynccontextmanager
@@ -362,7 +364,9 @@ def build_app(
 
     # Outermost, so that every answer (a 401, a CORS preflight) has an id and a log line.
     quiet = (*_OPEN_PATHS, "/metrics", DASHBOARD_SNAPSHOT)
-    outer: Any = AccessLogMiddleware(guarded, on_done=count, quiet_paths=quiet)
+    outer: Any = AccessLogMiddleware(
+        guarded, on_done=count, quiet_paths=quiet, add_header=request_id_header
+    )
     return outer  # type: ignore[no-any-return]
 
 
