@@ -5,9 +5,28 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup demo serve test test-slow lint bench clean
+.PHONY: setup system-deps demo serve test test-slow lint bench clean
+# Programs some tests drive (they skip without them), as command:Debian package.
+SYSTEM_DEPS ?= chromium:chromium chromedriver:chromium-driver prometheus:prometheus
 
-setup: $(VENV)/.installed
+setup: system-deps $(VENV)/.installed
+
+# The dashboard's browser test needs chromium + chromedriver, the metrics and deploy
+# tests prometheus: installed when missing and apt-get is usable (root or passwordless
+# sudo); otherwise a note, and those tests skip. Never fails the setup.
+system-deps:
+	@missing=""; for dep in $(SYSTEM_DEPS); do \
+	  command -v $${dep%%:*} >/dev/null 2>&1 || missing="$$missing $${dep#*:}"; done; \
+	[ -z "$$missing" ] && exit 0; \
+	if [ "$$(id -u)" = 0 ]; then run=""; elif sudo -n true 2>/dev/null; then run="sudo -n"; \
+	else run=none; fi; \
+	if [ "$$run" = none ] || ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "make setup: not installing$$missing (needs apt-get as root); their tests will skip"; \
+	  exit 0; fi; \
+	echo "make setup: installing$$missing"; \
+	{ $$run apt-get update -q && \
+	  $$run env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; } || \
+	  echo "make setup: apt-get could not install$$missing; their tests will skip"
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)

@@ -100,6 +100,13 @@ class ServerMetrics:
             "none), failed (died), hung, notice, drained.",
             ["model_name", "event"], registry=r,
         )  # fmt: skip
+        self.http_requests = Counter(
+            "fleetserve:http_requests",
+            "HTTP requests for a model, by class and the status their outcome stands for "
+            "(a stream that failed after its 200 counts as its error's status; 499: the "
+            "client left).",
+            ["model_name", "class", "status"], registry=r,
+        )  # fmt: skip
         self.batch_size = Histogram(
             "fleetserve:batch_size",
             "Requests per batch run by an embed or custom model's dynamic batcher.",
@@ -111,6 +118,11 @@ class ServerMetrics:
             m, buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.models: dict[str, ModelMetrics] = {}
+
+    def count_response(self, model_name: str, class_name: str, status: int) -> None:
+        """One HTTP request for a known model (names clients send that match no model
+        are never labels: they would make series without bound)."""
+        self.http_requests.labels(model_name, class_name, str(status)).inc()
 
     def model(self, model_name: str) -> ModelMetrics:
         if model_name not in self.models:

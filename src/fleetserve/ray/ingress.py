@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from fleetserve.entrypoints.openai.access_log import ACCESS_LOG_MODES, configure_access_log
 from fleetserve.entrypoints.openai.api_server import ServerState, build_app
 from fleetserve.entrypoints.openai.serving_common import ServingContext
 from fleetserve.metrics import ServerMetrics
@@ -32,6 +33,14 @@ class IngressOptions:
     request_read_timeout_s: float = 15.0
     drain_timeout_s: float = 30.0
     allowed_origins: tuple[str, ...] = ()
+    # The access log (entrypoints/openai/access_log.py) goes to the ingress actor's
+    # stdout, i.e. Ray's worker log files; "off" for none.
+    access_log: str = "json"
+
+    def __post_init__(self) -> None:
+        if self.access_log not in ACCESS_LOG_MODES:
+            modes = ", ".join(ACCESS_LOG_MODES)
+            raise ValueError(f"access_log must be one of {modes}, got {self.access_log!r}")
 
 
 class RayFleetCollector(Collector):
@@ -119,8 +128,15 @@ class FleetIngress:
         }
         metrics.registry.register(RayFleetCollector(services, generate))
         ctx = ServingContext(registry, options.max_request_bytes, options.request_read_timeout_s)
+        configure_access_log(options.access_log)
         self.state = ServerState(ctx, metrics, options.api_key)
-        self._app = build_app(self.state, options.drain_timeout_s, options.allowed_origins)
+        # Serve's proxy sends its request id in and returns it as X-Request-Id itself.
+        self._app = build_app(
+            self.state,
+            options.drain_timeout_s,
+            options.allowed_origins,
+            request_id_header=False,
+        )
 
     def __serve_build_asgi_app__(self) -> Any:
         return self._app

@@ -30,6 +30,7 @@ def run_on_ray(args: argparse.Namespace, fleet: FleetConfig, api_key: str | None
         request_read_timeout_s=args.request_read_timeout,
         drain_timeout_s=args.drain_timeout,
         allowed_origins=tuple(args.allowed_origins),
+        access_log=args.access_log,
     )
     app = build_app(fleet, options)  # a bad model fails here, before Ray starts
     stop = threading.Event()

@@ -38,9 +38,22 @@ from starlette.middleware.cors import CORSMiddleware
 from fleetserve.batch.store import BatchStore, default_state_dir
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.entrypoints.engine_args_cli import add_engine_args, engine_args_from
+from fleetserve.entrypoints.openai.access_log import (
+    ACCESS_LOG_MODES,
+    AccessLogMiddleware,
+    AccessRecord,
+    configure_access_log,
+    note_model,
+    note_prompt_tokens,
+)
 from fleetserve.entrypoints.openai.admin import admin_router
 from fleetserve.entrypoints.openai.batch_executor import FleetLineExecutor
 from fleetserve.entrypoints.openai.body import ClientGone
+from fleetserve.entrypoints.openai.dashboard import (
+    DASHBOARD_ASSETS,
+    DASHBOARD_SNAPSHOT,
+    dashboard_router,
+)
 from fleetserve.entrypoints.openai.errors import APIError, error_body, error_response
 from fleetserve.entrypoints.openai.http_protocol import FrontDoorH11Protocol
 from fleetserve.entrypoints.openai.openapi import install_request_schemas
@@ -65,7 +78,8 @@ from fleetserve.serve.fleet_metrics import FleetCollector
 from fleetserve.serve.policies import POLICY_NAMES
 from fleetserve.serve.registry import build_registry
 
-_OPEN_PATHS = ("/health", "/ready", "/live")
+# The dashboard's page and script hold no data (its snapshot API is behind the key).
+_OPEN_PATHS = ("/health", "/ready", "/live", *DASHBOARD_ASSETS)
 _CLIENT_CLOSED = 499  # nginx's code for "client closed request"; nobody reads it
 
 
@@ -124,6 +138,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="web origins (https://app.example) whose pages may call the API (CORS); default: none",
     )
     g.add_argument("--log-level", default="info")
+    g.add_argument(
+        "--access-log",
+        default="json",
+        choices=ACCESS_LOG_MODES,
+        help="one JSON line per request on stdout (logger fleetserve.access; request id, "
+        "model, class, replicas, status, tokens, timings), whatever --log-level says; off: none",
+    )
     ray = p.add_argument_group("ray (pip install fleetserve[ray])")
     ray.add_argument(
         "--ray",
@@ -203,8 +224,10 @@ def build_app(
     allowed_origins: Sequence[str] = (),
     batch_store: BatchStore | None = None,
     batch_concurrency: int = 64,
+    request_id_header: bool = True,
 ) -> FastAPI:
-    """The server's ASGI app; with `batch_store`, the OpenAI Batch and Files API too."""
+    """The server's ASGI app; with `batch_store`, the OpenAI Batch and Files API too.
+    `request_id_header=False` leaves X-Request-Id to a proxy in front (Ray Serve's)."""
     registry = state.ctx.registry
 
     @contextlib.asynccontextmanager
@@ -295,13 +318,17 @@ def build_app(
         body = parse(EmbeddingRequest, await read_body(state.ctx, request))
         service = state.ctx.model(body.model, "embed")
         assert isinstance(service, Embedder)
-        return JSONResponse(await unless_disconnected(request, create_embedding(service, body)))
+        note_model(request, service.name, "")
+        out = await unless_disconnected(request, create_embedding(service, body))
+        note_prompt_tokens(request, out["usage"]["prompt_tokens"])
+        return JSONResponse(out)
 
     @app.post("/v1/models/{name}:predict")
     async def predict(name: str, request: Request) -> Response:
         body = parse(PredictRequest, await read_body(state.ctx, request))
         service = state.ctx.model(name, "custom")
         assert isinstance(service, Predictor)
+        note_model(request, service.name, "")
         return JSONResponse(await unless_disconnected(request, run_predict(service, body)))
 
     if batch_store is not None:
@@ -318,6 +345,7 @@ def build_app(
         )
     app.include_router(admin_router(state.ctx, key_required=state.api_key is not None))
     app.include_router(replica_router(state.ctx))
+    app.include_router(dashboard_router(state.metrics, registry))
     install_request_schemas(
         app,
         {
@@ -334,9 +362,20 @@ def build_app(
             guarded,
             allow_origins=list(allowed_origins),
             allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type", "X-Fleetserve-Class"],
+            allow_headers=["Authorization", "Content-Type", "X-Fleetserve-Class", "X-Request-Id"],
+            expose_headers=["X-Request-Id"],
         )
-    return guarded  # type: ignore[no-any-return]
+
+    def count(record: AccessRecord, status: int) -> None:
+        if record.model is not None:
+            state.metrics.count_response(record.model, record.class_name or "", status)
+
+    # Outermost, so that every answer (a 401, a CORS preflight) has an id and a log line.
+    quiet = (*_OPEN_PATHS, "/metrics", DASHBOARD_SNAPSHOT)
+    outer: Any = AccessLogMiddleware(
+        guarded, on_done=count, quiet_paths=quiet, add_header=request_id_header
+    )
+    return outer  # type: ignore[no-any-return]
 
 
 class GuardMiddleware:
@@ -573,6 +612,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,
         access_log=args.log_level == "debug",
     )
+    configure_access_log(args.access_log)
     server = DrainingServer(config, state)
     state.server = server
     server.run()

@@ -22,6 +22,7 @@ from fleetserve.entrypoints.openai.serving_common import (
     finite,
     merged,
     new_id,
+    note_request,
     now,
     parse,
     read_body,
@@ -96,6 +97,7 @@ async def create_chat_completion(server: ServingContext, request: Request) -> Re
     req = parse(ChatCompletionRequest, await read_body(server, request))
     ctx = server.generate_model(req.model)
     class_name = service_class(request, req.service_tier)
+    note_request(request, ctx, class_name)
     prompt, base = chat_inputs(ctx, req)
     request_id = new_id("chatcmpl")
     streams = await admit(

@@ -22,6 +22,7 @@ from fleetserve.engine.async_engine import (
     EngineNotReadyError,
     EngineOverloadedError,
 )
+from fleetserve.entrypoints.openai.access_log import access_record, note_model
 from fleetserve.entrypoints.openai.body import ClientGone, read_json
 from fleetserve.entrypoints.openai.errors import (
     APIError,
@@ -116,6 +117,16 @@ def service_class(request: Request, service_tier: str | None) -> str | None:
     return header if header is not None else body
 
 
+def note_request(request: Request, ctx: ModelContext, class_name: str | None) -> None:
+    """Tells the access log (and the response counts) the model and class a request is
+    for; a class the model lacks is left out (admission refuses it with a 400)."""
+    try:
+        resolved: str | None = ctx.engine.queue.resolve(class_name).name
+    except ValueError:
+        resolved = None
+    note_model(request, ctx.served_model_name, resolved)
+
+
 def shorten(text: str, limit: int = 200) -> str:
     """User text echoed in an error message, cut so a huge field is not sent back whole."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
@@ -138,6 +149,16 @@ def parse(model: type[M], body: dict[str, Any]) -> M:
         return model.model_validate(body)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+def error_status(e: Exception) -> int:
+    """The HTTP status an error from admission or a stream stands for."""
+    if isinstance(e, APIError):
+        return e.status
+    try:
+        return engine_error(e).status
+    except Exception:  # noqa: BLE001 -- not one of ours: the client saw a server error
+        return 500
 
 
 def engine_error(e: Exception) -> APIError:
@@ -176,11 +197,15 @@ async def admit(
         streams = await unless_disconnected(
             request, ctx.engine.admit(request_id, prompts, params_for, class_name, priority)
         )
-        return list(streams)
     except ClientGone:
         raise
     except Exception as e:
         raise engine_error(e) from None
+    record = access_record(request)
+    if record is None:
+        return list(streams)
+    record.response_id = request_id
+    return record.watch(streams, error_status)
 
 
 async def merged(streams: Sequence[ReplicaStreamLike]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -22,6 +22,7 @@ from fleetserve.entrypoints.openai.serving_common import (
     finite,
     merged,
     new_id,
+    note_request,
     now,
     parse,
     read_body,
@@ -71,6 +72,7 @@ async def create_completion(server: ServingContext, request: Request) -> Respons
     req = parse(CompletionRequest, await read_body(server, request))
     ctx = server.generate_model(req.model)
     class_name = service_class(request, req.service_tier)
+    note_request(request, ctx, class_name)
     prompts, base = completion_inputs(req)
     request_id = new_id("cmpl")
     streams = await admit(
