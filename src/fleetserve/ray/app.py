@@ -8,6 +8,8 @@
 Per model: `replicas`, or `autoscale` (queue depth, autoscale.py); `placement` gives each
 replica's Ray resources (`num_cpus`, `memory_gb`, custom `resources`, which is how a pool
 is pinned to labelled nodes) and `max_replicas_per_node` (1 spreads replicas over nodes).
+A generate model with `pools` is one deployment per pool, on nodes with the pool's custom
+resource, sized by the pools' policy (pools.py).
 A replica takes `max_ongoing_requests = seats + 2 * target_queue_depth` requests at once
 (seats: `max_num_seqs`, or the batcher's `max_batch_size`), so that the queue the
 autoscaler reads can grow past its target before the ingress holds requests back.
@@ -25,6 +27,7 @@ from ray.serve import Application
 from fleetserve.ray.autoscale import QueueDepthPolicy
 from fleetserve.ray.deployments import BatchReplica, GenerateReplica
 from fleetserve.ray.ingress import FleetIngress, IngressOptions
+from fleetserve.ray.pools import deployment_name, pool_options, served_pools
 from fleetserve.ray.router import FleetRequestRouter
 from fleetserve.serve.fleet_config import (
     AutoscaleConfig,
@@ -48,10 +51,6 @@ def _fleet(config: str | dict[str, Any] | FleetConfig) -> FleetConfig:
     return parse_fleet_config(config)
 
 
-def _deployment_name(model: str) -> str:
-    return "model-" + model.replace("#", "_")  # '#' is Serve's separator in replica ids
-
-
 def model_options(entry: ModelEntry) -> tuple[dict[str, Any], int]:
     """Serve deployment options for one model, and the seats of one replica."""
     if entry.kind == "generate":
@@ -70,7 +69,7 @@ def model_options(entry: ModelEntry) -> tuple[dict[str, Any], int]:
     if place is not None and place.resources:
         actor["resources"] = dict(place.resources)
     opts: dict[str, Any] = {
-        "name": _deployment_name(entry.name),
+        "name": deployment_name(entry.name),
         "max_ongoing_requests": seats + math.ceil(2 * target),
         "ray_actor_options": actor,
         "health_check_period_s": 2.0,
@@ -116,11 +115,9 @@ def build_app(
     fleet = _fleet(config)
     local_only = fleet.local_only_keys()
     if local_only:
-        raise ValueError(
-            f"{', '.join(local_only)}: served by the local server only (on Ray, Serve places "
-            "and replaces replicas: use placement.resources / node labels for spot nodes)"
-        )
+        raise ValueError(f"{', '.join(local_only)}: served by the local server only")
     handles: dict[str, Any] = {}
+    pool_handles: dict[str, dict[str, Any]] = {}  # model -> pool -> its deployment
     max_ongoing: dict[str, int] = {}
     for entry in fleet.models:
         opts, _ = model_options(entry)
@@ -131,6 +128,14 @@ def build_app(
                 # One engine per replica: its thread budget is the CPUs Ray gives it.
                 num_cpus = opts["ray_actor_options"]["num_cpus"]
                 args = replace(args, num_threads=max(1, int(num_cpus)))
+            if entry.pools is not None:
+                pool_handles[entry.name] = {
+                    pool.name: serve.deployment(**pool_options(entry, pool, opts, STATS_PERIOD_S))(
+                        GenerateReplica
+                    ).bind(entry.name, args)
+                    for pool in served_pools(entry)
+                }
+                continue
             deployment = serve.deployment(**opts)(GenerateReplica)
             handles[entry.name] = deployment.bind(entry.name, args)
         else:
@@ -145,4 +150,4 @@ def build_app(
     )(FleetIngress)
     # Only what the file said: re-validated in the ingress, defaults must not read as given.
     fleet_data = fleet.model_dump(exclude_unset=True)
-    return ingress.bind(fleet_data, handles, max_ongoing, options or IngressOptions())
+    return ingress.bind(fleet_data, handles, max_ongoing, options or IngressOptions(), pool_handles)
