@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,10 +27,14 @@ def free_port() -> int:
 
 @contextmanager
 def ray_cluster(
-    num_workers: int = 2, worker_cpus: int = 2, env: dict[str, str] | None = None
+    num_workers: int = 2,
+    worker_cpus: int = 2,
+    env: dict[str, str] | None = None,
+    worker_resources: Sequence[Mapping[str, float]] = (),
 ) -> Iterator[tuple[Any, str]]:
     """(cluster, base_url of Serve's proxy); everything is shut down on exit. `env` is set
-    for the cluster's processes (engines read FLEETSERVE_DEBUG_STEP_DELAY_S)."""
+    for the cluster's processes (engines read FLEETSERVE_DEBUG_STEP_DELAY_S);
+    `worker_resources[i]`: the custom resources of worker i (e.g. {"spot": 1})."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -52,8 +56,9 @@ def ray_cluster(
         },
     )
     try:
-        for _ in range(num_workers):
-            cluster.add_node(num_cpus=worker_cpus, object_store_memory=OBJECT_STORE_BYTES)
+        for i in range(num_workers):
+            resources = dict(worker_resources[i]) if i < len(worker_resources) else {}
+            add_worker(cluster, worker_cpus, resources)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         port = free_port()
@@ -69,6 +74,13 @@ def ray_cluster(
             cluster.shutdown()
             os.environ.clear()
             os.environ.update(saved)
+
+
+def add_worker(cluster: Any, num_cpus: int, resources: Mapping[str, float]) -> Any:
+    """A worker node with `num_cpus` and custom `resources`; returns it (for remove_node)."""
+    return cluster.add_node(
+        num_cpus=num_cpus, resources=dict(resources), object_store_memory=OBJECT_STORE_BYTES
+    )
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.5) -> None:

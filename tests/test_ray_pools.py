@@ -58,7 +58,7 @@ def pools_fleet(model: str | None = None, **placement: Any) -> dict[str, Any]:
 
 
 def test_each_pool_is_a_deployment_on_nodes_with_its_resource(tiny_llama: str) -> None:
-    from fleetserve.ray.app import build_app, model_options
+    from fleetserve.ray.app import build_app, ingress_actor_options, model_options
 
     cfg = parse_fleet_config(pools_fleet(tiny_llama, spot_resource="preemptible"))
     entry = cfg.models[0]
@@ -85,6 +85,13 @@ def test_each_pool_is_a_deployment_on_nodes_with_its_resource(tiny_llama: str) -
     assert kwargs["deployments"] == {"spot": "model-chat--spot", "base": "model-chat--base"}
     assert base["request_router_config"] == model_opts["request_router_config"]
     assert build_app(cfg) is not None  # accepted: pools are served on Ray
+    # The ingress (every stream passes it) stays off spot nodes.
+    assert ingress_actor_options(cfg) == {
+        "num_cpus": 0,
+        "resources": {"on_demand": RESOURCE_PER_REPLICA},
+    }
+    plain = parse_fleet_config({"models": [{"name": "m", "model": tiny_llama}]})
+    assert ingress_actor_options(plain) == {"num_cpus": 0}
 
     with pytest.raises(ValueError, match=r"models\[0\].placement.*must differ"):
         parse_fleet_config(pools_fleet(spot_resource="on_demand"))

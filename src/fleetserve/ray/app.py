@@ -9,7 +9,7 @@ Per model: `replicas`, or `autoscale` (queue depth, autoscale.py); `placement` g
 replica's Ray resources (`num_cpus`, `memory_gb`, custom `resources`, which is how a pool
 is pinned to labelled nodes) and `max_replicas_per_node` (1 spreads replicas over nodes).
 A generate model with `pools` is one deployment per pool, on nodes with the pool's custom
-resource, sized by the pools' policy (pools.py).
+resource, sized by the pools' policy (pools.py); the ingress then runs on on-demand capacity.
 A replica takes `max_ongoing_requests = seats + 2 * target_queue_depth` requests at once
 (seats: `max_num_seqs`, or the batcher's `max_batch_size`), so that the queue the
 autoscaler reads can grow past its target before the ingress holds requests back.
@@ -27,12 +27,18 @@ from ray.serve import Application
 from fleetserve.ray.autoscale import QueueDepthPolicy
 from fleetserve.ray.deployments import BatchReplica, GenerateReplica
 from fleetserve.ray.ingress import FleetIngress, IngressOptions
-from fleetserve.ray.pools import deployment_name, pool_options, served_pools
+from fleetserve.ray.pools import (
+    RESOURCE_PER_REPLICA,
+    deployment_name,
+    pool_options,
+    served_pools,
+)
 from fleetserve.ray.router import FleetRequestRouter
 from fleetserve.serve.fleet_config import (
     AutoscaleConfig,
     FleetConfig,
     ModelEntry,
+    PlacementConfig,
     load_fleet_config,
     parse_fleet_config,
 )
@@ -107,6 +113,19 @@ def model_options(entry: ModelEntry) -> tuple[dict[str, Any], int]:
     return opts, seats
 
 
+def ingress_actor_options(fleet: FleetConfig) -> dict[str, Any]:
+    """The ingress's Ray options: no CPUs (it waits on the replicas), and, where a model
+    has pools, a place on on-demand capacity: it holds every request's stream, and a
+    preempted spot node must not take it (and them) along."""
+    opts: dict[str, Any] = {"num_cpus": 0}
+    for entry in fleet.models:
+        if entry.pools is not None:
+            place = entry.placement or PlacementConfig()
+            opts["resources"] = {place.on_demand_resource: RESOURCE_PER_REPLICA}
+            break
+    return opts
+
+
 def build_app(
     config: str | dict[str, Any] | FleetConfig, options: IngressOptions | None = None
 ) -> Application:
@@ -146,7 +165,7 @@ def build_app(
         num_replicas=1,
         # The ingress holds the class queues; the model deployments bound the work.
         max_ongoing_requests=100_000,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=ingress_actor_options(fleet),
     )(FleetIngress)
     # Only what the file said: re-validated in the ingress, defaults must not read as given.
     fleet_data = fleet.model_dump(exclude_unset=True)
