@@ -22,7 +22,7 @@
     default_class: interactive
 
 A generate model may instead of `replicas` run in pools of spot and on-demand capacity
-(serve/pools.py keeps them at their targets, SpotHedge-style):
+(serve/pools.py keeps them at their targets, SpotHedge-style; on Ray, ray/pools.py):
 
         pools:
           - {name: spot, capacity: spot, replicas: 3, overprovision: 1,
@@ -34,7 +34,9 @@ and a class may be pinned to spot capacity (`batch: {priority: 10, capacity: spo
 On Ray Serve (`fleetserve serve --ray`) a model may instead of `replicas` say
 `autoscale: {min_replicas, max_replicas, target_queue_depth, upscale_delay_s,
 downscale_delay_s}`, and `placement: {num_cpus, memory_gb, resources,
-max_replicas_per_node}`; the local server refuses both rather than ignore them.
+max_replicas_per_node, spot_resource, on_demand_resource, spot_pending_s}`; the local
+server refuses both rather than ignore them. Ray refuses a pool's `notice` and a class's
+`hedge_after_s` (local server only).
 
 Unknown keys and bad values are refused with the key's path (`models[0].engine.max_num_seqs`).
 `engine:` takes EngineArgs' fields; the model list's `model` is EngineArgs.model. A fleet
