@@ -31,10 +31,12 @@ def ray_cluster(
     worker_cpus: int = 2,
     env: dict[str, str] | None = None,
     worker_resources: Sequence[Mapping[str, float]] = (),
+    worker_labels: Sequence[Mapping[str, str]] = (),
 ) -> Iterator[tuple[Any, str]]:
     """(cluster, base_url of Serve's proxy); everything is shut down on exit. `env` is set
     for the cluster's processes (engines read FLEETSERVE_DEBUG_STEP_DELAY_S);
-    `worker_resources[i]`: the custom resources of worker i (e.g. {"spot": 1})."""
+    `worker_resources[i]` / `worker_labels[i]`: the custom resources (e.g. {"spot": 1})
+    and node labels of worker i."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -58,7 +60,8 @@ def ray_cluster(
     try:
         for i in range(num_workers):
             resources = dict(worker_resources[i]) if i < len(worker_resources) else {}
-            add_worker(cluster, worker_cpus, resources)
+            labels = dict(worker_labels[i]) if i < len(worker_labels) else {}
+            add_worker(cluster, worker_cpus, resources, labels)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         port = free_port()
@@ -76,10 +79,19 @@ def ray_cluster(
             os.environ.update(saved)
 
 
-def add_worker(cluster: Any, num_cpus: int, resources: Mapping[str, float]) -> Any:
-    """A worker node with `num_cpus` and custom `resources`; returns it (for remove_node)."""
+def add_worker(
+    cluster: Any,
+    num_cpus: int,
+    resources: Mapping[str, float],
+    labels: Mapping[str, str] | None = None,
+) -> Any:
+    """A worker node with `num_cpus`, custom `resources` and node `labels`; returns it
+    (for remove_node)."""
     return cluster.add_node(
-        num_cpus=num_cpus, resources=dict(resources), object_store_memory=OBJECT_STORE_BYTES
+        num_cpus=num_cpus,
+        resources=dict(resources),
+        labels=dict(labels or {}),
+        object_store_memory=OBJECT_STORE_BYTES,
     )
 
 

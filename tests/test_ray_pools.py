@@ -93,6 +93,14 @@ def test_each_pool_is_a_deployment_on_nodes_with_its_resource(tiny_llama: str) -
     plain = parse_fleet_config({"models": [{"name": "m", "model": tiny_llama}]})
     assert ingress_actor_options(plain) == {"num_cpus": 0}
 
+    labelled = parse_fleet_config(pools_fleet(tiny_llama, spot_labels={"market": "spot"}))
+    entry = labelled.models[0]
+    spot = pool_options(entry, entry.pools[0], model_options(entry)[0], 1.0)  # type: ignore[index]
+    assert spot["ray_actor_options"] == {
+        "num_cpus": 1,
+        "resources": {"gpu_kind_a": 1},
+        "label_selector": {"market": "spot"},
+    }
     with pytest.raises(ValueError, match=r"models\[0\].placement.*must differ"):
         parse_fleet_config(pools_fleet(spot_resource="on_demand"))
     with pytest.raises(ValueError, match=r"models\[0\].placement.*custom resource name"):

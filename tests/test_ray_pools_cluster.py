@@ -1,5 +1,5 @@
 """A model's spot and on-demand pools on a simulated cluster: one worker node has the
-`spot` resource, the other `on_demand`. Each pool's replicas land on its node; removing
+`spot` resource, the other the node label market=on-demand (both ways of placing a pool). Each pool's replicas land on its node; removing
 the spot node under streaming load loses no request (the streams resume on the
 on-demand replica, each identical to an undisturbed run), on-demand fallback replicas
 appear and serve; a spot node joining again takes the spot replica back and the
@@ -40,7 +40,11 @@ def fleet_config(model: str) -> dict[str, Any]:
                     {"name": "base", "capacity": "on_demand", "replicas": 1, "max_fallback": 1},
                 ],
                 "engine": {"max_num_seqs": 4, "num_threads": 1, "max_model_len": 256},
-                "placement": {"num_cpus": 1, "spot_pending_s": 2},
+                "placement": {
+                    "num_cpus": 1,
+                    "spot_pending_s": 2,
+                    "on_demand_labels": {"market": "on-demand"},
+                },
             }
         ]
     }
@@ -52,7 +56,8 @@ def pools_fleet(tiny_llama: str) -> Iterator[tuple[Any, str]]:
 
     with ray_cluster(
         env={"FLEETSERVE_DEBUG_STEP_DELAY_S": STEP_DELAY_S},
-        worker_resources=[{"spot": 1}, {"on_demand": 1}],
+        worker_resources=[{"spot": 1}],
+        worker_labels=[{}, {"market": "on-demand"}],
     ) as (cluster, base_url):
         serve.run(build_app(fleet_config(tiny_llama)), name="fleetserve", route_prefix="/")
         wait_healthy(base_url)

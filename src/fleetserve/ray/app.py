@@ -27,12 +27,7 @@ from ray.serve import Application
 from fleetserve.ray.autoscale import QueueDepthPolicy
 from fleetserve.ray.deployments import BatchReplica, GenerateReplica
 from fleetserve.ray.ingress import FleetIngress, IngressOptions
-from fleetserve.ray.pools import (
-    RESOURCE_PER_REPLICA,
-    deployment_name,
-    pool_options,
-    served_pools,
-)
+from fleetserve.ray.pools import capacity_placement, deployment_name, pool_options, served_pools
 from fleetserve.ray.router import FleetRequestRouter
 from fleetserve.serve.fleet_config import (
     AutoscaleConfig,
@@ -120,8 +115,7 @@ def ingress_actor_options(fleet: FleetConfig) -> dict[str, Any]:
     opts: dict[str, Any] = {"num_cpus": 0}
     for entry in fleet.models:
         if entry.pools is not None:
-            place = entry.placement or PlacementConfig()
-            opts["resources"] = {place.on_demand_resource: RESOURCE_PER_REPLICA}
+            opts.update(capacity_placement(entry.placement or PlacementConfig(), spot=False))
             break
     return opts
 

@@ -2,8 +2,9 @@
 
 Each pool is a Serve deployment of its own (`model-<model>--<pool>`), whose replicas ask
 for a little of a custom resource (`placement.spot_resource`, default "spot", or
-`placement.on_demand_resource`, default "on_demand"), so that Ray places them only on
-nodes that have it. Serve keeps each deployment at its replica count: it replaces a
+`placement.on_demand_resource`, default "on_demand"), or select node labels
+(`placement.spot_labels` / `on_demand_labels`), so that Ray places them only on the
+nodes of their kind. Serve keeps each deployment at its replica count: it replaces a
 replica that dies, and a replica whose node was preempted waits (PENDING_ALLOCATION) until
 a node with the resource joins.
 
@@ -61,15 +62,31 @@ def served_pools(entry: ModelEntry) -> list[PoolConfig]:
     return [p for p in entry.pools or [] if pool_size(p)[1] > 0]
 
 
+def capacity_placement(place: PlacementConfig, spot: bool) -> dict[str, Any]:
+    """The Ray actor options that put a replica on spot (or on-demand) nodes: a label
+    selector where the placement gives labels for it, else a sliver of its resource."""
+    labels = place.spot_labels if spot else place.on_demand_labels
+    if labels is not None:
+        return {"label_selector": dict(labels)}
+    return {
+        "resources": {
+            place.spot_resource if spot else place.on_demand_resource: RESOURCE_PER_REPLICA
+        }
+    }
+
+
 def pool_options(
     entry: ModelEntry, pool: PoolConfig, model_opts: Mapping[str, Any], stats_period_s: float
 ) -> dict[str, Any]:
     """The Serve deployment options of one pool: the model's (`model_opts`, without a
     replica count) with the pool's resource and its PoolPolicy."""
     place = entry.placement or PlacementConfig()
-    resource = place.spot_resource if pool.is_spot else place.on_demand_resource
     actor = dict(model_opts["ray_actor_options"])
-    actor["resources"] = {**actor.get("resources", {}), resource: RESOURCE_PER_REPLICA}
+    where = capacity_placement(place, pool.is_spot)
+    if "resources" in where:
+        actor["resources"] = {**actor.get("resources", {}), **where["resources"]}
+    else:
+        actor.update(where)
     low, high = pool_size(pool)
     opts = {k: v for k, v in model_opts.items() if k not in ("num_replicas", "autoscaling_config")}
     opts["name"] = deployment_name(entry.name, pool.name)

@@ -34,7 +34,8 @@ and a class may be pinned to spot capacity (`batch: {priority: 10, capacity: spo
 On Ray Serve (`fleetserve serve --ray`) a model may instead of `replicas` say
 `autoscale: {min_replicas, max_replicas, target_queue_depth, upscale_delay_s,
 downscale_delay_s}`, and `placement: {num_cpus, memory_gb, resources,
-max_replicas_per_node, spot_resource, on_demand_resource, spot_pending_s}`; the local
+max_replicas_per_node, spot_resource, on_demand_resource, spot_pending_s, spot_labels,
+on_demand_labels}`; the local
 server refuses both rather than ignore them. Ray refuses a pool's `notice` and a class's
 `hedge_after_s` (local server only).
 
@@ -191,7 +192,9 @@ class PlacementConfig(_Strict):
     `spot_resource` and an on-demand pool's of `on_demand_resource`, so that they run only
     on nodes started with it (`ray start --resources '{"spot": 1}'`). A spot replica that
     Serve cannot run (its node was preempted and no spot node is left to place it on) for
-    `spot_pending_s` makes on-demand replicas fill in (ray/pools.py)."""
+    `spot_pending_s` makes on-demand replicas fill in (ray/pools.py). `spot_labels` /
+    `on_demand_labels` select the nodes by Ray node labels instead of the resource (Ray's
+    `label_selector`, e.g. `{"ray.io/market-type": "spot"}`)."""
 
     num_cpus: float = Field(default=1.0, ge=0.0)
     memory_gb: float | None = Field(default=None, gt=0.0)
@@ -200,6 +203,8 @@ class PlacementConfig(_Strict):
     spot_resource: str = "spot"
     on_demand_resource: str = "on_demand"
     spot_pending_s: float = Field(default=30.0, ge=0.0, le=3600.0)
+    spot_labels: dict[str, str] | None = Field(default=None, min_length=1)
+    on_demand_labels: dict[str, str] | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _check(self) -> PlacementConfig:
