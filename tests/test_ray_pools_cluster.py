@@ -10,7 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -77,6 +77,12 @@ def replica_metric(base_url: str, name: str) -> dict[str, float]:
     return {label: float(value) for label, value in pattern.findall(text)}
 
 
+def worker_with(cluster: Any, has: Callable[[dict[str, Any]], bool]) -> Any:
+    """The cluster's worker node (for remove_node) whose ray.nodes() entry has it."""
+    (node_id,) = [n["NodeID"] for n in ray.nodes() if n["Alive"] and has(n)]
+    return next(node for node in cluster.worker_nodes if node.node_id == node_id)
+
+
 def stream(c: openai.OpenAI) -> str:
     try:
         return "".join(
@@ -97,7 +103,8 @@ def stream(c: openai.OpenAI) -> str:
 
 def test_spot_loss_falls_back_to_on_demand_and_back(pools_fleet: tuple[Any, str]) -> None:
     cluster, base_url = pools_fleet
-    spot_node, base_node = cluster.worker_nodes
+    spot_node = worker_with(cluster, lambda n: "spot" in n["Resources"])
+    base_node = worker_with(cluster, lambda n: n["Labels"].get("market") == "on-demand")
     wait_until(lambda: replica_nodes(SPOT) == [spot_node.node_id], 120, "spot on its node")
     wait_until(lambda: replica_nodes(BASE) == [base_node.node_id], 120, "base on its node")
     c = client(base_url)
