@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -30,12 +30,14 @@ def ray_cluster(
     num_workers: int = 2,
     worker_cpus: int = 2,
     env: dict[str, str] | None = None,
-    worker_resources: list[dict[str, float]] | None = None,
+    worker_resources: Sequence[Mapping[str, float]] = (),
+    worker_labels: Sequence[Mapping[str, str]] = (),
 ) -> Iterator[tuple[Any, str]]:
     """(cluster, base_url of Serve's proxy); everything is shut down on exit. `env` is set
-    for the cluster's processes (engines read FLEETSERVE_DEBUG_STEP_DELAY_S).
-    `worker_resources`: instead of `num_workers` alike, one worker per entry with those Ray
-    resources ("CPU" and custom ones), as a KubeRay worker group's pod offers them."""
+    for the cluster's processes (engines read FLEETSERVE_DEBUG_STEP_DELAY_S);
+    `worker_resources[i]` / `worker_labels[i]`: the Ray resources (custom ones, e.g.
+    {"spot": 1}, and "CPU" to override `worker_cpus`) and node labels of worker i, as a
+    KubeRay worker group's pod offers them; there are max(num_workers, len(...)) workers."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -57,12 +59,11 @@ def ray_cluster(
         },
     )
     try:
-        nodes = worker_resources or [{"CPU": worker_cpus}] * num_workers
-        for node in nodes:
-            custom = {k: v for k, v in node.items() if k != "CPU"}
-            cluster.add_node(
-                num_cpus=node["CPU"], resources=custom, object_store_memory=OBJECT_STORE_BYTES
-            )
+        for i in range(max(num_workers, len(worker_resources), len(worker_labels))):
+            resources = dict(worker_resources[i]) if i < len(worker_resources) else {}
+            labels = dict(worker_labels[i]) if i < len(worker_labels) else {}
+            cpus = int(resources.pop("CPU", worker_cpus))
+            add_worker(cluster, cpus, resources, labels)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         port = free_port()
@@ -78,6 +79,22 @@ def ray_cluster(
             cluster.shutdown()
             os.environ.clear()
             os.environ.update(saved)
+
+
+def add_worker(
+    cluster: Any,
+    num_cpus: int,
+    resources: Mapping[str, float],
+    labels: Mapping[str, str] | None = None,
+) -> Any:
+    """A worker node with `num_cpus`, custom `resources` and node `labels`; returns it
+    (for remove_node)."""
+    return cluster.add_node(
+        num_cpus=num_cpus,
+        resources=dict(resources),
+        labels=dict(labels or {}),
+        object_store_memory=OBJECT_STORE_BYTES,
+    )
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.5) -> None:

@@ -8,6 +8,8 @@
 Per model: `replicas`, or `autoscale` (queue depth, autoscale.py); `placement` gives each
 replica's Ray resources (`num_cpus`, `memory_gb`, custom `resources`, which is how a pool
 is pinned to labelled nodes) and `max_replicas_per_node` (1 spreads replicas over nodes).
+A generate model with `pools` is one deployment per pool, on nodes with the pool's custom
+resource, sized by the pools' policy (pools.py); the ingress then runs on on-demand capacity.
 A replica takes `max_ongoing_requests = seats + 2 * target_queue_depth` requests at once
 (seats: `max_num_seqs`, or the batcher's `max_batch_size`), so that the queue the
 autoscaler reads can grow past its target before the ingress holds requests back.
@@ -27,11 +29,13 @@ from fleetserve.entrypoints.openai.api_server import api_key_from
 from fleetserve.ray.autoscale import QueueDepthPolicy
 from fleetserve.ray.deployments import BatchReplica, GenerateReplica
 from fleetserve.ray.ingress import FleetIngress, IngressOptions
+from fleetserve.ray.pools import capacity_placement, deployment_name, pool_options, served_pools
 from fleetserve.ray.router import FleetRequestRouter
 from fleetserve.serve.fleet_config import (
     AutoscaleConfig,
     FleetConfig,
     ModelEntry,
+    PlacementConfig,
     load_fleet_config,
     parse_fleet_config,
 )
@@ -48,10 +52,6 @@ def _fleet(config: str | dict[str, Any] | FleetConfig) -> FleetConfig:
     if isinstance(config, str):
         return load_fleet_config(config)
     return parse_fleet_config(config)
-
-
-def _deployment_name(model: str) -> str:
-    return "model-" + model.replace("#", "_")  # '#' is Serve's separator in replica ids
 
 
 def model_options(entry: ModelEntry) -> tuple[dict[str, Any], int]:
@@ -72,7 +72,7 @@ def model_options(entry: ModelEntry) -> tuple[dict[str, Any], int]:
     if place is not None and place.resources:
         actor["resources"] = dict(place.resources)
     opts: dict[str, Any] = {
-        "name": _deployment_name(entry.name),
+        "name": deployment_name(entry.name),
         "max_ongoing_requests": seats + math.ceil(2 * target),
         "ray_actor_options": actor,
         "health_check_period_s": 2.0,
@@ -110,6 +110,18 @@ def model_options(entry: ModelEntry) -> tuple[dict[str, Any], int]:
     return opts, seats
 
 
+def ingress_actor_options(fleet: FleetConfig) -> dict[str, Any]:
+    """The ingress's Ray options: no CPUs (it waits on the replicas), and, where a model
+    has pools, a place on on-demand capacity: it holds every request's stream, and a
+    preempted spot node must not take it (and them) along."""
+    opts: dict[str, Any] = {"num_cpus": 0}
+    for entry in fleet.models:
+        if entry.pools is not None:
+            opts.update(capacity_placement(entry.placement or PlacementConfig(), spot=False))
+            break
+    return opts
+
+
 def build_app(
     config: str | dict[str, Any] | FleetConfig, options: IngressOptions | None = None
 ) -> Application:
@@ -118,11 +130,9 @@ def build_app(
     fleet = _fleet(config)
     local_only = fleet.local_only_keys()
     if local_only:
-        raise ValueError(
-            f"{', '.join(local_only)}: served by the local server only (on Ray, Serve places "
-            "and replaces replicas: use placement.resources / node labels for spot nodes)"
-        )
+        raise ValueError(f"{', '.join(local_only)}: served by the local server only")
     handles: dict[str, Any] = {}
+    pool_handles: dict[str, dict[str, Any]] = {}  # model -> pool -> its deployment
     max_ongoing: dict[str, int] = {}
     for entry in fleet.models:
         opts, _ = model_options(entry)
@@ -133,6 +143,14 @@ def build_app(
                 # One engine per replica: its thread budget is the CPUs Ray gives it.
                 num_cpus = opts["ray_actor_options"]["num_cpus"]
                 args = replace(args, num_threads=max(1, int(num_cpus)))
+            if entry.pools is not None:
+                pool_handles[entry.name] = {
+                    pool.name: serve.deployment(**pool_options(entry, pool, opts, STATS_PERIOD_S))(
+                        GenerateReplica
+                    ).bind(entry.name, args)
+                    for pool in served_pools(entry)
+                }
+                continue
             deployment = serve.deployment(**opts)(GenerateReplica)
             handles[entry.name] = deployment.bind(entry.name, args)
         else:
@@ -143,11 +161,11 @@ def build_app(
         num_replicas=1,
         # The ingress holds the class queues; the model deployments bound the work.
         max_ongoing_requests=100_000,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=ingress_actor_options(fleet),
     )(FleetIngress)
     # Only what the file said: re-validated in the ingress, defaults must not read as given.
     fleet_data = fleet.model_dump(exclude_unset=True)
-    return ingress.bind(fleet_data, handles, max_ongoing, options or IngressOptions())
+    return ingress.bind(fleet_data, handles, max_ongoing, options or IngressOptions(), pool_handles)
 
 
 def build_app_from_args(args: dict[str, Any]) -> Application:

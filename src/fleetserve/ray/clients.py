@@ -16,6 +16,11 @@ streams.py), the client is its `Resubmitter` and calls the deployment again with
 `resume=` the last output its reader got and `avoid=` the replicas the request was lost
 on, which the router never picks for it; the new replica prefills prompt + tokens so far
 and the reader's stream goes on. The request keeps its seat in the ingress meanwhile.
+
+A model with `pools` has one deployment per pool (pools.py): each call goes to the spot
+deployment while one of its replicas has room, else to the deployment with the least
+loaded replica (a class with `capacity: spot`: spot only); a lost request resumes on any
+pool's replica, so a request lost with a spot node goes on on on-demand.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +41,7 @@ from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
 from fleetserve.ray import router_state
+from fleetserve.ray.pools import PoolRoute, ReplicaRoom, choose_deployment
 from fleetserve.ray.router_state import num_known_replicas
 from fleetserve.ray.streams import RayStream, RequestObserver
 from fleetserve.serve.admission import ShedError
@@ -71,7 +77,11 @@ class _Call:
     item: _Item
     service_class: ServiceClass
     priority: int  # the engine's (class and request folded)
-    lost_on: set[int] = field(default_factory=set)  # replicas it was lost on
+    deployment: str = ""  # of the current call
+    lost_on: set[tuple[str, int]] = field(default_factory=set)  # (deployment, replica)
+
+    def avoid(self, deployment: str) -> frozenset[int]:
+        return frozenset(i for d, i in self.lost_on if d == deployment)
 
 
 @dataclass
@@ -90,13 +100,27 @@ class RayGenerateClient:
         self,
         entry: ModelEntry,
         fleet: FleetConfig,
-        handle: DeploymentHandle,
+        handle: DeploymentHandle | None,
         max_ongoing_requests: int,
         metrics: ModelMetrics | None = None,
+        pools: Mapping[str, DeploymentHandle] | None = None,
     ) -> None:
+        """`handle`: the model's deployment; for a model with `pools`, None, and `pools`
+        holds each pool's deployment by pool name."""
         self.name = entry.name
-        self.handle = handle
-        self.deployment_name = handle.deployment_name
+        self._handles: dict[str, DeploymentHandle] = {}  # deployment name -> handle
+        self.routes: list[PoolRoute] = []
+        capacity_of = {p.name: p.capacity for p in entry.pools or []}
+        for pool, h in (pools or {}).items():
+            self.routes.append(PoolRoute(pool, capacity_of[pool], h.deployment_name))
+            self._handles[h.deployment_name] = h
+        if handle is not None:
+            self.routes.append(PoolRoute("default", "on_demand", handle.deployment_name))
+            self._handles[handle.deployment_name] = handle
+        if len(self.routes) != (len(pools or {}) or 1):
+            raise ValueError("give a model's handle or its pools' handles, not both")
+        self.deployment_name = self.routes[0].deployment
+        self.spot_only_classes = fleet.spot_only_classes()
         self.metrics = metrics
         self.max_ongoing_requests = max_ongoing_requests
         args = entry.engine_args()
@@ -104,6 +128,8 @@ class RayGenerateClient:
         self.tokenizer = Tokenizer.from_source(source)
         self._rules = PromptRules(self.tokenizer, self.config)
         self.priority_ordered = self.config.scheduler.policy == "priority"
+        # prefer_spot's overload rule, as the local Router's: a full batch outstanding.
+        self.overload_requests = self.config.scheduler.max_num_seqs
         self.queue: ClassQueue[_Pending] = ClassQueue(
             fleet.service_classes(), fleet.default_class_name
         )
@@ -139,7 +165,7 @@ class RayGenerateClient:
         return {
             "root": self.config.model_path,
             "max_model_len": self.max_model_len,
-            "replicas": num_known_replicas(self.deployment_name) or 0,
+            "replicas": self._num_known_replicas(),
         }
 
     def waiting_by_class(self) -> dict[str, int]:
@@ -153,7 +179,12 @@ class RayGenerateClient:
             # (Serve may run the handle's router on a thread of its own.)
             loop.call_soon_threadsafe(self._dispatch)
 
-        router_state.LISTENERS.setdefault(self.deployment_name, []).append(replicas_changed)
+        for deployment, handle in self._handles.items():
+            router_state.LISTENERS.setdefault(deployment, []).append(replicas_changed)
+            if len(self._handles) > 1:
+                # Makes the handle's router now (Serve makes it on the first call): the
+                # choice between pools reads every pool's replicas.
+                handle.options(stream=True)
         self._started = True
 
     async def shutdown(self) -> None:
@@ -170,7 +201,10 @@ class RayGenerateClient:
     def capacity(self) -> int:
         """Requests the model's replicas take at once (one replica's worth while Serve
         has none or the router has not seen them yet)."""
-        return max(num_known_replicas(self.deployment_name) or 1, 1) * self.max_ongoing_requests
+        return max(self._num_known_replicas(), 1) * self.max_ongoing_requests
+
+    def _num_known_replicas(self) -> int:
+        return sum(num_known_replicas(d) or 0 for d in self._handles)
 
     async def admit(
         self,
@@ -240,12 +274,11 @@ class RayGenerateClient:
     def _send(self, entry: Entry[_Pending]) -> list[MigratingStream]:
         pending = entry.payload
         cls = entry.service_class
-        caller = self.handle.options(stream=True)
         streams: list[MigratingStream] = []
         try:
             for item in pending.items:
                 call = _Call(item, cls, engine_priority(cls, entry.priority))
-                inner = self._call(caller, call)
+                inner = self._call(call)
                 observer = RequestObserver(
                     self.metrics, cls.name, pending.arrival, self._unstarted, self._release_one
                 )
@@ -270,14 +303,12 @@ class RayGenerateClient:
             raise
         return streams
 
-    def _call(
-        self,
-        caller: DeploymentHandle,
-        call: _Call,
-        resume: RequestOutput | None = None,
-        avoid: frozenset[int] = frozenset(),
-    ) -> RayStream:
+    def _call(self, call: _Call, resume: RequestOutput | None = None) -> RayStream:
         item = call.item
+        deployment = self._pick(call) or self._fallback(call)
+        call.deployment = deployment
+        avoid = call.avoid(deployment)
+        caller = self._handles[deployment].options(stream=True)
         num_done = 0 if resume is None else sum(len(c.token_ids) for c in resume.outputs)
         gen = caller.generate.remote(
             request_id=item.request_id,
@@ -291,11 +322,44 @@ class RayGenerateClient:
             avoid=sorted(avoid),
         )
         assert isinstance(gen, DeploymentResponseGenerator)  # stream=True
-        return RayStream(item.request_id, item.params.n, gen, lambda: self._placement(item))
+        return RayStream(
+            item.request_id, item.params.n, gen, lambda: self._placement(item, deployment)
+        )
 
-    def _placement(self, item: _Item) -> int | None:
-        router = router_state.ROUTERS.get(self.deployment_name)
+    def _placement(self, item: _Item, deployment: str) -> int | None:
+        router = router_state.ROUTERS.get(deployment)
         return None if router is None else router.placement(item.request_id)
+
+    def _pick(self, call: _Call) -> str | None:
+        """The deployment the call goes to; None while none lists a replica the request
+        may go to (one it was not lost on)."""
+        if len(self.routes) == 1:
+            deployment = self.routes[0].deployment
+            router = router_state.ROUTERS.get(deployment)
+            if router is None or router.has_replica_outside(call.avoid(deployment)):
+                return deployment
+            return None
+        spot_only = call.service_class.name in self.spot_only_classes
+        rooms = []
+        for route in self.routes:
+            router = router_state.ROUTERS.get(route.deployment)
+            if router is None:
+                continue
+            rooms += [
+                ReplicaRoom(route.deployment, route.capacity, n)
+                for n in router.outstanding(call.avoid(route.deployment))
+            ]
+        return choose_deployment(rooms, self.overload_requests, spot_only)
+
+    def _fallback(self, call: _Call) -> str:
+        """Where a call goes while no deployment lists a replica for it (at startup, or
+        scaled to zero): Serve holds it until one is up. A spot-pinned class: the first
+        spot pool; otherwise the first on-demand pool (its base runs)."""
+        spot_only = call.service_class.name in self.spot_only_classes
+        want = "spot" if spot_only else "on_demand"
+        return next(
+            (r.deployment for r in self.routes if r.capacity == want), self.routes[0].deployment
+        )
 
     def _release_one(self) -> None:
         self._release(1)
@@ -312,25 +376,22 @@ class RayGenerateClient:
         call: _Call = stream.context
         old = stream.inner
         if isinstance(old, RayStream) and old.replica_index is not None:
-            call.lost_on.add(old.replica_index)
-        avoid = frozenset(call.lost_on)
-        await self._wait_for_replica(avoid)
+            call.lost_on.add((call.deployment, old.replica_index))
+        await self._wait_for_replica(call)
         last = stream.last
         done = last is not None and any(c.token_ids for c in last.outputs)
-        caller = self.handle.options(stream=True)
-        inner = self._call(caller, call, resume=last if done else None, avoid=avoid)
+        inner = self._call(call, resume=last if done else None)
         return inner, _UNPLACED
 
-    async def _wait_for_replica(self, avoid: frozenset[int]) -> None:
-        """Returns once Serve's router lists a replica not in `avoid` (at once when it
-        does; Serve then places the call, as it does any call)."""
+    async def _wait_for_replica(self, call: _Call) -> None:
+        """Returns once Serve's routers list a replica the request may go to, one it was
+        not lost on (at once when they do; Serve then places the call, as any call)."""
         wait_s = self.resilience.migration_wait_s
         deadline = time.monotonic() + wait_s
         while True:
             if self._closing:
                 raise EngineDeadError("the server is shutting down")
-            router = router_state.ROUTERS.get(self.deployment_name)
-            if router is None or router.has_replica_outside(avoid):
+            if self._pick(call) is not None:
                 return
             left = deadline - time.monotonic()
             if left <= 0:

@@ -4,7 +4,7 @@ auth, metrics, health) over a registry of clients of the model deployments (clie
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,11 +47,14 @@ class RayFleetCollector(Collector):
     """The local server's fleet series (serve/fleet_metrics.py) on Ray: the queue depth
     `fleetserve:num_requests_waiting{model_name, class}` (the ingress's class queues), and
     per Serve replica of each generate model, as the ingress's router sees it,
-    `fleetserve:replica_*{model_name, replica}`."""
+    `fleetserve:replica_*{model_name, replica}` (replica: its index, prefixed with its
+    pool's name for a model with pools, e.g. "spot-0")."""
 
-    def __init__(self, services: Sequence[ModelService], deployments: Mapping[str, str]) -> None:
+    def __init__(
+        self, services: Sequence[ModelService], deployments: Sequence[tuple[str, str, str]]
+    ) -> None:
         self.services = services
-        self.deployments = deployments  # model name -> deployment name
+        self.deployments = deployments  # (model name, replica label prefix, deployment)
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         waiting = GaugeMetricFamily(
@@ -84,12 +87,12 @@ class RayFleetCollector(Collector):
             "Prompt tokens found in its prefix cache (as of its last routing stats).",
             labels=labels,
         )
-        for model, deployment in self.deployments.items():
+        for model, prefix, deployment in self.deployments:
             router = ROUTERS.get(deployment)
             if router is None:
                 continue
             for view in router.loads():
-                lv = [model, str(view.index)]
+                lv = [model, f"{prefix}{view.index}"]
                 stats = view.replica.routing_stats or {}
                 tokens.add_metric(lv, view.num_outstanding_tokens)
                 requests.add_metric(lv, view.num_outstanding_requests)
@@ -106,26 +109,33 @@ class FleetIngress:
         handles: dict[str, DeploymentHandle],
         max_ongoing: dict[str, int],
         options: IngressOptions,
+        pool_handles: dict[str, dict[str, DeploymentHandle]] | None = None,
     ) -> None:
+        """`handles`: each model's deployment, but for a generate model with pools, whose
+        pools' deployments are in `pool_handles` (model -> pool name -> handle)."""
         config = parse_fleet_config(fleet, "fleet config")
         metrics = ServerMetrics()
         services: list[ModelService] = []
+        pool_handles = pool_handles or {}
+        generate: list[tuple[str, str, str]] = []
         for entry in config.models:
-            handle = handles[entry.name]
+            pools = pool_handles.get(entry.name)
+            handle = None if pools is not None else handles[entry.name]
             if entry.kind == "generate":
-                services.append(
-                    RayGenerateClient(
-                        entry, config, handle, max_ongoing[entry.name], metrics.model(entry.name)
-                    )
-                )
+                client = RayGenerateClient(
+                    entry, config, handle, max_ongoing[entry.name], metrics.model(entry.name),
+                    pools=pools,
+                )  # fmt: skip
+                services.append(client)
+                generate += [
+                    (entry.name, "" if pools is None else f"{route.pool}-", route.deployment)
+                    for route in client.routes
+                ]
             elif entry.kind == "embed":
-                services.append(RayEmbedClient(entry, handle))
+                services.append(RayEmbedClient(entry, handles[entry.name]))
             else:
-                services.append(RayCustomClient(entry, handle))
+                services.append(RayCustomClient(entry, handles[entry.name]))
         registry = Registry(services)
-        generate = {
-            m.name: handles[m.name].deployment_name for m in config.models if m.kind == "generate"
-        }
         metrics.registry.register(RayFleetCollector(services, generate))
         ctx = ServingContext(registry, options.max_request_bytes, options.request_read_timeout_s)
         configure_access_log(options.access_log)

@@ -188,6 +188,18 @@ class FleetRequestRouter(RequestRouter):
         replica_ids = list(self.curr_replicas)  # copied at once: Serve's thread changes it
         return any(self.index_of(rid) not in avoid for rid in replica_ids)
 
+    def outstanding(self, avoid: frozenset[int]) -> list[int]:
+        """Requests routed to each replica Serve lists, those in `avoid` left out (0 for
+        one not routed to yet: it has no index, so it is never avoided)."""
+        out = []
+        for replica_id in list(self.curr_replicas):  # copied at once (Serve's thread)
+            view = self._views.get(replica_id)
+            if view is None:
+                out.append(0)
+            elif view.index not in avoid:
+                out.append(view.num_outstanding_requests)
+        return out
+
     def loads(self) -> Sequence[ReplicaLoadView]:
         """The replicas' figures as this router sees them (for the ingress's metrics)."""
         return sorted(self._views.values(), key=lambda v: v.index)

@@ -22,7 +22,7 @@
     default_class: interactive
 
 A generate model may instead of `replicas` run in pools of spot and on-demand capacity
-(serve/pools.py keeps them at their targets, SpotHedge-style):
+(serve/pools.py keeps them at their targets, SpotHedge-style; on Ray, ray/pools.py):
 
         pools:
           - {name: spot, capacity: spot, replicas: 3, overprovision: 1,
@@ -39,7 +39,10 @@ model (the gateway tokenizes), and `replicas` / `pools` are left out.
 On Ray Serve (`fleetserve serve --ray`) a model may instead of `replicas` say
 `autoscale: {min_replicas, max_replicas, target_queue_depth, upscale_delay_s,
 downscale_delay_s}`, and `placement: {num_cpus, memory_gb, resources,
-max_replicas_per_node}`; the local server refuses both rather than ignore them.
+max_replicas_per_node, spot_resource, on_demand_resource, spot_pending_s, spot_labels,
+on_demand_labels}`; the local
+server refuses both rather than ignore them. Ray refuses a pool's `notice` and a class's
+`hedge_after_s` (local server only).
 
 Unknown keys and bad values are refused with the key's path (`models[0].engine.max_num_seqs`).
 `engine:` takes EngineArgs' fields; the model list's `model` is EngineArgs.model. A fleet
@@ -188,12 +191,35 @@ class AutoscaleConfig(_Strict):
 
 class PlacementConfig(_Strict):
     """Where a model's replicas run (Ray Serve only): Ray resources per replica, and at most
-    `max_replicas_per_node` of them on one node (1 spreads them over the nodes)."""
+    `max_replicas_per_node` of them on one node (1 spreads them over the nodes).
+
+    With `pools`, a spot pool's replicas ask for a little of the custom resource
+    `spot_resource` and an on-demand pool's of `on_demand_resource`, so that they run only
+    on nodes started with it (`ray start --resources '{"spot": 1}'`). A spot replica that
+    Serve cannot run (its node was preempted and no spot node is left to place it on) for
+    `spot_pending_s` makes on-demand replicas fill in (ray/pools.py). `spot_labels` /
+    `on_demand_labels` select the nodes by Ray node labels instead of the resource (Ray's
+    `label_selector`, e.g. `{"ray.io/market-type": "spot"}`)."""
 
     num_cpus: float = Field(default=1.0, ge=0.0)
     memory_gb: float | None = Field(default=None, gt=0.0)
     resources: dict[str, float] = Field(default_factory=dict)
     max_replicas_per_node: int | None = Field(default=None, ge=1)
+    spot_resource: str = "spot"
+    on_demand_resource: str = "on_demand"
+    spot_pending_s: float = Field(default=30.0, ge=0.0, le=3600.0)
+    spot_labels: dict[str, str] | None = Field(default=None, min_length=1)
+    on_demand_labels: dict[str, str] | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> PlacementConfig:
+        for key in ("spot_resource", "on_demand_resource"):
+            value = getattr(self, key)
+            if not _NAME.match(value) or value in ("CPU", "GPU", "memory"):
+                raise ValueError(f"{key} {value!r}: a custom resource name, no spaces")
+        if self.spot_resource == self.on_demand_resource:
+            raise ValueError("spot_resource and on_demand_resource must differ")
+        return self
 
 
 class ResilienceConfig(_Strict):
@@ -386,8 +412,15 @@ class FleetConfig(_Strict):
 
     def local_only_keys(self) -> list[str]:
         """The keys `fleetserve serve --ray` does not honour, where this fleet sets them
-        (pools are provisioned by the local server's PoolController; on Ray, Serve is)."""
-        out = [f"models[{i}].pools" for i, m in enumerate(self.models) if m.pools is not None]
+        (hedging needs the local server's own replica choice; on Ray, Serve's router
+        places a call only after it is made), and spot notices (their watcher runs beside
+        the local server's replica processes)."""
+        out = [
+            f"models[{i}].pools[{j}].notice"
+            for i, m in enumerate(self.models)
+            for j, p in enumerate(m.pools or [])
+            if p.notice is not None
+        ]
         out += [f"classes.{n}.hedge_after_s" for n, c in self.classes.items() if c.hedge_after_s]
         return out
 
