@@ -85,11 +85,11 @@ def test_command_and_env_carry_fleetserve_engine_settings():
 
 def test_run_vllm_times_start_up_and_reads_the_output(tmp_path):
     # Writes two result lines and one error line to -o, as run_batch does, after a
-    # "Running batch" log line that marks the end of start-up.
+    # "Reading batch from" log line that marks the end of start-up.
     python = _fake_python(
         tmp_path,
         """out=""; while [ $# -gt 0 ]; do [ "$1" = "-o" ] && out="$2"; shift; done
-sleep 0.5; echo "INFO Running batch ..." >&2; sleep 0.3
+sleep 0.5; echo "INFO Reading batch from in.jsonl..."; sleep 0.3
 echo '{"custom_id": "line-0", "response": {"status_code": 200, "body": {"choices":
  [{"message": {"content": "Red."}}], "usage": {"completion_tokens": 3}}}, "error": null}' \
   | tr -d '\\n' > "$out"; echo >> "$out"

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 COMPARE_CHOICES = ("vllm",)
-# vLLM's run_batch logs this once the engine is up and the lines are about to be sent.
-_READY_MARK = re.compile(r"Running batch|Reading batch from")
+# vLLM's run_batch logs this once its engine is up (compiled, warmed), before reading lines.
+_READY_MARK = re.compile(r"Reading batch from")
 
 
 @dataclass(frozen=True)
@@ -121,8 +121,9 @@ def run_vllm(s: VllmSettings, inp: str, out: str, cache_root: str) -> dict[str, 
     proc = subprocess.Popen(
         cmd,
         env=vllm_env(s, cache_root, dict(os.environ)),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        # vLLM logs to stdout by default, its progress bar to stderr: read both.
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
     )
@@ -130,8 +131,8 @@ def run_vllm(s: VllmSettings, inp: str, out: str, cache_root: str) -> dict[str, 
     log: list[str] = []
 
     def read_log() -> None:
-        assert proc.stderr is not None  # Popen with stderr=PIPE always has it
-        for line in proc.stderr:
+        assert proc.stdout is not None  # Popen with stdout=PIPE always has it
+        for line in proc.stdout:
             log.append(line)
             if not ready and _READY_MARK.search(line):
                 ready.append(time.perf_counter() - t0)
