@@ -47,7 +47,7 @@ from fleetserve.ray.streams import RayStream, RequestObserver
 from fleetserve.serve.admission import ShedError
 from fleetserve.serve.base import ReplicaStreamLike
 from fleetserve.serve.fleet_config import FleetConfig, ModelEntry
-from fleetserve.serve.migration import MigratingStream
+from fleetserve.serve.migration import MigratingStream, migration_reason
 from fleetserve.serve.sla import ClassQueue, Entry, QueueFullError, ServiceClass, engine_priority
 from fleetserve.tokenizer import Tokenizer
 
@@ -425,22 +425,9 @@ class RayGenerateClient:
             cls = entry.service_class
             self._shed(cls.name, "queue_timeout")
             if not entry.payload.turn.done():
-                entry.payload.turn.set_exception(
-                    ShedError(
-                        f"the request waited {cls.max_queue_time_s:g} s in the {cls.name!r} "
-                        "queue (its max_queue_time_s) without starting; try again later",
-                        cls.name,
-                        "queue_timeout",
-                    )
-                )
+                entry.payload.turn.set_exception(ShedError.queue_timeout(cls))
         self._schedule_expiry()
 
     def _shed(self, class_name: str, reason: str) -> None:
         if self.metrics is not None:
             self.metrics.add_shed(class_name, reason)
-
-
-def migration_reason(error: ReplicaGoneError) -> str:
-    """The `reason` label of fleetserve:request_migrations_total for a lost replica."""
-    text = str(error)
-    return "drained" if "drain" in text else "stopped" if "stop" in text else "died"

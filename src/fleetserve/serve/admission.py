@@ -15,6 +15,7 @@ from fleetserve.engine.async_engine import EngineOverloadedError
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
 from fleetserve.serve.base import ReplicaStreamLike
+from fleetserve.serve.sla import ServiceClass
 
 
 class ShedError(EngineOverloadedError):
@@ -25,6 +26,17 @@ class ShedError(EngineOverloadedError):
         super().__init__(message)
         self.class_name = class_name
         self.code = code
+
+    @classmethod
+    def queue_timeout(cls, service_class: ServiceClass) -> ShedError:
+        """A request still queued past its class's max_queue_time_s."""
+        return cls(
+            f"the request waited {service_class.max_queue_time_s:g} s in the "
+            f"{service_class.name!r} queue (its max_queue_time_s) without starting; "
+            "try again later",
+            service_class.name,
+            "queue_timeout",
+        )
 
 
 @dataclass

@@ -30,6 +30,15 @@ from fleetserve.outputs import RequestOutput
 from fleetserve.serve.base import ReplicaStreamLike, StreamObserver
 
 
+def migration_reason(error: ReplicaGoneError) -> str:
+    """The `reason` label of fleetserve:request_migrations_total for a lost replica."""
+    text = str(error)
+    for word, reason in (("drain", "drained"), ("stop", "stopped"), ("hung", "hung")):
+        if word in text:
+            return reason
+    return "died"
+
+
 class MigrationLimitError(EngineDeadError):
     """The request lost its replica more times than its `migration_limit` allows."""
 

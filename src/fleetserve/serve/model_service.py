@@ -50,7 +50,7 @@ from fleetserve.outputs import RequestOutput
 from fleetserve.serve.admission import ClassObserver, Pending, PreparedPrompt, ShedError
 from fleetserve.serve.base import Replica, ReplicaStreamLike, RouteRequest
 from fleetserve.serve.fleet_config import PoolConfig, RemoteConfig, ResilienceConfig
-from fleetserve.serve.migration import MigratingStream
+from fleetserve.serve.migration import MigratingStream, migration_reason
 from fleetserve.serve.policies import make_policy
 from fleetserve.serve.pools import PoolController, prefer_spot
 from fleetserve.serve.provision import LocalProvisioner
@@ -444,14 +444,7 @@ class GenerateService:
             cls = entry.service_class
             self._shed(cls.name, "queue_timeout")
             if not entry.payload.future.done():
-                entry.payload.future.set_exception(
-                    ShedError(
-                        f"the request waited {cls.max_queue_time_s:g} s in the {cls.name!r} "
-                        "queue (its max_queue_time_s) without starting; try again later",
-                        cls.name,
-                        "queue_timeout",
-                    )
-                )
+                entry.payload.future.set_exception(ShedError.queue_timeout(cls))
         self._schedule_expiry()
 
     def _fail_queued(self, error: Callable[[], Exception]) -> None:
@@ -536,17 +529,10 @@ class GenerateService:
             return inner, replica.index
 
     def on_migrated(self, stream: MigratingStream, error: ReplicaGoneError) -> None:
-        reason = (
-            "drained"
-            if "drain" in str(error)
-            else "stopped"
-            if "stop" in str(error)
-            else ("hung" if "hung" in str(error) else "died")
-        )
         log.info("%s: request %s moves off replica %d (%s)", self.name, stream.request_id,
                  stream.replica_index, error)  # fmt: skip
         if self.metrics is not None:
-            self.metrics.add_migration(reason)
+            self.metrics.add_migration(migration_reason(error))
 
     # ------------------------------------------------------------- supervision
     def _pulse(self) -> None:
