@@ -128,6 +128,18 @@ def replica_actors(deployment: str, app: str = "fleetserve") -> dict[str, str]:
     }
 
 
+def replica_pids(deployment: str, app: str = "fleetserve") -> dict[str, int]:
+    """Actor id -> process id of the deployment's live replicas."""
+    from ray._private.state import state
+
+    name = f"ServeReplica:{app}:{deployment}"
+    return {
+        a["ActorID"]: int(a["Pid"])
+        for a in state.actor_table(None).values()
+        if a["ActorClassName"] == name and a["State"] == "ALIVE"
+    }
+
+
 def replica_nodes(deployment: str, app: str = "fleetserve") -> list[str]:
     """Node ids of the deployment's live replica actors. (The GCS's actor table: the public
     state API needs the dashboard, which these small clusters leave out.)"""
