@@ -97,6 +97,12 @@ def test_gateway_objects_validate_and_route_over_every_generate_models_pods() ->
     monitor = objs["servicemonitor.yaml"]["spec"]["selector"]
     scraped = {s["metadata"]["name"] for s in services if selects(monitor, s["metadata"]["labels"])}
     assert scraped == {"fleetserve-gateway"} | {s["metadata"]["name"] for s in headless.values()}
+    # /metrics takes the API key: the scrape sends the Secret's (else every target is 401).
+    (endpoint,) = objs["servicemonitor.yaml"]["spec"]["endpoints"]
+    assert endpoint["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": "fleet-key", "key": "token"},
+    }
 
 
 def test_without_a_secret_nothing_names_a_key() -> None:
@@ -106,6 +112,7 @@ def test_without_a_secret_nothing_names_a_key() -> None:
     for d in (o for o in objs.values() if o["kind"] == "Deployment"):
         env = d["spec"]["template"]["spec"]["containers"][0]["env"]
         assert [e["name"] for e in env] == ["FLEETSERVE_CACHE"]
+    assert "authorization" not in objs["servicemonitor.yaml"]["spec"]["endpoints"][0]
 
 
 def _with(path: str, value: Any, fleet: dict[str, Any] = GW_FLEET) -> dict[str, Any]:

@@ -231,8 +231,14 @@ def _render_pods(fleet: FleetConfig, opts: RenderOptions, slugs: dict[str, str])
         # Requests wait in the gateway's class queues: its series are the queue depth.
         selector = {"app.kubernetes.io/name": "fleetserve"}
         services = ("pods", "gateway")
+    key = opts.api_key
     monitor = monitoring.service_monitor(
-        "fleetserve", opts.namespace, selector, dict(opts.monitor_labels), services=services
+        "fleetserve",
+        opts.namespace,
+        selector,
+        dict(opts.monitor_labels),
+        services=services,
+        api_key=(key.name, key.key) if key is not None else None,
     )
     return [*out, Manifest("servicemonitor.yaml", monitor)]
 
