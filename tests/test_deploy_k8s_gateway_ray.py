@@ -149,8 +149,6 @@ def test_what_cannot_work_is_refused_with_the_key(
 def test_bad_flags_are_refused_with_the_flag() -> None:
     with pytest.raises(ValueError, match="--gateway and --ray"):
         RenderOptions(gateway=GatewaySettings(), ray=kuberay.RaySettings())
-    with pytest.raises(ValueError, match="--monitor-label: --ray renders no ServiceMonitor"):
-        RenderOptions(ray=kuberay.RaySettings(), monitor_labels=(("release", "kps"),))
     with pytest.raises(ValueError, match="--port 9000: with --ray"):
         RenderOptions(ray=kuberay.RaySettings(), port=9000)
     with pytest.raises(ValueError, match="--gateway-cpu '2 cores'"):
@@ -168,10 +166,40 @@ def test_bad_flags_are_refused_with_the_flag() -> None:
 
 def _ray_service(**opts: Any) -> dict[str, Any]:
     objs = render(FLEET, ray=kuberay.RaySettings(), **opts)
-    # The RayService runs the fleet: no pools of Deployments beside it (they would run it twice).
-    assert sorted(objs) == ["kustomization.yaml", "namespace.yaml", "rayservice.yaml"]
-    assert objs["kustomization.yaml"]["resources"] == ["namespace.yaml", "rayservice.yaml"]
+    # The RayService runs the fleet: no pools of Deployments beside it (they would run it
+    # twice); Prometheus scrapes the ingress through the head's Serve proxy.
+    files = ["namespace.yaml", "rayservice.yaml", "ray-metrics-service.yaml", "servicemonitor.yaml"]
+    assert sorted(objs) == sorted([*files, "kustomization.yaml"])
+    assert objs["kustomization.yaml"]["resources"] == files
     return objs["rayservice.yaml"]
+
+
+def test_ray_metrics_are_scraped_from_the_head() -> None:
+    objs = render(FLEET, ray=kuberay.RaySettings(), namespace="llm",
+                  monitor_labels=(("release", "kps"),), api_key=SecretRef("fleet-key"))  # fmt: skip
+    service, monitor = objs["ray-metrics-service.yaml"], objs["servicemonitor.yaml"]
+    for obj in (service, monitor):
+        validate(obj)
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    assert selects(monitor["spec"]["selector"], service["metadata"]["labels"])
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["llm"]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    (port,) = service["spec"]["ports"]
+    assert endpoint["port"] == port["name"] and endpoint["path"] == "/metrics"
+    assert endpoint["authorization"]["credentials"] == {"name": "fleet-key", "key": "api-key"}
+    # The Service picks the head pod, at its Serve proxy's port (where the ingress answers).
+    head = objs["rayservice.yaml"]["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    assert selects({"matchLabels": service["spec"]["selector"]}, head["metadata"]["labels"])
+    (container,) = head["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports[port["targetPort"]] == kuberay.SERVE_PORT == port["port"]
+    workers = objs["rayservice.yaml"]["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert all(
+        not selects(
+            {"matchLabels": service["spec"]["selector"]}, g["template"]["metadata"]["labels"]
+        )
+        for g in workers
+    )
 
 
 def test_ray_service_validates_and_carries_the_fleet() -> None:
