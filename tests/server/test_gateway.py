@@ -8,6 +8,8 @@ signalled, by pid."""
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import os
 import signal
 from collections.abc import Iterator
@@ -308,3 +310,57 @@ def test_a_request_waits_for_a_pod_to_come_up(
         gateway.stop()
         if pod is not None:
             pod.stop()
+
+
+def test_a_dns_name_that_lists_no_pod_yet(
+    tiny_llama: str,
+    pods: list[ServerProc],
+    reference: list[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool at zero behind `remote: {dns}`: the headless Service's name does not resolve
+    (no ready pod). The model starts with no replica, a request waits; once the name lists
+    a pod, the next refresh adds it and the request completes as on an undisturbed pod.
+    In-process: the gateway's GenerateService with the resolver stood in for."""
+    from fleetserve.entrypoints.openai.protocol import CompletionRequest
+    from fleetserve.entrypoints.openai.serving_completion import completion_inputs
+    from fleetserve.metrics import ServerMetrics
+    from fleetserve.serve.fleet_config import parse_fleet_config
+    from fleetserve.serve.registry import build_registry
+    from fleetserve.serve.remote_pool import RemoteTargets
+
+    listed: list[str] = []
+
+    async def resolve(self: RemoteTargets) -> list[str]:
+        if not listed:
+            raise OSError("Name or service not known")  # what a Service without pods gives
+        return list(listed)
+
+    monkeypatch.setattr(RemoteTargets, "resolve", resolve)
+    monkeypatch.setenv("POD_KEY", POD_KEY)
+    remote = {"dns": "fleetserve-tiny-pods.llm.svc:8000", "refresh_s": 0.2,
+              "poll_interval_s": 0.25, "api_key_env": "POD_KEY"}  # fmt: skip
+    fleet = parse_fleet_config(
+        {"models": [{"name": "tiny", "model": tiny_llama, "remote": remote}]}
+    )
+    service: Any = build_registry(fleet, ServerMetrics()).get("tiny", "generate")
+    body = requests(1)[0]
+    prompts, params = completion_inputs(CompletionRequest(model="tiny", **body))
+
+    async def main() -> str:
+        await service.start(60)
+        try:
+            sent = asyncio.create_task(service.admit("r0", prompts, lambda: copy.copy(params)))
+            await asyncio.sleep(1.0)  # several refreshes that find nothing
+            assert not sent.done() and service.num_waiting("default") == 1
+            assert not service.is_ready and service.dead_reason is None  # waiting, not dead
+            listed.append(pods[1].url)
+            (stream,) = await asyncio.wait_for(sent, 60)
+            text = ""
+            async for out in stream:
+                text = out.outputs[0].text
+            return text
+        finally:
+            await service.shutdown()
+
+    assert asyncio.run(main()) == reference[0]["text"]
