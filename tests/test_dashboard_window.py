@@ -126,12 +126,14 @@ def test_snapshot_rates_errors_and_percentiles_per_model_and_class() -> None:
     gen = metrics.model("gen")
     for ttft in (0.03, 0.03, 0.03, 0.3):
         gen.observe_latency("interactive", ttft, ttft + 0.5, num_tokens=11)
-        metrics.count_response("gen", "interactive", 200)
-    metrics.count_response("gen", "interactive", 503)  # an error
-    metrics.count_response("gen", "batch", 499)  # a client that left: not an error
+        metrics.count_response("gen", "interactive", "/v1/completions", 200)
+    metrics.count_response("gen", "interactive", "/v1/completions", 503)  # an error
+    metrics.count_response(
+        "gen", "batch", "/v1/chat/completions", 499
+    )  # a client that left: not an error
     gen.add_generation_tokens(40)
     gen.add_migration("drained")
-    metrics.count_response("emb", "", 200)
+    metrics.count_response("emb", "", "/v1/embeddings", 200)
     clock[0] += 5.0
     snap = snaps.take()
     g, e = snap["models"]

@@ -33,6 +33,7 @@ def test_dashboard_panels_are_distinct_and_laid_out() -> None:
     for needed in ("num_requests_waiting", "num_requests_running", "time_to_first_token",
                    "time_per_output_token", "e2e_request_latency", "kv_cache_usage_perc",
                    "prefix_cache_hits", "replica_healthy", "batch_size", "requests_shed",
+                   "http_requests_total", "status_class",
                    "histogram_quantile(0.5", "histogram_quantile(0.99"):  # fmt: skip
         assert needed in exprs, needed
 

@@ -23,9 +23,8 @@ from fleetserve.serve.fleet_config import parse_fleet_config
 from k8s_schemas import validate
 from test_deploy_k8s import FLEET
 
-# The shared fleet with every generate pool kept at one pod at least (the gateway needs it).
-GW_FLEET = copy.deepcopy(FLEET)
-GW_FLEET["models"][0]["deploy"]["min_replicas"] = 1
+# The shared fleet: its `chat` pool scales to zero (min_replicas 0), behind the gateway too.
+GW_FLEET = FLEET
 
 
 def render(fleet: dict[str, Any] = GW_FLEET, **opts: Any) -> dict[str, dict[str, Any]]:
@@ -83,16 +82,11 @@ def test_gateway_objects_validate_and_route_over_every_generate_models_pods() ->
     for d in (o for o in objs.values() if o["kind"] == "Deployment"):
         assert secret_env in d["spec"]["template"]["spec"]["containers"][0]["env"]
     assert dep["spec"]["replicas"] == 3
+    # It does not wait for pods (a pool may be at zero: its requests wait in the gateway).
     probes = {
         p: c[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe")
     }
-    assert probes == {
-        "startupProbe": "/health",
-        "readinessProbe": "/live",
-        "livenessProbe": "/live",
-    }
-    startup = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
-    assert startup >= 900  # at least the pods' own startup budget: it waits for them
+    assert probes == dict.fromkeys(("startupProbe", "readinessProbe", "livenessProbe"), "/live")
     assert pod["affinity"] == scheduling.node_affinity("on_demand")
 
     # The Service and PDB pick the gateway's pods; the ServiceMonitor scrapes the gateway
@@ -103,6 +97,12 @@ def test_gateway_objects_validate_and_route_over_every_generate_models_pods() ->
     monitor = objs["servicemonitor.yaml"]["spec"]["selector"]
     scraped = {s["metadata"]["name"] for s in services if selects(monitor, s["metadata"]["labels"])}
     assert scraped == {"fleetserve-gateway"} | {s["metadata"]["name"] for s in headless.values()}
+    # /metrics takes the API key: the scrape sends the Secret's (else every target is 401).
+    (endpoint,) = objs["servicemonitor.yaml"]["spec"]["endpoints"]
+    assert endpoint["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": "fleet-key", "key": "token"},
+    }
 
 
 def test_without_a_secret_nothing_names_a_key() -> None:
@@ -112,6 +112,7 @@ def test_without_a_secret_nothing_names_a_key() -> None:
     for d in (o for o in objs.values() if o["kind"] == "Deployment"):
         env = d["spec"]["template"]["spec"]["containers"][0]["env"]
         assert [e["name"] for e in env] == ["FLEETSERVE_CACHE"]
+    assert "authorization" not in objs["servicemonitor.yaml"]["spec"]["endpoints"][0]
 
 
 def _with(path: str, value: Any, fleet: dict[str, Any] = GW_FLEET) -> dict[str, Any]:
@@ -127,8 +128,6 @@ def _with(path: str, value: Any, fleet: dict[str, Any] = GW_FLEET) -> dict[str, 
 @pytest.mark.parametrize(
     "fleet,opts,message",
     [
-        (FLEET, {"gateway": GatewaySettings()},
-         r"models\[0\]\.deploy\.min_replicas \(model 'chat'\): 0 with --gateway"),
         ({"models": [FLEET["models"][2]]}, {"gateway": GatewaySettings()},
          "--gateway: the fleet has no generate model"),
         (_with("models.2.name", "gateway"), {"gateway": GatewaySettings()},
@@ -150,8 +149,6 @@ def test_what_cannot_work_is_refused_with_the_key(
 def test_bad_flags_are_refused_with_the_flag() -> None:
     with pytest.raises(ValueError, match="--gateway and --ray"):
         RenderOptions(gateway=GatewaySettings(), ray=kuberay.RaySettings())
-    with pytest.raises(ValueError, match="--monitor-label: --ray renders no ServiceMonitor"):
-        RenderOptions(ray=kuberay.RaySettings(), monitor_labels=(("release", "kps"),))
     with pytest.raises(ValueError, match="--port 9000: with --ray"):
         RenderOptions(ray=kuberay.RaySettings(), port=9000)
     with pytest.raises(ValueError, match="--gateway-cpu '2 cores'"):
@@ -169,10 +166,40 @@ def test_bad_flags_are_refused_with_the_flag() -> None:
 
 def _ray_service(**opts: Any) -> dict[str, Any]:
     objs = render(FLEET, ray=kuberay.RaySettings(), **opts)
-    # The RayService runs the fleet: no pools of Deployments beside it (they would run it twice).
-    assert sorted(objs) == ["kustomization.yaml", "namespace.yaml", "rayservice.yaml"]
-    assert objs["kustomization.yaml"]["resources"] == ["namespace.yaml", "rayservice.yaml"]
+    # The RayService runs the fleet: no pools of Deployments beside it (they would run it
+    # twice); Prometheus scrapes the ingress through the head's Serve proxy.
+    files = ["namespace.yaml", "rayservice.yaml", "ray-metrics-service.yaml", "servicemonitor.yaml"]
+    assert sorted(objs) == sorted([*files, "kustomization.yaml"])
+    assert objs["kustomization.yaml"]["resources"] == files
     return objs["rayservice.yaml"]
+
+
+def test_ray_metrics_are_scraped_from_the_head() -> None:
+    objs = render(FLEET, ray=kuberay.RaySettings(), namespace="llm",
+                  monitor_labels=(("release", "kps"),), api_key=SecretRef("fleet-key"))  # fmt: skip
+    service, monitor = objs["ray-metrics-service.yaml"], objs["servicemonitor.yaml"]
+    for obj in (service, monitor):
+        validate(obj)
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    assert selects(monitor["spec"]["selector"], service["metadata"]["labels"])
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["llm"]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    (port,) = service["spec"]["ports"]
+    assert endpoint["port"] == port["name"] and endpoint["path"] == "/metrics"
+    assert endpoint["authorization"]["credentials"] == {"name": "fleet-key", "key": "api-key"}
+    # The Service picks the head pod, at its Serve proxy's port (where the ingress answers).
+    head = objs["rayservice.yaml"]["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    assert selects({"matchLabels": service["spec"]["selector"]}, head["metadata"]["labels"])
+    (container,) = head["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports[port["targetPort"]] == kuberay.SERVE_PORT == port["port"]
+    workers = objs["rayservice.yaml"]["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert all(
+        not selects(
+            {"matchLabels": service["spec"]["selector"]}, g["template"]["metadata"]["labels"]
+        )
+        for g in workers
+    )
 
 
 def test_ray_service_validates_and_carries_the_fleet() -> None:

@@ -4,7 +4,8 @@ Ray resources, plus a decoy node with CPUs only. The rendered `serveConfigV2` is
 the way KubeRay applies it (Serve's controller builds the application from the config,
 calling `build_app_from_args` with the fleet file), with the API key in the cluster's
 environment as the Secret would put it. Each model's replicas must land on its own
-group's node, never on the decoy, and the fleet must answer through Serve's proxy."""
+group's node, never on the decoy, and the fleet must answer through Serve's proxy; a
+model's pools, each on its capacity's group (spot / on-demand)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,43 @@ def test_the_rendered_serve_config_runs_each_model_on_its_group(tiny_llama: str)
             openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0).models.list()
         assert [node_of[n] for n in replica_nodes("model-tiny")] == ["fleetserve-tiny"]
         assert [node_of[n] for n in replica_nodes("model-classifier")] == ["fleetserve-classifier"]
+
+
+def test_the_pools_of_a_model_run_on_their_capacity_groups(tiny_llama: str) -> None:
+    """A model with spot and on-demand pools: the rendered worker groups (one per capacity)
+    as nodes, plus a decoy; each pool's replica lands on its own capacity's node."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    fleet = {
+        "models": [
+            {"name": "tiny", "model": tiny_llama,
+             "engine": {"max_num_seqs": 4, "num_threads": 1, "max_model_len": 256},
+             "pools": [{"name": "spot", "capacity": "spot", "replicas": 1},
+                       {"name": "base", "capacity": "on_demand", "replicas": 1}],
+             "deploy": {"cpu": "1"}},
+        ],
+    }  # fmt: skip
+    objs = render_fleet(parse_fleet_config(fleet), RenderOptions(ray=RaySettings()))
+    (rs,) = [m.obj for m in objs if m.obj["kind"] == "RayService"]
+    groups = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert [g["minReplicas"] for g in groups] == [1, 1]  # a pod each: one node per group
+    nodes = [{k: float(v) for k, v in g["resources"].items()} for g in groups]
+    config = ServeDeploySchema.model_validate(yaml.safe_load(rs["spec"]["serveConfigV2"]))
+    with ray_cluster(env={"FLEETSERVE_API_KEY": KEY}, worker_resources=[*nodes, {"CPU": 2.0}]) as (
+        _,
+        base_url,
+    ):
+        kind_of = {
+            n["NodeID"]: next((k for k in ("spot", "on_demand") if k in n["Resources"]), "decoy")
+            for n in ray.nodes()
+            if n["Alive"]
+        }
+        _get_global_client().deploy_apps(config)
+        wait_healthy(base_url)
+        c = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        out = c.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
+        assert out.usage is not None and out.usage.completion_tokens == 4
+        assert [kind_of[n] for n in replica_nodes("model-tiny--spot")] == ["spot"]
+        assert [kind_of[n] for n in replica_nodes("model-tiny--base")] == ["on_demand"]
+        assert [kind_of[n] for n in replica_nodes("ingress")] == ["on_demand"]

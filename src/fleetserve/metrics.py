@@ -102,10 +102,10 @@ class ServerMetrics:
         )  # fmt: skip
         self.http_requests = Counter(
             "fleetserve:http_requests",
-            "HTTP requests for a model, by class and the status their outcome stands for "
-            "(a stream that failed after its 200 counts as its error's status; 499: the "
-            "client left).",
-            ["model_name", "class", "status"], registry=r,
+            "HTTP requests for a model, by class, route (the path's template, e.g. "
+            "/v1/chat/completions) and the status their outcome stands for (a stream that "
+            "failed after its 200 counts as its error's status; 499: the client left).",
+            ["model_name", "class", "route", "status"], registry=r,
         )  # fmt: skip
         self.batch_size = Histogram(
             "fleetserve:batch_size",
@@ -119,10 +119,11 @@ class ServerMetrics:
         )  # fmt: skip
         self.models: dict[str, ModelMetrics] = {}
 
-    def count_response(self, model_name: str, class_name: str, status: int) -> None:
-        """One HTTP request for a known model (names clients send that match no model
-        are never labels: they would make series without bound)."""
-        self.http_requests.labels(model_name, class_name, str(status)).inc()
+    def count_response(self, model_name: str, class_name: str, route: str, status: int) -> None:
+        """One HTTP request for a known model on one of the server's routes (names clients
+        send that match no model, and raw paths, are never labels: they would make series
+        without bound)."""
+        self.http_requests.labels(model_name, class_name, route, str(status)).inc()
 
     def model(self, model_name: str) -> ModelMetrics:
         if model_name not in self.models:

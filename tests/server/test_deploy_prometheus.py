@@ -278,6 +278,13 @@ def test_every_dashboard_query_runs_and_returns_data(stack: Stack) -> None:
 
     ok = wait_until(all_have_data, timeout_s=30, interval_s=1.0)
     assert ok, [e for e, q in substituted.items() if not stack.query(q)["result"]]
+    # The HTTP panel's series: by route template (not the raw path) and status class.
+    (http,) = [p for p in board["panels"] if p["title"].startswith("HTTP requests")]
+    series = stack.query(substituted[http["targets"][0]["expr"]])["result"]
+    got = {(s["metric"]["route"], s["metric"]["status_class"]) for s in series}
+    want = {("/v1/completions", "2xx"), ("/v1/completions", "5xx"),
+            ("/v1/models/{name}:predict", "2xx")}  # fmt: skip
+    assert want <= got, got
     # Variables: label_values(metric{...}, label) is Grafana's; its series query must work.
     for v in board["templating"]["list"]:
         if v["type"] == "query":

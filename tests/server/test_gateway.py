@@ -2,21 +2,25 @@
 in for Kubernetes pods, and a `fleetserve serve --config` gateway routes over them
 (`remote: {urls: [...]}`). Streams through the gateway must equal a direct run on a pod,
 also when the pod holding them is drained by the gateway's admin API, SIGTERMed (it
-answers 503 draining) or killed (-9) mid-stream. Only processes this test started are
+answers 503 draining) or killed (-9) mid-stream, and a request for a model whose pods are
+at zero waits in the gateway until a pod comes up. Only processes this test started are
 signalled, by pid."""
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import os
 import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
 import pytest
-from server_proc import ServerProc, metric, scrape, wait_until
+from server_proc import ServerProc, free_port, metric, scrape, wait_until
 from test_chaos import MAX_TOKENS, STEP_DELAY_S, requests, run_streams
 
 from fleetserve.serve.remote_wire import GENERATE_PATH, LOAD_PATH, MSGPACK
@@ -25,14 +29,20 @@ POD_KEY = "pod-secret"
 AUTH = {"Authorization": f"Bearer {POD_KEY}"}
 
 
+def start_pod(tiny_llama: str, port: int | None = None) -> ServerProc:
+    """A pod; `port`: one chosen before it starts (a gateway's config already names it)."""
+    env = {"FLEETSERVE_DEBUG_STEP_DELAY_S": STEP_DELAY_S}
+    at = ["--port", str(port)] if port is not None else []  # the last --port wins
+    pod = ServerProc(tiny_llama, "--served-model-name", "tiny", "--api-key", POD_KEY,
+                     "--drain-timeout", "2", "--max-num-seqs", "16", *at, env=env)  # fmt: skip
+    if port is not None:
+        pod.port, pod.url = port, f"http://127.0.0.1:{port}"
+    return pod
+
+
 @pytest.fixture(scope="module")
 def pods(tiny_llama: str) -> Iterator[list[ServerProc]]:
-    env = {"FLEETSERVE_DEBUG_STEP_DELAY_S": STEP_DELAY_S}
-    procs = [
-        ServerProc(tiny_llama, "--served-model-name", "tiny", "--api-key", POD_KEY,
-                   "--drain-timeout", "2", "--max-num-seqs", "16", env=env)
-        for _ in range(3)
-    ]  # fmt: skip
+    procs = [start_pod(tiny_llama) for _ in range(3)]
     try:
         yield [p.wait_ready() for p in procs]
     finally:
@@ -254,3 +264,103 @@ def test_pod_killed_mid_stream(
 
     check_same(run_streams(gateway.url, requests(6), during=kill), reference)
     assert metric(scrape(gateway.url), "fleetserve:request_migrations_total", reason="died") > died
+
+
+def test_a_request_waits_for_a_pod_to_come_up(
+    tiny_llama: str, reference: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """Scale from zero: the gateway starts with its model's pod down and serves (/live; not
+    /ready, which says a model has no pod). A request waits in its queue, counted in the
+    gateway's queue depth (what KEDA reads to start a pod); then the pod starts and the
+    request completes as on an undisturbed pod."""
+    port = free_port()
+    config = tmp_path / "fleet.yaml"
+    config.write_text(
+        f"models:\n  - name: tiny\n    model: {tiny_llama}\n"
+        "    resilience: {migration_wait_s: 200}\n"  # a loaded machine may start pods slowly
+        f"    remote: {{urls: ['http://127.0.0.1:{port}'], poll_interval_s: 0.25, "
+        "api_key_env: POD_KEY}\n"
+    )
+    gateway = ServerProc(None, "--config", str(config), env={"POD_KEY": POD_KEY})
+    pod: ServerProc | None = None
+
+    def status(path: str) -> int:
+        assert gateway.proc.poll() is None, gateway.output()
+        try:
+            return httpx.get(gateway.url + path, timeout=5).status_code
+        except httpx.HTTPError:
+            return 0
+
+    waiting = "fleetserve:num_requests_waiting"
+    try:
+        assert wait_until(lambda: status("/live") == 200, 120, 0.2), gateway.output()
+        assert status("/ready") == 503
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(run_streams, gateway.url, requests(1))
+            assert wait_until(lambda: metric(scrape(gateway.url), waiting, model_name="tiny") == 1,
+                              30), scrape(gateway.url)  # fmt: skip
+            assert not sent.done()
+            pod = start_pod(tiny_llama, port)
+            pod.wait_ready()
+            got = sent.result(timeout=180)
+        check_same(got, reference[:1])
+        assert metric(scrape(gateway.url), waiting, model_name="tiny") == 0
+        assert status("/ready") == 200
+    finally:
+        gateway.stop()
+        if pod is not None:
+            pod.stop()
+
+
+def test_a_dns_name_that_lists_no_pod_yet(
+    tiny_llama: str,
+    pods: list[ServerProc],
+    reference: list[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool at zero behind `remote: {dns}`: the headless Service's name does not resolve
+    (no ready pod). The model starts with no replica, a request waits; once the name lists
+    a pod, the next refresh adds it and the request completes as on an undisturbed pod.
+    In-process: the gateway's GenerateService with the resolver stood in for."""
+    from fleetserve.entrypoints.openai.protocol import CompletionRequest
+    from fleetserve.entrypoints.openai.serving_completion import completion_inputs
+    from fleetserve.metrics import ServerMetrics
+    from fleetserve.serve.fleet_config import parse_fleet_config
+    from fleetserve.serve.registry import build_registry
+    from fleetserve.serve.remote_pool import RemoteTargets
+
+    listed: list[str] = []
+
+    async def resolve(self: RemoteTargets) -> list[str]:
+        if not listed:
+            raise OSError("Name or service not known")  # what a Service without pods gives
+        return list(listed)
+
+    monkeypatch.setattr(RemoteTargets, "resolve", resolve)
+    monkeypatch.setenv("POD_KEY", POD_KEY)
+    remote = {"dns": "fleetserve-tiny-pods.llm.svc:8000", "refresh_s": 0.2,
+              "poll_interval_s": 0.25, "api_key_env": "POD_KEY"}  # fmt: skip
+    fleet = parse_fleet_config(
+        {"models": [{"name": "tiny", "model": tiny_llama, "remote": remote}]}
+    )
+    service: Any = build_registry(fleet, ServerMetrics()).get("tiny", "generate")
+    body = requests(1)[0]
+    prompts, params = completion_inputs(CompletionRequest(model="tiny", **body))
+
+    async def main() -> str:
+        await service.start(60)
+        try:
+            sent = asyncio.create_task(service.admit("r0", prompts, lambda: copy.copy(params)))
+            await asyncio.sleep(1.0)  # several refreshes that find nothing
+            assert not sent.done() and service.num_waiting("default") == 1
+            assert not service.is_ready and service.dead_reason is None  # waiting, not dead
+            listed.append(pods[1].url)
+            (stream,) = await asyncio.wait_for(sent, 60)
+            text = ""
+            async for out in stream:
+                text = out.outputs[0].text
+            return text
+        finally:
+            await service.shutdown()
+
+    assert asyncio.run(main()) == reference[0]["text"]

@@ -118,6 +118,9 @@ def test_4xx_requests_are_logged_with_what_is_known(ops_fleet: ServerProc) -> No
     assert line_for(ops_fleet, r.headers["x-request-id"])["status"] == 404
     values = scrape(url, AUTH)
     assert metric(values, "fleetserve:http_requests_total", model_name="chat-a", status="400") >= 1
+    # By route: the matched route's template (one series per route, whatever the path).
+    chat_400 = {"model_name": "chat-a", "status": "400", "route": "/v1/completions"}
+    assert metric(values, "fleetserve:http_requests_total", **chat_400) >= 1
     assert metric(values, "fleetserve:http_requests_total", model_name="nope") == 0
     assert 'class="gold"' not in "".join(values)
 

@@ -11,6 +11,14 @@ or removes join and leave): one endpoint routes over the pods with the model's `
 (prefix affinity), the fleet's classes, and moves requests off pods that die or drain.
 The gateway tokenizes, so `model` and `engine` stay (its image needs the model files).
 Embed and custom models cannot be remote; they stay at their own Services.
+
+Scale to zero: a model with `deploy.min_replicas: 0` may have no pod. The gateway starts
+and serves without one; a request for it waits in the gateway's class queue (up to the
+model's `resilience.migration_wait_s`, or its class's `max_queue_time_s`) and is counted in
+the gateway's `fleetserve:num_requests_waiting{model_name}`, which the ServiceMonitor
+scrapes and the model's ScaledObject sums: KEDA activates the Deployment, the pod turns
+ready, the headless Service lists it, the gateway's next DNS refresh adds it, and the
+request is sent there.
 """
 
 from __future__ import annotations
@@ -25,8 +33,6 @@ from fleetserve.serve.deploy_config import DeployConfig
 from fleetserve.serve.fleet_config import FleetConfig, parse_fleet_config
 
 GATEWAY_NAME = "fleetserve-gateway"
-# The gateway loads tokenizers, then waits for a ready pod of every model.
-STARTUP_MARGIN_S = 60
 # What a gateway entry keeps: how to tokenize, route and survive; the replicas are remote.
 _KEPT_KEYS = ("name", "kind", "model", "routing", "engine", "resilience")
 
@@ -50,19 +56,9 @@ def pods_dns(slug: str, namespace: str, port: int) -> str:
 
 
 def check_fleet(fleet: FleetConfig) -> None:
-    """What the gateway cannot do yet, refused with the key's path."""
+    """What the gateway cannot do, refused with the key's path."""
     if not any(m.kind == "generate" for m in fleet.models):
         raise ValueError("--gateway: the fleet has no generate model to route")
-    for i, m in enumerate(fleet.models):
-        deploy = m.deploy or DeployConfig()
-        if m.kind == "generate" and deploy.min_replicas == 0:
-            # serve/: a remote model's start waits for a pod, and with no pod a request is
-            # refused (not queued), so the queue depth KEDA wakes a pool on never rises.
-            raise ValueError(
-                f"models[{i}].deploy.min_replicas (model {m.name!r}): 0 with --gateway; the "
-                "gateway waits for a pod of every model and refuses a model's requests while "
-                "it has none, so a pool at zero would never wake: give min_replicas >= 1"
-            )
 
 
 def gateway_fleet_file(
@@ -105,12 +101,9 @@ def render_gateway(
     labels = {**selector, "app.kubernetes.io/component": "gateway"}
     meta = {"name": name, "namespace": namespace, "labels": labels}
     fleet_yaml = dump_yaml(gateway_fleet_file(fleet, slugs, namespace, port, api_key is not None))
-    startup_s = max((m.deploy or DeployConfig()).startup_timeout_s for m in fleet.models)
-    deploy = DeployConfig(
-        cpu=settings.cpu,
-        memory=settings.memory,
-        startup_timeout_s=startup_s + STARTUP_MARGIN_S,
-    )
+    # Started once it answers (tokenizers load before the port is bound): it does not
+    # wait for pods, which may be at zero.
+    deploy = DeployConfig(cpu=settings.cpu, memory=settings.memory)
     pod = pods.PodSettings(
         image=image,
         port=port,
@@ -118,6 +111,7 @@ def render_gateway(
         config_sha256=hashlib.sha256(fleet_yaml.encode()).hexdigest(),
         api_key=api_key,
         readiness_path="/live",
+        startup_path="/live",
     )
     deployment = pods.deployment(name, namespace, labels, selector, deploy, pod)
     # Not scaled by KEDA: the gateway's own count. Its pods are on-demand nodes (a gateway

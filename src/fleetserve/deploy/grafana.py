@@ -60,6 +60,13 @@ PANELS: tuple[Panel, ...] = (
          f"({_rate('fleetserve:request_success_total', _M)})",
          "{{model_name}} {{finished_reason}}"),
     )),
+    Panel("HTTP requests / s by route and status class", "reqps", (
+        (f"sum by (model_name, route, status_class) (label_replace("
+         f"{_rate('fleetserve:http_requests_total', _MC)}, "
+         '"status_class", "${1}xx", "status", "([0-9]).*"))',
+         "{{model_name}} {{route}} {{status_class}}"),
+    ), "Every answer to a model's request, by the status its outcome stands for (a stream "
+       "that failed after its 200 counts as its error; 499: the client left)."),
     Panel("Requests shed / s (errors) by class and reason", "reqps", (
         (f"sum by (model_name, class, reason) ({_rate('fleetserve:requests_shed_total', _MC)})",
          "{{model_name}} {{class}} {{reason}}"),

@@ -7,7 +7,8 @@ PodDisruptionBudget and a KEDA ScaledObject on the model's queue depth. For the 
 Namespace, one ServiceMonitor and a kustomization.yaml (`kubectl apply -k DIR`).
 
 `--gateway` adds one endpoint over every model's pods (deploy/gateway.py); `--ray` renders
-the fleet as one KubeRay RayService instead of the pools (deploy/kuberay.py). With
+the fleet as one KubeRay RayService instead of the pools (deploy/kuberay.py), with a
+Service of its head's Serve proxy for the ServiceMonitor (the ingress's /metrics). With
 `--api-key-secret NAME[:KEY]` every server takes its API key from that Secret.
 """
 
@@ -52,8 +53,6 @@ class RenderOptions:
     def __post_init__(self) -> None:
         if self.gateway is not None and self.ray is not None:
             raise ValueError("--gateway and --ray: on Ray the fleet's ingress is the gateway")
-        if self.ray is not None and self.monitor_labels:
-            raise ValueError("--monitor-label: --ray renders no ServiceMonitor")
         if self.ray is not None and self.port != kuberay.SERVE_PORT:
             raise ValueError(f"--port {self.port}: with --ray, Serve's proxy listens on 8000")
         if len(self.namespace) > 63 or not _DNS_LABEL.match(self.namespace):
@@ -175,12 +174,13 @@ def render_pool(fleet: FleetConfig, entry: ModelEntry, opts: RenderOptions) -> l
 
 def render_fleet(fleet: FleetConfig, opts: RenderOptions) -> list[Manifest]:
     for i, m in enumerate(fleet.models):
-        if m.pools is not None:
+        if m.pools is not None and opts.ray is None:
             # Inside one pod, spot and on-demand replicas would share that pod's node.
             raise ValueError(
                 f"models[{i}].pools (model {m.name!r}): on Kubernetes a pool is a set of "
                 "pods on spot or on-demand nodes: give the model `deploy: {pool: spot}` (one "
-                "model entry per pool) instead of `pools:`, which is for one server's replicas"
+                "model entry per pool) instead of `pools:`, which is for one server's "
+                "replicas, or render it with --ray (a worker group per capacity)"
             )
     slugs = [model_slug(m.name) for m in fleet.models]
     for i, slug in enumerate(slugs):
@@ -205,6 +205,9 @@ def render_fleet(fleet: FleetConfig, opts: RenderOptions) -> list[Manifest]:
             fleet, opts.ray, by_name, opts.namespace, opts.image, opts.api_key
         )
         out.append(Manifest("rayservice.yaml", obj))
+        service = kuberay.metrics_service(opts.namespace, monitoring.SERVICE_LABEL)
+        selector = {"app.kubernetes.io/name": "fleetserve", monitoring.SERVICE_LABEL: "ray"}
+        out += [Manifest("ray-metrics-service.yaml", service), _monitor(opts, selector, ())]
     else:
         out += _render_pods(fleet, opts, by_name)
     kustomization = {
@@ -231,10 +234,20 @@ def _render_pods(fleet: FleetConfig, opts: RenderOptions, slugs: dict[str, str])
         # Requests wait in the gateway's class queues: its series are the queue depth.
         selector = {"app.kubernetes.io/name": "fleetserve"}
         services = ("pods", "gateway")
+    return [*out, _monitor(opts, selector, services)]
+
+
+def _monitor(opts: RenderOptions, selector: dict[str, str], services: tuple[str, ...]) -> Manifest:
+    key = opts.api_key
     monitor = monitoring.service_monitor(
-        "fleetserve", opts.namespace, selector, dict(opts.monitor_labels), services=services
+        "fleetserve",
+        opts.namespace,
+        selector,
+        dict(opts.monitor_labels),
+        services=services,
+        api_key=(key.name, key.key) if key is not None else None,
     )
-    return [*out, Manifest("servicemonitor.yaml", monitor)]
+    return Manifest("servicemonitor.yaml", monitor)
 
 
 def write_manifests(manifests: list[Manifest], out_dir: str) -> list[Path]:

@@ -13,6 +13,7 @@ A worker pod of model M offers Ray the custom resource `fleetserve-M` = M's `rep
 one `fleetserve-M` and its share of the CPUs, so M's replicas land only on M's pods. Serve
 autoscales M between deploy.min_replicas and deploy.max_replicas pods' worth of replicas
 on the queue depth (`autoscale:`, ray/autoscale.py), with deploy.target_queue_depth per pod.
+A model with `pools:` gets a worker group per capacity instead (deploy/kuberay_pools.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from fleetserve.deploy import pods, scheduling
+from fleetserve.deploy import kuberay_pools, pods, scheduling
 from fleetserve.deploy.yaml_out import dump_yaml
 from fleetserve.serve.deploy_config import DeployConfig
 from fleetserve.serve.fleet_config import FleetConfig, ModelEntry, parse_fleet_config
@@ -32,6 +33,8 @@ APP_NAME = "fleetserve"  # ray/serve_cli.py's name for the application
 IMPORT_PATH = "fleetserve.ray.app:build_app_from_args"
 RAY_VERSION = "2.60.0"  # the Ray that fleetserve[ray] installed when this was written
 SERVE_PORT = 8000  # Serve's HTTP proxy; KubeRay's fleetserve-serve-svc points at it
+HEAD_LABELS = {"app.kubernetes.io/name": "fleetserve", "app.kubernetes.io/component": "ray-head"}
+METRICS_SERVICE = "fleetserve-ray-metrics"
 _QUANTITY = re.compile(r"^([0-9.]+)([A-Za-z]*)$")
 _QUANTITY_SCALE = {"m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
                    "E": 1e18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
@@ -73,8 +76,14 @@ def ray_model_entry(index: int, entry: ModelEntry, written: dict[str, Any], slug
                 "it from the model's deploy section (one worker group per model); leave it out"
             )
     deploy = entry.deploy or DeployConfig()
-    per_pod = entry.replicas
     out = {k: v for k, v in written.items() if k not in ("deploy", "replicas")}
+    if entry.pools is not None:  # PoolPolicy sizes the pools' deployments
+        kuberay_pools.check_deploy(index, entry)
+        out["placement"] = kuberay_pools.pools_placement(
+            entry, _resource(slug), whole_cpus(deploy.cpu)
+        )
+        return out
+    per_pod = entry.replicas
     out["placement"] = {
         "num_cpus": whole_cpus(deploy.cpu) / per_pod,
         "resources": {_resource(slug): 1.0},
@@ -150,13 +159,38 @@ def _pod_template(
     return {"metadata": {"labels": labels}, "spec": spec}
 
 
-def worker_group(
+def worker_groups(
     entry: ModelEntry, slug: str, image: str, api_key: pods.SecretRef | None
-) -> dict[str, Any]:
+) -> list[dict[str, Any]]:
+    """The model's worker group, or with pools one per capacity (kuberay_pools)."""
     deploy = entry.deploy or DeployConfig()
-    resources = {"CPU": str(whole_cpus(deploy.cpu)), _resource(slug): str(entry.replicas)}
-    if deploy.gpu > 0:
-        resources["GPU"] = str(deploy.gpu)
+    cpus = whole_cpus(deploy.cpu)
+    if entry.pools is None:
+        resources = {"CPU": str(cpus), _resource(slug): str(entry.replicas)}
+        if deploy.gpu > 0:
+            resources["GPU"] = str(deploy.gpu)
+        return [_group(slug, slug, deploy, resources, deploy.min_replicas,
+                       deploy.max_replicas, image, api_key)]  # fmt: skip
+    out = []
+    for group in kuberay_pools.capacity_groups(entry):
+        # Its nodes as `deploy: {pool: ...}` would place a pod of that capacity.
+        placed = deploy.model_copy(update={"pool": group.capacity})
+        resources = kuberay_pools.group_resources(group, _resource(slug), deploy, cpus)
+        out.append(_group(group.group_name(slug), slug, placed, resources, group.min_pods,
+                          group.max_pods, image, api_key))  # fmt: skip
+    return out
+
+
+def _group(
+    name: str,
+    slug: str,
+    deploy: DeployConfig,
+    resources: dict[str, str],
+    min_pods: int,
+    max_pods: int,
+    image: str,
+    api_key: pods.SecretRef | None,
+) -> dict[str, Any]:
     labels = {
         "app.kubernetes.io/name": "fleetserve",
         "app.kubernetes.io/component": "ray-worker",
@@ -164,10 +198,10 @@ def worker_group(
         "fleetserve/pool": deploy.pool,
     }
     return {
-        "groupName": slug,
-        "replicas": deploy.min_replicas,
-        "minReplicas": deploy.min_replicas,
-        "maxReplicas": deploy.max_replicas,
+        "groupName": name,
+        "replicas": min_pods,
+        "minReplicas": min_pods,
+        "maxReplicas": max_pods,
         "rayStartParams": {},
         "resources": resources,
         "template": _pod_template(labels, _container("ray-worker", image, deploy, api_key), deploy),
@@ -191,10 +225,6 @@ def ray_service(
         {"name": "client", "containerPort": 10001, "protocol": "TCP"},
         {"name": "serve", "containerPort": SERVE_PORT, "protocol": "TCP"},
     ]
-    head_labels = {
-        "app.kubernetes.io/name": "fleetserve",
-        "app.kubernetes.io/component": "ray-head",
-    }
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",
@@ -211,12 +241,36 @@ def ray_service(
                 "headGroupSpec": {
                     "rayStartParams": {"dashboard-host": "0.0.0.0"},
                     # No replica on the head: it holds the cluster's state, on-demand.
-                    "resources": {"CPU": "0"},
-                    "template": _pod_template(head_labels, head_container, head),
+                    "resources": {"CPU": "0", **kuberay_pools.head_resources(fleet.models)},
+                    "template": _pod_template(dict(HEAD_LABELS), head_container, head),
                 },
                 "workerGroupSpecs": [
-                    worker_group(entry, slugs[entry.name], image, api_key) for entry in fleet.models
+                    group
+                    for entry in fleet.models
+                    for group in worker_groups(entry, slugs[entry.name], image, api_key)
                 ],
             },
+        },
+    }
+
+
+def metrics_service(namespace: str, service_label: str) -> dict[str, Any]:
+    """A headless Service of the head pod's Serve proxy, for the ServiceMonitor: the
+    ingress answers /metrics there (the class queues' depth, latencies, the replicas'
+    figures). Ours rather than KubeRay's serve Service, whose labels are KubeRay's."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": METRICS_SERVICE,
+            "namespace": namespace,
+            "labels": {**HEAD_LABELS, service_label: "ray"},
+        },
+        "spec": {
+            "clusterIP": "None",
+            "selector": dict(HEAD_LABELS),
+            "ports": [
+                {"name": "http", "port": SERVE_PORT, "targetPort": "serve", "protocol": "TCP"}
+            ],  # fmt: skip
         },
     }

@@ -46,14 +46,27 @@ def service_monitor(
     labels: Mapping[str, str] | None = None,
     interval_s: int = 15,
     services: Sequence[str] = (),
+    api_key: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     """`services`: values of the Services' `fleetserve/service` label to scrape besides
-    those `selector` matches (the gateway: a model's queue is there while no pod is)."""
+    those `selector` matches (the gateway: a model's queue is there while no pod is).
+    `api_key`: (Secret name, key) of the servers' API key, which /metrics requires: the
+    scrape sends it as a bearer token (without it every target answers 401, and the
+    queue depth KEDA scales on never reaches Prometheus)."""
     match: dict[str, Any] = {"matchLabels": dict(selector)}
     if services:
         match["matchExpressions"] = [
             {"key": SERVICE_LABEL, "operator": "In", "values": list(services)}
         ]
+    endpoint: dict[str, Any] = {
+        "port": METRICS_PORT_NAME,
+        "path": METRICS_PATH,
+        "interval": f"{interval_s}s",
+    }
+    if api_key is not None:
+        secret, key = api_key
+        endpoint["authorization"] = {"type": "Bearer",
+                                     "credentials": {"name": secret, "key": key}}  # fmt: skip
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
@@ -66,9 +79,7 @@ def service_monitor(
             "selector": match,
             "namespaceSelector": {"matchNames": [namespace]},
             "podTargetLabels": list(POD_TARGET_LABELS),
-            "endpoints": [
-                {"port": METRICS_PORT_NAME, "path": METRICS_PATH, "interval": f"{interval_s}s"}
-            ],
+            "endpoints": [endpoint],
         },
     }
 
@@ -87,9 +98,11 @@ def implied_scrape_config(
     monitor: Mapping[str, Any],
     targets: Sequence[ScrapeTarget],
     interval: str | None = None,
+    secrets: Mapping[tuple[str, str], str] | None = None,
 ) -> dict[str, Any]:
     """The scrape job the operator derives from `monitor`, with static targets instead of
-    Kubernetes discovery. `interval` overrides the endpoint's (tests scrape every second)."""
+    Kubernetes discovery. `interval` overrides the endpoint's (tests scrape every second);
+    `secrets` holds the values of the Secret keys the endpoint names, by (name, key)."""
     spec = monitor["spec"]
     (endpoint,) = spec["endpoints"]
     namespace = monitor["metadata"]["namespace"]
@@ -107,9 +120,17 @@ def implied_scrape_config(
             if key in t.pod_labels:
                 labels[prometheus_label(key)] = t.pod_labels[key]
         static.append({"targets": [t.address], "labels": labels})
-    return {
+    job = {
         "job_name": f"serviceMonitor/{namespace}/{monitor['metadata']['name']}/0",
         "metrics_path": endpoint.get("path", METRICS_PATH),
         "scrape_interval": interval or endpoint["interval"],
         "static_configs": static,
     }
+    auth = endpoint.get("authorization")
+    if auth is not None:
+        ref = auth["credentials"]
+        value = (secrets or {}).get((ref["name"], ref["key"]))
+        if value is None:
+            raise KeyError(f"the Secret key {ref['name']}:{ref['key']} the monitor names")
+        job["authorization"] = {"type": auth["type"], "credentials": value}
+    return job

@@ -78,9 +78,11 @@ class PodSettings:
     config_map: str
     config_sha256: str  # a pod-template annotation: a changed fleet file rolls the pods
     api_key: SecretRef | None = None
-    # A gateway stays ready while some model has no pod (its /ready would say 503 and take
-    # every model out of the Service); a model's pod is ready only when it can serve.
+    # A gateway has started and stays ready while some model has no pod (its /health and
+    # /ready say 503 then; requests wait in its queues for a pod, and KEDA scales the pods
+    # from zero on that queue); a model's pod is ready only when it can serve.
     readiness_path: str = "/ready"
+    startup_path: str = "/health"
 
 
 def grace_period_s(deploy: DeployConfig) -> int:
@@ -124,7 +126,9 @@ def container(deploy: DeployConfig, pod: PodSettings) -> dict[str, Any]:
         # CPU is requested, not limited: a throttled engine step is a latency spike.
         "resources": {"requests": {"cpu": deploy.cpu, "memory": deploy.memory}, "limits": limits},
         "startupProbe": _probe(
-            "/health", STARTUP_PERIOD_S, math.ceil(deploy.startup_timeout_s / STARTUP_PERIOD_S)
+            pod.startup_path,
+            STARTUP_PERIOD_S,
+            math.ceil(deploy.startup_timeout_s / STARTUP_PERIOD_S),
         ),
         "readinessProbe": _probe(pod.readiness_path, 5, 1),
         "livenessProbe": _probe("/live", 10, 3),

@@ -35,7 +35,7 @@ from typing import Any
 from ray.serve.config import AutoscalingContext
 
 from fleetserve.serve.fleet_config import ModelEntry, PlacementConfig, PoolConfig
-from fleetserve.serve.pools import MemberView, Start, Stop, plan, prefer_spot
+from fleetserve.serve.pools import MemberView, Start, Stop, plan, pool_size, prefer_spot
 
 # How much of its pool's custom resource one replica asks for: a sliver, so that the
 # node's CPUs and memory, not the label, bound how many replicas it runs.
@@ -46,14 +46,6 @@ def deployment_name(model: str, pool: str | None = None) -> str:
     """The Serve deployment of a model (or of one of its pools)."""
     name = "model-" + model if pool is None else f"model-{model}--{pool}"
     return name.replace("#", "_")  # '#' is Serve's separator in replica ids
-
-
-def pool_size(pool: PoolConfig) -> tuple[int, int]:
-    """(fewest, most) replicas the pool's deployment runs."""
-    if pool.is_spot:
-        n = pool.replicas + pool.overprovision
-        return n, n
-    return pool.replicas, pool.replicas + pool.max_fallback
 
 
 def served_pools(entry: ModelEntry) -> list[PoolConfig]:

@@ -245,7 +245,9 @@ class RemoteConfig(_Strict):
     """A gateway's generate model served by other fleetserve servers (pods): `urls`, or a
     `dns` name (host:port, e.g. a headless Service) whose addresses are re-resolved every
     `refresh_s`. With `api_key_env`, the gateway sends the key held in that environment
-    variable to the pods (the file never holds the key itself)."""
+    variable to the pods (the file never holds the key itself). The pods may be at zero
+    (a name that lists none, URLs that do not answer yet): requests wait for one, up to
+    the model's `resilience.migration_wait_s` (serve/replica_wait.py)."""
 
     urls: list[str] | None = Field(default=None, min_length=1, max_length=64)
     dns: str | None = None

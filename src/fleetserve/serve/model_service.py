@@ -57,6 +57,7 @@ from fleetserve.serve.provision import LocalProvisioner
 from fleetserve.serve.remote_pool import RemoteTargets
 from fleetserve.serve.replica import LocalReplica
 from fleetserve.serve.replica_set import ReplicaSet
+from fleetserve.serve.replica_wait import NoReplicaWait
 from fleetserve.serve.router import NoHealthyReplicaError, Router
 from fleetserve.serve.sla import (
     ClassQueue,
@@ -227,7 +228,9 @@ class GenerateService:
     async def start(self, timeout_s: float = 600.0) -> None:
         """Fills the pools (the PoolController starts the replicas) and returns once they
         are up; raises if a replica fails to load and none is up. With replace_failed the
-        controller keeps the pools full from then on; a supervisor watches the replicas."""
+        controller keeps the pools full from then on; a supervisor watches the replicas.
+        A remote model returns at once: its pods may be at zero, and requests wait for one
+        (serve/replica_wait.py bounds how long)."""
         self.provisioner.start_timeout_s = timeout_s
         if self.remote is not None:
             self.supervisor.spawn(self.remote.run(self))
@@ -235,6 +238,8 @@ class GenerateService:
         deadline = time.monotonic() + timeout_s
         while True:
             await asyncio.sleep(0.05)
+            if self.remote is not None:
+                break  # pods come and go by themselves (to zero too): requests wait for them
             settled = self.controller.in_flight == 0 and not self.controller.actions()
             if settled and self.replica_set.live:
                 break
@@ -246,10 +251,13 @@ class GenerateService:
             if time.monotonic() > deadline:
                 await self._stop_controller()
                 raise RuntimeError(f"{self.name}: the replicas did not load within {timeout_s} s")
-        if not self.resilience.replace_failed:
-            await self._stop_controller()
+        if not self.resilience.replace_failed and self.remote is None:
+            await self._stop_controller()  # (a remote pool's controller follows the pods)
         self._started = True
         self.supervisor.start()
+        wait = NoReplicaWait(self.name, self.queue, lambda: bool(self.replica_set.live),
+                             self._shed, self.resilience.migration_wait_s)  # fmt: skip
+        self.supervisor.spawn(wait.run())
         self._dispatch()
 
     def set_pool_target(self, pool: str, replicas: int) -> None:
@@ -471,6 +479,8 @@ class GenerateService:
         """A replica is loading (or will be started) that queued requests may wait for."""
         if self._closing or not self._started:
             return False
+        if self.remote is not None:  # a pod may appear any time (KEDA scales from zero)
+            return self._controller_task is not None
         loading = any(
             r.dead_reason is None and not r.healthy and r.index not in self._retiring
             for r in self.replica_set

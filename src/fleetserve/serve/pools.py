@@ -98,6 +98,16 @@ class _Slot:
         return (self.member.state == "ready", -self.member.index)
 
 
+def pool_size(pool: PoolConfig) -> tuple[int, int]:
+    """(fewest, most) replicas the pool runs: a spot pool its target + overprovision, an
+    on-demand pool its base up to base + max_fallback (on Ray a deployment's bounds, on
+    KubeRay its worker group's pods)."""
+    if pool.is_spot:
+        n = pool.replicas + pool.overprovision
+        return n, n
+    return pool.replicas, pool.replicas + pool.max_fallback
+
+
 def _newest(slots: Iterable[_Slot], n: int) -> list[_Slot]:
     return sorted(slots, key=lambda s: s.release_order)[: max(0, n)]
 

@@ -188,6 +188,18 @@ class ClassQueue(Generic[T]):
                     expired.append(entry)
         return expired
 
+    def take_arrived_by(self, cutoff: float) -> list[Entry[T]]:
+        """Takes out and returns every entry that arrived at or before `cutoff`, oldest first
+        per class (a model with no replica bounds how long its requests wait for one)."""
+        taken: list[Entry[T]] = []
+        for q in self._by_arrival.values():
+            while q and (not q[0].queued or q[0].arrival <= cutoff):
+                entry = q.popleft()
+                if entry.queued:
+                    self._take_out(entry)
+                    taken.append(entry)
+        return taken
+
     def next_deadline(self) -> float:
         """The earliest deadline of a queued entry (math.inf if none)."""
         best = math.inf

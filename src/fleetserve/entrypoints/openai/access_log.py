@@ -91,6 +91,7 @@ class AccessRecord:
     start: float  # monotonic
     model: str | None = None
     class_name: str | None = None
+    route: str | None = None  # the matched route's path template (a bounded label)
     response_id: str | None = None
     prompt_tokens: int | None = None  # given by handlers without streams (embeddings)
     streams: list[WatchedStream] = field(default_factory=list)
@@ -172,6 +173,8 @@ def note_model(request: Any, model: str, class_name: str | None = None) -> None:
     record = access_record(request)
     if record is not None:
         record.model, record.class_name = model, class_name
+        route = request.scope.get("route")  # set by the router that matched the request
+        record.route = getattr(route, "path", None)
 
 
 def note_prompt_tokens(request: Any, num_tokens: int) -> None:

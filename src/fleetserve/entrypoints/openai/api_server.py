@@ -368,7 +368,9 @@ def build_app(
 
     def count(record: AccessRecord, status: int) -> None:
         if record.model is not None:
-            state.metrics.count_response(record.model, record.class_name or "", status)
+            # A handler noted the model, so a route matched (never the raw path: unbounded).
+            route = record.route or ""
+            state.metrics.count_response(record.model, record.class_name or "", route, status)
 
     # Outermost, so that every answer (a 401, a CORS preflight) has an id and a log line.
     quiet = (*_OPEN_PATHS, "/metrics", DASHBOARD_SNAPSHOT)
