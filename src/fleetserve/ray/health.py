@@ -48,6 +48,7 @@ class EngineWatch:
         # Why the replica must be replaced although its engine may still run (hung, or
         # drained after a notice); None while it serves.
         self.failure: str | None = None
+        self.noticed = False  # given a notice: draining from now on
         self._tasks: set[asyncio.Task[Any]] = set()
         replica.on_notice = self.on_notice
 
@@ -61,7 +62,7 @@ class EngineWatch:
     @property
     def draining(self) -> bool:
         """It takes no new requests: drained or being drained, or given up as hung."""
-        return self.failure is not None or self.replica.draining
+        return self.failure is not None or self.noticed or self.replica.draining
 
     def health_error(self) -> str | None:
         """Why Serve should replace the replica; None while it is healthy."""
@@ -105,7 +106,7 @@ class EngineWatch:
         window = notice_window_s(notice, time.time())
         log.warning("%s: the engine got a notice (%s, %s); draining for %.1f s",
                     self.model_name, notice.source, notice.detail, window)  # fmt: skip
-        self.replica.draining = True  # at once: calls from now on go elsewhere
+        self.noticed = True  # at once: calls from now on go elsewhere
         self._spawn(self._drain(window, notice))
 
     async def _drain(self, window_s: float, notice: CoreNotice) -> None:
