@@ -32,12 +32,15 @@ def ray_cluster(
     env: dict[str, str] | None = None,
     worker_resources: Sequence[Mapping[str, float]] = (),
     worker_labels: Sequence[Mapping[str, str]] = (),
+    worker_env: Sequence[Mapping[str, str]] = (),
 ) -> Iterator[tuple[Any, str]]:
     """(cluster, base_url of Serve's proxy); everything is shut down on exit. `env` is set
     for the cluster's processes (engines read FLEETSERVE_DEBUG_STEP_DELAY_S);
     `worker_resources[i]` / `worker_labels[i]`: the Ray resources (custom ones, e.g.
     {"spot": 1}, and "CPU" to override `worker_cpus`) and node labels of worker i, as a
-    KubeRay worker group's pod offers them; there are max(num_workers, len(...)) workers."""
+    KubeRay worker group's pod offers them; `worker_env[i]`: environment variables of
+    worker i's processes only, over `env` (a slow node: FLEETSERVE_DEBUG_STEP_DELAY_S);
+    there are max(num_workers, len(...)) workers."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -59,11 +62,24 @@ def ray_cluster(
         },
     )
     try:
-        for i in range(max(num_workers, len(worker_resources), len(worker_labels))):
+        num_nodes = max(num_workers, len(worker_resources), len(worker_labels), len(worker_env))
+        for i in range(num_nodes):
             resources = dict(worker_resources[i]) if i < len(worker_resources) else {}
             labels = dict(worker_labels[i]) if i < len(worker_labels) else {}
             cpus = int(resources.pop("CPU", worker_cpus))
-            add_worker(cluster, cpus, resources, labels)
+            # A node's raylet copies this process's environment when it starts, and its
+            # workers (and their engine processes) inherit the raylet's.
+            node_env = dict(worker_env[i]) if i < len(worker_env) else {}
+            before = {k: os.environ.get(k) for k in node_env}
+            os.environ.update(node_env)
+            try:
+                add_worker(cluster, cpus, resources, labels)
+            finally:
+                for k, v in before.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         port = free_port()

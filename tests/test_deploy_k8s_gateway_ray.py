@@ -134,8 +134,6 @@ def _with(path: str, value: Any, fleet: dict[str, Any] = GW_FLEET) -> dict[str, 
          r"models\[2\]\.name 'gateway'.* the gateway's \(fleetserve-gateway\)"),
         (_with("models.0.placement", {"num_cpus": 2}), {"ray": kuberay.RaySettings()},
          r"models\[0\]\.placement \(model 'chat'\): `deploy k8s --ray` derives it"),
-        (_with("classes.interactive.hedge_after_s", 2.0), {"ray": kuberay.RaySettings()},
-         r"classes\.interactive\.hedge_after_s: served by the local server only"),
         (_with("models.0.deploy.pool", "cheap"), {}, r"models\[0\]\.deploy\.pool"),
     ],
 )  # fmt: skip

@@ -94,6 +94,12 @@ class ServerMetrics:
             "Requests resumed on another replica after theirs was lost, by why it was lost.",
             ["model_name", "reason"], registry=r,
         )  # fmt: skip
+        self.hedges = Counter(
+            "fleetserve:request_hedges",
+            "Hedged requests (no first output by their class's hedge_after_s, so a copy was "
+            "sent to another replica), by which call answered first: first or copy.",
+            ["model_name", "winner"], registry=r,
+        )  # fmt: skip
         self.replica_events = Counter(
             "fleetserve:replica_events",
             "Replica lifecycle events: started, start_failed, no_capacity (its pool had "
@@ -152,6 +158,8 @@ class ModelMetrics:
         # Exported at 0 from the start, so that rates read 0 rather than nothing.
         for reason in ("died", "drained", "stopped", "hung"):
             server.migrations.labels(model_name, reason)
+        for winner in ("first", "copy"):
+            server.hedges.labels(model_name, winner)
 
     def set_engine_stats(self, stats: Mapping[str, float], replica: int | None = 0) -> None:
         """One engine's stats (`replica`: its index), or with replica=None the model's
@@ -202,6 +210,9 @@ class ModelMetrics:
 
     def add_migration(self, reason: str) -> None:
         self.server.migrations.labels(self.model_name, reason).inc()
+
+    def add_hedge(self, winner: str) -> None:
+        self.server.hedges.labels(self.model_name, winner).inc()
 
     def add_replica_event(self, event: str) -> None:
         self.server.replica_events.labels(self.model_name, event).inc()

@@ -147,12 +147,12 @@ def build_app(
                 pool_handles[entry.name] = {
                     pool.name: serve.deployment(**pool_options(entry, pool, opts, STATS_PERIOD_S))(
                         GenerateReplica
-                    ).bind(entry.name, args)
+                    ).bind(entry.name, args, entry.resilience)
                     for pool in served_pools(entry)
                 }
                 continue
             deployment = serve.deployment(**opts)(GenerateReplica)
-            handles[entry.name] = deployment.bind(entry.name, args)
+            handles[entry.name] = deployment.bind(entry.name, args, entry.resilience)
         else:
             deployment = serve.deployment(**opts)(BatchReplica)
             handles[entry.name] = deployment.bind(entry.model_dump())

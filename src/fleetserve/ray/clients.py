@@ -16,6 +16,8 @@ streams.py), the client is its `Resubmitter` and calls the deployment again with
 `resume=` the last output its reader got and `avoid=` the replicas the request was lost
 on, which the router never picks for it; the new replica prefills prompt + tokens so far
 and the reader's stream goes on. The request keeps its seat in the ingress meanwhile.
+A class with `hedge_after_s` hedges as on the local server (serve/hedging.py): the copy is
+one more call, whose `avoid` names the replica the first call went to.
 
 A model with `pools` has one deployment per pool (pools.py): each call goes to the spot
 deployment while one of its replicas has room, else to the deployment with the least
@@ -47,6 +49,7 @@ from fleetserve.ray.streams import RayStream, RequestObserver
 from fleetserve.serve.admission import ShedError
 from fleetserve.serve.base import ReplicaStreamLike
 from fleetserve.serve.fleet_config import FleetConfig, ModelEntry
+from fleetserve.serve.hedging import hedge_for
 from fleetserve.serve.migration import MigratingStream, migration_reason
 from fleetserve.serve.sla import ClassQueue, Entry, QueueFullError, ServiceClass, engine_priority
 from fleetserve.tokenizer import Tokenizer
@@ -70,6 +73,9 @@ _REPLICA_POLL_S = 0.2
 _UNPLACED = -1
 
 
+_Placed = tuple[str, int]  # (deployment, replica index)
+
+
 @dataclass
 class _Call:
     """What sending an engine request (again) needs: MigratingStream's `context`."""
@@ -77,11 +83,12 @@ class _Call:
     item: _Item
     service_class: ServiceClass
     priority: int  # the engine's (class and request folded)
-    deployment: str = ""  # of the current call
     lost_on: set[tuple[str, int]] = field(default_factory=set)  # (deployment, replica)
 
-    def avoid(self, deployment: str) -> frozenset[int]:
-        return frozenset(i for d, i in self.lost_on if d == deployment)
+    def avoid(self, deployment: str, also: frozenset[_Placed] = frozenset()) -> frozenset[int]:
+        """The replicas of `deployment` the call must not go to: those the request was lost
+        on, and `also` (a hedge's copy: the first call's)."""
+        return frozenset(i for d, i in self.lost_on | also if d == deployment)
 
 
 @dataclass
@@ -290,9 +297,7 @@ class RayGenerateClient:
                     _UNPLACED,
                     observer=observer,
                     migration_limit=self.resilience.migration_limit,
-                    # No hedging here: a copy made before the first call is routed could
-                    # land on the same replica, under the same engine request id.
-                    hedge_after_s=None,
+                    hedge=hedge_for(cls.hedge_after_s, self.hedge, self.metrics),
                     context=call,
                 )
                 streams.append(stream)
@@ -303,11 +308,17 @@ class RayGenerateClient:
             raise
         return streams
 
-    def _call(self, call: _Call, resume: RequestOutput | None = None) -> RayStream:
+    def _call(
+        self,
+        call: _Call,
+        resume: RequestOutput | None = None,
+        also: frozenset[_Placed] = frozenset(),
+    ) -> RayStream:
+        """Calls the deployment for `call` (going on from `resume`), never on a replica it
+        was lost on or in `also`."""
         item = call.item
-        deployment = self._pick(call) or self._fallback(call)
-        call.deployment = deployment
-        avoid = call.avoid(deployment)
+        deployment = self._pick(call, also) or self._fallback(call)
+        avoid = call.avoid(deployment, also)
         caller = self._handles[deployment].options(stream=True)
         num_done = 0 if resume is None else sum(len(c.token_ids) for c in resume.outputs)
         gen = caller.generate.remote(
@@ -323,20 +334,28 @@ class RayGenerateClient:
         )
         assert isinstance(gen, DeploymentResponseGenerator)  # stream=True
         return RayStream(
-            item.request_id, item.params.n, gen, lambda: self._placement(item, deployment)
+            item.request_id,
+            item.params.n,
+            gen,
+            lambda: self._placement(item, deployment, avoid),
+            deployment,
         )
 
-    def _placement(self, item: _Item, deployment: str) -> int | None:
+    def _placement(self, item: _Item, deployment: str, avoid: frozenset[int]) -> int | None:
+        """Where the router sent the call. The router keeps an engine request's newest
+        call only, and this call never goes to a replica in `avoid`: such an answer is an
+        earlier call's (this one is not routed yet)."""
         router = router_state.ROUTERS.get(deployment)
-        return None if router is None else router.placement(item.request_id)
+        index = None if router is None else router.placement(item.request_id)
+        return None if index in avoid else index
 
-    def _pick(self, call: _Call) -> str | None:
+    def _pick(self, call: _Call, also: frozenset[_Placed] = frozenset()) -> str | None:
         """The deployment the call goes to; None while none lists a replica the request
-        may go to (one it was not lost on)."""
+        may go to (one it was not lost on, nor in `also`)."""
         if len(self.routes) == 1:
             deployment = self.routes[0].deployment
             router = router_state.ROUTERS.get(deployment)
-            if router is None or router.has_replica_outside(call.avoid(deployment)):
+            if router is None or router.has_replica_outside(call.avoid(deployment, also)):
                 return deployment
             return None
         spot_only = call.service_class.name in self.spot_only_classes
@@ -347,7 +366,7 @@ class RayGenerateClient:
                 continue
             rooms += [
                 ReplicaRoom(route.deployment, route.capacity, n)
-                for n in router.outstanding(call.avoid(route.deployment))
+                for n in router.outstanding(call.avoid(route.deployment, also))
             ]
         return choose_deployment(rooms, self.overload_requests, spot_only)
 
@@ -376,12 +395,31 @@ class RayGenerateClient:
         call: _Call = stream.context
         old = stream.inner
         if isinstance(old, RayStream) and old.replica_index is not None:
-            call.lost_on.add((call.deployment, old.replica_index))
+            call.lost_on.add((old.deployment, old.replica_index))
         await self._wait_for_replica(call)
         last = stream.last
         done = last is not None and any(c.token_ids for c in last.outputs)
         inner = self._call(call, resume=last if done else None)
         return inner, _UNPLACED
+
+    async def hedge(
+        self, stream: MigratingStream, exclude: set[int]
+    ) -> tuple[ReplicaStreamLike, int]:
+        """CopyMaker (serve/hedging.py): calls the deployment again for `stream`'s request,
+        from its start, never on the replica its first call went to (the copy's `avoid`:
+        the two calls never meet in one engine, where they would share a request id).
+        EngineDeadError at once when that call is not routed yet (it waits in Serve for a
+        replica with room, as a copy would) or no other replica is listed. `exclude` holds
+        only _UNPLACED (see resubmit)."""
+        call: _Call = stream.context
+        first = stream.inner
+        index = first.replica_index if isinstance(first, RayStream) else None
+        if index is None or not isinstance(first, RayStream):
+            raise EngineDeadError("the request's call is not routed yet: no copy")
+        also = frozenset({(first.deployment, index)})
+        if self._pick(call, also) is None:
+            raise EngineDeadError(f"no other replica of {self.name!r} for a hedged copy")
+        return self._call(call, also=also), _UNPLACED
 
     async def _wait_for_replica(self, call: _Call) -> None:
         """Returns once Serve's routers list a replica the request may go to, one it was

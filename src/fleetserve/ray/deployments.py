@@ -7,9 +7,10 @@ Refusals travel back as `RemoteError` values, not exceptions (see wire.py). A re
 reports its load to Serve twice: `record_routing_stats` for the ingress's router (step
 latency, queue depth, prefix cache), `record_autoscaling_stats` for the queue-depth
 autoscaling policy (autoscale.py). `check_health` fails once the engine process is gone,
-and Serve replaces the replica. A request this replica can no longer serve (its engine
-died, Serve is stopping it) ends with a "gone" RemoteError, so that the ingress resumes
-it on another replica (`generate(resume=...)`, request migration; clients.py).
+hung or drained after a notice (health.py's EngineWatch), and Serve replaces the replica.
+A request this replica can no longer serve (its engine died or hung, it is draining,
+Serve is stopping it) ends with a "gone" RemoteError, so that the ingress resumes it on
+another replica (`generate(resume=...)`, request migration; clients.py).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.async_engine import AsyncEngine, EngineDeadError, ReplicaGoneError
 from fleetserve.engine.embedding import MINILM_NAME
 from fleetserve.outputs import RequestOutput
+from fleetserve.ray.health import EngineWatch
 from fleetserve.ray.wire import RemoteError
 from fleetserve.serve.batch_service import CustomService, EmbedService
 from fleetserve.serve.batcher import BatchingConfig
+from fleetserve.serve.fleet_config import ResilienceConfig
 from fleetserve.serve.replica import LocalReplica
 
 # Each request is one the ingress let through its class queue; the engine never refuses.
@@ -52,15 +55,22 @@ def lost_as_gone(e: Exception, replica: Any) -> Exception:
 
 
 class GenerateReplica:
-    """One engine. `args` are the model entry's EngineArgs (num_threads: the replica's)."""
+    """One engine. `args` are the model entry's EngineArgs (num_threads: the replica's);
+    `resilience` its hang timeout and SIGTERM grace."""
 
-    async def __init__(self, model_name: str, args: EngineArgs) -> None:  # type: ignore[misc]
+    async def __init__(  # type: ignore[misc]
+        self, model_name: str, args: EngineArgs, resilience: ResilienceConfig | None = None
+    ) -> None:
         self.model_name = model_name
+        resilience = resilience or ResilienceConfig()
         if args.num_threads is None:
             args = replace(args, num_threads=1)
         engine = AsyncEngine(args, _ENGINE_MAX_WAITING)
+        engine.sigterm_grace_s = resilience.sigterm_grace_s
         self.replica = LocalReplica(0, engine, max_num_seqs=engine.config.scheduler.max_num_seqs)
+        self.watch = EngineWatch(model_name, self.replica, resilience)
         await self.replica.start()
+        self.watch.start()
 
     async def generate(
         self,
@@ -80,6 +90,9 @@ class GenerateReplica:
         output the ingress saw from a replica it lost; the request goes on from there
         (request migration). `num_new_tokens` and `avoid` are for the ingress's router
         only. Cancelling the call (the client left) aborts the request."""
+        if self.watch.draining:
+            yield RemoteError.of(ReplicaGoneError("the replica is draining"))
+            return
         try:
             stream = self.replica.submit(
                 request_id, prompt, params, priority, num_prompt_tokens, level=level,
@@ -106,6 +119,8 @@ class GenerateReplica:
             "prefix_cache_queries": r.stats.get("prefix_cache_queries", 0.0),
             "prefix_cache_hits": r.stats.get("prefix_cache_hits", 0.0),
             "kv_cache_usage_perc": r.stats.get("kv_cache_usage_perc", 0.0),
+            "num_requests_running": r.stats.get("num_requests_running", 0.0),
+            "draining": self.watch.draining,
         }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
@@ -120,9 +135,9 @@ class GenerateReplica:
         }
 
     def check_health(self) -> None:
-        reason = self.replica.dead_reason
+        reason = self.watch.health_error()
         if reason is not None:
-            raise RuntimeError(f"the engine of {self.model_name!r} is dead: {reason}")
+            raise RuntimeError(f"the replica of {self.model_name!r} must be replaced: {reason}")
 
     async def info(self) -> dict[str, Any]:
         """Where it runs and its engine's counters (tests, `fleetserve` tooling)."""
@@ -136,6 +151,7 @@ class GenerateReplica:
         }
 
     async def __del__(self) -> None:
+        self.watch.stop()
         await self.replica.stop()
 
 

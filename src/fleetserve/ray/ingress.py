@@ -46,8 +46,8 @@ class IngressOptions:
 class RayFleetCollector(Collector):
     """The local server's fleet series (serve/fleet_metrics.py) on Ray: the queue depth
     `fleetserve:num_requests_waiting{model_name, class}` (the ingress's class queues), and
-    per Serve replica of each generate model, as the ingress's router sees it,
-    `fleetserve:replica_*{model_name, replica}` (replica: its index, prefixed with its
+    per Serve replica of each generate model, as the ingress's router sees it (and as the
+    replica last reported to it), `fleetserve:replica_*{model_name, replica}` (replica: its index, prefixed with its
     pool's name for a model with pools, e.g. "spot-0")."""
 
     def __init__(
@@ -57,15 +57,15 @@ class RayFleetCollector(Collector):
         self.deployments = deployments  # (model name, replica label prefix, deployment)
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        waiting = GaugeMetricFamily(
+        queued = GaugeMetricFamily(
             "fleetserve:num_requests_waiting",
             "Requests not started yet: in their class queue at the ingress.",
             labels=["model_name", "class"],
         )
         for service in self.services:
             for name, n in service.waiting_by_class().items():
-                waiting.add_metric([service.name, name], n)
-        yield waiting
+                queued.add_metric([service.name, name], n)
+        yield queued
         labels = ["model_name", "replica"]
         tokens = GaugeMetricFamily(
             "fleetserve:replica_outstanding_tokens",
@@ -75,6 +75,17 @@ class RayFleetCollector(Collector):
         requests = GaugeMetricFamily(
             "fleetserve:replica_outstanding_requests",
             "Requests routed to it and not finished.",
+            labels=labels,
+        )
+        # The engine's own figures, as of the replica's last routing stats.
+        waiting = GaugeMetricFamily(
+            "fleetserve:replica_num_requests_waiting",
+            "Requests waiting in its scheduler (as of its last routing stats).",
+            labels=labels,
+        )
+        running = GaugeMetricFamily(
+            "fleetserve:replica_num_requests_running",
+            "Requests its engine runs (as of its last routing stats).",
             labels=labels,
         )
         queried = CounterMetricFamily(
@@ -96,9 +107,11 @@ class RayFleetCollector(Collector):
                 stats = view.replica.routing_stats or {}
                 tokens.add_metric(lv, view.num_outstanding_tokens)
                 requests.add_metric(lv, view.num_outstanding_requests)
+                waiting.add_metric(lv, float(stats.get("num_requests_waiting", 0.0)))
+                running.add_metric(lv, float(stats.get("num_requests_running", 0.0)))
                 queried.add_metric(lv, float(stats.get("prefix_cache_queries", 0.0)))
                 hits.add_metric(lv, float(stats.get("prefix_cache_hits", 0.0)))
-        yield from (tokens, requests, queried, hits)
+        yield from (tokens, requests, waiting, running, queried, hits)
 
 
 @serve.ingress()

@@ -58,6 +58,12 @@ class ReplicaLoadView:
         value = (self.replica.routing_stats or {}).get("step_latency_s")
         return float(value) if isinstance(value, (int, float)) else None
 
+    @property
+    def draining(self) -> bool:
+        """The replica said (in its last routing stats) that it takes nothing new: drained
+        after a notice, or hung (ray/health.py)."""
+        return bool((self.replica.routing_stats or {}).get("draining", False))
+
 
 def route_of(pending: PendingRequest | None) -> RouteRequest | None:
     """What a policy knows of a generate request: from the keyword arguments the ingress
@@ -141,6 +147,9 @@ class FleetRequestRouter(RequestRouter):
         )
         if not views:
             return []  # only replicas the request was lost on: Serve retries soon
+        # A draining replica would only refuse the call (it then moves, costing one of its
+        # migrations); it is picked only while no other is listed.
+        views = [v for v in views if not v.draining] or views
         route = route_of(pending_request)
         if route is None:
             return [[v.replica for v in sorted(views, key=load_key)]]

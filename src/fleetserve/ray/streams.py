@@ -40,8 +40,9 @@ def short(e: BaseException) -> str:
 
 
 class RayStream:
-    """One call's outputs (`ReplicaStreamLike`). `placement` tells which replica Serve's
-    router sent the call to (the router's index; None before it is routed)."""
+    """One call's outputs (`ReplicaStreamLike`) from a replica of `deployment`.
+    `placement` tells which replica Serve's router sent the call to (the router's index;
+    None before it is routed)."""
 
     def __init__(
         self,
@@ -49,8 +50,10 @@ class RayStream:
         n: int,
         gen: DeploymentResponseGenerator,
         placement: Callable[[], int | None],
+        deployment: str = "",
     ) -> None:
         self.request_id, self.n, self._gen = request_id, n, gen
+        self.deployment = deployment
         self._placement = placement
         self._index: int | None = None
         self._done = False

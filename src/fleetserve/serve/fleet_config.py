@@ -41,8 +41,8 @@ On Ray Serve (`fleetserve serve --ray`) a model may instead of `replicas` say
 downscale_delay_s}`, and `placement: {num_cpus, memory_gb, resources,
 max_replicas_per_node, spot_resource, on_demand_resource, spot_pending_s, spot_labels,
 on_demand_labels}`; the local
-server refuses both rather than ignore them. Ray refuses a pool's `notice` and a class's
-`hedge_after_s` (local server only).
+server refuses both rather than ignore them. Ray refuses a pool's `notice` (local server
+only).
 
 Unknown keys and bad values are refused with the key's path (`models[0].engine.max_num_seqs`).
 `engine:` takes EngineArgs' fields; the model list's `model` is EngineArgs.model. A fleet
@@ -413,18 +413,14 @@ class FleetConfig(_Strict):
         return self
 
     def local_only_keys(self) -> list[str]:
-        """The keys `fleetserve serve --ray` does not honour, where this fleet sets them
-        (hedging needs the local server's own replica choice; on Ray, Serve's router
-        places a call only after it is made), and spot notices (their watcher runs beside
-        the local server's replica processes)."""
-        out = [
+        """The keys `fleetserve serve --ray` does not honour, where this fleet sets them:
+        spot notices (their watcher runs beside the local server's replica processes)."""
+        return [
             f"models[{i}].pools[{j}].notice"
             for i, m in enumerate(self.models)
             for j, p in enumerate(m.pools or [])
             if p.notice is not None
         ]
-        out += [f"classes.{n}.hedge_after_s" for n, c in self.classes.items() if c.hedge_after_s]
-        return out
 
     def ray_only_keys(self) -> list[str]:
         """The keys only `fleetserve serve --ray` honours, where this fleet sets them."""

@@ -68,6 +68,7 @@ class FleetCollector(Collector):
         )
         requests = gauge("outstanding_requests", "Requests routed to it and not finished.")
         waiting = gauge("num_requests_waiting", "Requests waiting in its scheduler.")
+        running = gauge("num_requests_running", "Requests its engine runs.")
         hit_rate = gauge(
             "prefix_cache_hit_rate", "Fraction of its queried prompt tokens found cached."
         )
@@ -84,11 +85,12 @@ class FleetCollector(Collector):
                 tokens.add_metric(labels, r.num_outstanding_tokens)
                 requests.add_metric(labels, r.num_outstanding_requests)
                 waiting.add_metric(labels, r.queue_depth)
+                running.add_metric(labels, r.stats.get("num_requests_running", 0.0))
                 hit_rate.add_metric(labels, r.prefix_cache_hit_rate)
                 healthy.add_metric(labels, 1.0 if r.healthy else 0.0)
                 straggler.add_metric(labels, 1.0 if r.index in slow else 0.0)
                 routed.add_metric(labels, r.num_routed)
                 queried.add_metric(labels, r.stats.get("prefix_cache_queries", 0.0))
                 hits.add_metric(labels, r.stats.get("prefix_cache_hits", 0.0))
-        yield from (latency, tokens, requests, waiting, hit_rate, healthy, straggler)
+        yield from (latency, tokens, requests, waiting, running, hit_rate, healthy, straggler)
         yield from (routed, queried, hits)

@@ -15,19 +15,19 @@ equal an undisturbed run (sampling is seeded by seed and output position).
 Tokens the old replica produced that the reader had not taken yet are generated again;
 for an unseeded sampled request they may then differ, which the reader cannot tell.
 
-Hedging lives here too: with `hedge_after_s`, a request with no first output by then gets
+With a `hedge` (serve/hedging.py), a request with no first output by its `after_s` gets
 a copy on another replica; the first of the two to produce an output wins and the other is
 aborted, so the reader (and `usage`) sees one of them only.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Protocol
 
 from fleetserve.engine.async_engine import EngineDeadError, ReplicaGoneError
 from fleetserve.outputs import RequestOutput
 from fleetserve.serve.base import ReplicaStreamLike, StreamObserver
+from fleetserve.serve.hedging import Hedge, first_output
 
 
 def migration_reason(error: ReplicaGoneError) -> str:
@@ -67,7 +67,7 @@ class MigratingStream:
         *,
         observer: StreamObserver | None = None,
         migration_limit: int = 3,
-        hedge_after_s: float | None = None,
+        hedge: Hedge | None = None,
         context: Any = None,
     ) -> None:
         self.service = service
@@ -78,7 +78,7 @@ class MigratingStream:
         self.replica_index = replica_index
         self.observer = observer
         self.migration_limit = migration_limit
-        self.hedge_after_s = hedge_after_s
+        self.hedge = hedge
         self.last: RequestOutput | None = None  # the newest output its reader was given
         self.migrations = 0
         self.hedged = False
@@ -94,8 +94,8 @@ class MigratingStream:
             if self._closed or self._ended:
                 raise StopAsyncIteration
             try:
-                if self.last is None and self.hedge_after_s is not None and not self.hedged:
-                    out = await self._first_hedged(self.hedge_after_s)
+                if self.last is None and self.hedge is not None and not self.hedged:
+                    out = await first_output(self, self.hedge)
                 else:
                     out = await self.inner.__anext__()
             except ReplicaGoneError as e:
@@ -131,39 +131,6 @@ class MigratingStream:
             self._end()
             raise
         self.replicas_used.append(self.replica_index)
-
-    async def _first_hedged(self, after_s: float) -> RequestOutput:
-        """The first output, from the first replica or, if that has none within `after_s`,
-        from whichever of it and a copy on another replica answers first."""
-        first = asyncio.ensure_future(self.inner.__anext__())
-        try:
-            done, _ = await asyncio.wait({first}, timeout=after_s)
-            if done:
-                return first.result()
-            self.hedged = True
-            copy, copy_index = await self.service.resubmit(self, exclude={self.replica_index})
-        except EngineDeadError:
-            return await first  # no other replica: keep waiting on the first
-        except BaseException:
-            first.cancel()
-            raise
-        second = asyncio.ensure_future(copy.__anext__())
-        try:
-            done, _ = await asyncio.wait({first, second}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            first.cancel()
-            second.cancel()
-            copy.close()
-            raise
-        won_first = first in done and first.exception() is None
-        winner, loser = (first, second) if won_first else (second, first)
-        loser_stream = copy if won_first else self.inner
-        if not won_first:
-            self.inner, self.replica_index = copy, copy_index
-            self.replicas_used.append(copy_index)
-        loser.cancel()
-        loser_stream.close()  # aborted in its engine: it is never billed
-        return await winner
 
     def _end(self) -> None:
         if not self._ended:

@@ -50,6 +50,7 @@ from fleetserve.outputs import RequestOutput
 from fleetserve.serve.admission import ClassObserver, Pending, PreparedPrompt, ShedError
 from fleetserve.serve.base import Replica, ReplicaStreamLike, RouteRequest
 from fleetserve.serve.fleet_config import PoolConfig, RemoteConfig, ResilienceConfig
+from fleetserve.serve.hedging import hedge_for
 from fleetserve.serve.migration import MigratingStream, migration_reason
 from fleetserve.serve.policies import make_policy
 from fleetserve.serve.pools import PoolController, prefer_spot
@@ -417,7 +418,7 @@ class GenerateService:
                     replica.index,
                     observer=observer,
                     migration_limit=self.resilience.migration_limit,
-                    hedge_after_s=cls.hedge_after_s,
+                    hedge=hedge_for(cls.hedge_after_s, self.resubmit, self.metrics),
                     context=(item, cls, engine_priority(cls, entry.priority)),
                 )
                 stream.last = item.resume  # what its reader has: a move goes on from there

@@ -36,6 +36,18 @@ NOTICE_MARGIN_S = 3.0
 log = logging.getLogger("fleetserve.serve")
 
 
+def notice_window_s(notice: CoreNotice, now: float) -> float:
+    """How long a replica given `notice` lets its requests run before the rest move
+    (`now`: time.time(), the clock of the notice's deadline)."""
+    return max(0.0, notice.deadline - now - NOTICE_MARGIN_S)
+
+
+def is_hung(replica: Replica, now: float, hang_timeout_s: float | None) -> bool:
+    """Whether the replica has held work without an engine step for longer than
+    `hang_timeout_s` (None: hangs are not looked for). `now`: time.monotonic()."""
+    return hang_timeout_s is not None and replica.hung_for(now) > hang_timeout_s
+
+
 class Supervisor:
     def __init__(
         self,
@@ -84,8 +96,7 @@ class Supervisor:
         log.warning("%s: replica %d got a preemption notice (%s, %s); draining it",
                     self.name, replica.index, notice.source, notice.detail)  # fmt: skip
         self.event("notice")
-        window = max(0.0, notice.deadline - time.time() - NOTICE_MARGIN_S)
-        self.start_drain(replica.index, window)
+        self.start_drain(replica.index, notice_window_s(notice, time.time()))
 
     def start_drain(self, index: int, timeout_s: float) -> bool:
         """drain_replica in the background; False if it is already being drained."""
@@ -132,7 +143,7 @@ class Supervisor:
                 self.num_failed += 1
                 self.retiring.add(r.index)
                 self.spawn(self._remove(r.index, kill=False))
-            elif hang_s is not None and r.hung_for(now) > hang_s:
+            elif is_hung(r, now, hang_s):
                 log.error("%s: replica %d ran no step for %.1f s while holding work; "
                           "killing it", self.name, r.index, r.hung_for(now))  # fmt: skip
                 self.event("hung")
