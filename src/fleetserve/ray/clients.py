@@ -44,11 +44,11 @@ from fleetserve.ray import router_state
 from fleetserve.ray.pools import PoolRoute, ReplicaRoom, choose_deployment
 from fleetserve.ray.router_state import num_known_replicas
 from fleetserve.ray.streams import RayStream, RequestObserver
-from fleetserve.serve.admission import ShedError
+from fleetserve.serve.admission import Admission
 from fleetserve.serve.base import ReplicaStreamLike
 from fleetserve.serve.fleet_config import FleetConfig, ModelEntry
 from fleetserve.serve.migration import MigratingStream, migration_reason
-from fleetserve.serve.sla import ClassQueue, Entry, QueueFullError, ServiceClass, engine_priority
+from fleetserve.serve.sla import ClassQueue, Entry, ServiceClass, engine_priority
 from fleetserve.tokenizer import Tokenizer
 
 
@@ -86,10 +86,11 @@ class _Call:
 
 @dataclass
 class _Pending:
-    """A queued request; `turn` resolves when it may be sent (its seats are reserved)."""
+    """A queued request (a serve/admission.py Waiter); `future` resolves when its turn
+    comes to be sent (its seats are then reserved)."""
 
     items: list[_Item]
-    turn: asyncio.Future[None]
+    future: asyncio.Future[None]
     arrival: float
 
 
@@ -127,20 +128,26 @@ class RayGenerateClient:
         self.config, source = args.resolve()
         self.tokenizer = Tokenizer.from_source(source)
         self._rules = PromptRules(self.tokenizer, self.config)
-        self.priority_ordered = self.config.scheduler.policy == "priority"
         # prefer_spot's overload rule, as the local Router's: a full batch outstanding.
         self.overload_requests = self.config.scheduler.max_num_seqs
-        self.queue: ClassQueue[_Pending] = ClassQueue(
-            fleet.service_classes(), fleet.default_class_name
+        self.admission: Admission[_Pending] = Admission(
+            self.name,
+            fleet.service_classes(),
+            fleet.default_class_name,
+            metrics,
+            priority_ordered=self.config.scheduler.policy == "priority",
         )
         self.resilience = entry.resilience
         self.num_in_flight_streams = 0
         self._unstarted: Counter[str] = Counter()  # sent, no output yet (RequestObserver)
         self._started = False
         self._closing = False
-        self._expiry: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------- ModelService
+    @property
+    def queue(self) -> ClassQueue[_Pending]:
+        return self.admission.queue
+
     @property
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len
@@ -189,12 +196,11 @@ class RayGenerateClient:
 
     async def shutdown(self) -> None:
         self._closing = True
+        self.admission.close()
         self.abort_all("the server is shutting down")
 
     def abort_all(self, reason: str) -> None:
-        while (entry := self.queue.pop()) is not None:
-            if not entry.payload.turn.done():
-                entry.payload.turn.set_exception(EngineDeadError(reason))
+        self.admission.fail_all(lambda: EngineDeadError(reason))
 
     # ------------------------------------------------------------- admission
     @property
@@ -220,27 +226,15 @@ class RayGenerateClient:
         The request is sent from its own task, once its turn comes: a Serve handle call
         belongs to the HTTP request whose context makes it (its request id, its
         cancellation), so it must not be made from another request's task."""
-        cls = self.queue.resolve(class_name)
-        if priority != 0 and not self.priority_ordered:
-            raise ValueError(
-                f"priority is not honoured by {self.name!r}: it schedules first-come "
-                "first-served; serve it with scheduling_policy priority to order by priority"
-            )
+        cls = self.admission.resolve(class_name, priority)
         items = [self._prepare(f"{request_id}-{i}", p, params_for()) for i, p in enumerate(prompts)]
-        arrival = time.monotonic()
-        loop = asyncio.get_running_loop()
-        pending = _Pending(items, loop.create_future(), arrival)
-        try:
-            entry = self.queue.push(pending, cls.name, priority, arrival)
-        except QueueFullError as e:
-            self._shed(cls.name, "queue_full")
-            raise ShedError(str(e), cls.name, "overloaded") from None
-        self._schedule_expiry()
+        pending = _Pending(items, asyncio.get_running_loop().create_future(), time.monotonic())
+        entry = self.admission.push(pending, cls, priority)
         self._dispatch()
         try:
-            await pending.turn
+            await pending.future
         except asyncio.CancelledError:
-            if not self.queue.remove(entry) and pending.turn.done():
+            if not self.queue.remove(entry) and pending.future.done():
                 self._release(len(items))  # its turn came, but it left before sending
             raise
         return self._send(entry)
@@ -265,7 +259,7 @@ class RayGenerateClient:
                 return
             self.queue.pop()
             self.num_in_flight_streams += len(entry.payload.items)
-            entry.payload.turn.set_result(None)
+            entry.payload.future.set_result(None)
 
     def _release(self, num_streams: int) -> None:
         self.num_in_flight_streams -= num_streams
@@ -408,26 +402,3 @@ class RayGenerateClient:
                  index, error)  # fmt: skip
         if self.metrics is not None:
             self.metrics.add_migration(migration_reason(error))
-
-    def _schedule_expiry(self) -> None:
-        deadline = self.queue.next_deadline()
-        if deadline == float("inf"):
-            return
-        if self._expiry is not None and self._expiry.when() <= deadline:
-            return
-        if self._expiry is not None:
-            self._expiry.cancel()
-        self._expiry = asyncio.get_running_loop().call_at(deadline, self._expire)
-
-    def _expire(self) -> None:
-        self._expiry = None
-        for entry in self.queue.expire(time.monotonic()):
-            cls = entry.service_class
-            self._shed(cls.name, "queue_timeout")
-            if not entry.payload.turn.done():
-                entry.payload.turn.set_exception(ShedError.queue_timeout(cls))
-        self._schedule_expiry()
-
-    def _shed(self, class_name: str, reason: str) -> None:
-        if self.metrics is not None:
-            self.metrics.add_shed(class_name, reason)

@@ -47,7 +47,7 @@ from fleetserve.engine.async_engine import (
 from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
-from fleetserve.serve.admission import ClassObserver, Pending, PreparedPrompt, ShedError
+from fleetserve.serve.admission import Admission, ClassObserver, Pending, PreparedPrompt
 from fleetserve.serve.base import Replica, ReplicaStreamLike, RouteRequest
 from fleetserve.serve.fleet_config import PoolConfig, RemoteConfig, ResilienceConfig
 from fleetserve.serve.migration import MigratingStream, migration_reason
@@ -58,14 +58,7 @@ from fleetserve.serve.remote_pool import RemoteTargets
 from fleetserve.serve.replica import LocalReplica
 from fleetserve.serve.replica_set import ReplicaSet
 from fleetserve.serve.router import NoHealthyReplicaError, Router
-from fleetserve.serve.sla import (
-    ClassQueue,
-    Entry,
-    QueueFullError,
-    ServiceClass,
-    engine_priority,
-    oversubscription,
-)
+from fleetserve.serve.sla import ClassQueue, Entry, ServiceClass, engine_priority, oversubscription
 from fleetserve.serve.supervisor import SUPERVISE_INTERVAL_S, Supervisor
 from fleetserve.tokenizer import Tokenizer
 
@@ -119,10 +112,13 @@ class GenerateService:
         self.tokenizer = Tokenizer.from_source(self.source)
         self._rules = PromptRules(self.tokenizer, self.config)
         self.metrics = metrics
-        self.queue: ClassQueue[Pending] = ClassQueue(classes, default_class)
-        # A request's own `priority` reaches the engine only under the priority policy;
-        # elsewhere a non-zero one is refused rather than ignored.
-        self.priority_ordered = self.config.scheduler.policy == "priority"
+        self.admission: Admission[Pending] = Admission(
+            name,
+            classes,
+            default_class,
+            metrics,
+            priority_ordered=self.config.scheduler.policy == "priority",
+        )
         self.replica_set = ReplicaSet(self._new_replica)
         self.replica_set.on_change = self._pulse
         policy = make_policy(
@@ -140,7 +136,6 @@ class GenerateService:
         self._unstarted: Counter[str] = Counter()
         self._started = False
         self._closing = False
-        self._expiry: asyncio.TimerHandle | None = None
         self._changed = asyncio.Event()
         self.supervisor = Supervisor(name, self.replica_set, self.resilience, metrics, self._pulse)
         self._retiring = self.supervisor.retiring  # replicas being drained or removed
@@ -179,6 +174,10 @@ class GenerateService:
         return replica
 
     # ------------------------------------------------------------- state
+    @property
+    def queue(self) -> ClassQueue[Pending]:
+        return self.admission.queue
+
     @property
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len
@@ -263,15 +262,14 @@ class GenerateService:
 
     async def shutdown(self) -> None:
         self._closing = True
-        if self._expiry is not None:
-            self._expiry.cancel()
+        self.admission.close()
         self.supervisor.stop()
         await self._stop_controller()
-        self._fail_queued(lambda: EngineDeadError("the server is shutting down"))
+        self.admission.fail_all(lambda: EngineDeadError("the server is shutting down"))
         await self.replica_set.stop_all()
 
     def abort_all(self, reason: str) -> None:
-        self._fail_queued(lambda: EngineDeadError(reason))
+        self.admission.fail_all(lambda: EngineDeadError(reason))
         for r in self.replica_set:
             r.abort_all(reason)
 
@@ -296,26 +294,14 @@ class GenerateService:
             raise EngineNotReadyError("the model is still loading")
         if not self.replica_set.live and not self._recovering:
             raise EngineDeadError(self.dead_reason or "no replica of the model is serving")
-        cls = self.queue.resolve(class_name)
-        if priority != 0 and not self.priority_ordered:
-            raise ValueError(
-                f"priority is not honoured by {self.name!r}: it schedules first-come "
-                "first-served; serve it with scheduling_policy priority to order by priority"
-            )
+        cls = self.admission.resolve(class_name, priority)
         items = [self._prepare(f"{request_id}-{i}", p, params_for()) for i, p in enumerate(prompts)]
         if resume is not None:
             if len(items) != 1:
                 raise ValueError("resume is for a request of one prompt")
             items[0].resume = resume
-        loop = asyncio.get_running_loop()
-        arrival = time.monotonic()
-        pending = Pending(items, loop.create_future(), arrival)
-        try:
-            entry = self.queue.push(pending, cls.name, priority, arrival)
-        except QueueFullError as e:
-            self._shed(cls.name, "queue_full")
-            raise ShedError(str(e), cls.name, "overloaded") from None
-        self._schedule_expiry()
+        pending = Pending(items, asyncio.get_running_loop().create_future(), time.monotonic())
+        entry = self.admission.push(pending, cls, priority)
         self._dispatch()
         try:
             return await pending.future
@@ -360,7 +346,7 @@ class GenerateService:
             if not self.replica_set.live:
                 if self._recovering:
                     return  # queued requests wait for the replacement (or their deadline)
-                self._fail_queued(
+                self.admission.fail_all(
                     lambda: EngineDeadError(self.dead_reason or "no replica is serving")
                 )
                 return
@@ -425,36 +411,6 @@ class GenerateService:
                 s.close()
             return
         pending.future.set_result(streams)
-
-    def _schedule_expiry(self) -> None:
-        deadline = self.queue.next_deadline()
-        if deadline == float("inf"):
-            return
-        loop = asyncio.get_running_loop()
-        if self._expiry is not None and self._expiry.when() <= deadline:
-            return
-        if self._expiry is not None:
-            self._expiry.cancel()
-        # loop.time() is time.monotonic() on every asyncio loop of CPython.
-        self._expiry = loop.call_at(deadline, self._expire)
-
-    def _expire(self) -> None:
-        self._expiry = None
-        for entry in self.queue.expire(time.monotonic()):
-            cls = entry.service_class
-            self._shed(cls.name, "queue_timeout")
-            if not entry.payload.future.done():
-                entry.payload.future.set_exception(ShedError.queue_timeout(cls))
-        self._schedule_expiry()
-
-    def _fail_queued(self, error: Callable[[], Exception]) -> None:
-        while (entry := self.queue.pop()) is not None:
-            if not entry.payload.future.done():
-                entry.payload.future.set_exception(error())
-
-    def _shed(self, class_name: str, reason: str) -> None:
-        if self.metrics is not None:
-            self.metrics.add_shed(class_name, reason)
 
     def _narrow(self, class_name: str) -> Callable[[list[Replica]], list[Replica]] | None:
         """Spot first: among the router's candidates, the spot replicas with room, unless
