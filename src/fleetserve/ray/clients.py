@@ -48,7 +48,7 @@ from fleetserve.serve.admission import Admission
 from fleetserve.serve.base import ReplicaStreamLike
 from fleetserve.serve.fleet_config import FleetConfig, ModelEntry
 from fleetserve.serve.migration import MigratingStream, migration_reason
-from fleetserve.serve.sla import ClassQueue, Entry, ServiceClass, engine_priority
+from fleetserve.serve.sla import Entry, ServiceClass, engine_priority
 from fleetserve.tokenizer import Tokenizer
 
 
@@ -137,6 +137,7 @@ class RayGenerateClient:
             metrics,
             priority_ordered=self.config.scheduler.policy == "priority",
         )
+        self.queue = self.admission.queue  # read by the handlers and the dashboard
         self.resilience = entry.resilience
         self.num_in_flight_streams = 0
         self._unstarted: Counter[str] = Counter()  # sent, no output yet (RequestObserver)
@@ -144,10 +145,6 @@ class RayGenerateClient:
         self._closing = False
 
     # ------------------------------------------------------------- ModelService
-    @property
-    def queue(self) -> ClassQueue[_Pending]:
-        return self.admission.queue
-
     @property
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len

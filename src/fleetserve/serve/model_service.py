@@ -58,7 +58,7 @@ from fleetserve.serve.remote_pool import RemoteTargets
 from fleetserve.serve.replica import LocalReplica
 from fleetserve.serve.replica_set import ReplicaSet
 from fleetserve.serve.router import NoHealthyReplicaError, Router
-from fleetserve.serve.sla import ClassQueue, Entry, ServiceClass, engine_priority, oversubscription
+from fleetserve.serve.sla import Entry, ServiceClass, engine_priority, oversubscription
 from fleetserve.serve.supervisor import SUPERVISE_INTERVAL_S, Supervisor
 from fleetserve.tokenizer import Tokenizer
 
@@ -119,6 +119,7 @@ class GenerateService:
             metrics,
             priority_ordered=self.config.scheduler.policy == "priority",
         )
+        self.queue = self.admission.queue  # read by the handlers and the dashboard
         self.replica_set = ReplicaSet(self._new_replica)
         self.replica_set.on_change = self._pulse
         policy = make_policy(
@@ -174,10 +175,6 @@ class GenerateService:
         return replica
 
     # ------------------------------------------------------------- state
-    @property
-    def queue(self) -> ClassQueue[Pending]:
-        return self.admission.queue
-
     @property
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len
