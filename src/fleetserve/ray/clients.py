@@ -41,7 +41,7 @@ from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
 from fleetserve.ray import router_state
-from fleetserve.ray.pools import PoolRoute, ReplicaRoom, choose_deployment
+from fleetserve.ray.pools import PoolChoice, PoolRoute
 from fleetserve.ray.router_state import num_known_replicas
 from fleetserve.ray.streams import RayStream, RequestObserver
 from fleetserve.serve.admission import Admission
@@ -110,26 +110,26 @@ class RayGenerateClient:
         holds each pool's deployment by pool name."""
         self.name = entry.name
         self._handles: dict[str, DeploymentHandle] = {}  # deployment name -> handle
-        self.routes: list[PoolRoute] = []
+        routes: list[PoolRoute] = []
         capacity_of = {p.name: p.capacity for p in entry.pools or []}
         for pool, h in (pools or {}).items():
-            self.routes.append(PoolRoute(pool, capacity_of[pool], h.deployment_name))
+            routes.append(PoolRoute(pool, capacity_of[pool], h.deployment_name))
             self._handles[h.deployment_name] = h
         if handle is not None:
-            self.routes.append(PoolRoute("default", "on_demand", handle.deployment_name))
+            routes.append(PoolRoute("default", "on_demand", handle.deployment_name))
             self._handles[handle.deployment_name] = handle
-        if len(self.routes) != (len(pools or {}) or 1):
+        if len(routes) != (len(pools or {}) or 1):
             raise ValueError("give a model's handle or its pools' handles, not both")
-        self.deployment_name = self.routes[0].deployment
-        self.spot_only_classes = fleet.spot_only_classes()
+        self.deployment_name = routes[0].deployment
         self.metrics = metrics
         self.max_ongoing_requests = max_ongoing_requests
         args = entry.engine_args()
         self.config, source = args.resolve()
         self.tokenizer = Tokenizer.from_source(source)
         self._rules = PromptRules(self.tokenizer, self.config)
-        # prefer_spot's overload rule, as the local Router's: a full batch outstanding.
-        self.overload_requests = self.config.scheduler.max_num_seqs
+        self.pools = PoolChoice(
+            routes, self.config.scheduler.max_num_seqs, fleet.spot_only_classes()
+        )
         self.admission: Admission[_Pending] = Admission(
             self.name,
             fleet.service_classes(),
@@ -296,7 +296,8 @@ class RayGenerateClient:
 
     def _call(self, call: _Call, resume: RequestOutput | None = None) -> RayStream:
         item = call.item
-        deployment = self._pick(call) or self._fallback(call)
+        cls = call.service_class.name
+        deployment = self.pools.pick(cls, call.avoid) or self.pools.fallback(cls)
         call.deployment = deployment
         avoid = call.avoid(deployment)
         caller = self._handles[deployment].options(stream=True)
@@ -320,37 +321,6 @@ class RayGenerateClient:
     def _placement(self, item: _Item, deployment: str) -> int | None:
         router = router_state.ROUTERS.get(deployment)
         return None if router is None else router.placement(item.request_id)
-
-    def _pick(self, call: _Call) -> str | None:
-        """The deployment the call goes to; None while none lists a replica the request
-        may go to (one it was not lost on)."""
-        if len(self.routes) == 1:
-            deployment = self.routes[0].deployment
-            router = router_state.ROUTERS.get(deployment)
-            if router is None or router.has_replica_outside(call.avoid(deployment)):
-                return deployment
-            return None
-        spot_only = call.service_class.name in self.spot_only_classes
-        rooms = []
-        for route in self.routes:
-            router = router_state.ROUTERS.get(route.deployment)
-            if router is None:
-                continue
-            rooms += [
-                ReplicaRoom(route.deployment, route.capacity, n)
-                for n in router.outstanding(call.avoid(route.deployment))
-            ]
-        return choose_deployment(rooms, self.overload_requests, spot_only)
-
-    def _fallback(self, call: _Call) -> str:
-        """Where a call goes while no deployment lists a replica for it (at startup, or
-        scaled to zero): Serve holds it until one is up. A spot-pinned class: the first
-        spot pool; otherwise the first on-demand pool (its base runs)."""
-        spot_only = call.service_class.name in self.spot_only_classes
-        want = "spot" if spot_only else "on_demand"
-        return next(
-            (r.deployment for r in self.routes if r.capacity == want), self.routes[0].deployment
-        )
 
     def _release_one(self) -> None:
         self._release(1)
@@ -382,7 +352,7 @@ class RayGenerateClient:
         while True:
             if self._closing:
                 raise EngineDeadError("the server is shutting down")
-            if self._pick(call) is not None:
+            if self.pools.pick(call.service_class.name, call.avoid) is not None:
                 return
             left = deadline - time.monotonic()
             if left <= 0:

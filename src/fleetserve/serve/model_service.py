@@ -13,7 +13,8 @@ past its class's `max_queue_time_s` is shed (503) before it costs any compute.
 
 Once sent, each engine request is a `MigratingStream` (serve/migration.py): the service
 keeps its prompt and the output its reader last got, and when its replica is lost (died,
-drained, hung, stopped) resumes it on another one. Its Supervisor (serve/supervisor.py)
+drained, hung, stopped) its RouterResubmitter (serve/resubmit.py) resumes it on another
+one. The model's gauges pool its replicas' stats (serve/pooled_stats.py). Its Supervisor (serve/supervisor.py)
 removes dead and hung replicas and drains those given a preemption notice; its
 PoolController (serve/pools.py, over serve/provision.py) starts replicas to keep the
 pools at their targets, falling back to on-demand when spot is short.
@@ -25,7 +26,6 @@ process's event loop thread.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import logging
 import os
@@ -41,8 +41,6 @@ from fleetserve.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineNotReadyError,
-    EngineOverloadedError,
-    ReplicaGoneError,
 )
 from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.metrics import ModelMetrics
@@ -50,13 +48,15 @@ from fleetserve.outputs import RequestOutput
 from fleetserve.serve.admission import Admission, ClassObserver, Pending, PreparedPrompt
 from fleetserve.serve.base import Replica, ReplicaStreamLike, RouteRequest
 from fleetserve.serve.fleet_config import PoolConfig, RemoteConfig, ResilienceConfig
-from fleetserve.serve.migration import MigratingStream, migration_reason
+from fleetserve.serve.migration import MigratingStream
 from fleetserve.serve.policies import make_policy
+from fleetserve.serve.pooled_stats import publish_pooled_stats
 from fleetserve.serve.pools import PoolController, prefer_spot
 from fleetserve.serve.provision import LocalProvisioner
 from fleetserve.serve.remote_pool import RemoteTargets
 from fleetserve.serve.replica import LocalReplica
 from fleetserve.serve.replica_set import ReplicaSet
+from fleetserve.serve.resubmit import Narrow, RouterResubmitter, SentRequest
 from fleetserve.serve.router import NoHealthyReplicaError, Router
 from fleetserve.serve.sla import Entry, ServiceClass, engine_priority, oversubscription
 from fleetserve.serve.supervisor import SUPERVISE_INTERVAL_S, Supervisor
@@ -134,10 +134,11 @@ class GenerateService:
             overload_requests=self.config.scheduler.max_num_seqs,
             straggler_factor=straggler_factor,
         )
+        # Migration's service side (serve/resubmit.py): moves a lost request through the router.
+        self.resubmitter = RouterResubmitter(name, self.router, self.resilience, metrics, self)
         self._unstarted: Counter[str] = Counter()
         self._started = False
-        self._closing = False
-        self._changed = asyncio.Event()
+        self.closing = False
         self.supervisor = Supervisor(name, self.replica_set, self.resilience, metrics, self._pulse)
         self._retiring = self.supervisor.retiring  # replicas being drained or removed
         self.provisioner = LocalProvisioner(
@@ -187,7 +188,7 @@ class GenerateService:
     def dead_reason(self) -> str | None:
         """None while any replica is alive (or loading); else why each one is down."""
         reasons = [r.dead_reason for r in self.replica_set]
-        if self._recovering or (not self._started and not self._closing):
+        if self.recovering or (not self._started and not self.closing):
             return None  # loading, or down for now with a replacement on its way
         if not reasons:
             return "the model has no replica"
@@ -258,7 +259,7 @@ class GenerateService:
             self._controller_task = None
 
     async def shutdown(self) -> None:
-        self._closing = True
+        self.closing = True
         self.admission.close()
         self.supervisor.stop()
         await self._stop_controller()
@@ -289,7 +290,7 @@ class GenerateService:
             if self.dead_reason is not None and self.replica_set.members:
                 raise EngineDeadError(self.dead_reason)
             raise EngineNotReadyError("the model is still loading")
-        if not self.replica_set.live and not self._recovering:
+        if not self.replica_set.live and not self.recovering:
             raise EngineDeadError(self.dead_reason or "no replica of the model is serving")
         cls = self.admission.resolve(class_name, priority)
         items = [self._prepare(f"{request_id}-{i}", p, params_for()) for i, p in enumerate(prompts)]
@@ -341,7 +342,7 @@ class GenerateService:
             if entry.service_class.name in self.spot_only_classes:
                 no_room |= {r.index for r in self.replica_set if r.capacity != "spot"}
             if not self.replica_set.live:
-                if self._recovering:
+                if self.recovering:
                     return  # queued requests wait for the replacement (or their deadline)
                 self.admission.fail_all(
                     lambda: EngineDeadError(self.dead_reason or "no replica is serving")
@@ -364,7 +365,7 @@ class GenerateService:
                     (item.params.max_tokens or 0) * item.params.n,
                     entry.priority,
                 )
-                narrow = self._narrow(cls.name)
+                narrow = self.narrow(cls.name)
                 try:
                     replica = self.router.choose(route, exclude=no_room, narrow=narrow)
                 except NoHealthyReplicaError:
@@ -385,7 +386,7 @@ class GenerateService:
                     observer.on_end()  # it never started
                     raise
                 stream = MigratingStream(
-                    self,
+                    self.resubmitter,
                     item.request_id,
                     item.params.n,
                     inner,
@@ -393,7 +394,7 @@ class GenerateService:
                     observer=observer,
                     migration_limit=self.resilience.migration_limit,
                     hedge_after_s=cls.hedge_after_s,
-                    context=(item, cls, engine_priority(cls, entry.priority)),
+                    context=SentRequest(item, cls, engine_priority(cls, entry.priority)),
                 )
                 stream.last = item.resume  # what its reader has: a move goes on from there
                 streams.append(stream)
@@ -409,7 +410,7 @@ class GenerateService:
             return
         pending.future.set_result(streams)
 
-    def _narrow(self, class_name: str) -> Callable[[list[Replica]], list[Replica]] | None:
+    def narrow(self, class_name: str) -> Narrow | None:
         """Spot first: among the router's candidates, the spot replicas with room, unless
         none has; a class pinned to spot gets spot replicas only."""
         if not self.has_spot:
@@ -418,11 +419,11 @@ class GenerateService:
         overload = self.router.overload_requests
         return lambda cands: prefer_spot(cands, overload, spot_only)
 
-    # ------------------------------------------------------------- migration
+    # ------------------------------------------------------------- recovery
     @property
-    def _recovering(self) -> bool:
+    def recovering(self) -> bool:
         """A replica is loading (or will be started) that queued requests may wait for."""
-        if self._closing or not self._started:
+        if self.closing or not self._started:
             return False
         loading = any(
             r.dead_reason is None and not r.healthy and r.index not in self._retiring
@@ -433,65 +434,11 @@ class GenerateService:
         # The controller will start a replacement, unless its pools are backing off.
         return self._controller_task is not None and any(self.controller.available().values())
 
-    async def resubmit(
-        self, stream: MigratingStream, exclude: set[int]
-    ) -> tuple[ReplicaStreamLike, int]:
-        """Puts `stream`'s request on a live replica not in `exclude`, going on from the
-        output its reader last got; waits up to migration_wait_s for one to be up."""
-        item, cls, priority = stream.context
-        last = stream.last
-        done = [] if last is None else [t for c in last.outputs for t in c.token_ids]
-        route = RouteRequest(
-            item.request_id,
-            tuple(item.prompt["prompt_token_ids"]) + tuple(done),
-            (item.params.max_tokens or 0) * item.params.n - len(done),
-            priority,
-        )
-        deadline = time.monotonic() + self.resilience.migration_wait_s
-        refused = set(exclude)
-        while True:
-            if self._closing:
-                raise EngineDeadError("the server is shutting down")
-            try:
-                replica = self.router.choose(route, exclude=refused, narrow=self._narrow(cls.name))
-            except NoHealthyReplicaError:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._recovering:
-                    raise EngineDeadError(
-                        f"no replica of {self.name!r} could take the request over "
-                        f"(waited {self.resilience.migration_wait_s:g} s, migration_wait_s)"
-                    ) from None
-                self._changed.clear()
-                with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
-                refused = set(exclude)  # a refusal may have been momentary
-                continue
-            try:
-                inner = replica.submit(
-                    item.request_id,
-                    item.prompt,
-                    copy.copy(item.params),
-                    priority,
-                    item.num_prompt_tokens,
-                    level=cls.priority,
-                    resume=last if done else None,
-                )
-            except (EngineDeadError, EngineNotReadyError, EngineOverloadedError):
-                refused.add(replica.index)
-                continue
-            return inner, replica.index
-
-    def on_migrated(self, stream: MigratingStream, error: ReplicaGoneError) -> None:
-        log.info("%s: request %s moves off replica %d (%s)", self.name, stream.request_id,
-                 stream.replica_index, error)  # fmt: skip
-        if self.metrics is not None:
-            self.metrics.add_migration(migration_reason(error))
-
     # ------------------------------------------------------------- supervision
     def _pulse(self) -> None:
         """Routable replicas changed: wake migrations waiting for one, replan the pools,
         send what waits."""
-        self._changed.set()
+        self.resubmitter.wake()
         self.controller.poke()
         self._dispatch()
 
@@ -505,38 +452,4 @@ class GenerateService:
         return self.supervisor.replica_views()
 
     def _publish_stats(self, replica: Replica) -> None:
-        """The model-level gauges sum (or pool) the healthy replicas' latest stats."""
-        if self.metrics is None:
-            return
-        live = [r.stats for r in self.replica_set.live if r.stats]
-        if not live:
-            return
-        queries = sum(s.get("prefix_cache_queries", 0.0) for s in live)
-        hits = sum(s.get("prefix_cache_hits", 0.0) for s in live)
-        self.metrics.set_engine_stats(
-            {
-                "num_requests_running": sum(s.get("num_requests_running", 0.0) for s in live),
-                "kv_cache_usage_perc": sum(s.get("kv_cache_usage_perc", 0.0) for s in live)
-                / len(live),
-                "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-                **_spec_decode_totals(live),
-            },
-            replica=None,
-        )
-
-
-def _spec_decode_totals(live: list[Mapping[str, float]]) -> dict[str, float]:
-    """Speculative decoding totals and ratios over the replicas (none when it is off)."""
-    if not any("spec_decode_num_drafts" in s for s in live):
-        return {}
-    keys = (
-        "spec_decode_num_drafts",
-        "spec_decode_num_draft_tokens",
-        "spec_decode_num_accepted_tokens",
-    )
-    n, drafts, accepted = (sum(s.get(k, 0.0) for s in live) for k in keys)
-    return {
-        **dict(zip(keys, (n, drafts, accepted), strict=True)),
-        "spec_decode_acceptance_rate": accepted / drafts if drafts else 0.0,
-        "spec_decode_mean_accepted_length": 1 + accepted / n if n else 0.0,
-    }
+        publish_pooled_stats(self.metrics, self.replica_set.live)
