@@ -19,10 +19,12 @@ from ray.serve.handle import DeploymentResponseGenerator  # noqa: E402
 
 from fleetserve.core.sampling_params import SamplingParams  # noqa: E402
 from fleetserve.engine.async_engine import EngineDeadError, ReplicaGoneError  # noqa: E402
+from fleetserve.metrics import ServerMetrics  # noqa: E402
 from fleetserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from fleetserve.ray import router_state  # noqa: E402
 from fleetserve.ray.clients import RayGenerateClient  # noqa: E402
 from fleetserve.ray.wire import RemoteError  # noqa: E402
+from fleetserve.serve.admission import ShedError  # noqa: E402
 from fleetserve.serve.fleet_config import parse_fleet_config  # noqa: E402
 from fleetserve.serve.migration import MigrationLimitError  # noqa: E402
 
@@ -197,6 +199,54 @@ def test_with_no_other_replica_it_waits_migration_wait_s(tiny_llama: str) -> Non
 
     got, error = asyncio.run(replica_comes_back())
     assert error is None and got[-1] == output("req-0", MAX_TOKENS)
+
+
+def test_the_ingress_queue_sheds_when_full_and_past_max_queue_time_s(tiny_llama: str) -> None:
+    fleet = parse_fleet_config(
+        {
+            "classes": {"interactive": {"max_waiting": 1, "max_queue_time_s": 0.2}},
+            "models": [{"name": "migr", "model": tiny_llama}],
+        }
+    )
+    handle = ScriptedHandle([0, 0], [])
+    metrics = ServerMetrics().model("migr")
+    c = RayGenerateClient(fleet.models[0], fleet, handle, 1, metrics)  # type: ignore[arg-type]
+
+    def params() -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+    async def main() -> None:
+        (running,) = await c.admit("a", ["hello"], params)  # the model's one seat
+        queued = asyncio.create_task(c.admit("b", ["hello"], params))
+        await asyncio.sleep(0)
+        assert c.waiting_by_class() == {"interactive": 1}
+        with pytest.raises(ShedError, match="'interactive' queue is full") as full:
+            await c.admit("c", ["hello"], params)
+        assert full.value.code == "overloaded"
+        with pytest.raises(ShedError, match="waited 0.2 s in the 'interactive' queue") as late:
+            await queued
+        assert late.value.code == "queue_timeout"
+        assert [call["request_id"] for call in handle.calls] == ["a-0"]  # never sent
+        text = metrics.server.render().decode()
+        assert 'reason="queue_full"} 1.0' in text and 'reason="queue_timeout"} 1.0' in text
+        # A cancelled wait leaves the queue; abort_all fails what is queued.
+        left = asyncio.create_task(c.admit("d", ["hello"], params))
+        await asyncio.sleep(0)
+        left.cancel()
+        await asyncio.sleep(0)
+        assert c.num_in_flight == 1
+        aborted = asyncio.create_task(c.admit("e", ["hello"], params))
+        await asyncio.sleep(0)
+        c.abort_all("stopping")
+        with pytest.raises(EngineDeadError, match="stopping"):
+            await aborted
+        running.close()  # its seat back: the next request is sent at once
+        assert c.num_in_flight == 0
+        (after,) = await c.admit("f", ["hello"], params)
+        assert [call["request_id"] for call in handle.calls] == ["a-0", "f-0"]
+        after.close()
+
+    asyncio.run(main())
 
 
 def pending(kwargs: dict[str, Any]) -> Any:

@@ -23,7 +23,9 @@ from fleetserve.ray.clients import RayGenerateClient  # noqa: E402
 from fleetserve.ray.pool_state import PoolSnapshot  # noqa: E402
 from fleetserve.ray.pools import (  # noqa: E402
     RESOURCE_PER_REPLICA,
+    PoolChoice,
     PoolPolicy,
+    PoolRoute,
     ReplicaRoom,
     choose_deployment,
     decide,
@@ -202,6 +204,9 @@ class PoolRouter:
     def outstanding(self, avoid: frozenset[int]) -> list[int]:
         return [0 for i in self.replicas if i not in avoid]
 
+    def has_replica_outside(self, avoid: frozenset[int]) -> bool:
+        return any(i not in avoid for i in self.replicas)
+
 
 class PoolHandle:
     """A pool deployment's handle: each call goes to its router's first replica; the
@@ -274,6 +279,37 @@ def test_a_request_lost_on_spot_resumes_on_demand(
     assert moved["resume"] == got[1] and moved["avoid"] == []  # base's replica 0 is not spot's
     assert c.num_in_flight_streams == 0
     assert c.card()["replicas"] == 0  # the fake routers keep no curr_replicas
+
+
+def test_pool_choice_reads_the_routers_and_falls_back_by_class(
+    pools: dict[str, PoolHandle],
+) -> None:
+    spot, base = (
+        PoolRoute(p, c, f"model-chat--{p}") for p, c in (("spot", "spot"), ("base", "on_demand"))
+    )
+    choice = PoolChoice([base, spot], 4, frozenset({"batch"}))
+    lost: dict[str, frozenset[int]] = {}
+
+    def avoid(deployment: str) -> frozenset[int]:
+        return lost.get(deployment, frozenset())
+
+    assert choice.pick("interactive", avoid) == spot.deployment  # spot has room
+    lost[spot.deployment] = frozenset({0})  # lost on spot's one replica
+    assert choice.pick("interactive", avoid) == base.deployment
+    assert choice.pick("batch", avoid) is None  # pinned to spot: nowhere to go now
+    assert (choice.fallback("batch"), choice.fallback("interactive")) == (
+        spot.deployment,
+        base.deployment,
+    )
+    # One deployment: taken while its router is unknown or lists a replica not avoided.
+    single = PoolChoice([PoolRoute("default", "on_demand", "model-solo")], 4, frozenset())
+    assert single.pick("interactive", avoid) == "model-solo"
+    router_state.ROUTERS["model-solo"] = PoolRouter([1])
+    try:
+        assert single.pick("interactive", lambda d: frozenset({1})) is None
+        assert single.pick("interactive", avoid) == "model-solo"
+    finally:
+        del router_state.ROUTERS["model-solo"]
 
 
 def test_a_spot_pinned_class_stays_on_spot(tiny_llama: str, pools: dict[str, PoolHandle]) -> None:

@@ -163,3 +163,88 @@ def test_ray_refuses_what_only_the_local_server_honours() -> None:
     assert cfg.local_only_keys() == ["models[0].pools[0].notice"]
     with pytest.raises(ValueError, match=r"^models\[0\].pools\[0\].notice: served by"):
         build_app(cfg)
+
+
+class _Method:
+    """One deployment method of a fake handle: `.remote(arg)` answers with `reply(arg)`."""
+
+    def __init__(self, reply: Any) -> None:
+        self.reply = reply
+        self.args: list[tuple[Any, ...]] = []
+
+    def remote(self, *args: Any) -> Any:
+        self.args.append(args)
+
+        async def answer() -> Any:
+            result = self.reply(*args)
+            if isinstance(result, BaseException):
+                raise result
+            return result
+
+        return answer()
+
+
+def test_ray_batch_clients_check_readiness_and_input_and_map_refusals() -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    pytest.importorskip("ray")
+    from fleetserve.ray.batch_clients import RayCustomClient, RayEmbedClient
+    from fleetserve.ray.wire import RemoteError
+
+    cfg = parse_fleet_config(
+        {
+            "models": [
+                {"name": "emb", "kind": "embed", "model": "all-MiniLM-L6-v2"},
+                {"name": "cus", "kind": "custom", "handler": "pkg.mod:Model"},
+            ]
+        }
+    )
+    vectors = np.ones((2, 3), dtype=np.float32)
+
+    def embed(inputs: list[Any]) -> Any:
+        if inputs == ["bad"]:
+            return RemoteError.of(BatchItemError(0, ValueError("input[0] is bad")))
+        return vectors[: len(inputs)], [4] * len(inputs)
+
+    emb_handle = SimpleNamespace(
+        deployment_name="model-emb", dimension=_Method(lambda: 3), embed=_Method(embed)
+    )
+    predict = _Method(lambda xs: [{"y": x["x"] + 1} for x in xs])
+    cus_handle = SimpleNamespace(deployment_name="model-cus", predict=predict)
+    emb = RayEmbedClient(cfg.models[0], emb_handle)  # type: ignore[arg-type]
+    cus = RayCustomClient(cfg.models[1], cus_handle)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        assert (emb.dead_reason, emb.crashed, cus.dead_reason, cus.crashed) == (
+            None, False, None, False
+        )  # fmt: skip
+        with pytest.raises(ServiceNotReadyError, match="model 'emb' is not ready"):
+            _ = emb.dimension
+        with pytest.raises(ServiceNotReadyError, match="model 'cus' is not ready"):
+            await cus.predict([{"x": 1}])
+        await emb.start()
+        await cus.start()
+        assert emb.dimension == 3 and emb.is_ready
+        result = await emb.embed(["a", "b"])
+        assert result.vectors.shape == (2, 3) and result.num_tokens == [4, 4]
+        with pytest.raises(BatchItemError) as bad:
+            await emb.embed(["bad"])
+        assert bad.value.index == 0 and isinstance(bad.value.error, ValueError)
+        with pytest.raises(ValueError, match="instances must not be empty"):
+            await cus.predict([])
+        with pytest.raises(ValueError, match=r"instances\[1\] must be a JSON object"):
+            await cus.predict([{"x": 1}, 2])  # type: ignore[list-item]
+        assert len(predict.args) == 0  # refused before any call
+        assert await cus.predict([{"x": 1}]) == [{"y": 2}]
+        predict.reply = lambda xs: RuntimeError("actor died")
+        with pytest.raises(RuntimeError, match="the replica serving the request failed"):
+            await cus.predict([{"x": 1}])
+        assert cus.num_in_flight == 0
+        cus.abort_all("stop")
+        with pytest.raises(ServiceNotReadyError, match="model 'cus' is not ready"):
+            await cus.predict([{"x": 1}])
+
+    asyncio.run(main())

@@ -267,10 +267,10 @@ def test_speculative_config_parse() -> None:
 
 def test_spec_decode_metrics_pool_replicas_and_count_deltas() -> None:
     from fleetserve.metrics import ServerMetrics
-    from fleetserve.serve.model_service import _spec_decode_totals
+    from fleetserve.serve.pooled_stats import spec_decode_totals
 
-    assert _spec_decode_totals([{"num_requests_running": 1.0}]) == {}
-    pooled = _spec_decode_totals(
+    assert spec_decode_totals([{"num_requests_running": 1.0}]) == {}
+    pooled = spec_decode_totals(
         [
             {"spec_decode_num_drafts": 2, "spec_decode_num_draft_tokens": 8,
              "spec_decode_num_accepted_tokens": 6},

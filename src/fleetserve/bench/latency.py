@@ -18,12 +18,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from fleetserve.bench.llamacpp import add_llamacpp_args, require_gguf, run_job
 from fleetserve.entrypoints.engine_args_cli import add_engine_args, engine_args_from
 
 SYSTEM = "You are a storyteller."
@@ -36,13 +34,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(max_num_seqs=1)
     p.add_argument("--num-tokens", type=int, default=256, help="greedy tokens per run")
     p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
-    p.add_argument("--compare", choices=["llamacpp"], default=None)
-    p.add_argument(
-        "--llamacpp-python",
-        default=os.environ.get("FLEETSERVE_LLAMACPP_PYTHON", sys.executable),
-        help="interpreter with llama-cpp-python installed (default: $FLEETSERVE_LLAMACPP_PYTHON "
-        "or this one)",
-    )
+    add_llamacpp_args(p)
     p.add_argument(
         "--llamacpp-threads", type=int, default=None, help="default: --num-threads, else 2"
     )
@@ -122,8 +114,7 @@ def run_fleetserve(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_llamacpp(args: argparse.Namespace, fs: dict[str, Any]) -> dict[str, Any]:
     model = fs["model"]
-    if not str(model).endswith(".gguf"):
-        raise ValueError("--compare llamacpp needs a .gguf --model (llama.cpp reads GGUF only)")
+    require_gguf(model)
     threads = args.llamacpp_threads or args.num_threads or 2
     job = {
         "model": model,
@@ -133,20 +124,7 @@ def run_llamacpp(args: argparse.Namespace, fs: dict[str, Any]) -> dict[str, Any]
         "repeats": args.repeats,
         "n_ctx": 64 + args.num_tokens + len(fs["prompt_token_ids"]),
     }
-    script = Path(__file__).with_name("llamacpp_runner.py")
-    proc = subprocess.run(
-        [args.llamacpp_python, str(script)],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        env=peer_env(),
-    )
-    if proc.returncode != 0:
-        raise ValueError(
-            f"llama.cpp run failed under --llamacpp-python={args.llamacpp_python} "
-            f"(is llama-cpp-python installed there?): {proc.stderr.strip()[-600:]}"
-        )
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_job(args.llamacpp_python, job)
     return {
         "engine": f"llama-cpp-python {res['version']}",
         "num_threads": threads,
@@ -155,17 +133,6 @@ def run_llamacpp(args: argparse.Namespace, fs: dict[str, Any]) -> dict[str, Any]
         "runs": res["runs"],
         **_summary(res["runs"], args.num_tokens),
     }
-
-
-def peer_env() -> dict[str, str]:
-    """This process's environment without the OpenMP spin count fleetserve chose for
-    itself (fleetserve/__init__.py): the peer runs as its users would run it."""
-    import fleetserve
-
-    env = dict(os.environ)
-    if fleetserve.SET_GOMP_SPINCOUNT:
-        env.pop("GOMP_SPINCOUNT", None)
-    return env
 
 
 def _agree(a: list[int], b: list[int]) -> int:

@@ -1,4 +1,5 @@
-"""The llama.cpp side of `fleetserve bench latency --compare llamacpp`.
+"""The llama.cpp side of `fleetserve bench latency|perplexity --compare llamacpp` (the
+fleetserve side, which starts it: bench/llamacpp.py).
 
 Runs as a script under another interpreter (the one with llama-cpp-python installed), so
 fleetserve's environment never needs it: it imports nothing from fleetserve. Reads one

@@ -1,5 +1,6 @@
-"""A server process a benchmark starts for itself on 127.0.0.1: started, waited for,
-and stopped with everything it started (engine processes, Ray workers).
+"""A server process a benchmark (or a test: tests/server/server_proc.py) starts for itself
+on 127.0.0.1: started, waited for, and stopped with everything it started (engine
+processes, Ray workers).
 
 The benchmark may signal only processes it started; `owns(pid)` says whether a pid is
 one of this server's descendants, so a chaos run never touches anything else.
@@ -35,10 +36,17 @@ def pid_alive(pid: int) -> bool:
 
 class LocalServer:
     """`cmd` (a server that binds 127.0.0.1:`port` and answers GET /ready with 200 once it
-    serves) run as a child process; its output goes to a log file."""
+    serves) run as a child process; its output goes to a log file. `new_session`: in a
+    session of its own, so that a Ctrl-C of the benchmark reaches the benchmark only."""
 
     def __init__(
-        self, cmd: Sequence[str], port: int, env: dict[str, str] | None = None, name: str = ""
+        self,
+        cmd: Sequence[str],
+        port: int,
+        env: dict[str, str] | None = None,
+        name: str = "",
+        *,
+        new_session: bool = True,
     ) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
@@ -51,7 +59,7 @@ class LocalServer:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
-            start_new_session=True,  # a Ctrl-C of the bench reaches the bench only
+            start_new_session=new_session,
         )
 
     def output(self) -> str:

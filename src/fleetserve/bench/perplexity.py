@@ -14,13 +14,10 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from fleetserve.bench.latency import peer_env
+from fleetserve.bench.llamacpp import add_llamacpp_args, require_gguf, run_job
 from fleetserve.entrypoints.engine_args_cli import add_engine_args, engine_args_from
 
 DEFAULT_TEXT = Path(__file__).with_name("data") / "english.txt"
@@ -36,11 +33,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="comma-separated (none,gguf,int8); default: gguf,none,int8 for a .gguf "
         "model, none,int8 otherwise",
     )
-    p.add_argument("--compare", choices=["llamacpp"], default=None)
-    p.add_argument(
-        "--llamacpp-python",
-        default=os.environ.get("FLEETSERVE_LLAMACPP_PYTHON", sys.executable),
-    )
+    add_llamacpp_args(p)
     p.add_argument("--json", default=None, help="write the figures here")
 
 
@@ -80,17 +73,7 @@ def score(args: argparse.Namespace, quantization: str, text: str) -> dict[str, A
 def score_llamacpp(args: argparse.Namespace, model: str, ids: list[int]) -> dict[str, Any]:
     job = {"mode": "perplexity", "model": model, "token_ids": ids, "context": args.context,
            "threads": args.num_threads or 2}  # fmt: skip
-    script = Path(__file__).with_name("llamacpp_runner.py")
-    proc = subprocess.run(
-        [args.llamacpp_python, str(script)],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        env=peer_env(),
-    )
-    if proc.returncode != 0:
-        raise ValueError(f"llama.cpp run failed: {proc.stderr.strip()[-600:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_job(args.llamacpp_python, job)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,8 +92,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{kind:>5}: perplexity {r['perplexity']:.4f} over {r['num_scored']} tokens")
     if args.compare == "llamacpp":
         model = results["runs"][0]["model"]
-        if not str(model).endswith(".gguf"):
-            raise ValueError("--compare llamacpp needs a .gguf --model")
+        require_gguf(model)
         lc = score_llamacpp(args, model, r["token_ids"])
         results["llamacpp"] = lc
         print(f"llama.cpp {lc['version']}: perplexity {lc['perplexity']:.4f} over "

@@ -13,11 +13,12 @@ from fleetserve.engine.embedding import EmbeddingResult
 from fleetserve.ray.router_state import num_known_replicas
 from fleetserve.ray.streams import short
 from fleetserve.ray.wire import RemoteError
-from fleetserve.serve.batch_service import ServiceNotReadyError
+from fleetserve.serve.batch_service import BatchModelBase
+from fleetserve.serve.custom import validate_instances
 from fleetserve.serve.fleet_config import ModelEntry
 
 
-class _RayBatchClient:
+class _RayBatchClient(BatchModelBase):
     """An embed or custom deployment behind its handle; its queue is the replicas'."""
 
     def __init__(self, entry: ModelEntry, handle: DeploymentHandle) -> None:
@@ -31,14 +32,6 @@ class _RayBatchClient:
     @property
     def is_ready(self) -> bool:
         return self._started
-
-    @property
-    def dead_reason(self) -> str | None:
-        return None
-
-    @property
-    def crashed(self) -> bool:
-        return False
 
     @property
     def num_in_flight(self) -> int:
@@ -61,7 +54,7 @@ class _RayBatchClient:
 
     def check_ready(self) -> None:
         if not self._started:
-            raise ServiceNotReadyError(f"model {self.name!r} is not ready")
+            raise self.not_ready("is not ready")
 
     async def _call(self, method: str, arg: Any) -> Any:
         self.check_ready()
@@ -87,13 +80,13 @@ class RayEmbedClient(_RayBatchClient):
     @property
     def dimension(self) -> int:
         if self._dimension is None:
-            raise ServiceNotReadyError(f"model {self.name!r} is not ready")
+            raise self.not_ready("is not ready")
         return self._dimension
 
     def check_ready(self) -> None:
         super().check_ready()
         if self._dimension is None:
-            raise ServiceNotReadyError(f"model {self.name!r} is still loading")
+            raise self.not_ready("is still loading")
 
     async def start(self, timeout_s: float = 600.0) -> None:
         await super().start(timeout_s)
@@ -109,10 +102,5 @@ class RayCustomClient(_RayBatchClient):
     kind = "custom"
 
     async def predict(self, instances: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        if not instances:
-            raise ValueError("instances must not be empty")
-        for i, inst in enumerate(instances):
-            if not isinstance(inst, dict):
-                raise ValueError(f"instances[{i}] must be a JSON object")
-        result: list[dict[str, Any]] = await self._call("predict", list(instances))
+        result: list[dict[str, Any]] = await self._call("predict", validate_instances(instances))
         return result

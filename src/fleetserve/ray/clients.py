@@ -43,15 +43,15 @@ from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
 from fleetserve.ray import router_state
-from fleetserve.ray.pools import PoolRoute, ReplicaRoom, choose_deployment
+from fleetserve.ray.pools import PoolChoice, PoolRoute
 from fleetserve.ray.router_state import num_known_replicas
 from fleetserve.ray.streams import RayStream, RequestObserver
-from fleetserve.serve.admission import ShedError
+from fleetserve.serve.admission import Admission
 from fleetserve.serve.base import ReplicaStreamLike
 from fleetserve.serve.fleet_config import FleetConfig, ModelEntry
 from fleetserve.serve.hedging import hedge_for
 from fleetserve.serve.migration import MigratingStream, migration_reason
-from fleetserve.serve.sla import ClassQueue, Entry, QueueFullError, ServiceClass, engine_priority
+from fleetserve.serve.sla import Entry, ServiceClass, engine_priority
 from fleetserve.tokenizer import Tokenizer
 
 
@@ -93,10 +93,11 @@ class _Call:
 
 @dataclass
 class _Pending:
-    """A queued request; `turn` resolves when it may be sent (its seats are reserved)."""
+    """A queued request (a serve/admission.py Waiter); `future` resolves when its turn
+    comes to be sent (its seats are then reserved)."""
 
     items: list[_Item]
-    turn: asyncio.Future[None]
+    future: asyncio.Future[None]
     arrival: float
 
 
@@ -116,36 +117,39 @@ class RayGenerateClient:
         holds each pool's deployment by pool name."""
         self.name = entry.name
         self._handles: dict[str, DeploymentHandle] = {}  # deployment name -> handle
-        self.routes: list[PoolRoute] = []
+        routes: list[PoolRoute] = []
         capacity_of = {p.name: p.capacity for p in entry.pools or []}
         for pool, h in (pools or {}).items():
-            self.routes.append(PoolRoute(pool, capacity_of[pool], h.deployment_name))
+            routes.append(PoolRoute(pool, capacity_of[pool], h.deployment_name))
             self._handles[h.deployment_name] = h
         if handle is not None:
-            self.routes.append(PoolRoute("default", "on_demand", handle.deployment_name))
+            routes.append(PoolRoute("default", "on_demand", handle.deployment_name))
             self._handles[handle.deployment_name] = handle
-        if len(self.routes) != (len(pools or {}) or 1):
+        if len(routes) != (len(pools or {}) or 1):
             raise ValueError("give a model's handle or its pools' handles, not both")
-        self.deployment_name = self.routes[0].deployment
-        self.spot_only_classes = fleet.spot_only_classes()
+        self.deployment_name = routes[0].deployment
         self.metrics = metrics
         self.max_ongoing_requests = max_ongoing_requests
         args = entry.engine_args()
         self.config, source = args.resolve()
         self.tokenizer = Tokenizer.from_source(source)
         self._rules = PromptRules(self.tokenizer, self.config)
-        self.priority_ordered = self.config.scheduler.policy == "priority"
-        # prefer_spot's overload rule, as the local Router's: a full batch outstanding.
-        self.overload_requests = self.config.scheduler.max_num_seqs
-        self.queue: ClassQueue[_Pending] = ClassQueue(
-            fleet.service_classes(), fleet.default_class_name
+        self.pools = PoolChoice(
+            routes, self.config.scheduler.max_num_seqs, fleet.spot_only_classes()
         )
+        self.admission: Admission[_Pending] = Admission(
+            self.name,
+            fleet.service_classes(),
+            fleet.default_class_name,
+            metrics,
+            priority_ordered=self.config.scheduler.policy == "priority",
+        )
+        self.queue = self.admission.queue  # read by the handlers and the dashboard
         self.resilience = entry.resilience
         self.num_in_flight_streams = 0
         self._unstarted: Counter[str] = Counter()  # sent, no output yet (RequestObserver)
         self._started = False
         self._closing = False
-        self._expiry: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------- ModelService
     @property
@@ -196,12 +200,11 @@ class RayGenerateClient:
 
     async def shutdown(self) -> None:
         self._closing = True
+        self.admission.close()
         self.abort_all("the server is shutting down")
 
     def abort_all(self, reason: str) -> None:
-        while (entry := self.queue.pop()) is not None:
-            if not entry.payload.turn.done():
-                entry.payload.turn.set_exception(EngineDeadError(reason))
+        self.admission.fail_all(lambda: EngineDeadError(reason))
 
     # ------------------------------------------------------------- admission
     @property
@@ -227,27 +230,15 @@ class RayGenerateClient:
         The request is sent from its own task, once its turn comes: a Serve handle call
         belongs to the HTTP request whose context makes it (its request id, its
         cancellation), so it must not be made from another request's task."""
-        cls = self.queue.resolve(class_name)
-        if priority != 0 and not self.priority_ordered:
-            raise ValueError(
-                f"priority is not honoured by {self.name!r}: it schedules first-come "
-                "first-served; serve it with scheduling_policy priority to order by priority"
-            )
+        cls = self.admission.resolve(class_name, priority)
         items = [self._prepare(f"{request_id}-{i}", p, params_for()) for i, p in enumerate(prompts)]
-        arrival = time.monotonic()
-        loop = asyncio.get_running_loop()
-        pending = _Pending(items, loop.create_future(), arrival)
-        try:
-            entry = self.queue.push(pending, cls.name, priority, arrival)
-        except QueueFullError as e:
-            self._shed(cls.name, "queue_full")
-            raise ShedError(str(e), cls.name, "overloaded") from None
-        self._schedule_expiry()
+        pending = _Pending(items, asyncio.get_running_loop().create_future(), time.monotonic())
+        entry = self.admission.push(pending, cls, priority)
         self._dispatch()
         try:
-            await pending.turn
+            await pending.future
         except asyncio.CancelledError:
-            if not self.queue.remove(entry) and pending.turn.done():
+            if not self.queue.remove(entry) and pending.future.done():
                 self._release(len(items))  # its turn came, but it left before sending
             raise
         return self._send(entry)
@@ -272,7 +263,7 @@ class RayGenerateClient:
                 return
             self.queue.pop()
             self.num_in_flight_streams += len(entry.payload.items)
-            entry.payload.turn.set_result(None)
+            entry.payload.future.set_result(None)
 
     def _release(self, num_streams: int) -> None:
         self.num_in_flight_streams -= num_streams
@@ -317,7 +308,8 @@ class RayGenerateClient:
         """Calls the deployment for `call` (going on from `resume`), never on a replica it
         was lost on or in `also`."""
         item = call.item
-        deployment = self._pick(call, also) or self._fallback(call)
+        cls = call.service_class.name
+        deployment = self.pools.pick(cls, lambda d: call.avoid(d, also)) or self.pools.fallback(cls)
         avoid = call.avoid(deployment, also)
         caller = self._handles[deployment].options(stream=True)
         num_done = 0 if resume is None else sum(len(c.token_ids) for c in resume.outputs)
@@ -348,37 +340,6 @@ class RayGenerateClient:
         router = router_state.ROUTERS.get(deployment)
         index = None if router is None else router.placement(item.request_id)
         return None if index in avoid else index
-
-    def _pick(self, call: _Call, also: frozenset[_Placed] = frozenset()) -> str | None:
-        """The deployment the call goes to; None while none lists a replica the request
-        may go to (one it was not lost on, nor in `also`)."""
-        if len(self.routes) == 1:
-            deployment = self.routes[0].deployment
-            router = router_state.ROUTERS.get(deployment)
-            if router is None or router.has_replica_outside(call.avoid(deployment, also)):
-                return deployment
-            return None
-        spot_only = call.service_class.name in self.spot_only_classes
-        rooms = []
-        for route in self.routes:
-            router = router_state.ROUTERS.get(route.deployment)
-            if router is None:
-                continue
-            rooms += [
-                ReplicaRoom(route.deployment, route.capacity, n)
-                for n in router.outstanding(call.avoid(route.deployment, also))
-            ]
-        return choose_deployment(rooms, self.overload_requests, spot_only)
-
-    def _fallback(self, call: _Call) -> str:
-        """Where a call goes while no deployment lists a replica for it (at startup, or
-        scaled to zero): Serve holds it until one is up. A spot-pinned class: the first
-        spot pool; otherwise the first on-demand pool (its base runs)."""
-        spot_only = call.service_class.name in self.spot_only_classes
-        want = "spot" if spot_only else "on_demand"
-        return next(
-            (r.deployment for r in self.routes if r.capacity == want), self.routes[0].deployment
-        )
 
     def _release_one(self) -> None:
         self._release(1)
@@ -417,7 +378,7 @@ class RayGenerateClient:
         if index is None or not isinstance(first, RayStream):
             raise EngineDeadError("the request's call is not routed yet: no copy")
         also = frozenset({(first.deployment, index)})
-        if self._pick(call, also) is None:
+        if self.pools.pick(call.service_class.name, lambda d: call.avoid(d, also)) is None:
             raise EngineDeadError(f"no other replica of {self.name!r} for a hedged copy")
         return self._call(call, also=also), _UNPLACED
 
@@ -429,7 +390,7 @@ class RayGenerateClient:
         while True:
             if self._closing:
                 raise EngineDeadError("the server is shutting down")
-            if self._pick(call) is not None:
+            if self.pools.pick(call.service_class.name, call.avoid) is not None:
                 return
             left = deadline - time.monotonic()
             if left <= 0:
@@ -446,26 +407,3 @@ class RayGenerateClient:
                  index, error)  # fmt: skip
         if self.metrics is not None:
             self.metrics.add_migration(migration_reason(error))
-
-    def _schedule_expiry(self) -> None:
-        deadline = self.queue.next_deadline()
-        if deadline == float("inf"):
-            return
-        if self._expiry is not None and self._expiry.when() <= deadline:
-            return
-        if self._expiry is not None:
-            self._expiry.cancel()
-        self._expiry = asyncio.get_running_loop().call_at(deadline, self._expire)
-
-    def _expire(self) -> None:
-        self._expiry = None
-        for entry in self.queue.expire(time.monotonic()):
-            cls = entry.service_class
-            self._shed(cls.name, "queue_timeout")
-            if not entry.payload.turn.done():
-                entry.payload.turn.set_exception(ShedError.queue_timeout(cls))
-        self._schedule_expiry()
-
-    def _shed(self, class_name: str, reason: str) -> None:
-        if self.metrics is not None:
-            self.metrics.add_shed(class_name, reason)

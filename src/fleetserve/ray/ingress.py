@@ -142,7 +142,7 @@ class FleetIngress:
                 services.append(client)
                 generate += [
                     (entry.name, "" if pools is None else f"{route.pool}-", route.deployment)
-                    for route in client.routes
+                    for route in client.pools.routes
                 ]
             elif entry.kind == "embed":
                 services.append(RayEmbedClient(entry, handles[entry.name]))

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.config import AutoscalingContext
 
+from fleetserve.ray import router_state
 from fleetserve.serve.fleet_config import ModelEntry, PlacementConfig, PoolConfig
 from fleetserve.serve.pools import MemberView, Start, Stop, plan, pool_size, prefer_spot
 
@@ -223,3 +224,49 @@ def choose_deployment(
     if not chosen:
         return None
     return min(chosen, key=lambda r: r.num_outstanding_requests).deployment
+
+
+class PoolChoice:
+    """The ingress's choice among a generate model's deployments (one, or one per pool),
+    read from Serve's routers in this process (router_state)."""
+
+    def __init__(
+        self,
+        routes: Sequence[PoolRoute],
+        overload_requests: int,
+        spot_only_classes: frozenset[str],
+    ) -> None:
+        self.routes = list(routes)
+        # prefer_spot's overload rule, as the local Router's: a full batch outstanding.
+        self.overload_requests = overload_requests
+        self.spot_only_classes = spot_only_classes
+
+    def pick(self, class_name: str, avoid: Callable[[str], frozenset[int]]) -> str | None:
+        """The deployment a call goes to; None while none lists a replica the request
+        may go to (one not in `avoid(deployment)`: those it was lost on)."""
+        if len(self.routes) == 1:
+            deployment = self.routes[0].deployment
+            router = router_state.ROUTERS.get(deployment)
+            if router is None or router.has_replica_outside(avoid(deployment)):
+                return deployment
+            return None
+        rooms = []
+        for route in self.routes:
+            router = router_state.ROUTERS.get(route.deployment)
+            if router is None:
+                continue
+            rooms += [
+                ReplicaRoom(route.deployment, route.capacity, n)
+                for n in router.outstanding(avoid(route.deployment))
+            ]
+        spot_only = class_name in self.spot_only_classes
+        return choose_deployment(rooms, self.overload_requests, spot_only)
+
+    def fallback(self, class_name: str) -> str:
+        """Where a call goes while no deployment lists a replica for it (at startup, or
+        scaled to zero): Serve holds it until one is up. A spot-pinned class: the first
+        spot pool; otherwise the first on-demand pool (its base runs)."""
+        want = "spot" if class_name in self.spot_only_classes else "on_demand"
+        return next(
+            (r.deployment for r in self.routes if r.capacity == want), self.routes[0].deployment
+        )

@@ -1,21 +1,25 @@
-"""What a generate model's admission hands around: a request's prepared prompts while it
-waits in its class queue, the refusal the queue gives, and the observer that measures
-its latencies by class once it runs (serve/model_service.py uses them)."""
+"""A generate model's admission, written once for the local service
+(serve/model_service.py) and the Ray ingress (ray/clients.py): `Admission` holds the
+class queue with its refusals (ShedError when a class is full or a request waits past
+its max_queue_time_s, each counted in the shed metric); beside it, a request's prepared
+prompts while it waits, and the observer that measures its latencies by class once it
+runs. What a service does when a request's turn comes (its dispatch) stays its own."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import EngineOverloadedError
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
 from fleetserve.serve.base import ReplicaStreamLike
-from fleetserve.serve.sla import ServiceClass
+from fleetserve.serve.sla import ClassQueue, Entry, QueueFullError, ServiceClass
 
 
 class ShedError(EngineOverloadedError):
@@ -94,3 +98,95 @@ class ClassObserver:
         if self.first is None:  # ended before its first output (aborted, failed)
             self.first = time.monotonic()
             self.unstarted[self.class_name] -= 1
+
+
+class Waiter(Protocol):
+    """A queued request as admission sees it: `future` is failed when it is refused."""
+
+    @property
+    def future(self) -> asyncio.Future[Any]: ...
+
+    @property
+    def arrival(self) -> float: ...  # time.monotonic()
+
+
+W = TypeVar("W", bound=Waiter)
+
+
+class Admission(Generic[W]):
+    """One model's class queue and its refusals. Owned by one service; every method runs
+    on that service's event loop thread. The service pops what it sends (`queue`)."""
+
+    def __init__(
+        self,
+        model_name: str,
+        classes: Mapping[str, ServiceClass],
+        default_class: str,
+        metrics: ModelMetrics | None,
+        *,
+        priority_ordered: bool,
+    ) -> None:
+        self.model_name = model_name
+        self.queue: ClassQueue[W] = ClassQueue(classes, default_class)
+        self.metrics = metrics
+        # A request's own `priority` reaches the engine only under the priority policy;
+        # elsewhere a non-zero one is refused rather than ignored.
+        self.priority_ordered = priority_ordered
+        self._expiry: asyncio.TimerHandle | None = None
+
+    def resolve(self, class_name: str | None, priority: int) -> ServiceClass:
+        """The request's class; ValueError for an unknown class, or for a priority the
+        model's engines would ignore."""
+        cls = self.queue.resolve(class_name)
+        if priority != 0 and not self.priority_ordered:
+            raise ValueError(
+                f"priority is not honoured by {self.model_name!r}: it schedules first-come "
+                "first-served; serve it with scheduling_policy priority to order by priority"
+            )
+        return cls
+
+    def push(self, waiter: W, service_class: ServiceClass, priority: int) -> Entry[W]:
+        """Queues the request, or sheds it (ShedError "overloaded") when its class is full."""
+        try:
+            entry = self.queue.push(waiter, service_class.name, priority, waiter.arrival)
+        except QueueFullError as e:
+            self.shed(service_class.name, "queue_full")
+            raise ShedError(str(e), service_class.name, "overloaded") from None
+        self._schedule_expiry()
+        return entry
+
+    def fail_all(self, error: Callable[[], Exception]) -> None:
+        """Takes every request out of the queue, failing each with a new `error()`."""
+        while (entry := self.queue.pop()) is not None:
+            if not entry.payload.future.done():
+                entry.payload.future.set_exception(error())
+
+    def close(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+
+    def _schedule_expiry(self) -> None:
+        """One timer, at the earliest deadline of a queued request."""
+        deadline = self.queue.next_deadline()
+        if deadline == float("inf"):
+            return
+        if self._expiry is not None and self._expiry.when() <= deadline:
+            return
+        if self._expiry is not None:
+            self._expiry.cancel()
+        # loop.time() is time.monotonic() on every asyncio loop of CPython.
+        self._expiry = asyncio.get_running_loop().call_at(deadline, self._expire)
+
+    def _expire(self) -> None:
+        self._expiry = None
+        for entry in self.queue.expire(time.monotonic()):
+            cls = entry.service_class
+            self.shed(cls.name, "queue_timeout")
+            if not entry.payload.future.done():
+                entry.payload.future.set_exception(ShedError.queue_timeout(cls))
+        self._schedule_expiry()
+
+    def shed(self, class_name: str, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.add_shed(class_name, reason)

@@ -27,6 +27,7 @@ from fleetserve.serve.custom import (
     Prediction,
     load_handler,
     parse_handler_spec,
+    validate_instances,
 )
 
 T = TypeVar("T")
@@ -57,7 +58,27 @@ class BatchService(Protocol):
     async def shutdown(self, timeout_s: float | None = None) -> None: ...
 
 
-class _BatchService(abc.ABC, Generic[T, R]):
+class BatchModelBase:
+    """What every embed or custom model's service shares, in the API process here or on
+    Ray (ray/batch_clients.py): it has no engine process of its own to lose, so it is
+    never dead (the batcher, or Serve, fails what it cannot run) and never crashed."""
+
+    name: str
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why it can never serve again: None."""
+        return None
+
+    @property
+    def crashed(self) -> bool:
+        return False
+
+    def not_ready(self, why: str) -> ServiceNotReadyError:
+        return ServiceNotReadyError(f"model {self.name!r} {why}")
+
+
+class _BatchService(BatchModelBase, abc.ABC, Generic[T, R]):
     def __init__(self, name: str, batching: BatchingConfig, on_batch: OnBatch | None) -> None:
         self.name = name
         self.batching = batching
@@ -81,15 +102,6 @@ class _BatchService(abc.ABC, Generic[T, R]):
     def num_waiting(self) -> int:
         """Items queued for a batch: the queue depth an autoscaler reads."""
         return self.batcher.num_waiting
-
-    @property
-    def dead_reason(self) -> str | None:
-        """Why it can never serve again; a batch model has no process to lose: None."""
-        return None
-
-    @property
-    def crashed(self) -> bool:
-        return False
 
     @property
     def num_in_flight(self) -> int:
@@ -133,9 +145,9 @@ class _BatchService(abc.ABC, Generic[T, R]):
 
     def check_ready(self) -> None:
         if not self._loaded:
-            raise ServiceNotReadyError(f"model {self.name!r} is not loaded yet")
+            raise self.not_ready("is not loaded yet")
         if self._stopping:
-            raise ServiceNotReadyError(f"model {self.name!r} is shutting down")
+            raise self.not_ready("is shutting down")
 
     @abc.abstractmethod
     def _load(self) -> None:
@@ -172,7 +184,7 @@ class EmbedService(_BatchService[EmbedItem, EmbedOutput]):
     @property
     def model(self) -> EmbeddingModel:
         if self._model is None:
-            raise ServiceNotReadyError(f"model {self.name!r} is not loaded yet")
+            raise self.not_ready("is not loaded yet")
         return self._model
 
     @property
@@ -225,18 +237,13 @@ class CustomService(_BatchService[Instance, Prediction]):
     @property
     def model(self) -> CustomModel:
         if self._model is None:
-            raise ServiceNotReadyError(f"model {self.name!r} is not loaded yet")
+            raise self.not_ready("is not loaded yet")
         return self._model
 
     async def predict(self, instances: Sequence[Instance]) -> list[Prediction]:
         """One prediction per instance; each instance is one batcher item."""
         self.check_ready()
-        if not instances:
-            raise ValueError("instances must not be empty")
-        for i, inst in enumerate(instances):
-            if not isinstance(inst, dict):
-                raise ValueError(f"instances[{i}] must be a JSON object")
-        return await self.batcher.submit_many(list(instances))
+        return await self.batcher.submit_many(validate_instances(instances))
 
     def _load(self) -> None:
         self._model = load_handler(self.handler, self.options)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,17 @@ Instance = dict[str, Any]
 Prediction = dict[str, Any]
 
 _MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def validate_instances(instances: Sequence[Any]) -> list[Instance]:
+    """A predict request's instances, checked before they are queued (ValueError naming
+    the field): at least one, each a JSON object."""
+    if not instances:
+        raise ValueError("instances must not be empty")
+    for i, inst in enumerate(instances):
+        if not isinstance(inst, dict):
+            raise ValueError(f"instances[{i}] must be a JSON object")
+    return list(instances)
 
 
 class HandlerError(RuntimeError):

@@ -13,7 +13,8 @@ past its class's `max_queue_time_s` is shed (503) before it costs any compute.
 
 Once sent, each engine request is a `MigratingStream` (serve/migration.py): the service
 keeps its prompt and the output its reader last got, and when its replica is lost (died,
-drained, hung, stopped) resumes it on another one. Its Supervisor (serve/supervisor.py)
+drained, hung, stopped) its RouterResubmitter (serve/resubmit.py) resumes it on another
+one. The model's gauges pool its replicas' stats (serve/pooled_stats.py). Its Supervisor (serve/supervisor.py)
 removes dead and hung replicas and drains those given a preemption notice; its
 PoolController (serve/pools.py, over serve/provision.py) starts replicas to keep the
 pools at their targets, falling back to on-demand when spot is short.
@@ -25,7 +26,6 @@ process's event loop thread.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import logging
 import os
@@ -41,33 +41,26 @@ from fleetserve.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineNotReadyError,
-    EngineOverloadedError,
-    ReplicaGoneError,
 )
 from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
-from fleetserve.serve.admission import ClassObserver, Pending, PreparedPrompt, ShedError
+from fleetserve.serve.admission import Admission, ClassObserver, Pending, PreparedPrompt
 from fleetserve.serve.base import Replica, ReplicaStreamLike, RouteRequest
 from fleetserve.serve.fleet_config import PoolConfig, RemoteConfig, ResilienceConfig
 from fleetserve.serve.hedging import hedge_for
-from fleetserve.serve.migration import MigratingStream, migration_reason
+from fleetserve.serve.migration import MigratingStream
 from fleetserve.serve.policies import make_policy
+from fleetserve.serve.pooled_stats import publish_pooled_stats
 from fleetserve.serve.pools import PoolController, prefer_spot
 from fleetserve.serve.provision import LocalProvisioner
 from fleetserve.serve.remote_pool import RemoteTargets
 from fleetserve.serve.replica import LocalReplica
 from fleetserve.serve.replica_set import ReplicaSet
 from fleetserve.serve.replica_wait import NoReplicaWait
+from fleetserve.serve.resubmit import Narrow, RouterResubmitter, SentRequest
 from fleetserve.serve.router import NoHealthyReplicaError, Router
-from fleetserve.serve.sla import (
-    ClassQueue,
-    Entry,
-    QueueFullError,
-    ServiceClass,
-    engine_priority,
-    oversubscription,
-)
+from fleetserve.serve.sla import Entry, ServiceClass, engine_priority, oversubscription
 from fleetserve.serve.supervisor import SUPERVISE_INTERVAL_S, Supervisor
 from fleetserve.tokenizer import Tokenizer
 
@@ -121,10 +114,14 @@ class GenerateService:
         self.tokenizer = Tokenizer.from_source(self.source)
         self._rules = PromptRules(self.tokenizer, self.config)
         self.metrics = metrics
-        self.queue: ClassQueue[Pending] = ClassQueue(classes, default_class)
-        # A request's own `priority` reaches the engine only under the priority policy;
-        # elsewhere a non-zero one is refused rather than ignored.
-        self.priority_ordered = self.config.scheduler.policy == "priority"
+        self.admission: Admission[Pending] = Admission(
+            name,
+            classes,
+            default_class,
+            metrics,
+            priority_ordered=self.config.scheduler.policy == "priority",
+        )
+        self.queue = self.admission.queue  # read by the handlers and the dashboard
         self.replica_set = ReplicaSet(self._new_replica)
         self.replica_set.on_change = self._pulse
         policy = make_policy(
@@ -139,11 +136,11 @@ class GenerateService:
             overload_requests=self.config.scheduler.max_num_seqs,
             straggler_factor=straggler_factor,
         )
+        # Migration's service side (serve/resubmit.py): moves a lost request through the router.
+        self.resubmitter = RouterResubmitter(name, self.router, self.resilience, metrics, self)
         self._unstarted: Counter[str] = Counter()
         self._started = False
-        self._closing = False
-        self._expiry: asyncio.TimerHandle | None = None
-        self._changed = asyncio.Event()
+        self.closing = False
         self.supervisor = Supervisor(name, self.replica_set, self.resilience, metrics, self._pulse)
         self._retiring = self.supervisor.retiring  # replicas being drained or removed
         self.provisioner = LocalProvisioner(
@@ -193,7 +190,7 @@ class GenerateService:
     def dead_reason(self) -> str | None:
         """None while any replica is alive (or loading); else why each one is down."""
         reasons = [r.dead_reason for r in self.replica_set]
-        if self._recovering or (not self._started and not self._closing):
+        if self.recovering or (not self._started and not self.closing):
             return None  # loading, or down for now with a replacement on its way
         if not reasons:
             return "the model has no replica"
@@ -257,7 +254,7 @@ class GenerateService:
         self._started = True
         self.supervisor.start()
         wait = NoReplicaWait(self.name, self.queue, lambda: bool(self.replica_set.live),
-                             self._shed, self.resilience.migration_wait_s)  # fmt: skip
+                             self.admission.shed, self.resilience.migration_wait_s)  # fmt: skip
         self.supervisor.spawn(wait.run())
         self._dispatch()
 
@@ -271,16 +268,15 @@ class GenerateService:
             self._controller_task = None
 
     async def shutdown(self) -> None:
-        self._closing = True
-        if self._expiry is not None:
-            self._expiry.cancel()
+        self.closing = True
+        self.admission.close()
         self.supervisor.stop()
         await self._stop_controller()
-        self._fail_queued(lambda: EngineDeadError("the server is shutting down"))
+        self.admission.fail_all(lambda: EngineDeadError("the server is shutting down"))
         await self.replica_set.stop_all()
 
     def abort_all(self, reason: str) -> None:
-        self._fail_queued(lambda: EngineDeadError(reason))
+        self.admission.fail_all(lambda: EngineDeadError(reason))
         for r in self.replica_set:
             r.abort_all(reason)
 
@@ -303,28 +299,16 @@ class GenerateService:
             if self.dead_reason is not None and self.replica_set.members:
                 raise EngineDeadError(self.dead_reason)
             raise EngineNotReadyError("the model is still loading")
-        if not self.replica_set.live and not self._recovering:
+        if not self.replica_set.live and not self.recovering:
             raise EngineDeadError(self.dead_reason or "no replica of the model is serving")
-        cls = self.queue.resolve(class_name)
-        if priority != 0 and not self.priority_ordered:
-            raise ValueError(
-                f"priority is not honoured by {self.name!r}: it schedules first-come "
-                "first-served; serve it with scheduling_policy priority to order by priority"
-            )
+        cls = self.admission.resolve(class_name, priority)
         items = [self._prepare(f"{request_id}-{i}", p, params_for()) for i, p in enumerate(prompts)]
         if resume is not None:
             if len(items) != 1:
                 raise ValueError("resume is for a request of one prompt")
             items[0].resume = resume
-        loop = asyncio.get_running_loop()
-        arrival = time.monotonic()
-        pending = Pending(items, loop.create_future(), arrival)
-        try:
-            entry = self.queue.push(pending, cls.name, priority, arrival)
-        except QueueFullError as e:
-            self._shed(cls.name, "queue_full")
-            raise ShedError(str(e), cls.name, "overloaded") from None
-        self._schedule_expiry()
+        pending = Pending(items, asyncio.get_running_loop().create_future(), time.monotonic())
+        entry = self.admission.push(pending, cls, priority)
         self._dispatch()
         try:
             return await pending.future
@@ -367,9 +351,9 @@ class GenerateService:
             if entry.service_class.name in self.spot_only_classes:
                 no_room |= {r.index for r in self.replica_set if r.capacity != "spot"}
             if not self.replica_set.live:
-                if self._recovering:
+                if self.recovering:
                     return  # queued requests wait for the replacement (or their deadline)
-                self._fail_queued(
+                self.admission.fail_all(
                     lambda: EngineDeadError(self.dead_reason or "no replica is serving")
                 )
                 return
@@ -390,7 +374,7 @@ class GenerateService:
                     (item.params.max_tokens or 0) * item.params.n,
                     entry.priority,
                 )
-                narrow = self._narrow(cls.name)
+                narrow = self.narrow(cls.name)
                 try:
                     replica = self.router.choose(route, exclude=no_room, narrow=narrow)
                 except NoHealthyReplicaError:
@@ -411,15 +395,15 @@ class GenerateService:
                     observer.on_end()  # it never started
                     raise
                 stream = MigratingStream(
-                    self,
+                    self.resubmitter,
                     item.request_id,
                     item.params.n,
                     inner,
                     replica.index,
                     observer=observer,
                     migration_limit=self.resilience.migration_limit,
-                    hedge=hedge_for(cls.hedge_after_s, self.resubmit, self.metrics),
-                    context=(item, cls, engine_priority(cls, entry.priority)),
+                    hedge=hedge_for(cls.hedge_after_s, self.resubmitter.resubmit, self.metrics),
+                    context=SentRequest(item, cls, engine_priority(cls, entry.priority)),
                 )
                 stream.last = item.resume  # what its reader has: a move goes on from there
                 streams.append(stream)
@@ -435,37 +419,7 @@ class GenerateService:
             return
         pending.future.set_result(streams)
 
-    def _schedule_expiry(self) -> None:
-        deadline = self.queue.next_deadline()
-        if deadline == float("inf"):
-            return
-        loop = asyncio.get_running_loop()
-        if self._expiry is not None and self._expiry.when() <= deadline:
-            return
-        if self._expiry is not None:
-            self._expiry.cancel()
-        # loop.time() is time.monotonic() on every asyncio loop of CPython.
-        self._expiry = loop.call_at(deadline, self._expire)
-
-    def _expire(self) -> None:
-        self._expiry = None
-        for entry in self.queue.expire(time.monotonic()):
-            cls = entry.service_class
-            self._shed(cls.name, "queue_timeout")
-            if not entry.payload.future.done():
-                entry.payload.future.set_exception(ShedError.queue_timeout(cls))
-        self._schedule_expiry()
-
-    def _fail_queued(self, error: Callable[[], Exception]) -> None:
-        while (entry := self.queue.pop()) is not None:
-            if not entry.payload.future.done():
-                entry.payload.future.set_exception(error())
-
-    def _shed(self, class_name: str, reason: str) -> None:
-        if self.metrics is not None:
-            self.metrics.add_shed(class_name, reason)
-
-    def _narrow(self, class_name: str) -> Callable[[list[Replica]], list[Replica]] | None:
+    def narrow(self, class_name: str) -> Narrow | None:
         """Spot first: among the router's candidates, the spot replicas with room, unless
         none has; a class pinned to spot gets spot replicas only."""
         if not self.has_spot:
@@ -474,11 +428,11 @@ class GenerateService:
         overload = self.router.overload_requests
         return lambda cands: prefer_spot(cands, overload, spot_only)
 
-    # ------------------------------------------------------------- migration
+    # ------------------------------------------------------------- recovery
     @property
-    def _recovering(self) -> bool:
+    def recovering(self) -> bool:
         """A replica is loading (or will be started) that queued requests may wait for."""
-        if self._closing or not self._started:
+        if self.closing or not self._started:
             return False
         if self.remote is not None:  # a pod may appear any time (KEDA scales from zero)
             return self._controller_task is not None
@@ -491,65 +445,11 @@ class GenerateService:
         # The controller will start a replacement, unless its pools are backing off.
         return self._controller_task is not None and any(self.controller.available().values())
 
-    async def resubmit(
-        self, stream: MigratingStream, exclude: set[int]
-    ) -> tuple[ReplicaStreamLike, int]:
-        """Puts `stream`'s request on a live replica not in `exclude`, going on from the
-        output its reader last got; waits up to migration_wait_s for one to be up."""
-        item, cls, priority = stream.context
-        last = stream.last
-        done = [] if last is None else [t for c in last.outputs for t in c.token_ids]
-        route = RouteRequest(
-            item.request_id,
-            tuple(item.prompt["prompt_token_ids"]) + tuple(done),
-            (item.params.max_tokens or 0) * item.params.n - len(done),
-            priority,
-        )
-        deadline = time.monotonic() + self.resilience.migration_wait_s
-        refused = set(exclude)
-        while True:
-            if self._closing:
-                raise EngineDeadError("the server is shutting down")
-            try:
-                replica = self.router.choose(route, exclude=refused, narrow=self._narrow(cls.name))
-            except NoHealthyReplicaError:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._recovering:
-                    raise EngineDeadError(
-                        f"no replica of {self.name!r} could take the request over "
-                        f"(waited {self.resilience.migration_wait_s:g} s, migration_wait_s)"
-                    ) from None
-                self._changed.clear()
-                with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
-                refused = set(exclude)  # a refusal may have been momentary
-                continue
-            try:
-                inner = replica.submit(
-                    item.request_id,
-                    item.prompt,
-                    copy.copy(item.params),
-                    priority,
-                    item.num_prompt_tokens,
-                    level=cls.priority,
-                    resume=last if done else None,
-                )
-            except (EngineDeadError, EngineNotReadyError, EngineOverloadedError):
-                refused.add(replica.index)
-                continue
-            return inner, replica.index
-
-    def on_migrated(self, stream: MigratingStream, error: ReplicaGoneError) -> None:
-        log.info("%s: request %s moves off replica %d (%s)", self.name, stream.request_id,
-                 stream.replica_index, error)  # fmt: skip
-        if self.metrics is not None:
-            self.metrics.add_migration(migration_reason(error))
-
     # ------------------------------------------------------------- supervision
     def _pulse(self) -> None:
         """Routable replicas changed: wake migrations waiting for one, replan the pools,
         send what waits."""
-        self._changed.set()
+        self.resubmitter.wake()
         self.controller.poke()
         self._dispatch()
 
@@ -563,38 +463,4 @@ class GenerateService:
         return self.supervisor.replica_views()
 
     def _publish_stats(self, replica: Replica) -> None:
-        """The model-level gauges sum (or pool) the healthy replicas' latest stats."""
-        if self.metrics is None:
-            return
-        live = [r.stats for r in self.replica_set.live if r.stats]
-        if not live:
-            return
-        queries = sum(s.get("prefix_cache_queries", 0.0) for s in live)
-        hits = sum(s.get("prefix_cache_hits", 0.0) for s in live)
-        self.metrics.set_engine_stats(
-            {
-                "num_requests_running": sum(s.get("num_requests_running", 0.0) for s in live),
-                "kv_cache_usage_perc": sum(s.get("kv_cache_usage_perc", 0.0) for s in live)
-                / len(live),
-                "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-                **_spec_decode_totals(live),
-            },
-            replica=None,
-        )
-
-
-def _spec_decode_totals(live: list[Mapping[str, float]]) -> dict[str, float]:
-    """Speculative decoding totals and ratios over the replicas (none when it is off)."""
-    if not any("spec_decode_num_drafts" in s for s in live):
-        return {}
-    keys = (
-        "spec_decode_num_drafts",
-        "spec_decode_num_draft_tokens",
-        "spec_decode_num_accepted_tokens",
-    )
-    n, drafts, accepted = (sum(s.get(k, 0.0) for s in live) for k in keys)
-    return {
-        **dict(zip(keys, (n, drafts, accepted), strict=True)),
-        "spec_decode_acceptance_rate": accepted / drafts if drafts else 0.0,
-        "spec_decode_mean_accepted_length": 1 + accepted / n if n else 0.0,
-    }
+        publish_pooled_stats(self.metrics, self.replica_set.live)
