@@ -121,9 +121,20 @@ static inline __attribute__((always_inline)) void panel_dot(int qtype, const uin
     default: panel_dot(QT, panel, nb, x, ldx, xsum, 4, out, ldo, cols); break;          \
     }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* quant_avx2.c: this kernel in 8-float registers (DECODE_ROWS is 2 there). */
+void quant_avx2_panel_dot(int qtype, const uint8_t *panel, int64_t nb, const float *x,
+                          int64_t ldx, const float *xsum, int rows, float *out, int64_t ldo,
+                          int cols);
+#endif
+
 static void panel_dot_any(int qtype, const uint8_t *panel, int64_t nb, const float *x,
                           int64_t ldx, const float *xsum, int rows, float *out, int64_t ldo,
                           int cols) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    quant_avx2_panel_dot(qtype, panel, nb, x, ldx, xsum, rows, out, ldo, cols);
+    return;
+#endif
     switch (qtype) {
     case Q8_0: PANEL_CASES(Q8_0) break;
     case Q4_0: PANEL_CASES(Q4_0) break;
