@@ -209,6 +209,9 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # Resolved weight quantization: "none" | "gguf" | "int8" (models/quantize.py).
     quantization: str = "none"
+    # Decode-sized GEMMs of Q4_0/Q4_1/Q8_0 weights quantize their input rows to int8
+    # (integer dot products, kernels/quant_dot.h); resolved from EngineArgs.
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -220,3 +223,5 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be 'none', 'gguf' or 'int8', got {self.quantization!r}"
             )
+        if self.int8_activations and self.quantization == "none":
+            raise ValueError("int8_activations needs quantization 'gguf' or 'int8'")

@@ -103,6 +103,7 @@ def run_fleetserve(args: argparse.Namespace) -> dict[str, Any]:
         "engine": "fleetserve",
         "model": config.model_path,
         "quantization": config.quantization,
+        "int8_activations": config.int8_activations,
         "num_threads": torch.get_num_threads(),
         "prompt_token_ids": ids,
         "token_ids": tokens,
@@ -153,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"load_avg_1m": load, "num_tokens": args.num_tokens}
     results["fleetserve"] = fs
     print(
-        f"fleetserve ({fs['quantization']}, {fs['num_threads']} threads): prompt "
+        f"fleetserve ({fs['quantization']}{', int8 activations' if fs['int8_activations'] else ''}, "
+        f"{fs['num_threads']} threads): prompt "
         f"{len(fs['prompt_token_ids'])} tokens, TTFT {fs['ttft_ms']:.1f} ms, decode "
         f"{fs['decode_tok_s']:.1f} tok/s over {args.num_tokens} tokens "
         f"({fs['decode_cpu_ms_per_token']:.2f} CPU ms/token), "

@@ -8,7 +8,7 @@ from typing import Any
 from fleetserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from fleetserve.core.config import SchedulerConfig
 from fleetserve.models.loader import ModelSource, resolve_model
-from fleetserve.models.quantize import resolve_quantization
+from fleetserve.models.quantize import resolve_int8_activations, resolve_quantization
 from fleetserve.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -39,6 +39,9 @@ class EngineArgs:
     # None: a GGUF checkpoint's weights stay quantized where they can (one CPU process,
     # float32), anything else runs in `dtype`; "none" | "gguf" | "int8" ask explicitly.
     quantization: str | None = None
+    # Int8 activations with quantized weights (W8A8 for int8/Q8_0): None picks the
+    # default for the quantization (models/quantize.py: resolve_int8_activations).
+    int8_activations: bool | None = None
 
     def resolve(self) -> tuple[EngineConfig, ModelSource]:
         path = self.model
@@ -55,6 +58,13 @@ class EngineArgs:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         spec = SpeculativeConfig.parse(self.speculative_config)
+        quantization = resolve_quantization(
+            self.quantization,
+            source.format,
+            model_cfg.dtype,
+            self.device,
+            self.tensor_parallel_size * self.pipeline_parallel_size,
+        )
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 1024 if self.enable_chunked_prefill else max_len
@@ -84,13 +94,8 @@ class EngineArgs:
             num_threads=self.num_threads,
             attention_backend=self.attention_backend,
             speculative=spec,
-            quantization=resolve_quantization(
-                self.quantization,
-                source.format,
-                model_cfg.dtype,
-                self.device,
-                self.tensor_parallel_size * self.pipeline_parallel_size,
-            ),
+            quantization=quantization,
+            int8_activations=resolve_int8_activations(self.int8_activations, quantization),
         )
         if spec is not None and spec.method == "draft_model":
             from fleetserve.spec_decode.draft_model import check_draft_model

@@ -27,6 +27,7 @@ _BENCH = {
     "perplexity": ("fleetserve.bench.perplexity", "perplexity of each weight quantization"),
     "batch": ("fleetserve.bench.batch", "`batch run` against the offline LLM.generate ceiling"),
     "chaos": ("fleetserve.bench.chaos", "replicas killed under streaming load: lost, latency"),
+    "kernels": ("fleetserve.bench.quant_kernels", "quantized GEMM GFLOP/s, float vs int8 x"),
 }
 _DEPLOY = {
     "k8s": ("fleetserve.deploy.k8s", "render Kubernetes + KEDA manifests from a fleet file"),
@@ -53,7 +54,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     _add_group(
         sub,
         "bench",
-        "benchmarks (offline | serve | sla | embed | spec | latency | perplexity | batch | chaos)",
+        "benchmarks (offline | serve | sla | embed | spec | latency | perplexity | batch | chaos "
+        "| kernels)",
         _BENCH,
         argv,
     )

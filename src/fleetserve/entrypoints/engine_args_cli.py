@@ -44,6 +44,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="weights: gguf = keep a GGUF file's blocks (the default for .gguf on one CPU "
         "process), int8 = int8 made at load, none = dequantized to --dtype",
     )
+    g.add_argument(
+        "--int8-activations",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --quantization gguf/int8: quantize the inputs of decode-sized matmuls "
+        "to int8 too (integer dot products; W8A8 for int8)",
+    )
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
@@ -66,4 +73,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         pipeline_parallel_size=args.pipeline_parallel_size,
         speculative_config=args.speculative_config,
         quantization=args.quantization,
+        int8_activations=args.int8_activations,
     )

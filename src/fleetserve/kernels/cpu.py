@@ -28,10 +28,13 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).with_name(n)
-    for n in ("paged_attention.c", "fused_ops.c", "gemm.c", "quant_gemm.c", "quant_panel.c")
-]
+    for n in (
+        "paged_attention.c", "fused_ops.c", "gemm.c", "quant_gemm.c", "quant_panel.c",
+        "quant_dot.c", "quant_dot_simd.c", "quant_avx2.c",
+    )
+]  # fmt: skip
 # Included by the sources: part of the cache key, not compiled on their own.
-_HEADERS = [Path(__file__).with_name(n) for n in ("gemm_tile.h", "quant_common.h")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("gemm_tile.h", "quant_common.h", "quant_dot.h")]
 # FLEETSERVE_CPU_MARCH picks another target than this CPU's own, e.g. x86-64-v3 (AVX2)
 # or x86-64 (SSE2 only) to test the narrower code paths here.
 _FLAGS = [

@@ -44,6 +44,13 @@ def supported(qtype: int) -> bool:
     return qtype in BLOCK_SHAPES
 
 
+# Formats with an integer-dot-product kernel (quant_dot.h): int8 activations at decode.
+DOT_QTYPES = (QType.Q4_0, QType.Q4_1, QType.Q8_0)
+# quant_dot.h's QDOT: the storage format id of a weight in the dot layout is its GGML
+# type id plus this flag.
+_QDOT = 0x100
+
+
 @cache
 def _lib() -> ctypes.CDLL:
     lib = cpu_kernels.load()
@@ -58,6 +65,10 @@ def _lib() -> ctypes.CDLL:
     lib.quant_panel_layout.restype = i32
     lib.quant_repack.argtypes = [i32, p, i64, i64, p, i32]
     lib.quant_repack.restype = None
+    lib.quant_dot_repack.argtypes = [i32, p, i64, i64, p, i32]
+    lib.quant_dot_repack.restype = None
+    lib.quant_dot_quantize_x.argtypes = [p, i64, i64, i64, p]
+    lib.quant_dot_quantize_x.restype = None
     return lib
 
 
@@ -65,12 +76,29 @@ class QuantWeight:
     """One weight matrix in a GGUF block format, owned (copied off the file's memory map
     onto huge pages). ``data``: uint8 [out_features, row_bytes] in GGUF's row order, or
     for Q4_0 / Q4_1 / Q8_0 the same bytes re-interleaved into panels of 16 rows
-    (quant_panel.c), [out_features rounded up to 16, row_bytes]."""
+    (quant_panel.c), [out_features rounded up to 16, row_bytes].
 
-    def __init__(self, qtype: int, data: np.ndarray | torch.Tensor, in_features: int) -> None:
+    ``int8_activations``: multiply decode-sized batches (up to 8 rows) with x quantized
+    to int8 per block of 32 and integer dot products (W8A8 for Q8_0; quant_dot.h), the
+    weights in that kernel's own panel layout; larger batches stay float32. Q4_0, Q4_1
+    and Q8_0 only."""
+
+    def __init__(
+        self,
+        qtype: int,
+        data: np.ndarray | torch.Tensor,
+        in_features: int,
+        int8_activations: bool = False,
+    ) -> None:
         if not supported(qtype):
             raise ValueError(f"qtype {qtype} is not one of {[q.name for q in QType]}")
+        if int8_activations and qtype not in DOT_QTYPES:
+            raise ValueError(
+                f"int8_activations needs one of {[q.name for q in DOT_QTYPES]}, got "
+                f"{QType(qtype).name}"
+            )
         self.qtype = QType(qtype)
+        self.int8_activations = int8_activations
         block, nbytes = BLOCK_SHAPES[self.qtype]
         if in_features % block:
             raise ValueError(
@@ -91,12 +119,15 @@ class QuantWeight:
             )
         self.out_features = n = shape[0]
         lib = _lib()
-        self.panelled = bool(lib.quant_panel_layout(int(self.qtype)))
+        # The id the C kernels know this storage format by.
+        self.qtype_id = int(self.qtype) | (_QDOT if int8_activations else 0)
+        self.panelled = bool(lib.quant_panel_layout(self.qtype_id))
         if self.panelled:
             src = np.ascontiguousarray(data.numpy() if isinstance(data, torch.Tensor) else data)
             self.data = cpu_kernels.empty_huge(-(-n // 16) * 16, self.row_bytes, dtype=torch.uint8)
-            lib.quant_repack(
-                int(self.qtype), src.ctypes.data, n, self.row_bytes, self.data.data_ptr(),
+            repack = lib.quant_dot_repack if int8_activations else lib.quant_repack
+            repack(
+                self.qtype_id, src.ctypes.data, n, self.row_bytes, self.data.data_ptr(),
                 torch.get_num_threads(),
             )  # fmt: skip
         else:
@@ -109,7 +140,6 @@ class QuantWeight:
 
         # Looked up once: quant_linear runs ~120 times per decode step.
         self.gemm = lib.quant_gemm
-        self.qtype_id = int(self.qtype)
         self.data_ptr = self.data.data_ptr()
 
     @property
@@ -185,7 +215,24 @@ def quant_embedding(ids: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     out = torch.empty(flat.numel(), weight.in_features)
     if flat.numel():
         _lib().quant_dequantize_rows(
-            int(weight.qtype), weight.data.data_ptr(), weight.row_bytes, flat.data_ptr(),
+            weight.qtype_id, weight.data.data_ptr(), weight.row_bytes, flat.data_ptr(),
             flat.numel(), weight.in_features, out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
     return out.view(*ids.shape, weight.in_features)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x ([m, k], k a multiple of 32) as the integer kernels see them: int8
+    ``q`` [m, k] and float32 scales ``d`` [m, k / 32], x ~= d * q per block (for tests and
+    references; the GEMM quantizes its input itself)."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] % 32:
+        raise ValueError("x must be a float32 [rows, k] matrix with k a multiple of 32")
+    x = x.contiguous()
+    m, k = x.shape
+    # qdot_xblock: float d, int32 s, int8 q[32]
+    blocks = np.zeros((m * (k // 32),), dtype=[("d", "<f4"), ("s", "<i4"), ("q", "i1", 32)])
+    if m:
+        _lib().quant_dot_quantize_x(x.data_ptr(), k, m, k, blocks.ctypes.data)
+    q = torch.from_numpy(blocks["q"].reshape(m, k).copy())
+    d = torch.from_numpy(blocks["d"].reshape(m, k // 32).copy())
+    return q, d

@@ -28,6 +28,7 @@
  * registers, or scalar code on other targets; the build's -march=native picks.
  */
 #include "quant_common.h"
+#include "quant_dot.h"
 
 /* quant_panel.c: Q4_0 / Q4_1 / Q8_0 are multiplied in 16-row panels. */
 int quant_panel_layout(int qtype);
@@ -212,6 +213,7 @@ static void deq_row(int qtype, const uint8_t *w, int64_t row_bytes, int64_t j, i
 int quant_block_size(int qtype) {
     switch (qtype) {
     case Q8_0: case Q4_0: case Q4_1: return 32;
+    case Q8_0 | QDOT: case Q4_0 | QDOT: case Q4_1 | QDOT: return 32;
     case Q4_K: case Q5_K: case Q6_K: return 256;
     default: return 0;
     }
@@ -325,7 +327,9 @@ int quant_gemm(int qtype, const float *x, int64_t ldx, const uint8_t *w, int64_t
     const int bs = quant_block_size(qtype);
     if (bs == 0 || k % bs) return -2;
     int rc = 0;
-    if (m <= 2 * DECODE_ROWS && quant_panel_layout(qtype)) {
+    if (m <= QDOT_MAX_ROWS && quant_dot_layout(qtype)) {
+        rc = quant_dot_gemm(qtype, x, ldx, w, row_bytes, out, ldo, m, n, k, threads);
+    } else if (m <= 2 * DECODE_ROWS && quant_panel_layout(qtype)) {
         rc = quant_panel_gemm(qtype, x, ldx, w, row_bytes, out, ldo, m, n, k, threads);
     } else if (m <= 2 * DECODE_ROWS) {
         gemm_decode(qtype, x, ldx, w, row_bytes, out, ldo, m, n, k, threads);

@@ -16,11 +16,18 @@
  * A panel is 16 * row_bytes long; panel p starts at p * 16 * row_bytes.
  */
 #include "quant_common.h"
+#include "quant_dot.h"
 
 #define PR 16 /* rows per panel */
+/* quant_gemm() sends the dot layout to quant_dot_gemm() up to QDOT_MAX_ROWS rows, so the
+ * decode path below never sees it. */
+_Static_assert(QDOT_MAX_ROWS >= 2 * DECODE_ROWS, "dot layout would reach quant_panel_gemm");
 #define PREFETCH 4096
 
-int quant_panel_layout(int qtype) { return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0; }
+/* The dot layout (quant_dot.h) is panelled too: prefill decodes it here, by its own code. */
+int quant_panel_layout(int qtype) {
+    return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || quant_dot_layout(qtype);
+}
 
 static int64_t head_bytes(int qtype) { return qtype == Q4_1 ? 64 : 32; }
 
@@ -114,9 +121,20 @@ static inline __attribute__((always_inline)) void panel_dot(int qtype, const uin
     default: panel_dot(QT, panel, nb, x, ldx, xsum, 4, out, ldo, cols); break;          \
     }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* quant_avx2.c: this kernel in 8-float registers (DECODE_ROWS is 2 there). */
+void quant_avx2_panel_dot(int qtype, const uint8_t *panel, int64_t nb, const float *x,
+                          int64_t ldx, const float *xsum, int rows, float *out, int64_t ldo,
+                          int cols);
+#endif
+
 static void panel_dot_any(int qtype, const uint8_t *panel, int64_t nb, const float *x,
                           int64_t ldx, const float *xsum, int rows, float *out, int64_t ldo,
                           int cols) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    quant_avx2_panel_dot(qtype, panel, nb, x, ldx, xsum, rows, out, ldo, cols);
+    return;
+#endif
     switch (qtype) {
     case Q8_0: PANEL_CASES(Q8_0) break;
     case Q4_0: PANEL_CASES(Q4_0) break;
@@ -164,6 +182,10 @@ int quant_panel_gemm(int qtype, const float *x, int64_t ldx, const uint8_t *w,
  * [k][NR] buffer takes NR / 16 panels side by side). */
 void quant_panel_decode(int qtype, const uint8_t *w, int64_t row_bytes, int64_t p, int64_t k,
                         float *dst, int64_t ld) {
+    if (quant_dot_layout(qtype)) {
+        quant_dot_decode(qtype, w, row_bytes, p, k, dst, ld);
+        return;
+    }
     const int64_t bb = PR * (qtype == Q8_0 ? 34 : qtype == Q4_1 ? 20 : 18);
     const int64_t head = head_bytes(qtype);
     const uint8_t *panel = w + p * PR * row_bytes;
@@ -191,6 +213,10 @@ void quant_panel_decode(int qtype, const uint8_t *w, int64_t row_bytes, int64_t 
 /* Row j of a panelled matrix as k floats (embedding lookups, references). */
 void quant_panel_row(int qtype, const uint8_t *w, int64_t row_bytes, int64_t j, int64_t k,
                      float *dst) {
+    if (quant_dot_layout(qtype)) {
+        quant_dot_row(qtype, w, row_bytes, j, k, dst);
+        return;
+    }
     const int64_t bb = PR * (qtype == Q8_0 ? 34 : qtype == Q4_1 ? 20 : 18);
     const int64_t head = head_bytes(qtype);
     const int r = (int)(j % PR);

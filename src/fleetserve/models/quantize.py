@@ -10,6 +10,11 @@
 
 ``None`` (the default) picks ``"gguf"`` for a GGUF checkpoint on one CPU process in
 float32 with the C kernels built, else ``"none"``.
+
+``int8_activations`` (with ``"gguf"`` or ``"int8"``): the Q4_0 / Q4_1 / Q8_0 weights are
+laid out for integer dot products, and decode-sized batches (up to 8 rows) quantize their
+input rows to int8 per block of 32 (kernels/quant_dot.h; W8A8 for ``"int8"``). Other
+formats (the K-quants) and larger batches keep float32 activations.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 from torch import nn
 
 from fleetserve.kernels import cpu as cpu_kernels
-from fleetserve.kernels.quant import BLOCK_SHAPES, QType, QuantWeight, supported
+from fleetserve.kernels.quant import BLOCK_SHAPES, DOT_QTYPES, QType, QuantWeight, supported
 from fleetserve.layers.linear import Linear
 from fleetserve.layers.quant_linear import QuantEmbedding, QuantLinear
 from fleetserve.models.gguf_loader import GGUFWeights
@@ -59,7 +64,29 @@ def resolve_quantization(
     return requested
 
 
-def _quant_linear(weights: GGUFWeights, names: list[str], bias: bool) -> QuantLinear | None:
+def resolve_int8_activations(requested: bool | None, quantization: str) -> bool:
+    """Whether decode-sized matmuls quantize their inputs to int8; ValueError when
+    ``requested`` cannot be honoured."""
+    if requested is None:
+        return False
+    if requested and quantization == "none":
+        raise ValueError(
+            "int8_activations=True needs quantized weights (quantization='gguf' or 'int8')"
+        )
+    return requested
+
+
+def _quant_weight(
+    qtype: QType, blocks: np.ndarray | torch.Tensor, int8_activations: bool
+) -> QuantWeight:
+    block, nbytes = BLOCK_SHAPES[qtype]
+    dot = int8_activations and qtype in DOT_QTYPES
+    return QuantWeight(qtype, blocks, blocks.shape[1] // nbytes * block, int8_activations=dot)
+
+
+def _quant_linear(
+    weights: GGUFWeights, names: list[str], bias: bool, int8_activations: bool
+) -> QuantLinear | None:
     """A QuantLinear over the GGUF tensors `names` (row segments in order), or None when
     one of them is missing or not in a supported block format. Neighbours of one block
     type become one segment (their rows concatenated): one kernel call, not three."""
@@ -77,13 +104,14 @@ def _quant_linear(weights: GGUFWeights, names: list[str], bias: bool) -> QuantLi
             j += 1
         qtype = QType(parts[i][0])
         blocks = parts[i][1] if j == i else np.concatenate([b for _, b in parts[i : j + 1]])
-        block, nbytes = BLOCK_SHAPES[qtype]
-        segments.append(QuantWeight(qtype, blocks, blocks.shape[1] // nbytes * block))
+        segments.append(_quant_weight(qtype, blocks, int8_activations))
         i = j + 1
     return QuantLinear(segments, bias=bias)
 
 
-def keep_gguf_quantized(model: LlamaForCausalLM, source: ModelSource) -> set[str]:
+def keep_gguf_quantized(
+    model: LlamaForCausalLM, source: ModelSource, int8_activations: bool = False
+) -> set[str]:
     """Swap in quantized layers wherever the GGUF tensors are in a supported block
     format; returns the checkpoint names they consumed (load_weights skips them)."""
     weights = source.weights
@@ -93,7 +121,7 @@ def keep_gguf_quantized(model: LlamaForCausalLM, source: ModelSource) -> set[str
     consumed: set[str] = set()
 
     def swap(names: list[str], bias: bool = False) -> QuantLinear | None:
-        layer = _quant_linear(weights, names, bias)
+        layer = _quant_linear(weights, names, bias, int8_activations)
         if layer is not None:
             consumed.update(names)
         return layer
@@ -110,7 +138,7 @@ def keep_gguf_quantized(model: LlamaForCausalLM, source: ModelSource) -> set[str
             mlp.gate_up_proj = q  # type: ignore[assignment]
         if (q := swap([f"{p}mlp.down_proj.weight"])) is not None:
             mlp.down_proj = q  # type: ignore[assignment]
-    embed = _quant_linear(weights, ["model.embed_tokens.weight"], bias=False)
+    embed = _quant_linear(weights, ["model.embed_tokens.weight"], False, int8_activations)
     if embed is not None:
         consumed.add("model.embed_tokens.weight")
         model.model.embed_tokens = QuantEmbedding(embed.segments[0])  # type: ignore[assignment]
@@ -138,16 +166,16 @@ def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
     )
 
 
-def quantize_int8(model: nn.Module) -> int:
+def quantize_int8(model: nn.Module, int8_activations: bool = False) -> int:
     """Replace every `Linear` (and a tied LM head) of a loaded float32 model by a
-    Q8_0 QuantLinear; returns how many were replaced. Layers whose inputs are not a
-    multiple of 32 stay float32."""
+    Q8_0 QuantLinear (laid out for int8 activations if asked); returns how many were
+    replaced. Layers whose inputs are not a multiple of 32 stay float32."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear) and child.in_features % 32 == 0:
                 q = QuantLinear(
-                    [QuantWeight(QType.Q8_0, quantize_q8_0(child.weight), child.in_features)],
+                    [_quant_weight(QType.Q8_0, quantize_q8_0(child.weight), int8_activations)],
                     bias=child.bias is not None,
                 )
                 if child.bias is not None:
@@ -157,7 +185,7 @@ def quantize_int8(model: nn.Module) -> int:
     if isinstance(model, LlamaForCausalLM) and model.lm_head is None:
         emb = model.model.embed_tokens.weight
         if emb.shape[1] % 32 == 0:
-            head = QuantWeight(QType.Q8_0, quantize_q8_0(emb), emb.shape[1])
+            head = _quant_weight(QType.Q8_0, quantize_q8_0(emb), int8_activations)
             model.lm_head = QuantLinear([head])  # type: ignore[assignment]
             count += 1
     return count

@@ -59,7 +59,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         mcfg = config.model
         t0 = time.perf_counter()
-        self.model = load_model(mcfg, source, self.device, parallel, config.quantization)
+        self.model = load_model(
+            mcfg, source, self.device, parallel, config.quantization, config.int8_activations
+        )
         self.load_seconds = time.perf_counter() - t0
         self.num_blocks = num_blocks
         self.use_cpu_kernel = use_cpu_kernel(mcfg, self.device, config.attention_backend)

@@ -20,16 +20,19 @@ def load_model(
     device: torch.device,
     parallel: ParallelContext | None = None,
     quantization: str = "none",
+    int8_activations: bool = False,
 ) -> LlamaForCausalLM:
     """Built on the meta device, materialized on `device`, weights loaded (this rank's
     shards under `parallel`), quantized as `quantization` says ("none" | "gguf" | "int8",
-    resolved by EngineArgs), in eval mode."""
+    resolved by EngineArgs; `int8_activations` with it), in eval mode."""
     with torch.device("meta"):
         model = model_class(mcfg)(mcfg)
         if parallel is not None:
             shard_model(model, parallel)
     # Quantized layers are swapped in before allocation: no float32 copy is made.
-    consumed = keep_gguf_quantized(model, source) if quantization == "gguf" else set()
+    consumed = set()
+    if quantization == "gguf":
+        consumed = keep_gguf_quantized(model, source, int8_activations)
     model = model.to_empty(device=device).to(mcfg.dtype)
     # Buffers (rotary tables) were on meta: rebuild them for real.
     with torch.device(device):
@@ -43,7 +46,7 @@ def load_model(
     else:
         load_shards(model, source, parallel)
     if quantization == "int8":
-        quantize_int8(model)
+        quantize_int8(model, int8_activations)
     return model.eval()
 
 

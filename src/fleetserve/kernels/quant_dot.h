@@ -1,0 +1,55 @@
+/* Integer dot products for Q4_0 / Q4_1 / Q8_0 weights at decode shapes (quant_dot.c,
+ * quant_dot_simd.c): each row of x is quantized per block of 32 to int8 with a float
+ * scale (as llama.cpp's Q8_0 / Q8_1), and a block's 32 products are summed in int32
+ * (AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw, plain C elsewhere).
+ *
+ * The weights are stored in their own layout, the "dot layout": panels of 16 output rows
+ * like quant_panel.c's, but each row's bytes grouped by four consecutive inputs, so one
+ * 32-bit lane holds 4 products' worth of one row, the unit vpdpbusd / vpmaddubsw+vpmaddwd
+ * sum. Per panel, per block b of 32 inputs:
+ *   Q8_0 (544 B): d[16] half | qs[8][16][4]    qs[g][r][j] = row r's int8 4g + j
+ *   Q4_0 (288 B): d[16]      | qs[4][16][4]    qs[g][r][j] = row r's GGUF byte 4g + j
+ *   Q4_1 (320 B): d[16] | m[16] | qs[4][16][4]   (low nibble: input 4g + j, high: 16 + 4g + j)
+ * Same bytes as GGUF's blocks, reordered. Its storage format ids are the GGML type id
+ * plus QDOT, so quant_gemm() sends them here at decode shapes and decodes them to floats
+ * (quant_dot_decode) for prefill-sized batches. */
+#ifndef FLEETSERVE_QUANT_DOT_H
+#define FLEETSERVE_QUANT_DOT_H
+#include <stdint.h>
+
+#define QDOT 0x100
+/* Rows of x the integer path takes (more go to the float prefill path): decode batches
+ * and speculative verification. quant_gemm() checks it before its own decode bound. */
+#define QDOT_MAX_ROWS 8
+
+/* One block of 32 inputs of one row of x: x ~= d * q, s = sum(q) (for the weights'
+ * offsets: Q4_0's -8, Q4_1's m, and the +128 that makes Q8_0 unsigned for vpdpbusd). */
+typedef struct {
+    float d;
+    int32_t s;
+    int8_t q[32];
+} qdot_xblock;
+
+static inline int quant_dot_layout(int fmt) {
+    const int base = fmt & ~QDOT;
+    return (fmt & QDOT) && (base == 2 || base == 3 || base == 8); /* Q4_0, Q4_1, Q8_0 */
+}
+
+void quant_dot_repack(int fmt, const uint8_t *rows, int64_t n, int64_t row_bytes, uint8_t *out,
+                      int threads);
+void quant_dot_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, qdot_xblock *xb);
+void quant_dot_panels(int fmt, const qdot_xblock *xb, int64_t m, int64_t nb, const uint8_t *w,
+                      int64_t row_bytes, float *out, int64_t ldo, int64_t n, int64_t p0,
+                      int64_t p1);
+int quant_dot_gemm(int fmt, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
+                   float *out, int64_t ldo, int64_t m, int64_t n, int64_t k, int threads);
+void quant_dot_decode(int fmt, const uint8_t *w, int64_t row_bytes, int64_t p, int64_t k,
+                      float *dst, int64_t ld);
+void quant_dot_row(int fmt, const uint8_t *w, int64_t row_bytes, int64_t j, int64_t k,
+                   float *dst);
+/* quant_dot_simd.c: one panel times `rows` (<= QDOT_ROWS) rows of x. */
+int quant_dot_rows_per_call(void);
+void quant_dot_panel(int qtype, const uint8_t *panel, int64_t nb, const qdot_xblock *xb,
+                     int64_t ldxb, int rows, float *out, int64_t ldo, int cols);
+
+#endif

@@ -1,0 +1,215 @@
+/* One panel of 16 weight rows in the dot layout (quant_dot.h) times up to QDOT_ROWS
+ * quantized rows of x, for what the build's target has:
+ *   AVX-512 VNNI: vpdpbusd (u8 x s8, 4 products summed into each int32 lane) on 16 rows
+ *     at once. Q4 quants are unsigned already; Q8_0's are made unsigned by +128 (an xor),
+ *     taken back out as 128 * sum(q_x) per block.
+ *   AVX2: vpmaddubsw (u8 x s8 pairs into int16) then vpmaddwd by ones into int32, on 8
+ *     rows per register. Q4: two nibble products stay under 2 * 15 * 127 per int16
+ *     lane, so the 4 groups of a block (30,480 at most) sum in int16 before one widen.
+ *     Q8_0 takes |w| (128 for -128 still fits a u8) times x with w's sign, llama.cpp's
+ *     trick: 2 * 128 * 127 per int16 lane, no saturation.
+ *   otherwise: plain C on int32.
+ * Per block: out += d_w * d_x * isum, plus d_x * sum(q_x) * m for Q4_1; Q4_0's -8 and
+ * Q8_0's +128 come off isum in integers. CPUs with AVX-VNNI but no AVX-512 take the AVX2
+ * kernel: their 256-bit vpdpbusd could not be run on this project's machines. */
+#include "quant_common.h"
+#include "quant_dot.h"
+
+#define PR 16
+#define PREFETCH 4096
+
+static inline int64_t panel_block_bytes(int qtype) {
+    return PR * (qtype == Q8_0 ? 34 : qtype == Q4_1 ? 20 : 18);
+}
+
+static inline int32_t ld32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define QDOT_ROWS 4
+
+static inline __attribute__((always_inline)) void dot_panel(int qtype, const uint8_t *panel,
+                                                            int64_t nb, const qdot_xblock *xb,
+                                                            int64_t ldxb, int rows, float *out,
+                                                            int64_t ldo, int cols) {
+    const int64_t bb = panel_block_bytes(qtype), head = qtype == Q4_1 ? 64 : 32;
+    const __m512i m4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[QDOT_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *pb = panel + b * bb, *qs = pb + head;
+        for (int64_t l = 0; l < bb; l += 64) _mm_prefetch((const char *)pb + PREFETCH + l, _MM_HINT_NTA);
+        /* Two int32 chains per row: one of 8 dependent vpdpbusd would set the pace. */
+        __m512i s0[QDOT_ROWS], s1[QDOT_ROWS];
+        for (int r = 0; r < rows; r++) s0[r] = s1[r] = _mm512_setzero_si512();
+        if (qtype == Q8_0) {
+            for (int g = 0; g < 8; g += 2) {
+                const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(qs + g * 64), flip);
+                const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(qs + g * 64 + 64), flip);
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *q = xb[r * ldxb + b].q + 4 * g;
+                    s0[r] = _mm512_dpbusd_epi32(s0[r], w0, _mm512_set1_epi32(ld32(q)));
+                    s1[r] = _mm512_dpbusd_epi32(s1[r], w1, _mm512_set1_epi32(ld32(q + 4)));
+                }
+            }
+        } else {
+            for (int g = 0; g < 4; g++) {
+                const __m512i v = _mm512_loadu_si512(qs + g * 64);
+                const __m512i lo = _mm512_and_si512(v, m4);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *q = xb[r * ldxb + b].q + 4 * g;
+                    s0[r] = _mm512_dpbusd_epi32(s0[r], lo, _mm512_set1_epi32(ld32(q)));
+                    s1[r] = _mm512_dpbusd_epi32(s1[r], hi, _mm512_set1_epi32(ld32(q + 16)));
+                }
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
+        for (int r = 0; r < rows; r++) {
+            const qdot_xblock *x = xb + r * ldxb + b;
+            __m512i is = _mm512_add_epi32(s0[r], s1[r]);
+            if (qtype == Q8_0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(128 * x->s));
+            if (qtype == Q4_0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(8 * x->s));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(d, _mm512_set1_ps(x->d)),
+                                     acc[r]);
+            if (qtype == Q4_1) {
+                const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32)));
+                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->d * (float)x->s), acc[r]);
+            }
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << cols) - 1);
+    for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
+}
+
+#elif defined(__AVX2__)
+#define QDOT_ROWS 2
+
+static inline __attribute__((always_inline)) void dot_panel(int qtype, const uint8_t *panel,
+                                                            int64_t nb, const qdot_xblock *xb,
+                                                            int64_t ldxb, int rows, float *out,
+                                                            int64_t ldo, int cols) {
+    const int64_t bb = panel_block_bytes(qtype), head = qtype == Q4_1 ? 64 : 32;
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 acc[QDOT_ROWS][2]; /* [x row][rows 0-7 | 8-15 of the panel] */
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *pb = panel + b * bb, *qs = pb + head;
+        for (int64_t l = 0; l < bb; l += 64) _mm_prefetch((const char *)pb + PREFETCH + l, _MM_HINT_NTA);
+        __m256i s[QDOT_ROWS][2];
+        for (int h = 0; h < 2; h++) {
+            if (qtype == Q8_0) {
+                for (int r = 0; r < rows; r++) s[r][h] = _mm256_setzero_si256();
+                for (int g = 0; g < 8; g++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + g * 64 + h * 32));
+                    const __m256i aw = _mm256_abs_epi8(w);
+                    for (int r = 0; r < rows; r++) {
+                        const __m256i xq = _mm256_set1_epi32(ld32(xb[r * ldxb + b].q + 4 * g));
+                        const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xq, w));
+                        s[r][h] = _mm256_add_epi32(s[r][h], _mm256_madd_epi16(p, ones));
+                    }
+                }
+                continue;
+            }
+            __m256i t[QDOT_ROWS]; /* int16 sums of the block's 4 groups */
+            for (int r = 0; r < rows; r++) t[r] = _mm256_setzero_si256();
+            for (int g = 0; g < 4; g++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + g * 64 + h * 32));
+                const __m256i lo = _mm256_and_si256(v, m4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *q = xb[r * ldxb + b].q + 4 * g;
+                    const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(ld32(q)));
+                    const __m256i c = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(ld32(q + 16)));
+                    t[r] = _mm256_add_epi16(t[r], _mm256_add_epi16(a, c));
+                }
+            }
+            for (int r = 0; r < rows; r++) s[r][h] = _mm256_madd_epi16(t[r], ones);
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 16 * h)));
+            for (int r = 0; r < rows; r++) {
+                const qdot_xblock *x = xb + r * ldxb + b;
+                __m256i is = s[r][h];
+                if (qtype == Q4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * x->s));
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is),
+                                            _mm256_mul_ps(d, _mm256_set1_ps(x->d)), acc[r][h]);
+                if (qtype == Q4_1) {
+                    const __m256 m =
+                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 32 + 16 * h)));
+                    acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->d * (float)x->s), acc[r][h]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float tmp[16];
+        _mm256_storeu_ps(tmp, acc[r][0]);
+        _mm256_storeu_ps(tmp + 8, acc[r][1]);
+        memcpy(out + r * ldo, tmp, (size_t)cols * sizeof(float));
+    }
+}
+
+#else
+#define QDOT_ROWS 4
+
+static inline __attribute__((always_inline)) void dot_panel(int qtype, const uint8_t *panel,
+                                                            int64_t nb, const qdot_xblock *xb,
+                                                            int64_t ldxb, int rows, float *out,
+                                                            int64_t ldo, int cols) {
+    const int64_t bb = panel_block_bytes(qtype), head = qtype == Q4_1 ? 64 : 32;
+    float acc[QDOT_ROWS][PR] = {{0}};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *pb = panel + b * bb, *qs = pb + head;
+        for (int r = 0; r < rows; r++) {
+            const qdot_xblock *x = xb + r * ldxb + b;
+            for (int j = 0; j < PR; j++) {
+                int32_t is = 0;
+                if (qtype == Q8_0) {
+                    for (int i = 0; i < 32; i++)
+                        is += (int8_t)qs[(i / 4) * 64 + 4 * j + i % 4] * x->q[i];
+                } else {
+                    for (int i = 0; i < 16; i++) {
+                        const uint8_t q = qs[(i / 4) * 64 + 4 * j + i % 4];
+                        is += (q & 15) * x->q[i] + (q >> 4) * x->q[i + 16];
+                    }
+                    if (qtype == Q4_0) is -= 8 * x->s;
+                }
+                acc[r][j] += h2f(pb + 2 * j) * x->d * (float)is;
+                if (qtype == Q4_1) acc[r][j] += h2f(pb + 32 + 2 * j) * x->d * (float)x->s;
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) memcpy(out + r * ldo, acc[r], (size_t)cols * sizeof(float));
+}
+#endif
+
+int quant_dot_rows_per_call(void) { return QDOT_ROWS; }
+
+#if QDOT_ROWS == 4
+#define ROW_CASES(QT)                                                                   \
+    switch (rows) {                                                                     \
+    case 1: dot_panel(QT, panel, nb, xb, ldxb, 1, out, ldo, cols); break;               \
+    case 2: dot_panel(QT, panel, nb, xb, ldxb, 2, out, ldo, cols); break;               \
+    case 3: dot_panel(QT, panel, nb, xb, ldxb, 3, out, ldo, cols); break;               \
+    default: dot_panel(QT, panel, nb, xb, ldxb, 4, out, ldo, cols); break;              \
+    }
+#else
+#define ROW_CASES(QT)                                                                   \
+    switch (rows) {                                                                     \
+    case 1: dot_panel(QT, panel, nb, xb, ldxb, 1, out, ldo, cols); break;               \
+    default: dot_panel(QT, panel, nb, xb, ldxb, 2, out, ldo, cols); break;              \
+    }
+#endif
+
+void quant_dot_panel(int qtype, const uint8_t *panel, int64_t nb, const qdot_xblock *xb,
+                     int64_t ldxb, int rows, float *out, int64_t ldo, int cols) {
+    switch (qtype) {
+    case Q8_0: ROW_CASES(Q8_0) break;
+    case Q4_0: ROW_CASES(Q4_0) break;
+    case Q4_1: ROW_CASES(Q4_1) break;
+    }
+}
