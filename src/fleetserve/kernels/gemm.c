@@ -43,7 +43,7 @@ void gemm_pack_weight(const float *w, int64_t n, int64_t k, float *packed, int t
 /* This thread's share of the panels for one block of mc rows (tiles packed at xp): an
  * orphaned `omp for`. Each thread takes a contiguous run of panels: it streams its share
  * of the weights in order, and the prefetch of the next panel stays its own. */
-static void panels_share(const float *xp, const float *packed, const float *bias, float *out,
+__attribute__((noinline)) static void panels_share(const float *xp, const float *packed, const float *bias, float *out,
                          int64_t ldo, int64_t mc, int64_t n, int64_t k) {
     const int64_t panels = (n + NR - 1) / NR;
     const int64_t tiles = (mc + MR - 1) / MR;

@@ -243,7 +243,7 @@ static int64_t decode_chunk(int64_t row_bytes) {
 
 /* The calling thread's share of the decode-sized GEMM in row order (an orphaned `omp
  * for`, as quant_panel_share). */
-static void gemm_decode_share(int qtype, const float *x, int64_t ldx, const uint8_t *w,
+__attribute__((noinline)) static void gemm_decode_share(int qtype, const float *x, int64_t ldx, const uint8_t *w,
                               int64_t row_bytes, float *out, int64_t ldo, int64_t m, int64_t n,
                               int64_t k) {
     const int64_t chunk = decode_chunk(row_bytes);

@@ -125,7 +125,7 @@ static void panel_dot_any(int qtype, const uint8_t *panel, int64_t nb, const flo
 }
 
 /* xsum[r * (k / 32) + b]: the sum of x row r over block b (the m / -8 terms). */
-void quant_panel_xsum(const float *x, int64_t ldx, int64_t m, int64_t k, float *xsum) {
+__attribute__((noinline)) void quant_panel_xsum(const float *x, int64_t ldx, int64_t m, int64_t k, float *xsum) {
     const int64_t nb = k / 32;
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < nb; b++) {
@@ -138,8 +138,8 @@ void quant_panel_xsum(const float *x, int64_t ldx, int64_t m, int64_t k, float *
 /* The calling thread's share of the decode-sized GEMM on panels (m rows of x, any m; 4
  * at a time): an orphaned `omp for`, so inside a parallel region the team splits the
  * work (ending in its barrier) and outside one the caller does all of it. */
-void quant_panel_share(int qtype, const float *x, int64_t ldx, const float *xsum,
-                       const uint8_t *w, int64_t row_bytes, float *out, int64_t ldo,
+__attribute__((noinline)) void quant_panel_share(
+    int qtype, const float *x, int64_t ldx, const float *xsum, const uint8_t *w, int64_t row_bytes, float *out, int64_t ldo,
                        int64_t m, int64_t n, int64_t k) {
     const int64_t nb = k / 32, panels = (n + PR - 1) / PR;
     /* ~16 KB of weights per unit of work: a thread slowed by a neighbour on its core
