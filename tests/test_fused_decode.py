@@ -99,11 +99,12 @@ def test_tiny_models_same_tokens(
 ) -> None:
     path = tiny_model_factory(arch)
     llm = LLM(path, quantization=quantization, max_model_len=128, block_size=4, num_kv_blocks=96)
-    prompts = _prompts(5, 500)
+    # 4 streams: within the step's row limit on every build (AVX-512: 8, others: 4).
+    prompts = _prompts(4, 500)
     on, off, counted = _on_and_off(llm, prompts, 24, monkeypatch)
     _assert_same(on, off)
-    # Batches of 5 rows while all run, then fewer as none finish early (ignore_eos).
-    assert counted.steps >= 23 and counted.rows >= 5 * 23
+    # Every decode step of the 4 (none finishes early: ignore_eos) ran in C.
+    assert counted.steps >= 23 and counted.rows == 4 * 23
 
 
 def test_env_switch_turns_it_off(
