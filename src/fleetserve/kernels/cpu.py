@@ -34,9 +34,7 @@ _SOURCES = [
     )
 ]  # fmt: skip
 # Included by the sources: part of the cache key, not compiled on their own.
-_HEADERS = [
-    Path(__file__).with_name(n) for n in ("gemm_tile.h", "quant_common.h", "fused_rows.h")
-]
+_HEADERS = [Path(__file__).with_name(n) for n in ("gemm_tile.h", "quant_common.h", "fused_rows.h")]
 # FLEETSERVE_CPU_MARCH picks another target than this CPU's own, e.g. x86-64-v3 (AVX2)
 # or x86-64 (SSE2 only) to test the narrower code paths here.
 _FLAGS = [

@@ -42,8 +42,10 @@ def _weights(layer: torch.nn.Module) -> tuple[Weights, torch.Tensor | None] | No
 def build_decode_plan(model: LlamaForCausalLM) -> DecodePlan | None:
     """The plan for `model`, or None when some part of it is outside the C step."""
     cfg = model.config
-    if cfg.dtype != torch.float32 or cfg.head_dim % 2 or not isinstance(
-        model.logits_gather, torch.nn.Identity
+    if (
+        cfg.dtype != torch.float32
+        or cfg.head_dim % 2
+        or not isinstance(model.logits_gather, torch.nn.Identity)
     ):
         return None
     layers: list[LayerWeights] = []
@@ -61,7 +63,8 @@ def build_decode_plan(model: LlamaForCausalLM) -> DecodePlan | None:
             return None
         num_blocks, kv_heads, block_size, head_dim = v_cache.shape
         want = cpu_kernels.kv_cache_shapes(num_blocks, kv_heads, block_size, head_dim)
-        if (tuple(k_cache.shape), tuple(v_cache.shape)) != want or kv_heads != cfg.num_key_value_heads:
+        got = (tuple(k_cache.shape), tuple(v_cache.shape))
+        if got != want or kv_heads != cfg.num_key_value_heads:
             return None
         layers.append(
             LayerWeights(
@@ -69,9 +72,14 @@ def build_decode_plan(model: LlamaForCausalLM) -> DecodePlan | None:
                 post_norm=dec.post_attention_layernorm.weight.detach(),
                 q_norm=attn.q_norm.weight.detach() if attn.qk_norm else None,
                 k_norm=attn.k_norm.weight.detach() if attn.qk_norm else None,
-                qkv=qkv, qkv_bias=qkv_bias, o=o, gate_up=gu, down=down,
-                k_cache=k_cache, v_cache=v_cache,
-            )  # fmt: skip
+                qkv=qkv,
+                qkv_bias=qkv_bias,
+                o=o,
+                gate_up=gu,
+                down=down,
+                k_cache=k_cache,
+                v_cache=v_cache,
+            )
         )
     if not layers:
         return None
