@@ -9,9 +9,12 @@ path's (teacher forcing, so one early difference does not decide the rest).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+import fleetserve.bench
 from fleetserve import LLM, SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.kernels import cpu as cpu_kernels
@@ -62,14 +65,17 @@ def test_smollm2_int8_activations_agree_with_float():
     model = a8.engine.core.executor.runner.model  # type: ignore[attr-defined]
     segments = [s for m in model.modules() if isinstance(m, QuantLinear) for s in m.segments]
     assert segments and all(s.int8_activations for s in segments)  # Q4_1 and the Q8_0 head
-    ids = a8.get_tokenizer().encode(TEXT)
+    # 319 scored positions of the perplexity bench's text: with 81 (TEXT) one flipped
+    # rounding of an activation moves the figure by 1.2 points.
+    english = Path(fleetserve.bench.__file__).with_name("data") / "english.txt"
+    ids = a8.get_tokenizer().encode(english.read_text())[:320]
     agree, diff = _agreement(a8, f32, ids)
     print(
         f"SmolLM2 Q4_1, int8 vs float32 activations over {len(diff)} positions: top-1 "
         f"agreement {agree:.3f}, |dlogprob| mean {diff.mean():.4f} max {diff.max():.4f}"
     )
-    # Measured: 0.975 over 81 positions here (0.984 over 315 of bench/data/english.txt),
-    # mean |dlogprob| 0.05 nats; perplexity in docs/benchmarks.md.
+    # Measured: 0.969-0.984 over these 319 positions (the kernels' float rounding moved it
+    # between builds), mean |dlogprob| 0.05 nats; perplexity in docs/benchmarks.md.
     assert agree >= 0.95, agree
     assert float(diff.mean()) < 0.1
 

@@ -30,11 +30,14 @@ _SOURCES = [
     Path(__file__).with_name(n)
     for n in (
         "paged_attention.c", "fused_ops.c", "gemm.c", "quant_gemm.c", "quant_panel.c",
-        "quant_dot.c", "quant_dot_simd.c", "quant_avx2.c",
+        "quant_dot.c", "quant_dot_simd.c", "quant_avx2.c", "decode_step.c",
     )
 ]  # fmt: skip
 # Included by the sources: part of the cache key, not compiled on their own.
-_HEADERS = [Path(__file__).with_name(n) for n in ("gemm_tile.h", "quant_common.h", "quant_dot.h")]
+_HEADERS = [
+    Path(__file__).with_name(n)
+    for n in ("gemm_tile.h", "quant_common.h", "quant_dot.h", "fused_rows.h")
+]
 # FLEETSERVE_CPU_MARCH picks another target than this CPU's own, e.g. x86-64-v3 (AVX2)
 # or x86-64 (SSE2 only) to test the narrower code paths here.
 _FLAGS = [
@@ -121,11 +124,15 @@ def load() -> ctypes.CDLL | None:
     lib.paged_attention.restype = ctypes.c_int
     i64, i32, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.rms_norm.argtypes = [p, i64, p, p, p, i64, i64, f32, i32]
+    lib.rms_norm_heads.argtypes = [p, i64, i32, p, p, i64, i32, f32, i32]
     lib.silu_mul.argtypes = [p, i64, p, i64, i64, i32]
     lib.rotary.argtypes = [p, i64, i32, p, i64, i32, i32, p, p, p, i64, i32]
     lib.cache_write.argtypes = [p, i64, p, i64, p, p, p, p, i64, i32, i32, i32, i32]
     lib.gemm_pack_weight.argtypes = [p, i64, i64, p, i32]
-    for fn in (lib.rms_norm, lib.silu_mul, lib.rotary, lib.cache_write, lib.gemm_pack_weight):
+    for fn in (
+        lib.rms_norm, lib.rms_norm_heads, lib.silu_mul, lib.rotary, lib.cache_write,
+        lib.gemm_pack_weight,
+    ):  # fmt: skip
         fn.restype = None
     lib.gemm_packed.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i32]
     lib.gemm_packed.restype = ctypes.c_int
@@ -168,6 +175,20 @@ def rms_norm(
     _lib().rms_norm(
         x.data_ptr(), x_stride, None if residual is None else residual.data_ptr(),
         out.data_ptr(), weight.data_ptr(), rows, n, eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each head of ``x`` ([tokens, heads, head_dim], each token's heads
+    contiguous, tokens may be strided: q or k of the fused qkv output) into a new
+    contiguous tensor of the same shape (Qwen3's q/k norm)."""
+    tokens, heads, head_dim = x.shape
+    _check_heads(x=x)
+    out = torch.empty(tokens, heads, head_dim)
+    _lib().rms_norm_heads(
+        x.data_ptr(), x.stride(0), heads, out.data_ptr(), weight.data_ptr(), tokens, head_dim,
+        eps, torch.get_num_threads(),
     )  # fmt: skip
     return out
 

@@ -6,6 +6,7 @@
  *   silu_mul     out = silu(gate) * up, gate and up the two halves of one row
  *   rotary       "rotate half" rotary embedding of q and k heads, in place
  *   cache_write  this step's k and v rows into their slots of the paged KV cache
+ *   rms_norm_heads  RMSNorm of each head of q or k (Qwen3's q/k norm)
  *
  * Rows of an input may be strided (a slice of a fused projection's output); the rows of
  * every output are contiguous. Same build as paged_attention.c (see kernels/cpu.py).
@@ -14,6 +15,61 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fused_rows.h"
+
+#define NOINLINE __attribute__((noinline))
+
+/* [res += x;] o = w * r / sqrt(mean(r^2) + eps), r = res (with residual) or x. */
+NOINLINE void rms_row(const float *x, float *res, float *o, const float *w, int64_t n,
+                           float eps) {
+    const float *r = x;
+    if (res) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) res[i] += x[i];
+        r = res;
+    }
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) ss += r[i] * r[i];
+    const float inv = 1.f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) o[i] = w[i] * (r[i] * inv);
+}
+
+/* o = silu(g) * u */
+NOINLINE void silu_row(const float *g, const float *u, float *o, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
+/* "Rotate half" of heads [0, heads) at x (head_dim apart), cos/sin rows c, s. */
+NOINLINE void rotate_row(float *x, int heads, int head_dim, const float *c,
+                              const float *s) {
+    const int half = head_dim / 2;
+    for (int h = 0; h < heads; h++) {
+        float *x1 = x + (int64_t)h * head_dim;
+        float *x2 = x1 + half;
+#pragma omp simd
+        for (int i = 0; i < half; i++) {
+            const float a = x1[i], b = x2[i];
+            x1[i] = a * c[i] - b * s[i];
+            x2[i] = b * c[i] + a * s[i];
+        }
+    }
+}
+
+/* Kv head h of one token into slot `offset` of cache block `block` (paged_attention.c's
+ * layout: keys d-major within a block, values token-major). */
+NOINLINE void cache_write_head(const float *kh, const float *vh, float *k_cache,
+                                    float *v_cache, int64_t block, int64_t offset, int h,
+                                    int num_kv_heads, int head_dim, int block_size) {
+    const int64_t head_block = (block * num_kv_heads + h) * block_size * head_dim;
+    float *kt = k_cache + head_block + offset;
+    for (int d = 0; d < head_dim; d++) kt[(int64_t)d * block_size] = kh[d];
+    memcpy(v_cache + head_block + offset * head_dim, vh, (size_t)head_dim * sizeof(float));
+}
+
+
 /* Below this many floats the work runs on the calling thread: waking the team costs
  * more than it saves. */
 #define PAR_MIN 16384
@@ -21,35 +77,27 @@
 void rms_norm(const float *x, int64_t x_stride, float *residual, float *out, const float *w,
               int64_t rows, int64_t n, float eps, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows * n >= PAR_MIN) schedule(static)
-    for (int64_t m = 0; m < rows; m++) {
-        const float *xr = x + m * x_stride;
-        float *o = out + m * n;
-        const float *r = xr;
-        if (residual) {
-            float *res = residual + m * n;
-#pragma omp simd
-            for (int64_t i = 0; i < n; i++) res[i] += xr[i];
-            r = res;
-        }
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < n; i++) ss += r[i] * r[i];
-        const float inv = 1.f / sqrtf(ss / (float)n + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) o[i] = w[i] * (r[i] * inv);
-    }
+    for (int64_t m = 0; m < rows; m++)
+        rms_row(x + m * x_stride, residual ? residual + m * n : NULL, out + m * n, w, n, eps);
+}
+
+/* RMSNorm of each head (Qwen3's q/k norm): x [tokens, heads, head_dim], tokens x_stride
+ * floats apart, each token's heads contiguous; out [tokens, heads, head_dim] contiguous. */
+void rms_norm_heads(const float *x, int64_t x_stride, int heads, float *out, const float *w,
+                    int64_t tokens, int head_dim, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (tokens * heads * head_dim >= PAR_MIN) \
+    schedule(static)
+    for (int64_t t = 0; t < tokens; t++)
+        for (int h = 0; h < heads; h++)
+            rms_row(x + t * x_stride + (int64_t)h * head_dim, NULL,
+                    out + (t * heads + h) * head_dim, w, head_dim, eps);
 }
 
 void silu_mul(const float *gate_up, int64_t stride, float *out, int64_t rows, int64_t n,
               int threads) {
 #pragma omp parallel for num_threads(threads) if (rows * n >= PAR_MIN) schedule(static)
-    for (int64_t m = 0; m < rows; m++) {
-        const float *g = gate_up + m * stride;
-        const float *u = g + n;
-        float *o = out + m * n;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-    }
+    for (int64_t m = 0; m < rows; m++)
+        silu_row(gate_up + m * stride, gate_up + m * stride + n, out + m * n, n);
 }
 
 /* Heads [0, num_heads) of token t start at x + t * stride + h * head_dim. cos/sin rows
@@ -60,20 +108,9 @@ static void rotate_heads(float *x, int64_t stride, int num_heads, int head_dim,
     const int half = head_dim / 2;
 #pragma omp parallel for num_threads(threads) if (tokens * num_heads * head_dim >= PAR_MIN) \
     schedule(static)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos_t + positions[t] * half;
-        const float *s = sin_t + positions[t] * half;
-        for (int h = 0; h < num_heads; h++) {
-            float *x1 = x + t * stride + (int64_t)h * head_dim;
-            float *x2 = x1 + half;
-#pragma omp simd
-            for (int i = 0; i < half; i++) {
-                const float a = x1[i], b = x2[i];
-                x1[i] = a * c[i] - b * s[i];
-                x2[i] = b * c[i] + a * s[i];
-            }
-        }
-    }
+    for (int64_t t = 0; t < tokens; t++)
+        rotate_row(x + t * stride, num_heads, head_dim, cos_t + positions[t] * half,
+                   sin_t + positions[t] * half);
 }
 
 void rotary(float *q, int64_t q_stride, int num_heads, float *k, int64_t k_stride,
@@ -90,17 +127,12 @@ void cache_write(const float *k, int64_t k_stride, const float *v, int64_t v_str
                  float *k_cache, float *v_cache, const int64_t *slot_blocks,
                  const int64_t *slot_offsets, int64_t tokens, int num_kv_heads, int head_dim,
                  int block_size, int threads) {
-    const size_t row = (size_t)head_dim * sizeof(float);
     /* Split by kv head: each thread writes its own heads' parts of the blocks. */
 #pragma omp parallel for num_threads(threads) schedule(static) if (tokens > 1)
-    for (int h = 0; h < num_kv_heads; h++) {
-        for (int64_t t = 0; t < tokens; t++) {
-            const int64_t head_block = (slot_blocks[t] * num_kv_heads + h) * block_size * head_dim;
-            const float *kh = k + t * k_stride + (int64_t)h * head_dim;
-            float *kt = k_cache + head_block + slot_offsets[t];
-            for (int d = 0; d < head_dim; d++) kt[(int64_t)d * block_size] = kh[d];
-            memcpy(v_cache + head_block + slot_offsets[t] * head_dim,
-                   v + t * v_stride + (int64_t)h * head_dim, row);
-        }
-    }
+    for (int h = 0; h < num_kv_heads; h++)
+        for (int64_t t = 0; t < tokens; t++)
+            cache_write_head(k + t * k_stride + (int64_t)h * head_dim,
+                             v + t * v_stride + (int64_t)h * head_dim, k_cache, v_cache,
+                             slot_blocks[t], slot_offsets[t], h, num_kv_heads, head_dim,
+                             block_size);
 }

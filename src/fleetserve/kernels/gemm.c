@@ -40,36 +40,57 @@ void gemm_pack_weight(const float *w, int64_t n, int64_t k, float *packed, int t
     }
 }
 
+/* This thread's share of the panels for one block of mc rows (tiles packed at xp): an
+ * orphaned `omp for`. Each thread takes a contiguous run of panels: it streams its share
+ * of the weights in order, and the prefetch of the next panel stays its own. */
+__attribute__((noinline)) static void panels_share(const float *xp, const float *packed, const float *bias, float *out,
+                         int64_t ldo, int64_t mc, int64_t n, int64_t k) {
+    const int64_t panels = (n + NR - 1) / NR;
+    const int64_t tiles = (mc + MR - 1) / MR;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
+        const float *panel = packed + p * k * NR;
+        const float *next = p + 1 < panels ? panel + k * NR : NULL;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int rows = (int)(mc - t * MR < MR ? mc - t * MR : MR);
+            tile_rows(xp + t * k * MR, panel, k, t == 0 ? next : NULL,
+                      bias ? bias + p * NR : NULL, out + t * MR * ldo + p * NR, ldo, rows,
+                      cols);
+        }
+    }
+}
+
 /* Returns 0, or -1 if the row buffer could not be allocated. */
 int gemm_packed(const float *x, int64_t ldx, const float *packed, const float *bias,
                 float *out, int64_t ldo, int64_t m, int64_t n, int64_t k, int threads) {
-    const int64_t panels = (n + NR - 1) / NR;
     const int64_t block = m <= MC_ONE ? MC_ONE : MC;
     const size_t xbytes = ((size_t)block * k * sizeof(float) + 63) / 64 * 64;
     float *xp = aligned_alloc(64, xbytes);
     if (!xp) return -1;
     for (int64_t m0 = 0; m0 < m; m0 += block) {
         const int64_t mc = m - m0 < block ? m - m0 : block;
-        const int64_t tiles = (mc + MR - 1) / MR;
 #pragma omp parallel num_threads(threads)
         {
             pack_x_tiles(x, ldx, m0, mc, m, k, xp);
-            /* Each thread takes a contiguous run of panels: it streams its share of the
-             * weights in order, and the prefetch of the next panel stays its own. */
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; p++) {
-                const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
-                const float *panel = packed + p * k * NR;
-                const float *next = p + 1 < panels ? panel + k * NR : NULL;
-                for (int64_t t = 0; t < tiles; t++) {
-                    const int rows = (int)(mc - t * MR < MR ? mc - t * MR : MR);
-                    tile_rows(xp + t * k * MR, panel, k, t == 0 ? next : NULL,
-                              bias ? bias + p * NR : NULL, out + (m0 + t * MR) * ldo + p * NR,
-                              ldo, rows, cols);
-                }
-            }
+            panels_share(xp, packed, bias, out + m0 * ldo, ldo, mc, n, k);
         }
     }
     free(xp);
     return 0;
 }
+
+/* The decode step's entry (decode_step.c), for m <= gemm_share_max_rows(): x's m rows
+ * packed by this thread alone into its own tiles at xp (gemm_x_floats(m, k) floats,
+ * 64-byte aligned), then this thread's share of out = x @ W^T + bias, the same
+ * arithmetic as gemm_packed. */
+void gemm_packed_share(const float *x, int64_t ldx, float *xp, const float *packed,
+                       const float *bias, float *out, int64_t ldo, int64_t m, int64_t n,
+                       int64_t k) {
+    for (int64_t t = 0; t < (m + MR - 1) / MR; t++) pack_x_tile(x, ldx, 0, t, m, k, xp);
+    panels_share(xp, packed, bias, out, ldo, m, n, k);
+}
+
+int gemm_share_max_rows(void) { return MC_ONE; }
+
+int64_t gemm_x_floats(int64_t m, int64_t k) { return (m + MR - 1) / MR * MR * k; }

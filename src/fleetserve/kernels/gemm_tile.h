@@ -24,23 +24,27 @@
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vfu __attribute__((vector_size(VL * 4), aligned(4))); /* unaligned access */
 
+/* Tile t of rows m0 .. m0+mc-1 of x into xp + t * k * MR ([k][MR], zero rows past m). */
+static inline void pack_x_tile(const float *x, int64_t ldx, int64_t m0, int64_t t, int64_t m,
+                               int64_t k, float *xp) {
+    float *dst = xp + t * k * MR;
+    for (int r = 0; r < MR; r++) {
+        const int64_t row = m0 + t * MR + r;
+        if (row < m) {
+            for (int64_t kk = 0; kk < k; kk++) dst[kk * MR + r] = x[row * ldx + kk];
+        } else {
+            for (int64_t kk = 0; kk < k; kk++) dst[kk * MR + r] = 0.f;
+        }
+    }
+}
+
 /* Copy rows m0 .. m0+mc-1 of x into tiles [k][MR] at xp (zero rows past m). An orphaned
  * `omp for`: call it from inside a parallel region. */
 static __attribute__((unused)) void pack_x_tiles(const float *x, int64_t ldx, int64_t m0, int64_t mc, int64_t m,
                          int64_t k, float *xp) {
     const int64_t tiles = (mc + MR - 1) / MR;
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        float *dst = xp + t * k * MR;
-        for (int r = 0; r < MR; r++) {
-            const int64_t row = m0 + t * MR + r;
-            if (row < m) {
-                for (int64_t kk = 0; kk < k; kk++) dst[kk * MR + r] = x[row * ldx + kk];
-            } else {
-                for (int64_t kk = 0; kk < k; kk++) dst[kk * MR + r] = 0.f;
-            }
-        }
-    }
+    for (int64_t t = 0; t < tiles; t++) pack_x_tile(x, ldx, m0, t, m, k, xp);
 }
 
 /* One MR x NR tile of out from an x tile ([k][MR]) and a weight panel ([k][NR]).

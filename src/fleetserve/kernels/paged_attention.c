@@ -250,7 +250,9 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
 }
 
-static void attend_tile_dispatch(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+/* Not static: the decode step (decode_step.c) attends its rows through it too; never
+ * inlined, so both callers run one machine copy (see fused_rows.h). */
+__attribute__((noinline)) void attend_tile_dispatch(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                                  float *out, const int64_t *table, int64_t q_start,
                                  int64_t q_len, int64_t seq_len, int64_t r0, int64_t r1,
                                  int h0, int h1, int num_heads, int num_kv_heads, int head_dim,

@@ -39,6 +39,9 @@ void quant_panel_decode(int qtype, const uint8_t *w, int64_t row_bytes, int64_t 
                         float *dst, int64_t ld);
 void quant_panel_row(int qtype, const uint8_t *w, int64_t row_bytes, int64_t j, int64_t k,
                      float *dst);
+void quant_panel_share(int qtype, const float *x, int64_t ldx, const float *xsum,
+                       const uint8_t *w, int64_t row_bytes, float *out, int64_t ldo,
+                       int64_t m, int64_t n, int64_t k);
 
 /* 6-bit scale and min of sub-block j of a Q4_K/Q5_K super-block (ggml's packing). */
 static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *mn) {
@@ -240,12 +243,14 @@ static int64_t decode_chunk(int64_t row_bytes) {
     return c < NJ ? NJ : c;
 }
 
-static void gemm_decode(int qtype, const float *x, int64_t ldx, const uint8_t *w,
-                        int64_t row_bytes, float *out, int64_t ldo, int64_t m, int64_t n,
-                        int64_t k, int threads) {
+/* The calling thread's share of the decode-sized GEMM in row order (an orphaned `omp
+ * for`, as quant_panel_share). */
+__attribute__((noinline)) static void gemm_decode_share(int qtype, const float *x, int64_t ldx, const uint8_t *w,
+                              int64_t row_bytes, float *out, int64_t ldo, int64_t m, int64_t n,
+                              int64_t k) {
     const int64_t chunk = decode_chunk(row_bytes);
     const int64_t chunks = (n + chunk - 1) / chunk;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t j0 = c * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
         for (int64_t r0 = 0; r0 < m; r0 += DECODE_ROWS) {
@@ -254,6 +259,28 @@ static void gemm_decode(int qtype, const float *x, int64_t ldx, const uint8_t *w
                       rows);
         }
     }
+}
+
+/* The decode step's entry (decode_step.c): this thread's share of out = x @ W^T for
+ * m <= quant_share_max_rows() rows, the same arithmetic as quant_gemm. xsum: the block
+ * sums of x (quant_panel_xsum) for the panel formats, unused by the others. */
+void quant_gemm_share(int qtype, const float *x, int64_t ldx, const float *xsum,
+                      const uint8_t *w, int64_t row_bytes, float *out, int64_t ldo, int64_t m,
+                      int64_t n, int64_t k) {
+    if (quant_panel_layout(qtype)) {
+        quant_panel_share(qtype, x, ldx, xsum, w, row_bytes, out, ldo, m, n, k);
+    } else {
+        gemm_decode_share(qtype, x, ldx, w, row_bytes, out, ldo, m, n, k);
+    }
+}
+
+int quant_share_max_rows(void) { return 2 * DECODE_ROWS; }
+
+static void gemm_decode(int qtype, const float *x, int64_t ldx, const uint8_t *w,
+                        int64_t row_bytes, float *out, int64_t ldo, int64_t m, int64_t n,
+                        int64_t k, int threads) {
+#pragma omp parallel num_threads(threads)
+    gemm_decode_share(qtype, x, ldx, w, row_bytes, out, ldo, m, n, k);
 }
 
 /* Returns 0, or -1 when a buffer could not be allocated. */

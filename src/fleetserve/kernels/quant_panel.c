@@ -142,27 +142,31 @@ static void panel_dot_any(int qtype, const uint8_t *panel, int64_t nb, const flo
     }
 }
 
-/* The decode-sized GEMM on panels (m rows of x, any m; 4 at a time). Returns 0, or -1
- * when the block sums could not be allocated. */
-int quant_panel_gemm(int qtype, const float *x, int64_t ldx, const uint8_t *w,
-                     int64_t row_bytes, float *out, int64_t ldo, int64_t m, int64_t n,
-                     int64_t k, int threads) {
-    const int64_t nb = k / 32, panels = (n + PR - 1) / PR;
-    float *xsum = malloc((size_t)(m * nb + 1) * sizeof(float));
-    if (!xsum) return -1;
+/* xsum[r * (k / 32) + b]: the sum of x row r over block b (the m / -8 terms). */
+__attribute__((noinline)) void quant_panel_xsum(const float *x, int64_t ldx, int64_t m, int64_t k, float *xsum) {
+    const int64_t nb = k / 32;
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < nb; b++) {
             float s = 0.f;
             for (int i = 0; i < 32; i++) s += x[r * ldx + b * 32 + i];
             xsum[r * nb + b] = s;
         }
+}
+
+/* The calling thread's share of the decode-sized GEMM on panels (m rows of x, any m; 4
+ * at a time): an orphaned `omp for`, so inside a parallel region the team splits the
+ * work (ending in its barrier) and outside one the caller does all of it. */
+__attribute__((noinline)) void quant_panel_share(
+    int qtype, const float *x, int64_t ldx, const float *xsum, const uint8_t *w, int64_t row_bytes, float *out, int64_t ldo,
+                       int64_t m, int64_t n, int64_t k) {
+    const int64_t nb = k / 32, panels = (n + PR - 1) / PR;
     /* ~16 KB of weights per unit of work: a thread slowed by a neighbour on its core
      * leaves the rest of the matrix to the others. */
     int64_t chunk = 16384 / (PR * row_bytes);
     if (chunk < 1) chunk = 1;
     const int64_t chunks = (panels + chunk - 1) / chunk;
     const int rows4 = DECODE_ROWS < 4 ? DECODE_ROWS : 4;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t p1 = (c + 1) * chunk < panels ? (c + 1) * chunk : panels;
         for (int64_t p = c * chunk; p < p1; p++) {
@@ -174,6 +178,18 @@ int quant_panel_gemm(int qtype, const float *x, int64_t ldx, const uint8_t *w,
             }
         }
     }
+}
+
+/* The decode-sized GEMM on panels. Returns 0, or -1 when the block sums could not be
+ * allocated. */
+int quant_panel_gemm(int qtype, const float *x, int64_t ldx, const uint8_t *w,
+                     int64_t row_bytes, float *out, int64_t ldo, int64_t m, int64_t n,
+                     int64_t k, int threads) {
+    float *xsum = malloc((size_t)(m * (k / 32) + 1) * sizeof(float));
+    if (!xsum) return -1;
+    quant_panel_xsum(x, ldx, m, k, xsum);
+#pragma omp parallel num_threads(threads)
+    quant_panel_share(qtype, x, ldx, xsum, w, row_bytes, out, ldo, m, n, k);
     free(xsum);
     return 0;
 }

@@ -22,6 +22,10 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_kernels_active() and x.dim() == 2:
             return cpu_kernels.rms_norm(x, self.weight, self.eps)
+        if cpu_kernels_active() and x.dim() == 3:
+            # Per-head norm (Qwen3's q/k): the C path, so that the fused decode step
+            # (kernels/decode_step.c), which runs the same row code, matches it exactly.
+            return cpu_kernels.rms_norm_heads(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -18,10 +18,12 @@ from torch import nn
 from fleetserve.config import ModelConfig
 from fleetserve.forward_context import cpu_kernels_active
 from fleetserve.kernels import cpu as cpu_kernels
+from fleetserve.kernels.decode_step import DecodePlan
 from fleetserve.layers.attention import Attention
 from fleetserve.layers.linear import Linear, pack_linears
 from fleetserve.layers.norm import RMSNorm
 from fleetserve.layers.rotary import RotaryEmbedding
+from fleetserve.models.llama_decode import run_decode
 
 
 class LlamaAttention(nn.Module):
@@ -106,9 +108,16 @@ class LlamaModel(nn.Module):
             [LlamaDecoderLayer(cfg, rope) for _ in range(cfg.num_hidden_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # The whole step in one C call when its rows are all decodes (llama_decode.py);
+        # bound by the model runner once the caches are (None: modules only).
+        self.decode_plan: DecodePlan | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.decode_plan is not None:
+            out = run_decode(self.decode_plan, x, positions)
+            if out is not None:
+                return out
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)

@@ -21,7 +21,14 @@ from fleetserve.models.loader import ModelSource
 from fleetserve.spec_decode.base import Proposal, ProposalRequest, Proposer
 from fleetserve.spec_decode.rejection_sampler import DraftedRow, RejectionSampler
 from fleetserve.worker.attn_metadata import build_attention_metadata
-from fleetserve.worker.model_setup import bind_kv_caches, load_model, pack_for_cpu, use_cpu_kernel
+from fleetserve.worker.model_setup import (
+    bind_decode_plan,
+    bind_kv_caches,
+    fused_decode_enabled,
+    load_model,
+    pack_for_cpu,
+    use_cpu_kernel,
+)
 
 # Decodes attended in one padded SDPA call at most (sorted by length first).
 DECODE_GROUP_SIZE = 16
@@ -74,6 +81,11 @@ class ModelRunner:
         )
         self.sampler = Sampler(config.seed)
         pack_for_cpu(self.model, self.use_cpu_kernel)
+        self.fused_decode = bind_decode_plan(
+            self.model,
+            self.use_cpu_kernel and parallel is None,
+            fused_decode_enabled(),
+        )
         self.requests: dict[str, RequestState] = {}
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.proposer: Proposer | None = None

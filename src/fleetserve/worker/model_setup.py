@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from fleetserve.config import ModelConfig
 from fleetserve.distributed.parallel_state import ParallelContext
 from fleetserve.kernels import cpu as cpu_kernels
 from fleetserve.models.llama import LlamaForCausalLM
+from fleetserve.models.llama_decode import build_decode_plan
 from fleetserve.models.loader import ModelSource
 from fleetserve.models.quantize import keep_gguf_quantized, quantize_int8
 from fleetserve.models.registry import model_class
@@ -87,6 +90,18 @@ def use_cpu_kernel(mcfg: ModelConfig, device: torch.device, attention_backend: s
         and attention_backend in ("auto", "cpu")
         and cpu_kernels.load() is not None
     )
+
+
+def bind_decode_plan(model: LlamaForCausalLM, cpu_kernel: bool, enabled: bool) -> bool:
+    """Give the model its C decode step (models/llama_decode.py) where it applies; call
+    after `bind_kv_caches` and `pack_for_cpu`. Returns whether it did."""
+    model.model.decode_plan = build_decode_plan(model) if cpu_kernel and enabled else None
+    return model.model.decode_plan is not None
+
+
+def fused_decode_enabled() -> bool:
+    """FLEETSERVE_FUSED_DECODE=0 keeps every step on the module path (A/B runs, bisects)."""
+    return os.environ.get("FLEETSERVE_FUSED_DECODE", "1") != "0"
 
 
 def pack_for_cpu(model: LlamaForCausalLM, cpu_kernel: bool) -> None:

@@ -1,0 +1,181 @@
+"""The decode step in C (decode_step.c): the plan's ctypes mirror and the call.
+
+A `DecodePlan` holds, per decoder layer, the raw pointers of what does not change
+between steps (norm weights, projection weights in their kernel layouts, the layer's KV
+cache, the rotary tables), bound once after the model is loaded and its caches are
+allocated. `run` then takes only what a step changes: the embeddings of its rows and
+where each row's key and value go and are read from. The tensors behind the pointers
+are kept alive by the plan (``_keep``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from fleetserve.kernels import cpu as cpu_kernels
+from fleetserve.kernels.cpu import PackedWeight
+from fleetserve.kernels.quant import QuantWeight
+
+W_QUANT, W_PACKED = 0, 1
+MAX_SEGMENTS = 3
+_p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+class _Segment(ctypes.Structure):
+    _fields_ = [("kind", _i32), ("qtype", _i32), ("data", _p), ("row_bytes", _i64), ("n", _i64)]
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("seg", _Segment * MAX_SEGMENTS),
+        ("num_segments", _i32),
+        ("k", _i64),
+        ("bias", _p),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
+        ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+        ("k_cache", _p), ("v_cache", _p),
+    ]  # fmt: skip
+
+
+class _Plan(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", _i32), ("hidden", _i32), ("num_heads", _i32), ("num_kv_heads", _i32),
+        ("head_dim", _i32), ("intermediate", _i32), ("block_size", _i32),
+        ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("final_norm", _p),
+        ("layers", ctypes.POINTER(_Layer)),
+    ]  # fmt: skip
+
+
+def _lib() -> ctypes.CDLL:
+    lib = cpu_kernels.load()
+    if lib is None:
+        raise RuntimeError("the decode step needs the CPU kernels (a C compiler)")
+    lib.decode_step.argtypes = [_p, _p, _p, _i64, _p, _p, _p, _p, _p, _i64, ctypes.c_int]
+    lib.decode_step.restype = ctypes.c_int
+    lib.decode_step_max_rows.argtypes = []
+    lib.decode_step_max_rows.restype = ctypes.c_int
+    return lib
+
+
+# One projection's weight: the segments of its output features in order (each a
+# QuantWeight, or one PackedWeight), and its bias.
+Weights = list[QuantWeight] | PackedWeight
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer as the C step reads it (float32 CPU tensors, contiguous)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qkv: Weights
+    qkv_bias: torch.Tensor | None
+    o: Weights
+    gate_up: Weights
+    down: Weights
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PlanShape:
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    block_size: int
+    eps: float
+    scale: float
+
+
+class DecodePlan:
+    def __init__(
+        self,
+        shape: PlanShape,
+        layers: list[LayerWeights],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        final_norm: torch.Tensor,
+    ) -> None:
+        self._lib = _lib()
+        self.shape = shape
+        self.max_rows = int(self._lib.decode_step_max_rows())
+        self._keep: list[object] = [cos, sin, final_norm]
+        self._layers = (_Layer * len(layers))()
+        for i, w in enumerate(layers):
+            dst = self._layers[i]
+            dst.input_norm = self._ptr(w.input_norm)
+            dst.post_norm = self._ptr(w.post_norm)
+            dst.q_norm = None if w.q_norm is None else self._ptr(w.q_norm)
+            dst.k_norm = None if w.k_norm is None else self._ptr(w.k_norm)
+            self._linear(dst.qkv, w.qkv, w.qkv_bias)
+            self._linear(dst.o, w.o, None)
+            self._linear(dst.gate_up, w.gate_up, None)
+            self._linear(dst.down, w.down, None)
+            dst.k_cache = self._ptr(w.k_cache)
+            dst.v_cache = self._ptr(w.v_cache)
+        s = shape
+        self._plan = _Plan(
+            len(layers), s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate,
+            s.block_size, s.eps, s.scale, self._ptr(cos), self._ptr(sin), self._ptr(final_norm),
+            self._layers,
+        )  # fmt: skip
+
+    def _ptr(self, t: torch.Tensor) -> int:
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("the decode step's tensors must be contiguous float32 CPU tensors")
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def _linear(self, dst: _Linear, w: Weights, bias: torch.Tensor | None) -> None:
+        if isinstance(w, PackedWeight):
+            dst.seg[0] = _Segment(W_PACKED, 0, w.data.data_ptr(), 0, w.out_features)
+            dst.num_segments, dst.k = 1, w.in_features
+            self._keep.append(w)
+        else:
+            if not 1 <= len(w) <= MAX_SEGMENTS:
+                raise ValueError(f"a projection takes 1 to {MAX_SEGMENTS} weight segments")
+            for j, q in enumerate(w):
+                dst.seg[j] = _Segment(W_QUANT, q.qtype_id, q.data_ptr, q.row_bytes, q.out_features)
+                self._keep.append(q)
+            dst.num_segments, dst.k = len(w), w[0].in_features
+        dst.bias = None if bias is None else self._ptr(bias)
+
+    def run(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        slot_blocks: torch.Tensor,
+        slot_offsets: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> torch.Tensor:
+        """The final-norm hidden states [m, hidden] of m decode rows, row i sequence i's
+        one new token. x: [m, hidden] embeddings; positions, slot_blocks, slot_offsets,
+        seq_lens: int64 [m]; block_tables: int64 [m, max_blocks] (the runner's tensors,
+        contiguous by construction)."""
+        m = x.shape[0]
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.shape.hidden:
+            raise ValueError(f"x must be a contiguous float32 [m, {self.shape.hidden}] tensor")
+        out = torch.empty(m, self.shape.hidden)
+        rc = self._lib.decode_step(
+            ctypes.byref(self._plan), x.data_ptr(), out.data_ptr(), m, positions.data_ptr(),
+            slot_blocks.data_ptr(), slot_offsets.data_ptr(), seq_lens.data_ptr(),
+            block_tables.data_ptr(), block_tables.shape[1], torch.get_num_threads(),
+        )  # fmt: skip
+        if rc == -1:
+            raise MemoryError("decode_step: could not allocate its buffers")
+        if rc != 0:
+            raise ValueError(f"decode_step takes 1 to {self.max_rows} rows, got {m}")
+        return out

@@ -1,0 +1,119 @@
+"""The fast decode path of the Llama family: a step of decode rows in one C call.
+
+`bind_decode_plan` builds a `DecodePlan` (kernels/decode_step.py) from a loaded model
+whose caches are bound, when every piece of it is something the C step runs: projections
+kept in GGUF blocks (`QuantLinear`) or packed for the float32 GEMM (`Linear.packed`), a
+qkv bias (Qwen2) or q/k norm (Qwen3), the CPU kernels' cache layout, one process (no
+tensor or pipeline parallelism). Otherwise the model keeps only its module path.
+
+`run_decode` is what `LlamaModel.forward` asks first: when the step's rows are all
+decodes (one new token each, some context) and few enough for the step's GEMM shares,
+it returns the final hidden states; else None and the modules run as before. Both paths
+compute the same values with the same C code (tests/test_fused_decode.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fleetserve.forward_context import get_forward_context
+from fleetserve.kernels import cpu as cpu_kernels
+from fleetserve.kernels.decode_step import DecodePlan, LayerWeights, PlanShape, Weights
+from fleetserve.layers.linear import Linear
+from fleetserve.layers.quant_linear import QuantLinear
+
+if TYPE_CHECKING:
+    from fleetserve.models.llama import LlamaForCausalLM
+
+
+def _weights(layer: torch.nn.Module) -> tuple[Weights, torch.Tensor | None] | None:
+    """A projection's weights as the C step takes them, and its bias; None: not runnable."""
+    if isinstance(layer, QuantLinear):
+        if any(seg.int8_activations for seg in layer.segments):
+            return None  # the dot layout's integer GEMM has no per-thread share (yet)
+        bias = None if layer.bias is None else layer.bias.detach()
+        return list(layer.segments), bias
+    if isinstance(layer, Linear) and layer.packed is not None:
+        bias = None if layer.bias is None else layer.bias.detach()
+        return layer.packed, bias
+    return None
+
+
+def build_decode_plan(model: LlamaForCausalLM) -> DecodePlan | None:
+    """The plan for `model`, or None when some part of it is outside the C step."""
+    cfg = model.config
+    if (
+        cfg.dtype != torch.float32
+        or cfg.head_dim % 2
+        or not isinstance(model.logits_gather, torch.nn.Identity)
+    ):
+        return None
+    layers: list[LayerWeights] = []
+    block_size = 0
+    for dec in model.decoder_layers():
+        attn, mlp = dec.self_attn, dec.mlp
+        parts = [_weights(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(p is None for p in parts):
+            return None
+        (qkv, qkv_bias), (o, o_bias), (gu, gu_bias), (down, down_bias) = parts  # type: ignore[misc]
+        if o_bias is not None or gu_bias is not None or down_bias is not None:
+            return None
+        k_cache, v_cache = attn.attn.k_cache, attn.attn.v_cache
+        if k_cache is None or v_cache is None or k_cache.dim() != 4:
+            return None
+        num_blocks, kv_heads, block_size, head_dim = v_cache.shape
+        want = cpu_kernels.kv_cache_shapes(num_blocks, kv_heads, block_size, head_dim)
+        got = (tuple(k_cache.shape), tuple(v_cache.shape))
+        if got != want or kv_heads != cfg.num_key_value_heads:
+            return None
+        layers.append(
+            LayerWeights(
+                input_norm=dec.input_layernorm.weight.detach(),
+                post_norm=dec.post_attention_layernorm.weight.detach(),
+                q_norm=attn.q_norm.weight.detach() if attn.qk_norm else None,
+                k_norm=attn.k_norm.weight.detach() if attn.qk_norm else None,
+                qkv=qkv,
+                qkv_bias=qkv_bias,
+                o=o,
+                gate_up=gu,
+                down=down,
+                k_cache=k_cache,
+                v_cache=v_cache,
+            )
+        )
+    if not layers:
+        return None
+    first = model.decoder_layers()[0].self_attn
+    shape = PlanShape(
+        hidden=cfg.hidden_size,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        intermediate=cfg.intermediate_size,
+        block_size=block_size,
+        eps=cfg.rms_norm_eps,
+        scale=first.attn.scale,
+    )
+    rope = first.rope
+    return DecodePlan(shape, layers, rope.cos, rope.sin, model.model.norm.weight.detach())
+
+
+def run_decode(plan: DecodePlan, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    """The step's final hidden states through the C step, or None when it does not apply
+    (a prefill chunk or draft verification among the rows, too many rows, no kernels)."""
+    meta = get_forward_context()
+    paged = meta.paged
+    m = x.shape[0]
+    if (
+        paged is None
+        or not meta.cpu_kernels
+        or meta.num_decodes != len(meta.seq_lens)
+        or m != meta.num_decodes
+        or not 1 <= m <= plan.max_rows
+    ):
+        return None
+    return plan.run(
+        x, positions, meta.slot_blocks, meta.slot_offsets, paged.seq_lens, paged.block_tables
+    )
