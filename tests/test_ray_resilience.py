@@ -52,7 +52,9 @@ def fleet_config(model: str) -> dict[str, Any]:
                 "name": "tiny",
                 "model": model,
                 "replicas": 2,
-                "routing": "least_loaded",
+                # Round robin: 8 streams sent at once split 4 + 4. (least_loaded sees
+                # equal loads when Serve routes them together and may put all on one.)
+                "routing": "round_robin",
                 "engine": engine,
                 "placement": {"num_cpus": 1, "resources": {"fast": 0.01}},
                 "resilience": {
@@ -206,15 +208,20 @@ def pid_alive(pid: int) -> bool:
 
 def busy_engine(base_url: str, before: dict[str, int]) -> int:
     """Once both replicas of 'tiny' hold streams: the engine process of one of them."""
-    wait_until(
-        lambda: (
-            len(outstanding_per_replica(base_url, "tiny")) == 2
-            and all(n >= 1 for n in outstanding_per_replica(base_url, "tiny"))
-        ),
-        60,
-        "both replicas holding streams",
-        every_s=0.1,
-    )
+    seen: list[float] = []
+
+    def both_busy() -> bool:
+        # The router's series of each replica it has routed to: a replaced replica's may
+        # linger beside its successor's, so count the busy ones rather than all of them.
+        seen[:] = outstanding_per_replica(base_url, "tiny")
+        return sum(1 for n in seen if n >= 1) >= 2
+
+    try:
+        wait_until(both_busy, 60, "both replicas holding streams", 0.1)
+    except AssertionError as e:
+        text = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+        lines = [x for x in text.text.splitlines() if "replica_" in x and "tiny" in x]
+        raise AssertionError(f"{e}; last seen {seen}; {lines}") from None
     return engine_core_pid(before[min(before)])
 
 
