@@ -21,6 +21,7 @@ from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.core_proc import debug_step_delay_s
 from fleetserve.outputs import CompletionOutput, RequestOutput
 from fleetserve.serve.contracts import RouteRequest
+from fleetserve.serve.replicas.local import LocalReplica
 from fleetserve.serve.routing.policies import (
     LeastLoaded,
     PowerOfTwo,
@@ -28,7 +29,6 @@ from fleetserve.serve.routing.policies import (
     RoundRobin,
     make_policy,
 )
-from fleetserve.serve.replicas.local import LocalReplica
 from fleetserve.serve.routing.router import NoHealthyReplicaError, Router
 
 sys.path.insert(0, str(Path(__file__).parent / "server"))

@@ -47,11 +47,11 @@ from fleetserve.ray.pool_deployments import PoolChoice, PoolRoute
 from fleetserve.ray.router_state import num_known_replicas
 from fleetserve.ray.streams import RayStream, RequestObserver
 from fleetserve.serve.admission.admit import Admission
-from fleetserve.serve.contracts import ReplicaStreamLike
+from fleetserve.serve.admission.sla import Entry, ServiceClass, engine_priority
 from fleetserve.serve.config.fleet_config import FleetConfig, ModelEntry
+from fleetserve.serve.contracts import ReplicaStreamLike
 from fleetserve.serve.resilience.hedging import hedge_for
 from fleetserve.serve.resilience.migration import MigratingStream, migration_reason
-from fleetserve.serve.admission.sla import Entry, ServiceClass, engine_priority
 from fleetserve.tokenizer import Tokenizer
 
 

@@ -29,9 +29,9 @@ from fleetserve.engine.embedding import MINILM_NAME
 from fleetserve.outputs import RequestOutput
 from fleetserve.ray.health import EngineWatch
 from fleetserve.ray.wire import RemoteError
-from fleetserve.serve.microbatch.services import CustomService, EmbedService
-from fleetserve.serve.microbatch.batcher import MicroBatchConfig
 from fleetserve.serve.config.fleet_config import ResilienceConfig
+from fleetserve.serve.microbatch.batcher import MicroBatchConfig
+from fleetserve.serve.microbatch.services import CustomService, EmbedService
 from fleetserve.serve.replicas.local import LocalReplica
 
 # Each request is one the ingress let through its class queue; the engine never refuses.

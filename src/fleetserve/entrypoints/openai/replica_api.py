@@ -33,8 +33,8 @@ from fleetserve.entrypoints.openai.serving_common import (
     unless_disconnected,
 )
 from fleetserve.outputs import RequestOutput
+from fleetserve.serve.admission.sla import split_engine_priority
 from fleetserve.serve.contracts import ReplicaStreamLike
-from fleetserve.serve.services.generate import GenerateService
 from fleetserve.serve.remote.wire import (
     FRAMES,
     GENERATE_PATH,
@@ -47,7 +47,7 @@ from fleetserve.serve.remote.wire import (
     check_resume,
     params_from_http,
 )
-from fleetserve.serve.admission.sla import split_engine_priority
+from fleetserve.serve.services.generate import GenerateService
 
 
 def replica_router(ctx: ServingContext) -> APIRouter:

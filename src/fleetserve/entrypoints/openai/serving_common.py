@@ -32,9 +32,14 @@ from fleetserve.entrypoints.openai.errors import (
 )
 from fleetserve.outputs import RequestOutput
 from fleetserve.serve.admission.admit import ShedError
-from fleetserve.serve.contracts import ReplicaStreamLike
-from fleetserve.serve.services.service_registry import ModelService, Registry, UnknownModelError, WrongKindError
 from fleetserve.serve.admission.sla import ClassQueue
+from fleetserve.serve.contracts import ReplicaStreamLike
+from fleetserve.serve.services.service_registry import (
+    ModelService,
+    Registry,
+    UnknownModelError,
+    WrongKindError,
+)
 from fleetserve.tokenizer import Tokenizer
 
 M = TypeVar("M", bound=BaseModel)

@@ -18,8 +18,8 @@ from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import EngineOverloadedError
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
-from fleetserve.serve.contracts import ReplicaStreamLike
 from fleetserve.serve.admission.sla import ClassQueue, Entry, QueueFullError, ServiceClass
+from fleetserve.serve.contracts import ReplicaStreamLike
 
 
 class ShedError(EngineOverloadedError):

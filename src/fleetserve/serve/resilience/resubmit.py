@@ -26,11 +26,11 @@ from fleetserve.engine.async_engine import (
 )
 from fleetserve.metrics import ModelMetrics
 from fleetserve.serve.admission.admit import PreparedPrompt
-from fleetserve.serve.contracts import Replica, ReplicaStreamLike, RouteRequest
+from fleetserve.serve.admission.sla import ServiceClass
 from fleetserve.serve.config.fleet_config import ResilienceConfig
+from fleetserve.serve.contracts import Replica, ReplicaStreamLike, RouteRequest
 from fleetserve.serve.resilience.migration import MigratingStream, migration_reason
 from fleetserve.serve.routing.router import NoHealthyReplicaError, Router
-from fleetserve.serve.admission.sla import ServiceClass
 
 log = logging.getLogger("fleetserve.serve")
 

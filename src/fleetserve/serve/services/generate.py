@@ -46,22 +46,22 @@ from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
 from fleetserve.serve.admission.admit import Admission, ClassObserver, Pending, PreparedPrompt
-from fleetserve.serve.contracts import Replica, ReplicaStreamLike, RouteRequest
+from fleetserve.serve.admission.replica_wait import NoReplicaWait
+from fleetserve.serve.admission.sla import Entry, ServiceClass, engine_priority, oversubscription
 from fleetserve.serve.config.fleet_config import PoolConfig, RemoteConfig, ResilienceConfig
-from fleetserve.serve.resilience.hedging import hedge_for
-from fleetserve.serve.resilience.migration import MigratingStream
-from fleetserve.serve.routing.policies import make_policy
-from fleetserve.serve.telemetry.pooled_stats import publish_pooled_stats
-from fleetserve.serve.replicas.pool_plan import PoolController, prefer_spot
-from fleetserve.serve.replicas.provision import LocalProvisioner
+from fleetserve.serve.contracts import Replica, ReplicaStreamLike, RouteRequest
 from fleetserve.serve.remote.targets import RemoteTargets
 from fleetserve.serve.replicas.local import LocalReplica
+from fleetserve.serve.replicas.pool_plan import PoolController, prefer_spot
+from fleetserve.serve.replicas.provision import LocalProvisioner
 from fleetserve.serve.replicas.replica_set import ReplicaSet
-from fleetserve.serve.admission.replica_wait import NoReplicaWait
-from fleetserve.serve.resilience.resubmit import Narrow, RouterResubmitter, SentRequest
-from fleetserve.serve.routing.router import NoHealthyReplicaError, Router
-from fleetserve.serve.admission.sla import Entry, ServiceClass, engine_priority, oversubscription
 from fleetserve.serve.replicas.supervisor import SUPERVISE_INTERVAL_S, Supervisor
+from fleetserve.serve.resilience.hedging import hedge_for
+from fleetserve.serve.resilience.migration import MigratingStream
+from fleetserve.serve.resilience.resubmit import Narrow, RouterResubmitter, SentRequest
+from fleetserve.serve.routing.policies import make_policy
+from fleetserve.serve.routing.router import NoHealthyReplicaError, Router
+from fleetserve.serve.telemetry.pooled_stats import publish_pooled_stats
 from fleetserve.tokenizer import Tokenizer
 
 # The engines' own bound on unstarted requests; the class queues bound them first.
