@@ -20,10 +20,14 @@ import pytest
 from metadata_standins import AwsImdsStandIn, AzureScheduledEventsStandIn, GcpMetadataStandIn
 
 from fleetserve.core.sampling_params import SamplingParams
-from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.metrics import ServerMetrics
 from fleetserve.serve.admission.sla import ServiceClass
-from fleetserve.serve.config.fleet_config import NoticeConfig, PoolConfig, ResilienceConfig
+from fleetserve.serve.config.fleet_config import (
+    ModelEntry,
+    NoticeConfig,
+    PoolConfig,
+    ResilienceConfig,
+)
 from fleetserve.serve.services.generate import GenerateService
 
 CLASSES = {
@@ -33,15 +37,18 @@ CLASSES = {
 
 
 def build(model: str, pools: list[PoolConfig], market: dict[str, bool]) -> GenerateService:
+    entry = ModelEntry(
+        name="m",
+        model=model,
+        engine={"max_num_seqs": 8, "num_threads": 1},
+        resilience=ResilienceConfig(hang_timeout_s=None),
+        pools=pools,
+    )
     svc = GenerateService(
-        "m",
-        EngineArgs(model=model, max_num_seqs=8, num_threads=1),
-        1,
+        entry,
         CLASSES,
         "interactive",
         metrics=ServerMetrics().model("m"),
-        resilience=ResilienceConfig(hang_timeout_s=None),
-        pools=pools,
         spot_only_classes=frozenset({"batch"}),
         capacity_check=lambda pool: market["open"] or not pool.is_spot,
     )

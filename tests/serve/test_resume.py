@@ -19,7 +19,7 @@ from fleetserve.engine.async_engine import AsyncEngine
 from fleetserve.metrics import ServerMetrics
 from fleetserve.outputs import RequestOutput
 from fleetserve.serve.admission.sla import ServiceClass
-from fleetserve.serve.config.fleet_config import ResilienceConfig
+from fleetserve.serve.config.fleet_config import ModelEntry, ResilienceConfig
 from fleetserve.serve.services.generate import GenerateService
 
 
@@ -127,11 +127,11 @@ def test_hedged_copy_wins_when_the_first_replica_is_slow(
     async def main() -> None:
         classes = {"fast": ServiceClass("fast", hedge_after_s=0.3)}
         metrics = ServerMetrics().model("m")
-        svc = GenerateService(
-            "m", EngineArgs(model=tiny_llama, max_num_seqs=4, num_threads=1), 2, classes,
-            "fast", routing="round_robin", metrics=metrics,
-            resilience=ResilienceConfig(hang_timeout_s=None),
+        entry = ModelEntry(
+            name="m", model=tiny_llama, engine={"max_num_seqs": 4, "num_threads": 1},
+            replicas=2, routing="round_robin", resilience=ResilienceConfig(hang_timeout_s=None),
         )  # fmt: skip
+        svc = GenerateService(entry, classes, "fast", metrics=metrics)
         await svc.start()
         try:
             params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

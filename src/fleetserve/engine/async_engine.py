@@ -18,13 +18,14 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from fleetserve.cloud.notices import NoticeConfig
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.llm_engine import PromptRules, PromptType
@@ -116,7 +117,12 @@ class AsyncEngine:
         max_waiting_requests: int = 256,
         metrics: ModelMetrics | None = None,
         data_parallel_rank: int = 0,
+        *,
+        sigterm_grace_s: float = 15.0,
+        notice: NoticeConfig | None = None,
     ) -> None:
+        """`sigterm_grace_s`: how long the core serves on after a SIGTERM; `notice`: the
+        spot-notice source its core polls (a spot pool's), if any."""
         self.args = args
         self.data_parallel_rank = data_parallel_rank
         self.config, self.source = args.resolve()
@@ -136,8 +142,8 @@ class AsyncEngine:
         self.on_stats: Callable[[dict[str, float]], None] | None = None
         # Called when the core says it will be taken away (SIGTERM, a spot notice).
         self.on_notice: Callable[[CoreNotice], None] | None = None
-        self.sigterm_grace_s = 15.0
-        self.notice: dict[str, Any] | None = None
+        self.sigterm_grace_s = sigterm_grace_s
+        self.notice = notice
         self._streams: dict[str, RequestStream] = {}
         self._num_unstarted = 0
         self._proc: subprocess.Popen[bytes] | None = None
@@ -173,7 +179,7 @@ class AsyncEngine:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)  # type: ignore[arg-type]
         spec = EngineSpec(
-            asdict(self.args),
+            self.args,
             in_addr,
             out_addr,
             os.getpid(),

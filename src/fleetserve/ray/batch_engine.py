@@ -135,7 +135,7 @@ def line_model(fleet: FleetConfig, endpoint: str) -> LineModel:
         kind,
         listing,
         embed_model=entry.model or MINILM_NAME,
-        batching=MicroBatchConfig(**entry.batching.model_dump()) if entry.batching else None,
+        batching=entry.batching,
     )
 
 

@@ -65,8 +65,7 @@ class GenerateReplica:
         resilience = resilience or ResilienceConfig()
         if args.num_threads is None:
             args = replace(args, num_threads=1)
-        engine = AsyncEngine(args, _ENGINE_MAX_WAITING)
-        engine.sigterm_grace_s = resilience.sigterm_grace_s
+        engine = AsyncEngine(args, _ENGINE_MAX_WAITING, sigterm_grace_s=resilience.sigterm_grace_s)
         self.replica = LocalReplica(0, engine, max_num_seqs=engine.config.scheduler.max_num_seqs)
         self.watch = EngineWatch(model_name, self.replica, resilience)
         await self.replica.start()

@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import (
     EngineDeadError,
     EngineNotReadyError,
@@ -68,7 +69,7 @@ class GenerateFrontend(Protocol):
         self,
         request_id: str,
         prompts: list[Any],
-        params_for: Callable[[], Any],
+        params_for: Callable[[], SamplingParams],
         class_name: str | None = None,
         priority: int = 0,
     ) -> Sequence[ReplicaStreamLike]: ...
@@ -191,7 +192,7 @@ async def admit(
     ctx: ModelContext,
     request_id: str,
     prompts: list[Any],
-    params_for: Any,
+    params_for: Callable[[], SamplingParams],
     priority: int,
     class_name: str | None,
 ) -> list[ReplicaStreamLike]:

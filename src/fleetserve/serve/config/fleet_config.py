@@ -67,9 +67,11 @@ from pydantic import (
     model_validator,
 )
 
+from fleetserve.cloud.notices import NoticeConfig
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.serve.admission.sla import ServiceClass
 from fleetserve.serve.config.deploy_config import DeployConfig
+from fleetserve.serve.microbatch.batcher import MicroBatchConfig
 from fleetserve.serve.routing.policies import POLICY_NAMES
 
 ModelKind = Literal["generate", "embed", "custom"]
@@ -100,14 +102,6 @@ def _engine_fields_model() -> type[BaseModel]:
 EngineFields = _engine_fields_model()
 
 
-class MicroBatchConfig(_Strict):
-    """serve/microbatch/batcher.py's MicroBatchConfig, checked here with the key's path."""
-
-    max_batch_size: int = Field(default=32, ge=1, le=4096)
-    batch_wait_timeout_s: float = Field(default=0.01, ge=0.0, le=3600.0)
-    max_waiting: int = Field(default=4096, ge=1)
-
-
 class ClassConfig(_Strict):
     """`oversubscribe`: how many batches (`max_num_seqs`) of this class's and more important
     sequences a replica takes; above 1 the surplus waits in the engine's own queue and
@@ -121,22 +115,6 @@ class ClassConfig(_Strict):
     oversubscribe: float = Field(default=1.0, ge=1.0, le=64.0)
     # "spot": routed to spot replicas only (work that can wait out a preemption, e.g. batch).
     capacity: Literal["any", "spot"] = "any"
-
-
-class NoticeConfig(_Strict):
-    """Where a spot replica learns it is about to be preempted (cloud/notices.py polls it).
-    `url` None is the provider's documented metadata endpoint; set it to point elsewhere
-    (a proxy, or a local stand-in in tests)."""
-
-    provider: Literal["aws", "gcp", "azure"]
-    url: str | None = None
-    poll_interval_s: float = Field(default=1.0, gt=0.0, le=60.0)
-
-    @model_validator(mode="after")
-    def _check(self) -> NoticeConfig:
-        if self.url is not None and not re.match(r"^https?://[^\s/]+", self.url):
-            raise ValueError(f"url {self.url!r}: expected http://host[:port]/path")
-        return self
 
 
 class PoolConfig(_Strict):
@@ -241,6 +219,11 @@ class ResilienceConfig(_Strict):
     sigterm_grace_s: float = Field(default=15.0, gt=0.0, le=3600.0)
 
 
+# What a pod does with its own engines (SIGTERM grace, replacing a dead one): a `remote:`
+# model's gateway has no engine to apply them to, so it refuses them.
+POD_RESILIENCE_KEYS = ("sigterm_grace_s", "replace_failed")
+
+
 class RemoteConfig(_Strict):
     """A gateway's generate model served by other fleetserve servers (pods): `urls`, or a
     `dns` name (host:port, e.g. a headless Service) whose addresses are re-resolved every
@@ -330,6 +313,13 @@ class ModelEntry(_Strict):
                      if k in self.model_fields_set]  # fmt: skip
             if given:
                 raise ValueError(f"remote lists the replicas; leave out {', '.join(given)}")
+            pod_only = [f"resilience.{k}" for k in POD_RESILIENCE_KEYS
+                        if k in self.resilience.model_fields_set]  # fmt: skip
+            if pod_only:
+                raise ValueError(
+                    f"{', '.join(pod_only)}: a remote model's pods stop and replace their own "
+                    "engines; set it in the pods' fleet file, not the gateway's"
+                )
         if self.autoscale is not None and "replicas" in self.model_fields_set:
             raise ValueError("give replicas or autoscale, not both (autoscale starts at min)")
         if not _NAME.match(self.name):
@@ -469,6 +459,9 @@ def _path(data: dict[str, Any], loc: tuple[int | str, ...]) -> str:
     return out or "(top level)"
 
 
+_EXTRA_KEY = "Extra inputs are not permitted"
+
+
 def parse_fleet_config(data: Any, source: str = "fleet config") -> FleetConfig:
     """A FleetConfig from parsed YAML/JSON; ValueError naming every bad key's path."""
     if not isinstance(data, dict):
@@ -479,6 +472,8 @@ def parse_fleet_config(data: Any, source: str = "fleet config") -> FleetConfig:
         lines = []
         for err in e.errors():
             msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "unexpected_keyword_argument":
+                msg = _EXTRA_KEY  # a dataclass section's unknown key reads as a model's does
             lines.append(f"{_path(data, tuple(err['loc']))}: {msg}")
         raise ValueError(f"{source}: " + "; ".join(lines)) from None
 

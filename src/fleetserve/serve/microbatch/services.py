@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import numpy as np
 
@@ -37,25 +37,6 @@ OnBatch = Callable[[int, float], None]
 
 class ServiceNotReadyError(MicroBatchError):
     """The model is still loading (or failed to load): HTTP 503."""
-
-
-class BatchService(Protocol):
-    """What the fleet registry and the server need of an embed or custom model service."""
-
-    name: str
-
-    @property
-    def kind(self) -> str: ...  # "embed" | "custom"
-
-    @property
-    def is_ready(self) -> bool: ...
-
-    @property
-    def num_waiting(self) -> int: ...
-
-    async def start(self, timeout_s: float = 600.0) -> None: ...
-
-    async def shutdown(self, timeout_s: float | None = None) -> None: ...
 
 
 class MicroBatchModelBase:

@@ -46,6 +46,9 @@ class LocalReplica:
         warmup_steps: int = 8,
         max_num_seqs: int = 64,
         oversubscribe: Mapping[int, float] | None = None,
+        *,
+        pool: str = "default",
+        capacity: str = "on_demand",
     ) -> None:
         if not 0.0 < ewma_alpha <= 1.0:
             raise ValueError(f"ewma_alpha must be in (0, 1], got {ewma_alpha}")
@@ -57,8 +60,8 @@ class LocalReplica:
         self.index = index
         self.engine = engine
         # The pool it belongs to and that pool's capacity (serve/replicas/pool_plan.py).
-        self.pool = "default"
-        self.capacity = "on_demand"
+        self.pool = pool
+        self.capacity = capacity
         self.ewma_alpha = ewma_alpha
         self.warmup_steps = warmup_steps
         self.max_num_seqs = max_num_seqs

@@ -31,12 +31,11 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
 from fleetserve.core.sampling_params import SamplingParams
-from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -48,7 +47,7 @@ from fleetserve.outputs import RequestOutput
 from fleetserve.serve.admission.admit import Admission, ClassObserver, Pending, PreparedPrompt
 from fleetserve.serve.admission.replica_wait import NoReplicaWait
 from fleetserve.serve.admission.sla import Entry, ServiceClass, engine_priority, oversubscription
-from fleetserve.serve.config.fleet_config import PoolConfig, RemoteConfig, ResilienceConfig
+from fleetserve.serve.config.fleet_config import ModelEntry, PoolConfig
 from fleetserve.serve.contracts import Replica, ReplicaStreamLike, RouteRequest
 from fleetserve.serve.remote.targets import RemoteTargets
 from fleetserve.serve.replicas.local import LocalReplica
@@ -75,33 +74,27 @@ class GenerateService:
 
     def __init__(
         self,
-        name: str,
-        args: EngineArgs,
-        num_replicas: int,
+        entry: ModelEntry,
         classes: Mapping[str, ServiceClass],
         default_class: str,
         *,
-        routing: str = "least_loaded",
+        spot_only_classes: frozenset[str] = frozenset(),
         metrics: ModelMetrics | None = None,
+        capacity_check: Callable[[PoolConfig], bool] | None = None,
         imbalance_tokens: int = 2048,
         straggler_factor: float = 2.0,
-        resilience: ResilienceConfig | None = None,
-        pools: Sequence[PoolConfig] | None = None,
-        spot_only_classes: frozenset[str] = frozenset(),
-        capacity_check: Callable[[PoolConfig], bool] | None = None,
-        remote: RemoteConfig | None = None,
     ) -> None:
-        if num_replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {num_replicas}")
+        """The model `entry` of a fleet whose classes are `classes` (requests that name
+        none go to `default_class`; `spot_only_classes` run on spot replicas only).
+        `capacity_check(pool)` says whether a pool's capacity can be had now (tests)."""
+        if entry.kind != "generate":
+            raise ValueError(f"GenerateService serves generate models, not {entry.kind!r}")
+        name, args, routing = entry.name, entry.engine_args(), entry.routing
         self.name = name
-        self.resilience = resilience or ResilienceConfig()
+        self.resilience = entry.resilience
         # Served by other fleetserve servers (pods) over HTTP: serve/remote/targets.py.
-        self.remote = RemoteTargets(remote) if remote is not None else None
-        if self.remote is not None:
-            pools = [self.remote.pool()]
-        self.pools = list(pools) if pools else [
-            PoolConfig(name="default", capacity="on_demand", replicas=num_replicas)
-        ]  # fmt: skip
+        self.remote = RemoteTargets(entry.remote) if entry.remote is not None else None
+        self.pools = [self.remote.pool()] if self.remote is not None else entry.replica_plan()
         self.has_spot = any(p.is_spot for p in self.pools)
         self.spot_only_classes = spot_only_classes
         # The thread budget (given, or every CPU) is split between the replicas, as the
@@ -163,16 +156,22 @@ class GenerateService:
             remote = self.remote.new_replica(index, self.replica_set, self.name, self.config)
             remote.on_stats, remote.on_notice = self._publish_stats, self.supervisor.on_notice
             return remote  # type: ignore[no-any-return]
-        engine = AsyncEngine(self._replica_args, _ENGINE_MAX_WAITING, self.metrics, index)
-        engine.sigterm_grace_s = self.resilience.sigterm_grace_s
-        engine.notice = pool.notice.model_dump() if pool.notice is not None else None
+        engine = AsyncEngine(
+            self._replica_args,
+            _ENGINE_MAX_WAITING,
+            self.metrics,
+            index,
+            sigterm_grace_s=self.resilience.sigterm_grace_s,
+            notice=pool.notice,
+        )
         replica = LocalReplica(
             index,
             engine,
             max_num_seqs=self.config.scheduler.max_num_seqs,
             oversubscribe=oversubscription(self.queue.classes),
+            pool=pool.name,
+            capacity=pool.capacity,
         )
-        replica.pool, replica.capacity = pool.name, pool.capacity
         replica.on_stats = self._publish_stats
         replica.on_notice = self.supervisor.on_notice
         return replica

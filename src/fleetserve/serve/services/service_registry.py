@@ -80,23 +80,17 @@ class WrongKindError(ValueError):
 
 def _build_generate(entry: ModelEntry, fleet: FleetConfig, metrics: ModelMetrics) -> ModelService:
     return GenerateService(
-        entry.name,
-        entry.engine_args(),
-        entry.replicas,
+        entry,
         fleet.service_classes(),
         fleet.default_class_name,
-        routing=entry.routing,
-        metrics=metrics,
-        resilience=entry.resilience,
-        pools=entry.replica_plan(),
         spot_only_classes=fleet.spot_only_classes(),
-        remote=entry.remote,
+        metrics=metrics,
     )
 
 
 def _batching(entry: ModelEntry) -> MicroBatchConfig:
     b = entry.batching
-    return MicroBatchConfig() if b is None else MicroBatchConfig(**b.model_dump())
+    return MicroBatchConfig() if b is None else b
 
 
 def _build_embed(entry: ModelEntry, fleet: FleetConfig, metrics: ModelMetrics) -> ModelService:
