@@ -19,6 +19,7 @@ import pytest
 
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.core_proc import debug_step_delay_s
+from fleetserve.engine.stats import EngineStats
 from fleetserve.outputs import CompletionOutput, RequestOutput
 from fleetserve.serve.contracts import RouteRequest
 from fleetserve.serve.replicas.local import LocalReplica
@@ -287,10 +288,10 @@ def test_replica_handle_step_latency_ewma() -> None:
     handle, _ = make_handle([])
     calls: list[int] = []
     handle.on_stats = lambda h: calls.append(h.index)
-    handle._update_stats({"num_steps": 1, "last_step_seconds": 0.4})
+    handle._update_stats(EngineStats(num_steps=1, last_step_seconds=0.4))
     assert handle.step_latency_s is None  # still warming up
-    handle._update_stats({"num_steps": 1, "last_step_seconds": 9.0})  # no new step: ignored
-    handle._update_stats({"num_steps": 2, "last_step_seconds": 0.2, "num_requests_waiting": 3})
+    handle._update_stats(EngineStats(num_steps=1, last_step_seconds=9.0))  # no new step: ignored
+    handle._update_stats(EngineStats(num_steps=2, last_step_seconds=0.2, num_requests_waiting=3))
     assert handle.step_latency_s == pytest.approx(0.3)
     assert handle.queue_depth == 3 and calls == [0, 0, 0]
 

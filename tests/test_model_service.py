@@ -12,13 +12,12 @@ from typing import Any
 import pytest
 
 from fleetserve.core.sampling_params import SamplingParams
-from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.async_engine import EngineDeadError, ReplicaGoneError
 from fleetserve.metrics import ServerMetrics
 from fleetserve.outputs import CompletionOutput, RequestOutput
 from fleetserve.serve.admission.admit import ShedError
 from fleetserve.serve.admission.sla import REQUEST_PRIORITY_SPAN, ServiceClass, oversubscription
-from fleetserve.serve.config.fleet_config import ResilienceConfig
+from fleetserve.serve.config.fleet_config import ModelEntry, ResilienceConfig
 from fleetserve.serve.replicas.local import LocalReplica
 from fleetserve.serve.resilience.migration import MigrationLimitError
 from fleetserve.serve.services.generate import GenerateService
@@ -116,13 +115,17 @@ def service(
     replicas: int = 1,
     classes: dict[str, ServiceClass] = CLASSES,
 ) -> Service:
-    args = EngineArgs(model=model, max_num_seqs=2, scheduling_policy=policy)
     metrics = ServerMetrics().model("m")
     # Replicas are added and removed by hand here: no replacement, no waiting for one.
     resilience = ResilienceConfig(replace_failed=False, migration_wait_s=0.0)
-    return Service(
-        "m", args, replicas, classes, "interactive", metrics=metrics, resilience=resilience
+    entry = ModelEntry(
+        name="m",
+        model=model,
+        engine={"max_num_seqs": 2, "scheduling_policy": policy},
+        replicas=replicas,
+        resilience=resilience,
     )
+    return Service(entry, classes, "interactive", metrics=metrics)
 
 
 def engine(svc: GenerateService, index: int = 0) -> FakeEngine:

@@ -30,6 +30,7 @@ from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.engine.output_processor import OutputProcessor
+from fleetserve.engine.stats import EngineStats
 from fleetserve.engine.wire import (
     AbortRequests,
     AddRequest,
@@ -137,9 +138,9 @@ class AsyncEngine:
         self.num_kv_blocks: int | None = None
         self.dead_reason: str | None = None
         self.crashed = False  # the core process exited without being asked to
-        self.stats: dict[str, float] = {}
+        self.stats: EngineStats | None = None  # after its first step
         # Called with every step's stats (a data-parallel frontend tracks its replicas).
-        self.on_stats: Callable[[dict[str, float]], None] | None = None
+        self.on_stats: Callable[[EngineStats], None] | None = None
         # Called when the core says it will be taken away (SIGTERM, a spot notice).
         self.on_notice: Callable[[CoreNotice], None] | None = None
         self.sigterm_grace_s = sigterm_grace_s
@@ -388,7 +389,7 @@ class AsyncEngine:
     def _handle_outputs(self, msg: CoreOutputs) -> None:
         self.stats = msg.stats
         if self.metrics is not None:
-            self.metrics.set_engine_stats(msg.stats, self.data_parallel_rank)
+            self.metrics.set_engine_stats(msg.stats.as_metrics(), self.data_parallel_rank)
         if self.on_stats is not None:
             self.on_stats(msg.stats)
         for req_id, reason in msg.rejected:

@@ -10,22 +10,17 @@ from fleetserve.core.block_manager import BlockManager
 from fleetserve.core.request import Request, RequestStatus
 from fleetserve.core.scheduler import Scheduler
 from fleetserve.core.scheduler_output import EngineCoreOutput, SchedulerOutput
+from fleetserve.engine.stats import EngineStats, SpecDecodeStats
 from fleetserve.executor.base import Executor, ModelOutputFuture
 from fleetserve.models.loader import ModelSource
 
 
-def spec_decode_stats(sched: Scheduler) -> dict[str, float]:
+def spec_decode_stats(sched: Scheduler) -> SpecDecodeStats:
     """Totals since start, and the two ratios: accepted / proposed draft tokens, and
     tokens emitted per verification (accepted drafts + the target's own token)."""
-    verifications, drafts = sched.num_spec_verifications, sched.num_draft_tokens
-    accepted = sched.num_accepted_tokens
-    return {
-        "spec_decode_num_drafts": verifications,
-        "spec_decode_num_draft_tokens": drafts,
-        "spec_decode_num_accepted_tokens": accepted,
-        "spec_decode_acceptance_rate": accepted / drafts if drafts else 0.0,
-        "spec_decode_mean_accepted_length": 1 + accepted / verifications if verifications else 0.0,
-    }
+    return SpecDecodeStats.of(
+        sched.num_spec_verifications, sched.num_draft_tokens, sched.num_accepted_tokens
+    )
 
 
 def make_executor(config: EngineConfig, source: ModelSource) -> Executor:
@@ -111,22 +106,22 @@ class EngineCore:
         self.num_steps += 1
         return outputs
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> EngineStats:
         bm = self.block_manager
-        stats = {
-            "num_requests_running": self.scheduler.num_running,
-            "num_requests_waiting": self.scheduler.num_waiting,
-            "kv_cache_usage_perc": bm.usage,
-            "prefix_cache_hit_rate": bm.hit_rate,
-            "prefix_cache_queries": bm.num_queried_tokens,
-            "prefix_cache_hits": bm.num_hit_tokens,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "last_step_seconds": self.last_step_seconds,
-            "num_steps": self.num_steps,
-        }
-        if self.config.speculative is not None:
-            stats.update(spec_decode_stats(self.scheduler))
-        return stats
+        return EngineStats(
+            num_requests_running=self.scheduler.num_running,
+            num_requests_waiting=self.scheduler.num_waiting,
+            kv_cache_usage_perc=bm.usage,
+            prefix_cache_hit_rate=bm.hit_rate,
+            prefix_cache_queries=bm.num_queried_tokens,
+            prefix_cache_hits=bm.num_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            last_step_seconds=self.last_step_seconds,
+            num_steps=self.num_steps,
+            spec_decode=(
+                spec_decode_stats(self.scheduler) if self.config.speculative is not None else None
+            ),
+        )
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -224,7 +224,8 @@ def _loop(
         stats = core.stats()
         if step_delay_s and core.num_steps != num_steps:
             time.sleep(step_delay_s)
-            stats["last_step_seconds"] += step_delay_s
+            slower = stats.last_step_seconds + step_delay_s
+            stats = msgspec.structs.replace(stats, last_step_seconds=slower)
         wire = [output_to_wire(o) for o in outputs]
         out_sock.send(encoder.encode(CoreOutputs(wire, stats, rejected)))
 

@@ -14,6 +14,7 @@ from fleetserve.core.sampling_params import SamplingParams, is_valid_unicode
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.core import EngineCore
 from fleetserve.engine.output_processor import OutputProcessor
+from fleetserve.engine.stats import EngineStats
 from fleetserve.outputs import RequestOutput
 from fleetserve.tokenizer import Tokenizer
 
@@ -148,7 +149,7 @@ class LLMEngine:
             self.core.stop_requests(to_stop)
         return outputs
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> EngineStats:
         return self.core.stats()
 
     def shutdown(self) -> None:

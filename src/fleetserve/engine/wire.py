@@ -19,6 +19,7 @@ from fleetserve.cloud.notices import NoticeConfig
 from fleetserve.core.sampling_params import SAMPLING_FIELDS, SamplingParams
 from fleetserve.core.scheduler_output import EngineCoreOutput
 from fleetserve.engine.arg_utils import EngineArgs
+from fleetserve.engine.stats import EngineStats
 
 _HINTS = typing.get_type_hints(SamplingParams)
 
@@ -115,7 +116,7 @@ class CoreReady(msgspec.Struct, tag="ready", array_like=True):
 
 class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
     outputs: list[WireOutput]
-    stats: dict[str, float]
+    stats: EngineStats
     # Requests the core refused (req_id, reason); their ids are unknown to the core.
     rejected: list[tuple[str, str]] = []
 

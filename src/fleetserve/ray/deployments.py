@@ -26,6 +26,7 @@ from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.async_engine import AsyncEngine, EngineDeadError, ReplicaGoneError
 from fleetserve.engine.embedding import MINILM_NAME
+from fleetserve.engine.stats import EngineStats
 from fleetserve.outputs import RequestOutput
 from fleetserve.ray.health import EngineWatch
 from fleetserve.ray.wire import RemoteError
@@ -110,27 +111,28 @@ class GenerateReplica:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         r = self.replica
+        stats = r.stats or EngineStats()
         return {
             "step_latency_s": r.step_latency_s,
             "num_outstanding_requests": r.num_outstanding_requests,
             "num_outstanding_tokens": r.num_outstanding_tokens,
             "num_requests_waiting": r.queue_depth,
-            "prefix_cache_queries": r.stats.get("prefix_cache_queries", 0.0),
-            "prefix_cache_hits": r.stats.get("prefix_cache_hits", 0.0),
-            "kv_cache_usage_perc": r.stats.get("kv_cache_usage_perc", 0.0),
-            "num_requests_running": r.stats.get("num_requests_running", 0.0),
+            "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
+            "kv_cache_usage_perc": stats.kv_cache_usage_perc,
+            "num_requests_running": float(stats.num_requests_running),
             "draining": self.watch.draining,
         }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        stats = self.replica.stats
-        running = float(stats.get("num_requests_running", 0.0))
+        stats = self.replica.stats or EngineStats()
+        running = float(stats.num_requests_running)
         # Sent to the engine but not yet scheduled there, plus the scheduler's own queue.
         waiting = float(max(self.replica.num_outstanding_requests - running, 0.0))
         return {
             "num_running": running,
             "num_waiting": waiting,
-            "kv_cache_usage": float(stats.get("kv_cache_usage_perc", 0.0)),
+            "kv_cache_usage": stats.kv_cache_usage_perc,
         }
 
     def check_health(self) -> None:
@@ -146,7 +148,7 @@ class GenerateReplica:
             "core_pid": self.replica.engine.core_pid,
             "num_routed": self.replica.num_routed,
             "num_requests": self.replica.num_outstanding_requests,
-            "stats": dict(self.replica.stats),
+            "stats": (self.replica.stats or EngineStats()).as_metrics(),
         }
 
     async def __del__(self) -> None:

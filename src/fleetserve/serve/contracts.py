@@ -4,11 +4,12 @@ routing policy, and the replica itself (one engine client, whatever runs it)."""
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.engine.stats import EngineStats
 from fleetserve.outputs import RequestOutput
 
 
@@ -119,8 +120,8 @@ class Replica(ReplicaLoad, Protocol):
         ...
 
     @property
-    def stats(self) -> Mapping[str, float]:
-        """Its engine's latest stats (num_requests_running, kv_cache_usage_perc, ...)."""
+    def stats(self) -> EngineStats | None:
+        """Its engine's latest stats (None: none reported yet)."""
         ...
 
     @property

@@ -35,6 +35,7 @@ from fleetserve.engine.async_engine import (
     EngineNotReadyError,
     ReplicaGoneError,
 )
+from fleetserve.engine.stats import EngineStats
 from fleetserve.engine.wire import CoreNotice
 from fleetserve.outputs import RequestOutput
 from fleetserve.serve.remote.stream import RemoteStream, error_code, error_message
@@ -77,7 +78,7 @@ class RemoteEngine:
         self.max_num_seqs: int | None = None
         self.dead_reason: str | None = None
         self.crashed = False  # a pod's exit is not this process's crash
-        self.on_stats: Callable[[dict[str, float]], None] | None = None
+        self.on_stats: Callable[[EngineStats], None] | None = None
         self.on_notice: Callable[[Any], None] | None = None
         self.report: LoadReport | None = None
         self._pod_steps = 0
@@ -176,18 +177,18 @@ class RemoteEngine:
         self._pod_steps = report.num_steps
         if report.step_latency_s is not None:
             self._step_latency_s = report.step_latency_s
-        stats = {
-            "num_requests_running": float(report.num_requests_running),
-            "num_requests_waiting": float(report.queue_depth),
-            "kv_cache_usage_perc": report.kv_cache_usage_perc,
+        stats = EngineStats(
+            num_requests_running=report.num_requests_running,
+            num_requests_waiting=report.queue_depth,
+            kv_cache_usage_perc=report.kv_cache_usage_perc,
             # Steps count once the pod has a step latency (its replicas' EWMA, which
             # stands in for a latest step): a made-up 0 s would make its peers stragglers.
-            "num_steps": float(self._num_steps if self._step_latency_s is not None else 0),
-            "last_step_seconds": self._step_latency_s or 0.0,
+            num_steps=self._num_steps if self._step_latency_s is not None else 0,
+            last_step_seconds=self._step_latency_s or 0.0,
             # The pod's hit rate as one query (the service pools hits over queries).
-            "prefix_cache_queries": 1.0,
-            "prefix_cache_hits": report.prefix_cache_hit_rate,
-        }
+            prefix_cache_queries=1.0,
+            prefix_cache_hits=report.prefix_cache_hit_rate,
+        )
         if self.on_stats is not None:
             self.on_stats(stats)
 

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from fleetserve.config import EngineConfig
 from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.engine.stats import EngineStats
 from fleetserve.outputs import RequestOutput
 
 
@@ -38,7 +39,7 @@ class EngineClient(Protocol):
     num_kv_blocks: int | None
     dead_reason: str | None
     crashed: bool
-    on_stats: Callable[[dict[str, float]], None] | None
+    on_stats: Callable[[EngineStats], None] | None
     on_notice: Callable[[Any], None] | None
 
     @property

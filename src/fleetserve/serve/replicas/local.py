@@ -23,6 +23,7 @@ from typing import Any
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import ReplicaGoneError
 from fleetserve.engine.llm_engine import PromptType
+from fleetserve.engine.stats import EngineStats
 from fleetserve.engine.wire import CoreNotice
 from fleetserve.outputs import RequestOutput
 from fleetserve.serve.contracts import StreamObserver
@@ -75,7 +76,7 @@ class LocalReplica:
         self.on_finish: Callable[[Any], None] | None = None
         self._step_latency_ewma: float | None = None
         self.num_steps = 0
-        self.stats: dict[str, float] = {}
+        self.stats: EngineStats | None = None  # its engine's, after its first step
         # Called after each stats update (the data-parallel engine republishes gauges).
         self.on_stats: Callable[[Any], None] | None = None
         # Called with (replica, notice) when its engine says it will be taken away.
@@ -194,19 +195,21 @@ class LocalReplica:
     @property
     def queue_depth(self) -> int:
         """Requests waiting in the core's scheduler at its last step."""
-        return int(self.stats.get("num_requests_waiting", 0))
+        return self.stats.num_requests_waiting if self.stats is not None else 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        queries = self.stats.get("prefix_cache_queries", 0.0)
-        return self.stats.get("prefix_cache_hits", 0.0) / queries if queries else 0.0
+        stats = self.stats
+        if stats is None or not stats.prefix_cache_queries:
+            return 0.0
+        return stats.prefix_cache_hits / stats.prefix_cache_queries
 
-    def _update_stats(self, stats: dict[str, float]) -> None:
+    def _update_stats(self, stats: EngineStats) -> None:
         self.stats = stats
-        num_steps = int(stats.get("num_steps", 0))
+        num_steps = stats.num_steps
         if num_steps > self.num_steps:  # stats also come after steps that ran nothing
             self.last_progress = time.monotonic()
-            latest = stats.get("last_step_seconds", 0.0)
+            latest = stats.last_step_seconds
             prev = self._step_latency_ewma
             a = self.ewma_alpha
             self._step_latency_ewma = latest if prev is None else a * latest + (1 - a) * prev
