@@ -48,12 +48,18 @@ demo: setup
 serve: setup
 	$(VENV)/bin/fleetserve serve
 
+# The tests run in TEST_WORKERS processes (pytest-xdist), a test module to one process: its
+# module-scoped servers start once (tests/conftest.py groups the modules that share one).
+# Many tests wait on servers rather than compute, so two workers pay off on two cores.
+# TEST_WORKERS=0 runs them in this process, one after another.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
+
 test: setup
-	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider
+	$(PYTEST) -m "not slow"
 
 test-slow: setup
-	# Exit code 5 means no test carries the mark yet: not a failure.
-	$(PY) -m pytest -q -m slow -p no:cacheprovider || [ $$? -eq 5 ]
+	$(PYTEST) -m slow
 
 lint: setup
 	$(VENV)/bin/ruff check src tests
