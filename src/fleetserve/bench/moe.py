@@ -42,11 +42,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the figures here")
 
 
-def _median_time(fn: Callable[[], object], min_time: float) -> float:
-    fn()
+def _median_time(
+    step: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, min_time: float
+) -> float:
+    step(x)
     calls, t0 = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - t0) < min_time or calls < 3:
-        fn()
+        step(x)
         calls += 1
     return elapsed / calls
 
@@ -89,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
     from fleetserve.models.moe import SparseMoeBlock
 
     torch.set_num_threads(args.num_threads)
-    moes, denses, refs = [], [], []
+    moes: list[torch.nn.Module] = []
+    denses: list[torch.nn.Module] = []
+    refs: list[torch.nn.Module] = []
     for _ in range(args.layers):
         moe_layer, dense_layer = _blocks(args)
         assert isinstance(moe_layer, SparseMoeBlock)
@@ -119,11 +123,10 @@ def run(args: argparse.Namespace) -> int:
             hit = len(set(torch.topk(gate(x), args.top_k).indices.reshape(-1).tolist()))
             runs: dict[str, list[float]] = {"moe": [], "dense": [], "torch": []}
             for _ in range(5):
-                runs["moe"].append(_median_time(lambda: moe(x), args.min_time / 5))
-                runs["dense"].append(_median_time(lambda: dense(x), args.min_time / 5))
+                runs["moe"].append(_median_time(moe, x, args.min_time / 5))
+                runs["dense"].append(_median_time(dense, x, args.min_time / 5))
                 if reference is not None:
-                    ref = reference
-                    runs["torch"].append(_median_time(lambda: ref(x), args.min_time / 5))
+                    runs["torch"].append(_median_time(reference, x, args.min_time / 5))
         med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in runs.items() if v}
         row = dict(tokens=t, experts_hit=hit, **{f"{k}_ms": v for k, v in med.items()})
         results.append(row)
