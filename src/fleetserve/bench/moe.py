@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     moe, dense = _stack(moes), _stack(denses)
     reference = _stack(refs) if refs else None
     gate = moes[0].gate
+    assert isinstance(gate, torch.nn.Module)
     results = []
     print(
         f"hidden {args.hidden_size}, {args.num_experts} experts of "
