@@ -224,3 +224,31 @@ def test_grouped_kernel_quantized_experts(tokens: int) -> None:
     torch.testing.assert_close(
         got, grouped_experts_torch(x, ids, wts, w13, w2), atol=2e-4, rtol=1e-4
     )
+
+
+@needs_kernels
+def test_int8_keeps_routers_float(tiny_model_factory: Callable[..., str]) -> None:
+    """quantization="int8" makes Q8_0 of the attention and shared-expert projections; the
+    routers stay float32 (a rounding error there swaps experts) and so do the experts."""
+    from fleetserve import LLM
+    from fleetserve.layers.linear import Linear
+    from fleetserve.layers.quant_linear import QuantLinear
+    from fleetserve.models.moe import MoeForCausalLM
+
+    path = tiny_model_factory("qwen2_moe")
+    llm = LLM(path, quantization="int8", max_model_len=128)
+    model = llm.engine.core.executor.runner.model  # type: ignore[attr-defined]
+    assert isinstance(model, MoeForCausalLM)
+    block = model.moe_blocks()[0]
+    assert isinstance(block.gate, Linear) and isinstance(block.shared_expert_gate, Linear)
+    assert block.shared_expert is not None
+    assert isinstance(block.shared_expert.gate_up_proj, QuantLinear)
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    ids = PROMPTS[3] + PROMPTS[2]
+    out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    assert out.prompt_logprobs is not None
+    top1 = [max(row, key=row.__getitem__) for row in out.prompt_logprobs[1:]]  # type: ignore[union-attr]
+    ref = hf_logprobs(path, ids)[:-1].argmax(-1).tolist()
+    agree = sum(a == b for a, b in zip(top1, ref, strict=True)) / len(ref)
+    assert agree >= 0.9, agree
+    llm.engine.shutdown()

@@ -110,6 +110,10 @@ def route(
     return weights, ids
 
 
+# The block's gates: they pick experts, so they stay float32 under int8 quantization.
+ROUTERS = ("gate", "shared_expert_gate")
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: MoEConfig) -> None:
         super().__init__()
