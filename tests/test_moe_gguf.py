@@ -86,3 +86,25 @@ def test_quantized_experts_match_dequantized(
         )
     quant.engine.shutdown()
     plain.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_gguf_expert_parallel_matches_one_process(
+    tiny_model_factory: Callable[..., str], tmp_path: Path
+) -> None:
+    """TP=2 with expert parallelism reads llama.cpp's stacked experts rank by rank."""
+    hf_dir = tiny_model_factory("qwen2_moe")
+    path = str(tmp_path / "qwen2_moe.gguf")
+    write_tiny_moe_gguf(hf_dir, path)
+    g = torch.Generator().manual_seed(2)
+    prompts = [
+        {"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()} for n in (3, 17, 40)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = LLM(hf_dir, max_model_len=128).generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, max_model_len=128, tensor_parallel_size=2, expert_parallel=True)
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
