@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from fleetserve.core.config import SchedulerConfig
+from fleetserve.moe_config import MOE_ARCHITECTURES, MoEConfig, moe_from_hf, refuse_unsupported
 from fleetserve.spec_decode.config import SpeculativeConfig
 
 __all__ = ["SchedulerConfig"]
@@ -31,6 +32,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *MOE_ARCHITECTURES,
 )
 
 
@@ -70,6 +72,7 @@ class ModelConfig:
     max_model_len: int
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # mixture-of-experts fields (moe_config.py); None: dense
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -80,6 +83,7 @@ class ModelConfig:
         max_model_len: int | None = None,
     ) -> ModelConfig:
         archs = hf.get("architectures") or []
+        refuse_unsupported(archs)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
@@ -123,12 +127,17 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=arch == "Qwen2ForCausalLM"
+            or (arch == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True)))
+            or bool(hf.get("attention_bias", False)),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             dtype=parse_dtype(dtype),
             max_model_len=max_model_len,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=moe_from_hf(arch, hf, int(hf["num_hidden_layers"]))
+            if arch in MOE_ARCHITECTURES
+            else None,
             hf_config=dict(hf),
         )
 
@@ -179,12 +188,17 @@ class CacheConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # MoE models: each TP rank holds whole experts (num_experts / tp of them) instead of
+    # a slice of every expert (models/moe_sharding.py).
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.expert_parallel and self.tensor_parallel_size < 2:
+            raise ValueError("expert_parallel needs tensor_parallel_size >= 2")
 
     @property
     def world_size(self) -> int:

@@ -33,6 +33,8 @@ class EngineArgs:
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # MoE models: split whole experts across the TP ranks instead of slicing every expert.
+    expert_parallel: bool = False
     # {"method": "ngram", "num_speculative_tokens": K, ...} or {"model": PATH, ...}
     # (a dict, or its JSON text); see spec_decode/config.py.
     speculative_config: dict[str, Any] | str | None = None
@@ -88,6 +90,7 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 pipeline_parallel_size=self.pipeline_parallel_size,
+                expert_parallel=self.expert_parallel,
             ),
             seed=self.seed,
             device=self.device,

@@ -28,6 +28,10 @@ _BENCH = {
     "batch": ("fleetserve.bench.batch", "`batch run` against the offline LLM.generate ceiling"),
     "chaos": ("fleetserve.bench.chaos", "replicas killed under streaming load: lost, latency"),
     "kernels": ("fleetserve.bench.quant_kernels", "quantized GEMM GFLOP/s, float vs int8 x"),
+    "moe": (
+        "fleetserve.bench.moe",
+        "one MoE layer's step against the dense MLP of equal active size",
+    ),
 }
 _DEPLOY = {
     "k8s": ("fleetserve.deploy.k8s", "render Kubernetes + KEDA manifests from a fleet file"),
@@ -55,7 +59,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         sub,
         "bench",
         "benchmarks (offline | serve | sla | embed | spec | latency | perplexity | batch | chaos "
-        "| kernels)",
+        "| kernels | moe)",
         _BENCH,
         argv,
     )

@@ -25,6 +25,8 @@ _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 
 # llama.cpp's converter interleaves the two rotary halves of each q/k head only for these
@@ -48,6 +50,17 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    # Mixture of experts: the router, experts stacked [num_experts, rows, cols] (named as
+    # models/moe.py reads them), and Qwen2-MoE's shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # Tensors HF models have no place for; llama3-style rope scaling baked into `rope_freqs` is
 # not reconstructed (transformers' GGUF loader drops it as well).
@@ -119,6 +132,8 @@ class GGUFWeights:
     def get_tensor(self, name: str) -> torch.Tensor:
         tensor = self._tensor(name)
         out = _dequantize(tensor, tensor.data)
+        if out.dim() == 1 and name.endswith("shared_expert_gate.weight"):
+            out = out.view(1, -1)  # llama.cpp stores the [1, hidden] gate as a vector
         heads = self._heads_to_unpermute(name)
         return out if heads is None else unpermute_rotary(out, heads)
 
@@ -180,6 +195,14 @@ def gguf_hf_config(meta: dict[str, Any], tensor_names: set[str], vocab_rows: int
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
+    num_experts = int(get("expert_count", 0))
+    if arch == "llama" and num_experts:
+        hf_arch, model_type = "MixtralForCausalLM", "mixtral"  # llama.cpp's Mixtral
+    gating = get("expert_gating_func")
+    if num_experts and gating not in (None, 1):  # 1: softmax (ggml's LLAMA_EXPERT_GATING_FUNC)
+        raise ValueError(
+            f"GGUF {arch} experts gated by function {gating} are not supported (softmax only)"
+        )
     rope_scaling = None
     if get("rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
@@ -187,7 +210,7 @@ def gguf_hf_config(meta: dict[str, Any], tensor_names: set[str], vocab_rows: int
         "architectures": [hf_arch],
         "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(get("feed_forward_length") or get("expert_feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
@@ -203,6 +226,26 @@ def gguf_hf_config(meta: dict[str, Any], tensor_names: set[str], vocab_rows: int
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",  # dequantized
         "hidden_act": "silu",
+        **_moe_fields(arch, get, num_experts),
+    }
+
+
+def _moe_fields(arch: str, get: Any, num_experts: int) -> dict[str, Any]:
+    """config.json's MoE fields from llama.cpp's expert metadata (none for dense models)."""
+    if not num_experts:
+        return {}
+    fields = {"num_experts_per_tok": int(get("expert_used_count"))}
+    if arch == "llama":  # Mixtral: every expert as wide as feed_forward_length
+        return {**fields, "num_local_experts": num_experts}
+    # llama.cpp's defaults when the file does not say: Qwen3-MoE renormalises the top-k
+    # weights, Qwen2-MoE does not.
+    norm = get("expert_weights_norm")
+    return {
+        **fields,
+        "num_experts": num_experts,
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length", 0)),
+        "norm_topk_prob": bool(arch == "qwen3moe" if norm is None else norm),
     }
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 SIZES = ("tiny", "bench")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -50,6 +50,33 @@ _SIZES: dict[str, dict[str, Any]] = {
     ),
 }
 _TOKENIZER_VOCAB = {"tiny": 640, "bench": 2048}
+
+# Mixture-of-experts fields per (arch, size). The bench Mixtral's active MLP (top-2 of 8
+# experts of 1024) matches the dense bench model's intermediate_size of 2048.
+_MOE_FIELDS: dict[tuple[str, str], dict[str, Any]] = {
+    ("mixtral", "tiny"): dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+    ("mixtral", "bench"): dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=1024),
+    ("qwen2_moe", "tiny"): dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=96,
+        norm_topk_prob=False,
+    ),
+    ("qwen2_moe", "bench"): dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=1024,
+        norm_topk_prob=False,
+    ),
+    ("qwen3_moe", "tiny"): dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+    ),
+    ("qwen3_moe", "bench"): dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=1024, norm_topk_prob=True
+    ),
+}
 
 _SUBJECTS = [
     "the cat",
@@ -161,15 +188,26 @@ def _save_tokenizer(tok: Any, out_dir: str) -> None:
 
 
 def _hf_config(arch: str, fields: dict[str, Any]) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     cls = {
         "llama": LlamaConfig,
         "mistral": MistralConfig,
         "qwen2": Qwen2Config,
         "qwen3": Qwen3Config,
+        "mixtral": MixtralConfig,
+        "qwen2_moe": Qwen2MoeConfig,
+        "qwen3_moe": Qwen3MoeConfig,
     }
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         fields.setdefault("sliding_window", None)
     return cls[arch](**fields)
 
@@ -198,8 +236,8 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
         elif name == "lm_head.weight":
             param.copy_(4.0 / math.sqrt(param.shape[1]) * torch.randn(param.shape, generator=gen))
         else:
-            # Linear [out_features, in_features]
-            param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1]))
+            # Linear [out_features, in_features], or stacked experts [E, out, in]
+            param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1]))
 
 
 def make_model(
@@ -225,6 +263,7 @@ def make_model(
     tok = train_tokenizer(_TOKENIZER_VOCAB[size], seed=0)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     fields: dict[str, Any] = dict(_SIZES[size])
+    fields.update(_MOE_FIELDS.get((arch, size), {}))
     # Pad to a multiple of 64, as real checkpoints do, so rows past the tokenizer exist.
     fields.setdefault("vocab_size", 64 * math.ceil(tok.get_vocab_size() / 64))
     fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]

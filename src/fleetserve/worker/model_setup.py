@@ -12,6 +12,8 @@ from fleetserve.kernels import cpu as cpu_kernels
 from fleetserve.models.llama import LlamaForCausalLM
 from fleetserve.models.llama_decode import build_decode_plan
 from fleetserve.models.loader import ModelSource
+from fleetserve.models.moe import MoeForCausalLM
+from fleetserve.models.moe_quant import keep_gguf_experts_quantized
 from fleetserve.models.quantize import keep_gguf_quantized, quantize_int8
 from fleetserve.models.registry import model_class
 from fleetserve.models.sharding import load_shards, shard_model
@@ -36,6 +38,8 @@ def load_model(
     consumed = set()
     if quantization == "gguf":
         consumed = keep_gguf_quantized(model, source, int8_activations)
+        if isinstance(model, MoeForCausalLM):
+            consumed |= keep_gguf_experts_quantized(model, source, int8_activations)
     model = model.to_empty(device=device).to(mcfg.dtype)
     # Buffers (rotary tables) were on meta: rebuild them for real.
     with torch.device(device):

@@ -148,8 +148,8 @@ _MODEL_FLAGS = (
     "dtype", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
     "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching", "scheduling_policy",
     "seed", "device", "num_threads", "attention_backend", "tensor_parallel_size",
-    "pipeline_parallel_size", "migration_limit", "replace_failed", "hang_timeout",
-    "sigterm_grace",
+    "pipeline_parallel_size", "expert_parallel", "migration_limit", "replace_failed",
+    "hang_timeout", "sigterm_grace",
 )  # fmt: skip
 
 
