@@ -17,7 +17,7 @@ from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.async_engine import AsyncEngine
 from fleetserve.metrics import ServerMetrics
-from fleetserve.outputs import RequestOutput
+from fleetserve.outputs import OutputFold, RequestOutput
 from fleetserve.serve.fleet_config import ResilienceConfig
 from fleetserve.serve.model_service import GenerateService
 from fleetserve.serve.sla import ServiceClass
@@ -28,10 +28,13 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
 
 
 async def outputs(engine: AsyncEngine, rid: str, params: SamplingParams, **kw: Any) -> list[Any]:
-    """Every cumulative output of the request, deep-copied as a reader would keep them."""
+    """The request's answer so far after each of its deltas (folded, as migration folds
+    them; a resumed request's fold starts from its `resume`)."""
     seen = []
+    acc = OutputFold(rid, params.n, start=kw.get("resume"))
     async for out in engine.generate(rid, {"prompt_token_ids": PROMPT}, params, **kw):
-        seen.append(copy.deepcopy(out))
+        acc.add(out)
+        seen.append(acc.output())
     return seen
 
 

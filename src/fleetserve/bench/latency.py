@@ -82,12 +82,13 @@ def run_fleetserve(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         t_first, cpu_first = None, 0.0
         engine.add_request(f"latency-{i}", {"prompt_token_ids": ids}, params)
+        tokens = []
         while engine.has_unfinished_requests():
-            for out in engine.step():
-                if t_first is None and out.outputs[0].token_ids:
-                    t_first, cpu_first = time.perf_counter(), time.process_time()
-                if out.finished:
-                    tokens = list(out.outputs[0].token_ids)
+            for out in engine.step():  # deltas: this step's new tokens
+                for c in out.outputs:
+                    if t_first is None and c.token_ids:
+                        t_first, cpu_first = time.perf_counter(), time.process_time()
+                    tokens.extend(c.token_ids)
         t_end, cpu_end = time.perf_counter(), time.process_time()
         assert t_first is not None and len(tokens) == args.num_tokens
         runs.append(
