@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetserve.deploy import scheduling
-from fleetserve.serve.deploy_config import DeployConfig
+from fleetserve.serve.config.deploy_config import DeployConfig
 
 CONFIG_DIR = "/etc/fleetserve"
 CONFIG_FILE = "fleet.yaml"

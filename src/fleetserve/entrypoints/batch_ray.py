@@ -36,7 +36,7 @@ def _line_model(args: argparse.Namespace, endpoint: str) -> Any:
     from fleetserve.batch.lines import EMBEDDINGS_URL
     from fleetserve.entrypoints.openai.api_server import served_name
     from fleetserve.ray.batch_engine import LineModel, line_model
-    from fleetserve.serve.fleet_config import load_fleet_config
+    from fleetserve.serve.config.fleet_config import load_fleet_config
 
     if args.config is not None:
         return line_model(load_fleet_config(args.config), endpoint)

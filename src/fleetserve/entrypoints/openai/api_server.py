@@ -1,6 +1,6 @@
 """`fleetserve serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) of a fleet.
 
-`--config fleet.yaml` names the models (serve/fleet_config.py); without it the flags
+`--config fleet.yaml` names the models (serve/config/fleet_config.py); without it the flags
 describe a fleet of one generate model. Lifecycle:
 1. The fleet file is validated and every model's config and tokenizer load here; a bad
    file or --model fails before binding a port.
@@ -73,10 +73,10 @@ from fleetserve.entrypoints.openai.serving_embedding import Embedder, create_emb
 from fleetserve.entrypoints.openai.serving_predict import Predictor
 from fleetserve.entrypoints.openai.serving_predict import predict as run_predict
 from fleetserve.metrics import CONTENT_TYPE, ServerMetrics
-from fleetserve.serve.fleet_config import FleetConfig, load_fleet_config, single_model_fleet
-from fleetserve.serve.fleet_metrics import FleetCollector
-from fleetserve.serve.policies import POLICY_NAMES
-from fleetserve.serve.registry import build_registry
+from fleetserve.serve.config.fleet_config import FleetConfig, load_fleet_config, single_model_fleet
+from fleetserve.serve.telemetry.fleet_metrics import FleetCollector
+from fleetserve.serve.routing.policies import POLICY_NAMES
+from fleetserve.serve.services.service_registry import build_registry
 
 # The dashboard's page and script hold no data (its snapshot API is behind the key).
 _OPEN_PATHS = ("/health", "/ready", "/live", *DASHBOARD_ASSETS)
