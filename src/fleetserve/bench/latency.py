@@ -77,7 +77,8 @@ def run_fleetserve(args: argparse.Namespace) -> dict[str, Any]:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
     ids = engine.tokenizer.apply_chat_template(messages)
     params = SamplingParams(max_tokens=args.num_tokens, temperature=0.0, ignore_eos=True)
-    runs, tokens = [], []
+    runs: list[dict[str, float]] = []
+    tokens: list[int] = []
     for i in range(args.repeats + 1):  # the first run warms up and is dropped
         t0 = time.perf_counter()
         t_first, cpu_first = None, 0.0

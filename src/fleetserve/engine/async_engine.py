@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
-from fleetserve.engine.delta_queue import DeltaQueue
+from fleetserve.engine.delta_stream import DeltaStream, EngineDeadError, ReplicaGoneError
 from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.engine.output_processor import OutputProcessor
 from fleetserve.engine.wire import (
@@ -49,16 +49,6 @@ from fleetserve.outputs import RequestOutput
 from fleetserve.tokenizer import Tokenizer
 
 
-class EngineDeadError(RuntimeError):
-    """The core process is gone; no request can be served any more."""
-
-
-class ReplicaGoneError(EngineDeadError):
-    """This engine can no longer serve the request (its process died, it is being drained
-    or stopped), though another replica may: the fleet resumes the request elsewhere
-    (request migration, serve/resilience/migration.py)."""
-
-
 class EngineNotReadyError(RuntimeError):
     """The model is still loading."""
 
@@ -72,45 +62,13 @@ def resume_tokens(resume: RequestOutput) -> list[list[int] | None]:
     return [None if c.finished else list(c.token_ids) for c in resume.outputs]
 
 
-class RequestStream:
-    """One request's deltas in order (a slow reader gets the merged delta of what it
-    missed); `fail(error)` ends it with that error after what it holds; `close()` aborts
-    the request in the core if it has not finished."""
+class RequestStream(DeltaStream):
+    """One request's deltas from the local engine core (a slow reader gets the merged
+    delta of what it missed); `close()` aborts the request in the core if it has not
+    finished."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, n: int) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self.n = n
-        self.deltas = DeltaQueue()
-        self.started = False  # the first output arrived
-        self.finished = False
-        self.closed = False
-        self.lost = False  # ended by ReplicaGoneError: the request goes on elsewhere
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished or self.closed:
-            raise StopAsyncIteration
-        try:
-            item = await self.deltas.get()
-        except Exception as e:
-            self.lost = isinstance(e, ReplicaGoneError)
-            self.close()
-            raise
-        if item.finished:
-            self.finished = True
-        return item
-
-    def fail(self, error: BaseException) -> None:
-        self.deltas.fail(error)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.engine._release(self)
+        super().__init__(request_id, n, engine._release)  # type: ignore[arg-type]
 
 
 class AsyncEngine:

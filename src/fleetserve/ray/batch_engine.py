@@ -47,8 +47,8 @@ from fleetserve.entrypoints.openai.serving_common import (
 from fleetserve.entrypoints.openai.serving_completion import completion_body, completion_inputs
 from fleetserve.entrypoints.openai.serving_embedding import create_embedding
 from fleetserve.outputs import OutputFold, RequestOutput
-from fleetserve.serve.microbatch.batcher import MicroBatchConfig
 from fleetserve.serve.config.fleet_config import FleetConfig
+from fleetserve.serve.microbatch.batcher import MicroBatchConfig
 
 log = logging.getLogger(__name__)
 
