@@ -12,12 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fleetserve.serve.microbatch.batcher import (
-    MicroBatchOverloadedError,
-    MicroBatchStoppedError,
     MicroBatchConfig,
-    MicroBatchItemError,
-    MicroBatchResultError,
     MicroBatcher,
+    MicroBatchItemError,
+    MicroBatchOverloadedError,
+    MicroBatchResultError,
+    MicroBatchStoppedError,
 )
 
 LONG = 3600.0  # a timeout no test waits for: batches form only by size, drain or stop

@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from fleetserve.bench import embed as bench
 from fleetserve.entrypoints.openai.protocol_embed import EmbeddingRequest
 from fleetserve.entrypoints.openai.serving_embedding import create_embedding
-from fleetserve.serve.microbatch.services import EmbedService
 from fleetserve.serve.microbatch.batcher import MicroBatchConfig
+from fleetserve.serve.microbatch.services import EmbedService
 
 
 def test_in_process_run_reports_both_runs_and_batches() -> None:

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from fleetserve.serve.microbatch.services import CustomService, ServiceNotReadyError
 from fleetserve.serve.microbatch.batcher import MicroBatchConfig, MicroBatchItemError
 from fleetserve.serve.microbatch.custom import HandlerError, load_handler, parse_handler_spec
+from fleetserve.serve.microbatch.services import CustomService, ServiceNotReadyError
 
 
 @pytest.mark.parametrize(

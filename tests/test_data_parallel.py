@@ -22,6 +22,7 @@ from fleetserve.engine.core_proc import debug_step_delay_s
 from fleetserve.engine.delta_stream import DeltaStream
 from fleetserve.outputs import CompletionOutput, RequestOutput
 from fleetserve.serve.contracts import RouteRequest
+from fleetserve.serve.replicas.local import LocalReplica
 from fleetserve.serve.routing.policies import (
     LeastLoaded,
     PowerOfTwo,
@@ -29,7 +30,6 @@ from fleetserve.serve.routing.policies import (
     RoundRobin,
     make_policy,
 )
-from fleetserve.serve.replicas.local import LocalReplica
 from fleetserve.serve.routing.router import NoHealthyReplicaError, Router
 
 sys.path.insert(0, str(Path(__file__).parent / "server"))

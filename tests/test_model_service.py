@@ -18,11 +18,11 @@ from fleetserve.engine.delta_stream import DeltaStream
 from fleetserve.metrics import ServerMetrics
 from fleetserve.outputs import CompletionOutput, RequestOutput
 from fleetserve.serve.admission.admit import ShedError
+from fleetserve.serve.admission.sla import REQUEST_PRIORITY_SPAN, ServiceClass, oversubscription
 from fleetserve.serve.config.fleet_config import ResilienceConfig
+from fleetserve.serve.replicas.local import LocalReplica
 from fleetserve.serve.resilience.migration import MigrationLimitError
 from fleetserve.serve.services.generate import GenerateService
-from fleetserve.serve.replicas.local import LocalReplica
-from fleetserve.serve.admission.sla import REQUEST_PRIORITY_SPAN, ServiceClass, oversubscription
 
 CLASSES = {
     "interactive": ServiceClass("interactive", priority=0, max_waiting=2, max_queue_time_s=0.2),

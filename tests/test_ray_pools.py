@@ -21,7 +21,6 @@ from fleetserve.core.sampling_params import SamplingParams  # noqa: E402
 from fleetserve.outputs import fold  # noqa: E402
 from fleetserve.ray import pool_state, router_state  # noqa: E402
 from fleetserve.ray.clients import RayGenerateClient  # noqa: E402
-from fleetserve.ray.pool_state import PoolSnapshot  # noqa: E402
 from fleetserve.ray.pool_deployments import (  # noqa: E402
     RESOURCE_PER_REPLICA,
     PoolChoice,
@@ -33,6 +32,7 @@ from fleetserve.ray.pool_deployments import (  # noqa: E402
     pool_options,
     served_pools,
 )
+from fleetserve.ray.pool_state import PoolSnapshot  # noqa: E402
 from fleetserve.serve.config.fleet_config import PoolConfig, parse_fleet_config  # noqa: E402
 from test_ray_migration import MAX_TOKENS, ScriptedGen, output  # noqa: E402
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from fleetserve.engine.async_engine import EngineDeadError, EngineOverloadedError
-from fleetserve.serve.microbatch.services import ServiceNotReadyError
-from fleetserve.serve.microbatch.batcher import MicroBatchItemError
 from fleetserve.serve.config.fleet_config import parse_fleet_config
+from fleetserve.serve.microbatch.batcher import MicroBatchItemError
+from fleetserve.serve.microbatch.services import ServiceNotReadyError
 
 
 def fleet(**entry: Any) -> dict[str, Any]:

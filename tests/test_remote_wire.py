@@ -14,8 +14,8 @@ import pytest
 
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.outputs import CompletionOutput, RequestOutput, fold
+from fleetserve.serve.admission.sla import ServiceClass, engine_priority, split_engine_priority
 from fleetserve.serve.config.fleet_config import RemoteConfig, parse_fleet_config
-from fleetserve.serve.replicas.pool_plan import MemberView, PoolController, Start
 from fleetserve.serve.remote.targets import POOL_NAME, RemoteTargets
 from fleetserve.serve.remote.wire import (
     ErrorFrame,
@@ -26,7 +26,7 @@ from fleetserve.serve.remote.wire import (
     params_from_http,
     params_to_http,
 )
-from fleetserve.serve.admission.sla import ServiceClass, engine_priority, split_engine_priority
+from fleetserve.serve.replicas.pool_plan import MemberView, PoolController, Start
 
 PROMPT = [11, 12, 13]
 

@@ -28,8 +28,8 @@ from fleetserve.entrypoints.openai.protocol_embed import EmbeddingRequest, Predi
 from fleetserve.entrypoints.openai.serving_common import parse, read_json
 from fleetserve.entrypoints.openai.serving_embedding import create_embedding
 from fleetserve.entrypoints.openai.serving_predict import predict
-from fleetserve.serve.microbatch.services import CustomService, EmbedService
 from fleetserve.serve.microbatch.batcher import MicroBatchConfig
+from fleetserve.serve.microbatch.services import CustomService, EmbedService
 
 
 class Fleet:

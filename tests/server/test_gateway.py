@@ -326,8 +326,8 @@ def test_a_dns_name_that_lists_no_pod_yet(
     from fleetserve.entrypoints.openai.serving_completion import completion_inputs
     from fleetserve.metrics import ServerMetrics
     from fleetserve.serve.config.fleet_config import parse_fleet_config
-    from fleetserve.serve.services.service_registry import build_registry
     from fleetserve.serve.remote.targets import RemoteTargets
+    from fleetserve.serve.services.service_registry import build_registry
 
     listed: list[str] = []
 

@@ -193,8 +193,8 @@ def summarize(
 
 
 async def run_in_process(args: argparse.Namespace, inputs: list[str]) -> list[RunResult]:
-    from fleetserve.serve.microbatch.services import EmbedService
     from fleetserve.serve.microbatch.batcher import MicroBatchConfig
+    from fleetserve.serve.microbatch.services import EmbedService
 
     results = []
     plans = [

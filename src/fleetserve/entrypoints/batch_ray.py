@@ -34,7 +34,7 @@ def check_ray_args(args: argparse.Namespace) -> None:
 
 def _line_model(args: argparse.Namespace, endpoint: str) -> Any:
     from fleetserve.batch.lines import EMBEDDINGS_URL
-    from fleetserve.entrypoints.openai.api_server import served_name
+    from fleetserve.entrypoints.openai.server_args import served_name
     from fleetserve.ray.batch_engine import LineModel, line_model
     from fleetserve.serve.config.fleet_config import load_fleet_config
 

@@ -25,11 +25,16 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from fleetserve.entrypoints.openai.api_server import api_key_from
+from fleetserve.entrypoints.openai.server_args import api_key_from
 from fleetserve.ray.autoscale import QueueDepthPolicy
-from fleetserve.ray.deployments import MicroBatchReplica, GenerateReplica
+from fleetserve.ray.deployments import GenerateReplica, MicroBatchReplica
 from fleetserve.ray.ingress import FleetIngress, IngressOptions
-from fleetserve.ray.pool_deployments import capacity_placement, deployment_name, pool_options, served_pools
+from fleetserve.ray.pool_deployments import (
+    capacity_placement,
+    deployment_name,
+    pool_options,
+    served_pools,
+)
 from fleetserve.ray.request_router import FleetRequestRouter
 from fleetserve.serve.config.fleet_config import (
     AutoscaleConfig,

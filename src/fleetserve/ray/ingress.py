@@ -14,11 +14,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from fleetserve.entrypoints.openai.access_log import ACCESS_LOG_MODES, configure_access_log
-from fleetserve.entrypoints.openai.api_server import ServerState, build_app
+from fleetserve.entrypoints.openai.app_factory import ServerState, build_app
 from fleetserve.entrypoints.openai.serving_common import ServingContext
 from fleetserve.metrics import ServerMetrics
-from fleetserve.ray.microbatch_clients import RayCustomClient, RayEmbedClient
 from fleetserve.ray.clients import RayGenerateClient
+from fleetserve.ray.microbatch_clients import RayCustomClient, RayEmbedClient
 from fleetserve.ray.router_state import ROUTERS
 from fleetserve.serve.config.fleet_config import parse_fleet_config
 from fleetserve.serve.services.service_registry import ModelService, Registry

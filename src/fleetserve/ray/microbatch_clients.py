@@ -13,9 +13,9 @@ from fleetserve.engine.embedding import EmbeddingResult
 from fleetserve.ray.router_state import num_known_replicas
 from fleetserve.ray.streams import short
 from fleetserve.ray.wire import RemoteError
-from fleetserve.serve.microbatch.services import MicroBatchModelBase
-from fleetserve.serve.microbatch.custom import validate_instances
 from fleetserve.serve.config.fleet_config import ModelEntry
+from fleetserve.serve.microbatch.custom import validate_instances
+from fleetserve.serve.microbatch.services import MicroBatchModelBase
 
 
 class _RayMicroBatchClient(MicroBatchModelBase):

@@ -36,7 +36,14 @@ from ray.serve.config import AutoscalingContext
 
 from fleetserve.ray import router_state
 from fleetserve.serve.config.fleet_config import ModelEntry, PlacementConfig, PoolConfig
-from fleetserve.serve.replicas.pool_plan import MemberView, Start, Stop, plan, pool_size, prefer_spot
+from fleetserve.serve.replicas.pool_plan import (
+    MemberView,
+    Start,
+    Stop,
+    plan,
+    pool_size,
+    prefer_spot,
+)
 
 # How much of its pool's custom resource one replica asks for: a sliver, so that the
 # node's CPUs and memory, not the label, bound how many replicas it runs.

@@ -15,8 +15,12 @@ from fleetserve.engine.async_engine import (
     EngineOverloadedError,
     ReplicaGoneError,
 )
+from fleetserve.serve.microbatch.batcher import (
+    MicroBatchItemError,
+    MicroBatchOverloadedError,
+    MicroBatchStoppedError,
+)
 from fleetserve.serve.microbatch.services import ServiceNotReadyError
-from fleetserve.serve.microbatch.batcher import MicroBatchOverloadedError, MicroBatchStoppedError, MicroBatchItemError
 
 ErrorKind = Literal["value", "not_ready", "overloaded", "stopped", "gone", "dead", "internal"]
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from fleetserve.entrypoints.openai.errors import APIError
-from fleetserve.serve.microbatch.services import ServiceNotReadyError
 from fleetserve.serve.microbatch.batcher import (
+    MicroBatchItemError,
     MicroBatchOverloadedError,
     MicroBatchStoppedError,
-    MicroBatchItemError,
 )
+from fleetserve.serve.microbatch.services import ServiceNotReadyError
 
 RETRY_AFTER_S = 1
 

@@ -68,9 +68,9 @@ from pydantic import (
 )
 
 from fleetserve.engine.arg_utils import EngineArgs
+from fleetserve.serve.admission.sla import ServiceClass
 from fleetserve.serve.config.deploy_config import DeployConfig
 from fleetserve.serve.routing.policies import POLICY_NAMES
-from fleetserve.serve.admission.sla import ServiceClass
 
 ModelKind = Literal["generate", "embed", "custom"]
 MODEL_KINDS: tuple[str, ...] = typing.get_args(ModelKind)

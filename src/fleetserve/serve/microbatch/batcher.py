@@ -290,5 +290,7 @@ class MicroBatcher(Generic[T, R]):
                 if isinstance(results, (list, tuple))
                 else (f"a {type(results).__name__}")
             )
-            raise MicroBatchResultError(f"run_batch returned {got} for a batch of {len(items)} items")
+            raise MicroBatchResultError(
+                f"run_batch returned {got} for a batch of {len(items)} items"
+            )
         return list(results)

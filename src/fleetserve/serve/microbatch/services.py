@@ -20,7 +20,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 import numpy as np
 
 from fleetserve.engine.embedding import EmbeddingModel, EmbeddingResult
-from fleetserve.serve.microbatch.batcher import MicroBatchError, MicroBatchConfig, MicroBatcher
+from fleetserve.serve.microbatch.batcher import MicroBatchConfig, MicroBatcher, MicroBatchError
 from fleetserve.serve.microbatch.custom import (
     CustomModel,
     Instance,

@@ -16,7 +16,12 @@ import time
 from collections.abc import Awaitable, Callable
 
 from fleetserve.serve.config.fleet_config import PoolConfig
-from fleetserve.serve.replicas.pool_plan import Capacity, CapacityUnavailableError, MemberState, MemberView
+from fleetserve.serve.replicas.pool_plan import (
+    Capacity,
+    CapacityUnavailableError,
+    MemberState,
+    MemberView,
+)
 from fleetserve.serve.replicas.replica_set import ReplicaSet
 
 # A fallback replica given back once spot is ready again: its requests may finish for

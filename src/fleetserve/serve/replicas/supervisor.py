@@ -22,8 +22,8 @@ from typing import Any
 
 from fleetserve.engine.wire import CoreNotice
 from fleetserve.metrics import ModelMetrics
-from fleetserve.serve.contracts import Replica
 from fleetserve.serve.config.fleet_config import ResilienceConfig
+from fleetserve.serve.contracts import Replica
 from fleetserve.serve.replicas.replica_set import ReplicaSet
 
 # How often the replicas are looked at (a dead one is seen by its engine's process watch

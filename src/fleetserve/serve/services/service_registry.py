@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 from fleetserve.engine.embedding import MINILM_NAME
 from fleetserve.metrics import ModelMetrics, ServerMetrics
-from fleetserve.serve.microbatch.services import CustomService, EmbedService
-from fleetserve.serve.microbatch.batcher import MicroBatchConfig
 from fleetserve.serve.config.fleet_config import FleetConfig, ModelEntry
+from fleetserve.serve.microbatch.batcher import MicroBatchConfig
+from fleetserve.serve.microbatch.services import CustomService, EmbedService
 from fleetserve.serve.services.generate import GenerateService
 
 
