@@ -33,7 +33,8 @@ MAX_TOKENS = 4
 
 
 def output(request_id: str, num_tokens: int, tag: int) -> RequestOutput:
-    ids = [tag + t for t in range(num_tokens)]
+    """The delta that brings the answer to `num_tokens` tokens (a replica yields deltas)."""
+    ids = [tag + num_tokens - 1]
     done = num_tokens == MAX_TOKENS
     choice = CompletionOutput(0, str(ids), ids, "length" if done else None)
     return RequestOutput(request_id, "p", [1, 2, 3], [choice], finished=done)
@@ -148,7 +149,7 @@ def test_a_slow_first_call_gets_a_copy_elsewhere_and_the_copy_wins(
     assert first["avoid"] == [] and copy["avoid"] == [0]  # never on the first's replica
     assert copy["resume"] is None and copy["num_new_tokens"] == first["num_new_tokens"]
     assert handle.gens[0].cancelled_ and not handle.gens[1].cancelled_  # the loser aborted
-    assert stream.hedged and hedges(c, "copy") == 1 and hedges(c, "first") == 0
+    assert stream.state.hedged and hedges(c, "copy") == 1 and hedges(c, "first") == 0
     assert c.num_in_flight_streams == 0  # one seat, given back once
 
 
@@ -179,7 +180,7 @@ def test_no_copy_when_it_could_not_go_elsewhere(tiny_llama: str, router: Router,
     c = hedged_client(tiny_llama, handle)
     got, stream = read(c)
     assert got[-1] == output("req-0", MAX_TOKENS, 100)
-    assert len(handle.calls) == 1 and stream.hedged  # tried once, then the first alone
+    assert len(handle.calls) == 1 and stream.state.hedged  # tried once, then the first alone
     assert hedges(c, "first") == hedges(c, "copy") == 0
 
 

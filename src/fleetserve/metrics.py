@@ -192,9 +192,11 @@ class ModelMetrics:
         self.server.finished.labels(self.model_name, finish_reason).inc(count)
 
     def observe_finished(self, out: RequestOutput) -> None:
-        """Finish reasons of a request that finished normally (latencies: observe_latency)."""
+        """Finish reasons of the choices a delta ends (each choice ends in one delta;
+        latencies: observe_latency)."""
         for c in out.outputs:
-            self.add_finished(c.finish_reason or "abort")
+            if c.finish_reason is not None:
+                self.add_finished(c.finish_reason)
 
     def observe_latency(
         self, class_name: str, ttft: float | None, e2e: float | None, num_tokens: int

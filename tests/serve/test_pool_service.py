@@ -59,11 +59,11 @@ def build(model: str, pools: list[PoolConfig], market: dict[str, bool]) -> Gener
 async def generate(svc: GenerateService, rid: str, cls: str, max_tokens: int = 8) -> Any:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     streams = await svc.admit(rid, ["the pool keeps serving"], lambda: params, cls)
-    last = None
-    async for out in streams[0]:
-        last = out
-    assert last is not None and last.finished
-    return last.outputs[0]
+    async for _ in streams[0]:
+        pass
+    whole = streams[0].state.fold.output()  # the deltas its reader got, folded
+    assert whole.finished
+    return whole.outputs[0]
 
 
 def ready(svc: GenerateService, pool: str) -> list[dict[str, Any]]:

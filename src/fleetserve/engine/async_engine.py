@@ -2,9 +2,10 @@
 
 Tokenization, validation, detokenization and stop strings happen here (OutputProcessor);
 the core process only schedules and steps. Requests go out on a ZeroMQ PUSH socket;
-outputs come back on a PULL socket read by one asyncio task, which hands each request's
-latest (cumulative) RequestOutput to that request's queue. A request's stream that is
-closed before it finishes (client gone, handler cancelled) aborts the request in the core.
+outputs come back on a PULL socket read by one asyncio task, which puts each request's
+delta (outputs.py) on that request's DeltaQueue: its reader gets the new tokens, text and
+logprobs, merged when it fell behind. A request's stream that is closed before it
+finishes (client gone, handler cancelled) aborts the request in the core.
 
 Safe to call only from the event loop thread that ran `start()`.
 """
@@ -28,6 +29,7 @@ import zmq.asyncio
 from fleetserve.cloud.notices import NoticeConfig
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
+from fleetserve.engine.delta_stream import DeltaStream, EngineDeadError, ReplicaGoneError
 from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.engine.output_processor import OutputProcessor
 from fleetserve.engine.stats import EngineStats
@@ -49,16 +51,6 @@ from fleetserve.outputs import RequestOutput
 from fleetserve.tokenizer import Tokenizer
 
 
-class EngineDeadError(RuntimeError):
-    """The core process is gone; no request can be served any more."""
-
-
-class ReplicaGoneError(EngineDeadError):
-    """This engine can no longer serve the request (its process died, it is being drained
-    or stopped), though another replica may: the fleet resumes the request elsewhere
-    (request migration, serve/resilience/migration.py)."""
-
-
 class EngineNotReadyError(RuntimeError):
     """The model is still loading."""
 
@@ -72,43 +64,13 @@ def resume_tokens(resume: RequestOutput) -> list[list[int] | None]:
     return [None if c.finished else list(c.token_ids) for c in resume.outputs]
 
 
-class RequestStream:
-    """One request's outputs in order (a slow reader skips to the newest cumulative one);
-    `close()` aborts the request in the core if it has not finished."""
+class RequestStream(DeltaStream):
+    """One request's deltas from the local engine core (a slow reader gets the merged
+    delta of what it missed); `close()` aborts the request in the core if it has not
+    finished."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, n: int) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self.n = n
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.started = False  # the first output arrived
-        self.finished = False
-        self.closed = False
-        self.lost = False  # ended by ReplicaGoneError: the request goes on elsewhere
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished or self.closed:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        # Outputs are cumulative, so a consumer that fell behind only needs the newest.
-        while not self.queue.empty() and not isinstance(item, BaseException):
-            item = self.queue.get_nowait()
-        if isinstance(item, BaseException):
-            self.lost = isinstance(item, ReplicaGoneError)
-            self.close()
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.engine._release(self)
+        super().__init__(request_id, n, engine._release)  # type: ignore[arg-type]
 
 
 class AsyncEngine:
@@ -224,7 +186,7 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.clear_engine_stats()  # a dead engine runs and holds nothing
         for stream in list(self._streams.values()):
-            stream.queue.put_nowait(ReplicaGoneError(reason))
+            stream.fail(ReplicaGoneError(reason))
 
     def kill(self) -> None:
         """SIGKILL the core now (a hung one cannot be asked to stop)."""
@@ -354,7 +316,7 @@ class AsyncEngine:
     def abort_all(self, reason: str, error: type[EngineDeadError] = EngineDeadError) -> None:
         """Ends every open stream with `error(reason)`; closing them aborts them."""
         for stream in list(self._streams.values()):
-            stream.queue.put_nowait(error(reason))
+            stream.fail(error(reason))
 
     def _release(self, stream: RequestStream) -> None:
         """A stream was closed: forget it, and abort it in the core if it was unfinished."""
@@ -396,7 +358,7 @@ class AsyncEngine:
             parent = self.output_processor.child_to_parent.get(req_id)
             stream = self._streams.get(parent) if parent is not None else None
             if stream is not None:
-                stream.queue.put_nowait(ValueError(reason))
+                stream.fail(ValueError(reason))
         core_outputs = [w.to_core_output() for w in msg.outputs]
         if self.metrics is not None:
             self.metrics.add_generation_tokens(sum(len(o.new_token_ids) for o in core_outputs))
@@ -410,6 +372,6 @@ class AsyncEngine:
             if not stream.started:
                 stream.started = True
                 self._num_unstarted -= 1
-            if out.finished and self.metrics is not None:
+            if self.metrics is not None:
                 self.metrics.observe_finished(out)
-            stream.queue.put_nowait(out)
+            stream.deltas.put(out)

@@ -142,7 +142,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished() or self.core.has_unfinished_requests()
 
+    def num_choices(self, request_id: str) -> int:
+        """The request's n (its choices); 0 once it is over."""
+        return len(self.output_processor.child_ids(request_id))
+
     def step(self) -> list[RequestOutput]:
+        """One engine step; each touched request's delta (outputs.py): what is new since
+        its previous one. Fold them (OutputFold) for the whole answer."""
         core_outputs = self.core.step()
         outputs, to_stop = self.output_processor.process(core_outputs)
         if to_stop:

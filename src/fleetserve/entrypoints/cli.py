@@ -32,6 +32,7 @@ _BENCH = {
         "fleetserve.bench.moe",
         "one MoE layer's step against the dense MLP of equal active size",
     ),
+    "stream-cpu": ("fleetserve.bench.stream_cpu", "the server's CPU per streamed token vs length"),
 }
 _DEPLOY = {
     "k8s": ("fleetserve.deploy.k8s", "render Kubernetes + KEDA manifests from a fleet file"),
@@ -59,7 +60,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         sub,
         "bench",
         "benchmarks (offline | serve | sla | embed | spec | latency | perplexity | batch | chaos "
-        "| kernels | moe)",
+        "| kernels | moe | stream-cpu)",
         _BENCH,
         argv,
     )

@@ -85,9 +85,10 @@ class GenerateReplica:
         resume: RequestOutput | None = None,
         avoid: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput | RemoteError]:
-        """The request's outputs (cumulative, the newest when the reader fell behind); a
-        refusal or failure is one RemoteError and the end. `resume`: the request's last
-        output the ingress saw from a replica it lost; the request goes on from there
+        """The request's deltas (what is new since the previous yield; merged when the
+        ingress fell behind), as the engine hands them: nothing is folded or diffed here.
+        A refusal or failure is one RemoteError and the end. `resume`: the request's
+        whole output so far as the ingress saw it on a replica it lost; it goes on from there
         (request migration). `num_new_tokens` and `avoid` are for the ingress's router
         only. Cancelling the call (the client left) aborts the request."""
         if self.watch.draining:

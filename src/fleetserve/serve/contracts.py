@@ -6,11 +6,14 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.stats import EngineStats
 from fleetserve.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from fleetserve.serve.request_state import RequestState
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,9 @@ class ReplicaLoad(Protocol):
 
 
 class ReplicaStreamLike(Protocol):
-    """One request's outputs from a replica, in order, each the newest cumulative state
-    (a slow reader skips to the newest); `close()` aborts it if it has not finished."""
+    """One request's deltas from one replica (one call: the engine client's DeltaStream,
+    a Ray call's RayStream), in order; a slow reader gets the merged delta of what it
+    missed. `close()` aborts it if it has not finished."""
 
     request_id: str
     n: int
@@ -71,9 +75,11 @@ class ReplicaStreamLike(Protocol):
 
 
 class StreamObserver(Protocol):
-    """Told of a request's outputs (its service measures latencies by class with it)."""
+    """Told of a request's deltas, with its state (the fold of what its reader got so
+    far, replicas, migrations: serve/request_state.py); its service measures latencies
+    by class with it."""
 
-    def on_output(self, out: RequestOutput) -> None: ...
+    def on_output(self, delta: RequestOutput, state: RequestState) -> None: ...
 
     def on_end(self) -> None:
         """The request ended (finished, failed or closed); called once."""
@@ -156,11 +162,11 @@ class Replica(ReplicaLoad, Protocol):
         priority: int,
         num_prompt_tokens: int,
         level: int = 0,
-        observer: StreamObserver | None = None,
         resume: RequestOutput | None = None,
     ) -> ReplicaStreamLike:
-        """`resume`: the request's last output seen on a lost replica; the request goes
-        on from it here (request migration, serve/resilience/migration.py)."""
+        """`resume`: the request's whole output so far (folded) as its reader got it on a
+        lost replica; the request goes on from it here (request migration,
+        serve/resilience/migration.py)."""
         ...
 
     def abort(self, request_id: str) -> None: ...

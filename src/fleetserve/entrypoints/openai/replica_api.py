@@ -33,9 +33,7 @@ from fleetserve.entrypoints.openai.serving_common import (
     engine_error,
     unless_disconnected,
 )
-from fleetserve.outputs import RequestOutput
 from fleetserve.serve.admission.sla import split_engine_priority
-from fleetserve.serve.contracts import ReplicaStreamLike
 from fleetserve.serve.remote.wire import (
     FRAMES,
     GENERATE_PATH,
@@ -48,6 +46,7 @@ from fleetserve.serve.remote.wire import (
     check_resume,
     params_from_http,
 )
+from fleetserve.serve.request_state import FleetStream
 from fleetserve.serve.services.generate import GenerateService
 
 
@@ -88,7 +87,7 @@ def replica_router(ctx: ServingContext) -> APIRouter:
             raise
         except Exception as e:
             raise engine_error(e) from None
-        return FramesResponse(streams[0], params.n, req.resume)
+        return FramesResponse(streams[0])
 
     @router.get(LOAD_PATH)
     async def load(model: str | None = None) -> Response:
@@ -122,8 +121,8 @@ class FramesResponse(SSEResponse):
     """The request's frames; however the response ends (finished, failed, the gateway
     gone even before the first frame), the request is closed: aborted if unfinished."""
 
-    def __init__(self, stream: ReplicaStreamLike, n: int, resume: RequestOutput | None) -> None:
-        super().__init__(frames(stream, n, resume), media_type=FRAMES)
+    def __init__(self, stream: FleetStream) -> None:
+        super().__init__(frames(stream), media_type=FRAMES)
         self.stream = stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -133,10 +132,9 @@ class FramesResponse(SSEResponse):
             self.stream.close()
 
 
-async def frames(
-    stream: ReplicaStreamLike, n: int, resume: RequestOutput | None
-) -> AsyncIterator[bytes]:
-    writer = FrameWriter(n, resume)
+async def frames(stream: FleetStream) -> AsyncIterator[bytes]:
+    """The request's deltas, each in one frame as it is (a delta in, a delta out)."""
+    writer = FrameWriter()
     try:
         async for out in stream:
             yield writer.output(out)

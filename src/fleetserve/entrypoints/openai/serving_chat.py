@@ -35,6 +35,7 @@ from fleetserve.entrypoints.openai.serving_common import (
     usage,
 )
 from fleetserve.outputs import CompletionOutput, RequestOutput
+from fleetserve.serve.request_state import FleetStream
 
 
 def _prompt_ids(ctx: ModelContext, req: ChatCompletionRequest) -> list[int]:
@@ -76,7 +77,7 @@ def chat_completion_body(
         {
             "index": c.index,
             "message": {"role": "assistant", "content": c.text},
-            "logprobs": _logprobs(ctx, req, c, 0) if req.logprobs else None,
+            "logprobs": _logprobs(ctx, req, c) if req.logprobs else None,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
@@ -110,7 +111,7 @@ async def create_chat_completion(server: ServingContext, request: Request) -> Re
 
 
 async def _stream(
-    ctx: ModelContext, req: ChatCompletionRequest, request_id: str, streams: list[Any]
+    ctx: ModelContext, req: ChatCompletionRequest, request_id: str, streams: list[FleetStream]
 ) -> AsyncIterator[str]:
     created = now()
     extra = {"usage": None} if req.include_usage else {}
@@ -127,32 +128,25 @@ async def _stream(
         }
         return sse(body)
 
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    last: RequestOutput | None = None
     try:
         for i in range(req.n):
             role = {"role": "assistant", "content": ""}
             yield chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}])
         async for _, out in merged(streams):
-            last = out
-            for c in out.outputs:
-                start_text, start_tok = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-                delta = c.text[start_text:]
-                if delta or len(c.token_ids) > start_tok or c.finish_reason is not None:
-                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-                    choice = {
-                        "index": c.index,
-                        "delta": {"content": delta} if delta else {},
-                        "logprobs": _logprobs(ctx, req, c, start_tok) if req.logprobs else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                    if c.finish_reason is not None:
-                        choice["stop_reason"] = c.stop_reason
-                    yield chunk([choice])
-        if req.include_usage and last is not None:
-            num_completion = sum(len(c.token_ids) for c in last.outputs)
-            yield chunk([], {"usage": usage(len(last.prompt_token_ids), num_completion)})
+            for c in out.outputs:  # the choices this delta changed: their new text and tokens
+                choice = {
+                    "index": c.index,
+                    "delta": {"content": c.text} if c.text else {},
+                    "logprobs": _logprobs(ctx, req, c) if req.logprobs else None,
+                    "finish_reason": c.finish_reason,
+                }
+                if c.finish_reason is not None:
+                    choice["stop_reason"] = c.stop_reason
+                yield chunk([choice])
+        (state,) = (s.state for s in streams)
+        if req.include_usage and state.num_outputs:
+            u = usage(len(state.fold.prompt_token_ids), state.fold.num_generated)
+            yield chunk([], {"usage": u})
     except Exception as e:
         yield sse_error(e)
     finally:
@@ -161,9 +155,8 @@ async def _stream(
     yield SSE_DONE
 
 
-def _logprobs(
-    ctx: ModelContext, req: ChatCompletionRequest, c: CompletionOutput, start_tok: int
-) -> dict[str, Any]:
+def _logprobs(ctx: ModelContext, req: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any]:
+    """The logprobs of `c`'s tokens (a delta's new ones, or a whole answer's)."""
     k = req.top_logprobs or 0
 
     def entry(tid: int, lp: float) -> dict[str, Any]:
@@ -171,7 +164,7 @@ def _logprobs(
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
     content = []
-    for tid, lps in zip(c.token_ids[start_tok:], (c.logprobs or [])[start_tok:], strict=False):
+    for tid, lps in zip(c.token_ids, c.logprobs or [], strict=False):
         item = entry(tid, finite(lps.get(tid)))
         item["top_logprobs"] = [entry(t, lp) for t, lp in top_entries(lps, k)]
         content.append(item)

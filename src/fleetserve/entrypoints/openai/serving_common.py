@@ -34,7 +34,7 @@ from fleetserve.entrypoints.openai.errors import (
 from fleetserve.outputs import RequestOutput
 from fleetserve.serve.admission.admit import ShedError
 from fleetserve.serve.admission.sla import ClassQueue
-from fleetserve.serve.contracts import ReplicaStreamLike
+from fleetserve.serve.request_state import FleetStream
 from fleetserve.serve.services.service_registry import (
     ModelService,
     Registry,
@@ -72,7 +72,7 @@ class GenerateFrontend(Protocol):
         params_for: Callable[[], SamplingParams],
         class_name: str | None = None,
         priority: int = 0,
-    ) -> Sequence[ReplicaStreamLike]: ...
+    ) -> Sequence[FleetStream]: ...
 
 
 @dataclass(frozen=True)
@@ -195,10 +195,10 @@ async def admit(
     params_for: Callable[[], SamplingParams],
     priority: int,
     class_name: str | None,
-) -> list[ReplicaStreamLike]:
+) -> list[FleetStream]:
     """Queues the request (one engine request per prompt, all or none) in its class and
     returns its streams once it is on a replica; a client that leaves meanwhile leaves
-    the queue (ClientGone)."""
+    the queue (ClientGone). The access log reads the streams' states."""
     try:
         streams = await unless_disconnected(
             request, ctx.engine.admit(request_id, prompts, params_for, class_name, priority)
@@ -211,18 +211,19 @@ async def admit(
     if record is None:
         return list(streams)
     record.response_id = request_id
-    return record.watch(streams, error_status)
+    record.watch([s.state for s in streams], error_status)
+    return list(streams)
 
 
-async def merged(streams: Sequence[ReplicaStreamLike]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several streams as they come, tagged with the stream's index."""
+async def merged(streams: Sequence[FleetStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Deltas of several streams as they come, tagged with the stream's index."""
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, s: ReplicaStreamLike) -> None:
+    async def pump(i: int, s: FleetStream) -> None:
         try:
             async for out in s:
                 queue.put_nowait((i, out))
@@ -248,18 +249,18 @@ async def merged(streams: Sequence[ReplicaStreamLike]) -> AsyncIterator[tuple[in
             s.close()
 
 
-async def collect(streams: Sequence[ReplicaStreamLike]) -> list[RequestOutput]:
-    finals: list[RequestOutput | None] = [None] * len(streams)
+async def collect(streams: Sequence[FleetStream]) -> list[RequestOutput]:
+    """Each stream's whole answer (its state's fold of the deltas), once all have ended."""
     try:
-        async for i, out in merged(streams):
-            finals[i] = out
+        async for _ in merged(streams):
+            pass
     except Exception as e:
         raise engine_error(e) from None
     finally:
         for s in streams:
             s.close()
-    assert all(f is not None for f in finals)
-    return finals  # type: ignore[return-value]
+    assert all(s.state.num_outputs for s in streams)
+    return [s.state.fold.output() for s in streams]
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

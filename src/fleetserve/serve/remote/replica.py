@@ -204,7 +204,7 @@ class RemoteEngine:
         if self.dead_reason is None:
             self.dead_reason = reason
         for stream in list(self._streams.values()):
-            stream.queue.put_nowait(ReplicaGoneError(reason))
+            stream.fail(ReplicaGoneError(reason))
 
     def kill(self) -> None:
         """A pod cannot be killed from here: its requests move and it is let go."""
@@ -241,7 +241,7 @@ class RemoteEngine:
             )  # fmt: skip
         )
         stream = RemoteStream(self._release, request_id, params.n)
-        reader = FrameReader(request_id, text, ids, params.n, resume)
+        reader = FrameReader(request_id, text, ids)
         self._streams[request_id] = stream
         stream.task = asyncio.create_task(self._run(stream, body, reader))
         return stream
@@ -253,28 +253,24 @@ class RemoteEngine:
             async with self._client.stream("POST", GENERATE_PATH, content=body,
                                            headers=headers) as resp:  # fmt: skip
                 if resp.status_code != 200:
-                    stream.queue.put_nowait(self._refusal(resp.status_code, await resp.aread()))
+                    stream.fail(self._refusal(resp.status_code, await resp.aread()))
                     return
                 async for chunk in resp.aiter_bytes():
                     for frame in reader.feed(chunk):
                         if isinstance(frame, ErrorFrame):
-                            stream.queue.put_nowait(self._frame_error(frame))
+                            stream.fail(self._frame_error(frame))
                             return
-                        out = reader.apply(frame)
+                        out = reader.delta(frame)
                         stream.started = True
-                        stream.queue.put_nowait(out)
+                        stream.deltas.put(out)
                         if out.finished:
                             return
-            stream.queue.put_nowait(
-                ReplicaGoneError(f"the pod at {self.url} ended the stream unfinished")
-            )
+            stream.fail(ReplicaGoneError(f"the pod at {self.url} ended the stream unfinished"))
         except httpx.HTTPError as e:
             self._reachable = False  # until the next poll says otherwise
-            stream.queue.put_nowait(
-                ReplicaGoneError(f"lost the pod at {self.url}: {type(e).__name__}: {e}")
-            )
+            stream.fail(ReplicaGoneError(f"lost the pod at {self.url}: {type(e).__name__}: {e}"))
         except (msgspec.DecodeError, ValueError) as e:
-            stream.queue.put_nowait(ReplicaGoneError(f"a bad frame from {self.url}: {e}"))
+            stream.fail(ReplicaGoneError(f"a bad frame from {self.url}: {e}"))
 
     def _refusal(self, status: int, raw: bytes) -> Exception:
         message = error_message(raw)
@@ -300,7 +296,7 @@ class RemoteEngine:
 
     def abort_all(self, reason: str) -> None:
         for stream in list(self._streams.values()):
-            stream.queue.put_nowait(EngineDeadError(reason))
+            stream.fail(EngineDeadError(reason))
 
     def _release(self, stream: RemoteStream) -> None:
         self._streams.pop(stream.request_id, None)

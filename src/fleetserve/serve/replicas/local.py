@@ -4,9 +4,10 @@ and the model service read. serve/remote/replica.py's RemoteReplica is the same 
 another engine client (serve/replicas/engine_client.py): a fleetserve server reached over HTTP.
 
 The replica owns those figures and changes them only through its own methods, all called
-on the event loop thread: `submit` adds a request's work, its `ReplicaStream` retires the
-work as outputs arrive (the first output means the prompt is prefilled; each generated
-token is one fewer to go) and settles the rest when the request ends, and every stats
+on the event loop thread: `submit` adds a request's work and listens to the request's
+engine stream (its `_Work`), which retires the work as deltas arrive (the first delta
+means the prompt is prefilled; each generated token is one fewer to go) and settles the
+rest when the request ends, and every stats
 message of the core (one per engine step) updates the step-latency EWMA. It also counts
 the sequences it holds per class level, which is how the model service knows whether a
 request of some class may be sent to it now (`has_room`).
@@ -26,7 +27,6 @@ from fleetserve.engine.llm_engine import PromptType
 from fleetserve.engine.stats import EngineStats
 from fleetserve.engine.wire import CoreNotice
 from fleetserve.outputs import RequestOutput
-from fleetserve.serve.contracts import StreamObserver
 from fleetserve.serve.replicas.engine_client import EngineClient, EngineStream
 
 
@@ -84,7 +84,7 @@ class LocalReplica:
         self.notice: CoreNotice | None = None
         engine.on_stats = self._update_stats
         engine.on_notice = self._on_notice
-        self._streams: dict[str, ReplicaStream] = {}
+        self._work: dict[str, _Work] = {}
         # When its engine last made progress (a step that ran) or, if it was idle, got
         # work: a replica that holds work and makes none for long is hung.
         self.last_progress = time.monotonic()
@@ -103,26 +103,27 @@ class LocalReplica:
         deadline = time.monotonic() + timeout_s
         if migrate:
             step_s = self.step_latency_s or self._step_latency_ewma or 0.05
-            for stream in list(self._streams.values()):
-                if stream.num_ungenerated * step_s > timeout_s:
-                    self._evict(stream, "the replica is being drained")
+            for work in list(self._work.values()):
+                if work.num_ungenerated * step_s > timeout_s:
+                    self._evict(work, "the replica is being drained")
         while self.num_outstanding_requests > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         clean = self.num_outstanding_requests == 0 and not self._num_evicted
         if migrate:
-            for stream in list(self._streams.values()):
-                self._evict(stream, "the replica was drained")
+            for work in list(self._work.values()):
+                self._evict(work, "the replica was drained")
         return clean
 
-    def _evict(self, stream: ReplicaStream, reason: str) -> None:
-        if not stream.inner.finished and not stream.inner.closed:
+    def _evict(self, work: _Work, reason: str) -> None:
+        stream = work.stream
+        if not stream.finished and not stream.closed:
             self._num_evicted += 1
-            stream.inner.queue.put_nowait(ReplicaGoneError(reason))
+            stream.fail(ReplicaGoneError(reason))
 
     def evict_all(self, reason: str) -> None:
         """Hands every request it holds over to the other replicas (ReplicaGoneError)."""
-        for stream in list(self._streams.values()):
-            self._evict(stream, reason)
+        for work in list(self._work.values()):
+            self._evict(work, reason)
 
     async def stop(self, kill: bool = False) -> None:
         """Hands its open requests over (ReplicaGoneError) and shuts its engine process
@@ -225,13 +226,13 @@ class LocalReplica:
         priority: int,
         num_prompt_tokens: int,
         level: int = 0,
-        observer: StreamObserver | None = None,
         resume: RequestOutput | None = None,
-    ) -> ReplicaStream:
-        """Hands the request to this replica's engine (raising what `add_request` raises).
-        `priority` is the engine's (class and request folded, serve/admission/sla.py); `level` the
-        class's, for `has_room`; `resume` the output it goes on from (migration)."""
-        inner = self.engine.add_request(request_id, prompt, params, priority, resume)
+    ) -> EngineStream:
+        """Hands the request to this replica's engine (raising what `add_request` raises)
+        and returns its engine stream, whose deltas retire its work here as they are read.
+        `priority` is the engine's (class and request folded, serve/admission/sla.py);
+        `level` the class's, for `has_room`; `resume` the output it goes on from."""
+        stream = self.engine.add_request(request_id, prompt, params, priority, resume)
         # add_request has filled in max_tokens when the client left it out.
         num_new_tokens = (params.max_tokens or 0) * params.n
         num_done = 0 if resume is None else sum(len(c.token_ids) for c in resume.outputs)
@@ -242,10 +243,9 @@ class LocalReplica:
         self.num_outstanding_tokens += num_prompt + num_new_tokens - num_done
         self.num_routed += 1
         self._seqs_by_level[level] += params.n
-        stream = ReplicaStream(
-            self, inner, num_prompt, num_new_tokens - num_done, level, observer, num_done
-        )
-        self._streams[request_id] = stream
+        work = _Work(self, stream, num_prompt, num_new_tokens - num_done, level)
+        stream.listener = work
+        self._work[request_id] = work
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -254,9 +254,9 @@ class LocalReplica:
     def _retire(self, num_tokens: int) -> None:
         self.num_outstanding_tokens -= num_tokens
 
-    def _finish(self, stream: ReplicaStream, num_tokens_left: int) -> None:
-        self._streams.pop(stream.request_id, None)
-        level, num_seqs = stream.level, stream.n
+    def _finish(self, work: _Work, num_tokens_left: int) -> None:
+        self._work.pop(work.stream.request_id, None)
+        level, num_seqs = work.level, work.stream.n
         self.num_outstanding_tokens -= num_tokens_left
         self.num_outstanding_requests -= 1
         self._seqs_by_level[level] -= num_seqs
@@ -266,73 +266,34 @@ class LocalReplica:
             self.on_finish(self)
 
 
-class ReplicaStream:
-    """A replica's RequestStream that retires the request's outstanding work on its
-    replica as outputs arrive; same iteration and `close()` as RequestStream."""
+class _Work:
+    """One request's outstanding work on a replica: listens to its engine stream
+    (engine/delta_stream.StreamListener) and retires the work as deltas are read."""
 
     def __init__(
         self,
         replica: LocalReplica,
-        inner: EngineStream,
+        stream: EngineStream,
         num_prompt_tokens: int,
         num_new: int,
-        level: int = 0,
-        observer: StreamObserver | None = None,
-        num_generated: int = 0,
+        level: int,
     ) -> None:
         self.replica = replica
+        self.stream = stream
         self.level = level
-        self.observer = observer
-        self.inner = inner
-        self.request_id = inner.request_id
-        self.n = inner.n
         self._num_unprefilled = num_prompt_tokens
-        self._num_ungenerated = num_new
-        self._num_generated = num_generated
+        self.num_ungenerated = num_new  # tokens it may still generate (max_tokens times n)
         self._settled = False
 
-    def __aiter__(self) -> ReplicaStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        try:
-            out = await self.inner.__anext__()
-        except Exception:  # StopAsyncIteration included: the request is over either way
-            self._settle()
-            raise
-        self._observe(out)
-        return out
-
-    def _observe(self, out: RequestOutput) -> None:
+    def on_delta(self, delta: RequestOutput) -> None:
         if self._settled:
             return
-        if self.observer is not None:
-            self.observer.on_output(out)
-        # Outputs are cumulative (a slow reader may skip some), so count from the total.
-        num_generated = sum(len(c.token_ids) for c in out.outputs)
-        new = min(max(num_generated - self._num_generated, 0), self._num_ungenerated)
-        self._num_generated = num_generated
+        new = min(sum(len(c.token_ids) for c in delta.outputs), self.num_ungenerated)
         self.replica._retire(self._num_unprefilled + new)
         self._num_unprefilled = 0
-        self._num_ungenerated -= new
-        if out.finished:
-            self._settle()
+        self.num_ungenerated -= new
 
-    def _settle(self) -> None:
+    def on_end(self) -> None:
         if not self._settled:
             self._settled = True
-            if self.observer is not None:
-                self.observer.on_end()
-            self.replica._finish(self, self._num_unprefilled + self._num_ungenerated)
-
-    @property
-    def num_ungenerated(self) -> int:
-        """Tokens it may still generate (max_tokens times n, less those it has)."""
-        return self._num_ungenerated
-
-    def close(self) -> None:
-        self.inner.close()
-        self._settle()
-
-    def __getattr__(self, name: str) -> Any:  # started, finished, closed, queue, ...
-        return getattr(self.inner, name)
+            self.replica._finish(self, self._num_unprefilled + self.num_ungenerated)

@@ -11,8 +11,9 @@ requests fills the queue and the batch, and an `interactive` request still goes 
 engine at once and takes a batch request's seat on the next step. A request still queued
 past its class's `max_queue_time_s` is shed (503) before it costs any compute.
 
-Once sent, each engine request is a `MigratingStream` (serve/resilience/migration.py): the service
-keeps its prompt and the output its reader last got, and when its replica is lost (died,
+Once sent, each engine request is a `FleetStream` over its `RequestState`
+(serve/request_state.py): the service keeps its prompt and the fold of the deltas its
+reader got, and when its replica is lost (died,
 drained, hung, stopped) its RouterResubmitter (serve/resilience/resubmit.py) resumes it on another
 one. The model's gauges pool its replicas' stats (serve/telemetry/pooled_stats.py). Its Supervisor (serve/replicas/supervisor.py)
 removes dead and hung replicas and drains those given a preemption notice; its
@@ -43,20 +44,23 @@ from fleetserve.engine.async_engine import (
 )
 from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.metrics import ModelMetrics
-from fleetserve.outputs import RequestOutput
+from fleetserve.outputs import OutputFold, RequestOutput
 from fleetserve.serve.admission.admit import Admission, ClassObserver, Pending, PreparedPrompt
 from fleetserve.serve.admission.replica_wait import NoReplicaWait
 from fleetserve.serve.admission.sla import Entry, ServiceClass, engine_priority, oversubscription
-from fleetserve.serve.config.fleet_config import ModelEntry, PoolConfig
-from fleetserve.serve.contracts import Replica, ReplicaStreamLike, RouteRequest
+from fleetserve.serve.config.fleet_config import (
+    ModelEntry,
+    PoolConfig,
+)
+from fleetserve.serve.contracts import Replica, RouteRequest
 from fleetserve.serve.remote.targets import RemoteTargets
 from fleetserve.serve.replicas.local import LocalReplica
 from fleetserve.serve.replicas.pool_plan import PoolController, prefer_spot
 from fleetserve.serve.replicas.provision import LocalProvisioner
 from fleetserve.serve.replicas.replica_set import ReplicaSet
 from fleetserve.serve.replicas.supervisor import SUPERVISE_INTERVAL_S, Supervisor
+from fleetserve.serve.request_state import FleetStream, RequestState
 from fleetserve.serve.resilience.hedging import hedge_for
-from fleetserve.serve.resilience.migration import MigratingStream
 from fleetserve.serve.resilience.resubmit import Narrow, RouterResubmitter, SentRequest
 from fleetserve.serve.routing.policies import make_policy
 from fleetserve.serve.routing.router import NoHealthyReplicaError, Router
@@ -288,7 +292,7 @@ class GenerateService:
         class_name: str | None = None,
         priority: int = 0,
         resume: RequestOutput | None = None,
-    ) -> list[ReplicaStreamLike]:
+    ) -> list[FleetStream]:
         """Validates every prompt (ValueError naming the field), queues the request in its
         class and returns its streams once it is sent to a replica: one per prompt, all on
         their way. Raises ShedError (queue full / waited too long), EngineNotReadyError,
@@ -364,7 +368,7 @@ class GenerateService:
     def _send(self, entry: Entry[Pending], no_room: set[int]) -> None:
         pending = entry.payload
         cls = entry.service_class
-        streams: list[ReplicaStreamLike] = []
+        streams: list[FleetStream] = []
         try:
             for item in pending.items:
                 route = RouteRequest(
@@ -393,18 +397,16 @@ class GenerateService:
                 except BaseException:
                     observer.on_end()  # it never started
                     raise
-                stream = MigratingStream(
-                    self.resubmitter,
-                    item.request_id,
-                    item.params.n,
+                state = request_state(item, entry, replica.index)
+                stream = FleetStream(
+                    state,
                     inner,
-                    replica.index,
+                    self.resubmitter,
                     observer=observer,
                     migration_limit=self.resilience.migration_limit,
                     hedge=hedge_for(cls.hedge_after_s, self.resubmitter.resubmit, self.metrics),
-                    context=SentRequest(item, cls, engine_priority(cls, entry.priority)),
+                    context=SentRequest(item, cls, state.priority),
                 )
-                stream.last = item.resume  # what its reader has: a move goes on from there
                 streams.append(stream)
         except Exception as e:
             for s in streams:
@@ -463,3 +465,20 @@ class GenerateService:
 
     def _publish_stats(self, replica: Replica) -> None:
         publish_pooled_stats(self.metrics, self.replica_set.live)
+
+
+def request_state(item: PreparedPrompt, entry: Entry[Pending], replica_index: int) -> RequestState:
+    """A sent engine request's state; its fold starts from `item.resume` (a request a
+    gateway moved here: what its reader has, which a move here goes on from)."""
+    cls = entry.service_class
+    params = item.params
+    return RequestState(
+        item.request_id,
+        params.n,
+        cls.name,
+        engine_priority(cls, entry.priority),
+        entry.payload.arrival,
+        OutputFold(item.request_id, params.n, start=item.resume),
+        replica_index,
+        queue_deadline=None if entry.deadline == float("inf") else entry.deadline,
+    )
