@@ -61,3 +61,14 @@ NOT_A_CLASS = 42
 
 def not_a_class(instances: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return instances
+
+
+class AnyOptions:
+    """Takes any options (a stand-in for an example's handler that is not installed here);
+    echoes each instance with the options it was given."""
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    def __call__(self, instances: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{"instance": i, "options": self.options} for i in instances]
