@@ -216,8 +216,10 @@ def build_registry(fleet: FleetConfig, metrics: ServerMetrics) -> Registry:
                 f"models[{fleet.models.index(entry)}] ({entry.name}): kind {entry.kind!r} "
                 "is not available in this build"
             )
+        model_metrics = metrics.model(entry.name)
+        model_metrics.declare(entry.kind, fleet.classes)
         try:
-            services.append(builder(entry, fleet, metrics.model(entry.name)))
+            services.append(builder(entry, fleet, model_metrics))
         except (OSError, ValueError) as e:
             raise ValueError(f"model {entry.name!r}: {e}") from e
     return Registry(services)
