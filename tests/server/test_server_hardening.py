@@ -136,12 +136,24 @@ def test_non_json_content_type_is_415(http: httpx.Client, content_type: str | No
     check_error(resp, 415)
 
 
-def test_json_with_charset_is_accepted(http: httpx.Client) -> None:
-    headers = {"Content-Type": "application/json; charset=utf-8"}
+@pytest.mark.parametrize("charset", ["utf-8", "UTF-8", '"utf-8"', "utf8"])
+def test_json_with_charset_is_accepted(http: httpx.Client, charset: str) -> None:
+    headers = {"Content-Type": f"application/json; charset={charset}"}
     resp = http.post(
         "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}', headers=headers
     )
     assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.parametrize("charset", ["utf-16", "latin-1", "utf-16le"])
+def test_json_in_another_charset_is_415(http: httpx.Client, charset: str) -> None:
+    # A UTF-8 body declared as another charset would be read as what it is not.
+    headers = {"Content-Type": f"application/json; charset={charset}"}
+    resp = http.post(
+        "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}', headers=headers
+    )
+    err = check_error(resp, 415)
+    assert "charset" in err["message"]
 
 
 def test_cors_only_for_allowed_origins(http: httpx.Client) -> None:

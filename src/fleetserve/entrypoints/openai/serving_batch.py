@@ -67,7 +67,7 @@ def batch_router(
 ) -> APIRouter:
     """`executor_factory()` is called as each batch starts running, after the app's own
     start-up, so it may hand out an engine that the app creates in its lifespan."""
-    jobs = BatchJobs(store, executor_factory, concurrency)
+    jobs = BatchJobs(store, executor_factory, concurrency, max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
