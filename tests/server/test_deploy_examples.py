@@ -29,7 +29,7 @@ from test_deploy_prometheus import pod_args
 from fleetserve.deploy import pods
 from fleetserve.deploy.k8s import RenderOptions, render_fleet
 from fleetserve.engine.embedding import MINILM_NAME
-from fleetserve.serve.fleet_config import parse_fleet_config
+from fleetserve.serve.config.fleet_config import parse_fleet_config
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

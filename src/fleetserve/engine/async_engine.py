@@ -54,7 +54,7 @@ class EngineDeadError(RuntimeError):
 class ReplicaGoneError(EngineDeadError):
     """This engine can no longer serve the request (its process died, it is being drained
     or stopped), though another replica may: the fleet resumes the request elsewhere
-    (request migration, serve/migration.py)."""
+    (request migration, serve/resilience/migration.py)."""
 
 
 class EngineNotReadyError(RuntimeError):
@@ -417,7 +417,12 @@ async def _process_exit(proc: subprocess.Popen[bytes]) -> None:
     if fd is not None:
         loop = asyncio.get_running_loop()
         exited: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+
+        def on_exit() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(fd, on_exit)
         try:
             if proc.poll() is None:
                 await exited
