@@ -261,6 +261,13 @@ def test_whole_number_floats_are_integers(http: httpx.Client) -> None:
     assert http.post("/v1/chat/completions", json=chat).status_code == 200
 
 
+def test_openapi_operation_ids_are_unique(http: httpx.Client) -> None:
+    spec = http.get("/openapi.json").json()
+    ids = [op["operationId"] for item in spec["paths"].values() for op in item.values()]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    assert "get" in spec["paths"]["/health"] and "head" not in spec["paths"]["/health"]
+
+
 def test_head_health_and_live(http: httpx.Client) -> None:
     for path in ("/health", "/live", "/ready"):
         assert http.head(path).status_code == 200, path

@@ -166,9 +166,11 @@ class MicroBatchReplica:
                 entry["name"], entry.get("model") or MINILM_NAME, batching=batching
             )
         else:
+            limits = {k: entry[k] for k in ("timeout_s", "memory_limit_mb") if entry.get(k)}
             self.service = CustomService(
-                entry["name"], entry["handler"], options=entry["options"], batching=batching
-            )
+                entry["name"], entry["handler"], options=entry["options"], batching=batching,
+                **limits,
+            )  # fmt: skip
         await self.service.start()
 
     async def dimension(self) -> int:

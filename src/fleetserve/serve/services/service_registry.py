@@ -116,7 +116,16 @@ def _build_custom(entry: ModelEntry, fleet: FleetConfig, metrics: ModelMetrics) 
         options=entry.options,
         batching=_batching(entry),
         on_batch=metrics.observe_batch,
+        **_handler_limits(entry),
     )
+
+
+def _handler_limits(entry: ModelEntry) -> dict[str, Any]:
+    """A custom model's timeout_s and memory_limit_mb, where the fleet file sets them."""
+    limits: dict[str, Any] = {"memory_limit_mb": entry.memory_limit_mb}
+    if entry.timeout_s is not None:
+        limits["timeout_s"] = entry.timeout_s
+    return limits
 
 
 _BUILDERS: dict[str, ServiceBuilder] = {
