@@ -110,7 +110,7 @@ def router() -> Iterator[Router]:
     del router_state.ROUTERS[DEPLOYMENT]
 
 
-def hedged_client(model: str, handle: Handle) -> RayGenerateClient:
+def hedged_client(model: str, handle: Handle, max_ongoing: int = 4) -> RayGenerateClient:
     fleet = parse_fleet_config(
         {
             "models": [{"name": "hedge", "model": model}],
@@ -118,7 +118,7 @@ def hedged_client(model: str, handle: Handle) -> RayGenerateClient:
         }
     )
     metrics = ServerMetrics().model("hedge")
-    return RayGenerateClient(fleet.models[0], fleet, handle, 4, metrics)  # type: ignore[arg-type]
+    return RayGenerateClient(fleet.models[0], fleet, handle, max_ongoing, metrics)  # type: ignore[arg-type]
 
 
 def read(c: RayGenerateClient) -> tuple[list[RequestOutput], Any]:
@@ -171,12 +171,13 @@ def test_the_first_call_wins_over_a_slow_copy(tiny_llama: str, router: Router) -
     assert hedges(c, "first") == 1 and c.num_in_flight_streams == 0
 
 
-@pytest.mark.parametrize("why", ["no_other_replica", "first_not_routed"])
+@pytest.mark.parametrize("why", ["no_other_replica", "first_not_routed", "budget_full"])
 def test_no_copy_when_it_could_not_go_elsewhere(tiny_llama: str, router: Router, why: str) -> None:
     if why == "no_other_replica":
         router.live = {0}
     handle = Handle(router, slow=0, slow_s=0.3, route=why != "first_not_routed")
-    c = hedged_client(tiny_llama, handle)
+    # budget_full: one seat in flight at most (the first call holds it): no copy past it.
+    c = hedged_client(tiny_llama, handle, max_ongoing=1 if why == "budget_full" else 4)
     got, stream = read(c)
     assert got[-1] == output("req-0", MAX_TOKENS, 100)
     assert len(handle.calls) == 1 and stream.hedged  # tried once, then the first alone
