@@ -57,6 +57,12 @@ class ReplicaGoneError(EngineDeadError):
     (request migration, serve/resilience/migration.py)."""
 
 
+class ReplicaRefusedError(ReplicaGoneError):
+    """The replica refused the request before starting it (it is draining): the request
+    goes elsewhere, but nothing of it was lost, so it is not a migration (it does not use
+    up a move of its migration_limit)."""
+
+
 class EngineNotReadyError(RuntimeError):
     """The model is still loading."""
 

@@ -24,7 +24,12 @@ import numpy as np
 
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
-from fleetserve.engine.async_engine import AsyncEngine, EngineDeadError, ReplicaGoneError
+from fleetserve.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    ReplicaGoneError,
+    ReplicaRefusedError,
+)
 from fleetserve.engine.embedding import MINILM_NAME
 from fleetserve.outputs import RequestOutput
 from fleetserve.ray.health import EngineWatch
@@ -91,7 +96,7 @@ class GenerateReplica:
         (request migration). `num_new_tokens` and `avoid` are for the ingress's router
         only. Cancelling the call (the client left) aborts the request."""
         if self.watch.draining:
-            yield RemoteError.of(ReplicaGoneError("the replica is draining"))
+            yield RemoteError.of(ReplicaRefusedError("the replica is draining"))
             return
         try:
             stream = self.replica.submit(

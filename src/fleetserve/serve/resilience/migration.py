@@ -24,7 +24,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from fleetserve.engine.async_engine import EngineDeadError, ReplicaGoneError
+from fleetserve.engine.async_engine import (
+    EngineDeadError,
+    ReplicaGoneError,
+    ReplicaRefusedError,
+)
 from fleetserve.outputs import RequestOutput
 from fleetserve.serve.contracts import ReplicaStreamLike, StreamObserver
 from fleetserve.serve.resilience.hedging import Hedge, first_output
@@ -37,6 +41,11 @@ def migration_reason(error: ReplicaGoneError) -> str:
         if word in text:
             return reason
     return "died"
+
+
+# Refusals (ReplicaRefusedError) a request may meet on its way; past them they count as
+# migrations (a loop between draining replicas ends).
+MAX_REFUSALS = 8
 
 
 class MigrationLimitError(EngineDeadError):
@@ -81,6 +90,7 @@ class MigratingStream:
         self.hedge = hedge
         self.last: RequestOutput | None = None  # the newest output its reader was given
         self.migrations = 0
+        self.refusals = 0  # calls refused before they started (not migrations)
         self.hedged = False
         self.replicas_used = [replica_index]
         self._ended = False
@@ -115,6 +125,11 @@ class MigratingStream:
         self.inner.close()
         if self._closed:
             raise StopAsyncIteration
+        if isinstance(error, ReplicaRefusedError) and self.refusals < MAX_REFUSALS:
+            # Refused before it started (a draining replica): sent elsewhere, not a move.
+            self.refusals += 1
+            await self._resubmit()
+            return
         if self.migrations >= self.migration_limit:
             self._end()
             raise MigrationLimitError(
@@ -123,6 +138,9 @@ class MigratingStream:
             ) from None
         self.migrations += 1
         self.service.on_migrated(self, error)
+        await self._resubmit()
+
+    async def _resubmit(self) -> None:
         try:
             self.inner, self.replica_index = await self.service.resubmit(
                 self, exclude={self.replica_index}
