@@ -9,11 +9,12 @@ PROMPT ?= What is the capital of France?
 # Programs some tests drive (they skip without them), as command:Debian package.
 SYSTEM_DEPS ?= chromium:chromium chromedriver:chromium-driver prometheus:prometheus
 
-setup: system-deps $(VENV)/.installed
+setup: $(VENV)/.installed
 
-# The dashboard's browser test needs chromium + chromedriver, the metrics and deploy
-# tests prometheus: installed when missing and apt-get is usable (root or passwordless
-# sudo); otherwise a note, and those tests skip. Never fails the setup.
+# Test-only programs: the dashboard's browser test needs chromium + chromedriver, the
+# metrics and deploy tests prometheus. `make test` / `make test-slow` install them when
+# missing and apt-get is usable (root or passwordless sudo); otherwise a note, and those
+# tests skip. Never fails. `make demo` and `make serve` do not need them.
 system-deps:
 	@missing=""; for dep in $(SYSTEM_DEPS); do \
 	  command -v $${dep%%:*} >/dev/null 2>&1 || missing="$$missing $${dep#*:}"; done; \
@@ -55,10 +56,10 @@ serve: setup
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
-test: setup
+test: setup system-deps
 	$(PYTEST) -m "not slow"
 
-test-slow: setup
+test-slow: setup system-deps
 	$(PYTEST) -m slow
 
 lint: setup

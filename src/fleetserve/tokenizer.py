@@ -3,6 +3,7 @@ ids in and out, the chat template, and the set of token ids that end a generatio
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from fleetserve.models.loader import ModelSource
@@ -45,6 +46,26 @@ class Tokenizer:
         stops += _as_ids(source.generation_config.get("eos_token_id"))
         return cls(hf, stops)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for: the longest vocabulary entry
+        (byte-level entries spell one character per byte, so this bounds the text's
+        characters too). A text of more than `n * max_token_chars` characters has more
+        than n tokens, which is known without tokenizing it."""
+        return max((len(k) for k in self.hf.get_vocab()), default=1) or 1
+
+    def check_length(self, text: str, max_model_len: int, what: str = "prompt") -> None:
+        """ValueError when `text` cannot be a prompt shorter than `max_model_len` tokens,
+        judged by its length alone: a huge text is refused before the tokenizer spends
+        time and memory on it."""
+        most = max_model_len - 1
+        if len(text) > most * self.max_token_chars:
+            raise ValueError(
+                f"{what} has more than {most} tokens ({len(text)} characters; a token of "
+                f"this model spells at most {self.max_token_chars}) but max_model_len is "
+                f"{max_model_len}"
+            )
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
@@ -72,8 +93,15 @@ class Tokenizer:
         )
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        max_model_len: int | None = None,
     ) -> list[int]:
+        """`max_model_len`: a rendered text too long to fit is refused (ValueError) before
+        it is tokenized."""
         text = self.render_chat(messages, add_generation_prompt)
+        if max_model_len is not None:
+            self.check_length(text, max_model_len, "the chat prompt")
         # The template already writes any BOS it wants; adding special tokens would double it.
         return self.encode(text, add_special_tokens=False)

@@ -31,6 +31,12 @@ class ReplicaGoneError(EngineDeadError):
     (request migration, serve/resilience/migration.py)."""
 
 
+class ReplicaRefusedError(ReplicaGoneError):
+    """The replica refused the request before starting it (it is draining): the request
+    goes elsewhere, but nothing of it was lost, so it is not a migration (it does not use
+    up a move of its migration_limit)."""
+
+
 class DeltaQueue:
     def __init__(self) -> None:
         self._pending: RequestOutput | None = None

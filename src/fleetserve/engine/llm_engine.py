@@ -39,6 +39,8 @@ class PromptRules:
                 raise ValueError("prompt must not be empty")
             if not is_valid_unicode(prompt):
                 raise ValueError("prompt holds text that is not valid Unicode (a lone surrogate)")
+            # Longer than max_model_len tokens could hold: refused without tokenizing it.
+            self.tokenizer.check_length(prompt, self.max_model_len)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

@@ -385,7 +385,23 @@ class RayGenerateClient:
         also = frozenset({(first.deployment, index)})
         if self.pools.pick(call.service_class.name, lambda d: call.avoid(d, also)) is None:
             raise EngineDeadError(f"no other replica of {self.name!r} for a hedged copy")
-        return self._call(call, also=also), _UNPLACED
+        # The copy takes a seat of the in-flight budget for as long as both calls run:
+        # the race ends when one of them ends (the loser is closed at once).
+        if self.num_in_flight_streams >= self.capacity:
+            raise EngineDeadError(f"no room in {self.name!r}'s in-flight budget for a copy")
+        copy = self._call(call, also=also)
+        self.num_in_flight_streams += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._release(1)
+
+        first.on_end.append(release)
+        copy.on_end.append(release)
+        return copy, _UNPLACED
 
     async def _wait_for_replica(self, call: _Call) -> None:
         """Returns once Serve's routers list a replica the request may go to, one it was

@@ -24,7 +24,12 @@ import numpy as np
 
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
-from fleetserve.engine.async_engine import AsyncEngine, EngineDeadError, ReplicaGoneError
+from fleetserve.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    ReplicaGoneError,
+)
+from fleetserve.engine.delta_stream import ReplicaRefusedError
 from fleetserve.engine.embedding import MINILM_NAME
 from fleetserve.engine.stats import EngineStats
 from fleetserve.outputs import RequestOutput
@@ -92,7 +97,7 @@ class GenerateReplica:
         (request migration). `num_new_tokens` and `avoid` are for the ingress's router
         only. Cancelling the call (the client left) aborts the request."""
         if self.watch.draining:
-            yield RemoteError.of(ReplicaGoneError("the replica is draining"))
+            yield RemoteError.of(ReplicaRefusedError("the replica is draining"))
             return
         try:
             stream = self.replica.submit(
@@ -168,9 +173,11 @@ class MicroBatchReplica:
                 entry["name"], entry.get("model") or MINILM_NAME, batching=batching
             )
         else:
+            limits = {k: entry[k] for k in ("timeout_s", "memory_limit_mb") if entry.get(k)}
             self.service = CustomService(
-                entry["name"], entry["handler"], options=entry["options"], batching=batching
-            )
+                entry["name"], entry["handler"], options=entry["options"], batching=batching,
+                **limits,
+            )  # fmt: skip
         await self.service.start()
 
     async def dimension(self) -> int:

@@ -60,6 +60,7 @@ class RayStream:
         self._index: int | None = None
         self._done = False
         self.lost = False  # ended by ReplicaGoneError: the request may go on elsewhere
+        self.on_end: list[Callable[[], None]] = []  # each called once, when the call ends
 
     @property
     def replica_index(self) -> int | None:
@@ -105,6 +106,8 @@ class RayStream:
         if not self._done:
             self._done = True
             _ = self.replica_index  # fixed now (see replica_index)
+            for callback in self.on_end:
+                callback()
 
     def close(self) -> None:
         """Aborts the request in its replica if it has not finished."""

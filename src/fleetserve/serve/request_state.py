@@ -45,6 +45,7 @@ class RequestState:
     replicas_used: list[int] = field(default_factory=list)
     queue_deadline: float | None = None  # when it would have been shed had it not started
     migrations: int = 0
+    refusals: int = 0  # calls refused before they started (not migrations)
     hedged: bool = False
     num_outputs: int = 0  # deltas its reader got on this server
     first_token_at: float | None = None  # time.monotonic() of its first token

@@ -171,6 +171,13 @@ def unavailable(state: ServerState) -> str | None:
         return "the server is shutting down"
     if registry.dead_reason is not None:
         return registry.dead_reason
+    unhealthy = [
+        f"model {s.name!r} is unhealthy: {why}"
+        for s in registry
+        if (why := getattr(s, "unhealthy_reason", None)) is not None
+    ]
+    if unhealthy:  # a custom model's handler stuck in a call, or restarting
+        return "; ".join(unhealthy)
     if not registry.is_ready:
         return "loading: " + ", ".join(s.name for s in registry if not s.is_ready)
     return None
@@ -204,9 +211,11 @@ def _add_health_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    app.add_api_route("/health", health, methods=["GET", "HEAD"])
-    app.add_api_route("/live", live, methods=["GET", "HEAD"])
-    app.add_api_route("/ready", ready, methods=["GET", "HEAD"])
+    for path, probe in (("/health", health), ("/live", live), ("/ready", ready)):
+        app.add_api_route(path, probe, methods=["GET"])
+        # HEAD answers too, but is not published: one route of two methods would give
+        # /openapi.json the same operationId twice.
+        app.add_api_route(path, probe, methods=["HEAD"], include_in_schema=False)
     app.add_api_route("/metrics", metrics, methods=["GET"])
 
 

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.cpu_work import run_cpu
 from fleetserve.entrypoints.openai.errors import APIError, from_value_error
 from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest
 from fleetserve.entrypoints.openai.serving_common import (
@@ -41,7 +42,9 @@ from fleetserve.serve.request_state import FleetStream
 def _prompt_ids(ctx: ModelContext, req: ChatCompletionRequest) -> list[int]:
     messages = [m.as_template_dict() for m in req.messages]
     try:
-        ids = ctx.engine.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+        ids = ctx.engine.tokenizer.apply_chat_template(
+            messages, req.add_generation_prompt, ctx.engine.max_model_len
+        )
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
     except Exception as e:  # jinja2 errors: the template refused these messages
@@ -99,7 +102,8 @@ async def create_chat_completion(server: ServingContext, request: Request) -> Re
     ctx = server.generate_model(req.model)
     class_name = service_class(request, req.service_tier)
     note_request(request, ctx, class_name)
-    prompt, base = chat_inputs(ctx, req)
+    # The template and the tokenizer take time in proportion to the messages: off the loop.
+    prompt, base = await run_cpu(chat_inputs, ctx, req)
     request_id = new_id("chatcmpl")
     streams = await admit(
         request, ctx, request_id, [prompt], lambda: copy.copy(base), req.priority, class_name

@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from fleetserve import cpu_work
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import (
     EngineDeadError,
@@ -59,6 +60,9 @@ class GenerateFrontend(Protocol):
 
     name: str
     tokenizer: Tokenizer
+
+    @property
+    def max_model_len(self) -> int: ...
 
     @property
     def queue(self) -> ClassQueue[Any]:
@@ -140,6 +144,27 @@ def shorten(text: str, limit: int = 200) -> str:
 
 async def read_body(ctx: ServingContext, request: Request) -> dict[str, Any]:
     return await read_json(request, ctx.max_body_bytes, ctx.read_timeout_s)
+
+
+def _tokenize(ctx: ModelContext, prompt: str) -> dict[str, Any]:
+    ctx.engine.tokenizer.check_length(prompt, ctx.engine.max_model_len)
+    return {"prompt": prompt, "prompt_token_ids": ctx.engine.tokenizer.encode(prompt)}
+
+
+async def tokenize_large(ctx: ModelContext, prompts: list[Any]) -> list[Any]:
+    """Each large text prompt tokenized on the CPU pool (off the event loop), in the
+    engine's prompt form {"prompt", "prompt_token_ids"}; a small one is left for admission
+    to tokenize (quicker than the hop). 400 for a prompt that cannot fit, before any of it
+    is tokenized."""
+    out = []
+    for prompt in prompts:
+        if isinstance(prompt, str) and len(prompt) > cpu_work.SMALL:
+            try:
+                prompt = await cpu_work.run_cpu(_tokenize, ctx, prompt)
+            except ValueError as e:
+                raise from_value_error(e) from None
+        out.append(prompt)
+    return out
 
 
 def new_id(prefix: str) -> str:

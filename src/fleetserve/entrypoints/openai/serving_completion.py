@@ -30,6 +30,7 @@ from fleetserve.entrypoints.openai.serving_common import (
     sse,
     sse_error,
     token_text,
+    tokenize_large,
     top_entries,
     unless_disconnected,
     usage,
@@ -75,6 +76,7 @@ async def create_completion(server: ServingContext, request: Request) -> Respons
     class_name = service_class(request, req.service_tier)
     note_request(request, ctx, class_name)
     prompts, base = completion_inputs(req)
+    prompts = await tokenize_large(ctx, prompts)
     request_id = new_id("cmpl")
     streams = await admit(
         request, ctx, request_id, prompts, lambda: copy.copy(base), req.priority, class_name

@@ -263,6 +263,10 @@ class ModelEntry(_Strict):
     batching: MicroBatchConfig | None = None
     handler: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
+    # A custom handler's process (serve/microbatch/isolated.py): a call past timeout_s is
+    # ended (504) and the process restarted; memory_limit_mb caps its heap.
+    timeout_s: float | None = Field(default=None, gt=0.0, le=86_400.0)
+    memory_limit_mb: int | None = Field(default=None, ge=16)
     deploy: DeployConfig | None = None  # read by `fleetserve deploy k8s` only
     autoscale: AutoscaleConfig | None = None
     placement: PlacementConfig | None = None
@@ -329,6 +333,10 @@ class ModelEntry(_Strict):
                 raise ValueError("a custom model needs handler: 'package.module:ClassName'")
         elif self.handler is not None or self.options:
             raise ValueError(f"handler and options are for kind 'custom', not {self.kind!r}")
+        else:
+            limits = [k for k in ("timeout_s", "memory_limit_mb") if getattr(self, k) is not None]
+            if limits:
+                raise ValueError(f"{', '.join(limits)}: for kind 'custom', not {self.kind!r}")
         if self.kind == "generate" and self.batching is not None:
             raise ValueError("batching is for embed and custom models (generate batches itself)")
         if self.kind != "generate" and self.engine is not None:

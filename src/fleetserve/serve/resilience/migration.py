@@ -23,7 +23,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from fleetserve.engine.async_engine import EngineDeadError, ReplicaGoneError
+from fleetserve.engine.async_engine import (
+    EngineDeadError,
+    ReplicaGoneError,
+)
+from fleetserve.engine.delta_stream import ReplicaRefusedError
 from fleetserve.serve.contracts import ReplicaStreamLike
 
 if TYPE_CHECKING:
@@ -37,6 +41,11 @@ def migration_reason(error: ReplicaGoneError) -> str:
         if word in text:
             return reason
     return "died"
+
+
+# Refusals (ReplicaRefusedError) a request may meet on its way; past them they count as
+# migrations (a loop between draining replicas ends).
+MAX_REFUSALS = 8
 
 
 class MigrationLimitError(EngineDeadError):
@@ -58,14 +67,19 @@ class Resubmitter(Protocol):
 
 async def migrate(stream: FleetStream, error: ReplicaGoneError) -> None:
     """Moves `stream`'s request, whose replica was lost with `error`, to another replica
-    (its old call is closed already); MigrationLimitError past its migration_limit."""
+    (its old call is closed already); MigrationLimitError past its migration_limit. A call
+    refused before it started (a draining replica) goes elsewhere without using up a move,
+    up to MAX_REFUSALS times."""
     state = stream.state
-    if state.migrations >= stream.migration_limit:
-        raise MigrationLimitError(
-            f"the request lost its replica {state.migrations + 1} times, more than its "
-            f"migration_limit of {stream.migration_limit}; last: {error}"
-        ) from None
-    state.migrations += 1
-    stream.service.on_migrated(stream, error)
+    if isinstance(error, ReplicaRefusedError) and state.refusals < MAX_REFUSALS:
+        state.refusals += 1
+    else:
+        if state.migrations >= stream.migration_limit:
+            raise MigrationLimitError(
+                f"the request lost its replica {state.migrations + 1} times, more than its "
+                f"migration_limit of {stream.migration_limit}; last: {error}"
+            ) from None
+        state.migrations += 1
+        stream.service.on_migrated(stream, error)
     stream.inner, index = await stream.service.resubmit(stream, exclude={state.replica_index})
     state.moved_to(index)

@@ -110,7 +110,16 @@ def _build_custom(entry: ModelEntry, fleet: FleetConfig, metrics: ModelMetrics) 
         options=entry.options,
         batching=_batching(entry),
         on_batch=metrics.observe_batch,
+        **_handler_limits(entry),
     )
+
+
+def _handler_limits(entry: ModelEntry) -> dict[str, Any]:
+    """A custom model's timeout_s and memory_limit_mb, where the fleet file sets them."""
+    limits: dict[str, Any] = {"memory_limit_mb": entry.memory_limit_mb}
+    if entry.timeout_s is not None:
+        limits["timeout_s"] = entry.timeout_s
+    return limits
 
 
 _BUILDERS: dict[str, ServiceBuilder] = {
@@ -210,8 +219,10 @@ def build_registry(fleet: FleetConfig, metrics: ServerMetrics) -> Registry:
                 f"models[{fleet.models.index(entry)}] ({entry.name}): kind {entry.kind!r} "
                 "is not available in this build"
             )
+        model_metrics = metrics.model(entry.name)
+        model_metrics.declare(entry.kind, fleet.classes)
         try:
-            services.append(builder(entry, fleet, metrics.model(entry.name)))
+            services.append(builder(entry, fleet, model_metrics))
         except (OSError, ValueError) as e:
             raise ValueError(f"model {entry.name!r}: {e}") from e
     return Registry(services)
