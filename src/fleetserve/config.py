@@ -31,7 +31,45 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+
+
+def layer_windows(hf: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: it attends to everything), as transformers
+    reads the config: Mistral windows every layer; Qwen2/3 the layers from
+    `max_window_layers` on when `use_sliding_window`; Gemma 3 its "sliding_attention"
+    layers (`layer_types`, else every layer but each `sliding_window_pattern`-th)."""
+    window = hf.get("sliding_window")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not hf.get("use_sliding_window"):
+        window = None
+    if window is None:
+        return (None,) * num_layers
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
+    types = hf.get("layer_types")
+    if types is None:
+        if arch == "MistralForCausalLM":
+            types = ["sliding_attention"] * num_layers
+        elif arch == "Gemma3ForCausalLM":
+            pattern = int(hf.get("sliding_window_pattern", 6))
+            types = [
+                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                for i in range(num_layers)
+            ]
+        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            start = int(hf.get("max_window_layers", num_layers))
+            types = [
+                "sliding_attention" if i >= start else "full_attention" for i in range(num_layers)
+            ]
+        else:
+            raise ValueError(f"{arch} with sliding_window={window} is not supported")
+    if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(
+            f"layer_types must list 'sliding_attention' / 'full_attention' for each of the "
+            f"{num_layers} layers, got {types!r}"
+        )
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -70,6 +108,8 @@ class ModelConfig:
     max_model_len: int
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per layer: its sliding window in tokens, None for full attention (empty: all full).
+    layer_windows: tuple[int | None, ...] = ()
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -80,6 +120,10 @@ class ModelConfig:
         max_model_len: int | None = None,
     ) -> ModelConfig:
         archs = hf.get("architectures") or []
+        if "Gemma3ForConditionalGeneration" in archs and isinstance(hf.get("text_config"), dict):
+            # The text part only: its language model's weights (models/loader.py).
+            hf = {**hf["text_config"], "architectures": ["Gemma3ForCausalLM"]}
+            archs = hf["architectures"]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
@@ -124,11 +168,12 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             dtype=parse_dtype(dtype),
             max_model_len=max_model_len,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            layer_windows=layer_windows(hf, arch, int(hf["num_hidden_layers"])),
             hf_config=dict(hf),
         )
 

@@ -38,12 +38,7 @@ def load_model(
         consumed = keep_gguf_quantized(model, source, int8_activations)
     model = model.to_empty(device=device).to(mcfg.dtype)
     # Buffers (rotary tables) were on meta: rebuild them for real.
-    with torch.device(device):
-        fresh_rope = type(model.decoder_layers()[0].self_attn.rope)(
-            mcfg.head_dim, mcfg.max_model_len + 1, mcfg.rope_theta, mcfg.rope_scaling
-        )
-    for layer in model.decoder_layers():
-        layer.self_attn.rope = fresh_rope
+    model.rebuild_rope(device)
     if parallel is None:
         model.load_weights(source.iter_tensors(mcfg.dtype, skip=consumed))
     else:
@@ -95,6 +90,7 @@ def use_cpu_kernel(mcfg: ModelConfig, device: torch.device, attention_backend: s
 def bind_decode_plan(model: LlamaForCausalLM, cpu_kernel: bool, enabled: bool) -> bool:
     """Give the model its C decode step (models/llama_decode.py) where it applies; call
     after `bind_kv_caches` and `pack_for_cpu`. Returns whether it did."""
+    enabled = enabled and model.decode_step_capable
     model.model.decode_plan = build_decode_plan(model) if cpu_kernel and enabled else None
     return model.model.decode_plan is not None
 
