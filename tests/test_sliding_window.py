@@ -39,6 +39,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "chunked_prefill": {"max_num_batched_tokens": 7, "block_size": 4},
     "small_kv_cache": {"num_kv_blocks": 40, "block_size": 4, "max_num_batched_tokens": 32},
 }
+# Fewer blocks than the longest request's 83 tokens need: it fits only because blocks that
+# slid out of every layer's window are freed (Mistral: every layer windowed).
+WINDOW_KV_CACHE = {"num_kv_blocks": 18, "block_size": 4, "max_num_batched_tokens": 8}
 
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3": ("gemma3", {"num_hidden_layers": 4}),
@@ -104,7 +107,11 @@ def run_engine(
             lps[out.req_id] += out.new_logprobs or []
         core.block_manager.check_invariants()
     assert not core.has_unfinished_requests()
-    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks, "blocks leaked"
+    bm = core.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
+    sliding = getattr(bm, "sliding", None)
+    if sliding is not None:
+        assert sliding.num_free_blocks == sliding.num_blocks, "window blocks leaked"
     return tokens, core, lps
 
 
@@ -124,8 +131,20 @@ def test_greedy_matches_hf(model_path: str, setting: str, backend: str) -> None:
     tokens, core, _ = run_engine(model_path, GREEDY, attention_backend=backend, **SETTINGS[setting])
     for i, expected in enumerate(ref):
         assert tokens[str(i)] == expected, f"prompt {i} (len {len(PROMPTS[i])})"
-    if setting == "small_kv_cache":
+    if setting == "small_kv_cache" and hasattr(core.block_manager, "sliding"):
         assert core.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_mistral_cache_smaller_than_a_request(
+    tiny_model_factory: Callable[..., str], backend: str
+) -> None:
+    path = tiny_model_factory(*MODELS["mistral_window"][:1], **MODELS["mistral_window"][1])
+    tokens, core, _ = run_engine(path, GREEDY, attention_backend=backend, **WINDOW_KV_CACHE)
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == hf_greedy(path)
+    assert core.scheduler.num_preemptions > 0
+    with pytest.raises(ValueError, match="more KV blocks"):
+        run_engine(path, GREEDY, free_window_blocks=False, **WINDOW_KV_CACHE)
 
 
 def test_window_changes_the_answer(model_path: str) -> None:
@@ -165,3 +184,31 @@ def test_logprobs_match_hf(model_path: str) -> None:
             row = ref[len(prompt) - 1 + j]
             for t, lp in entry.items():
                 assert lp == pytest.approx(float(row[t]), abs=1e-4), (i, j, t)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        "draft_model",
+    ],
+    ids=["ngram", "draft_model"],
+)
+def test_speculative_decoding_matches_hf(
+    model_path: str, spec: dict[str, Any] | str, tiny_model_factory: Callable[..., str]
+) -> None:
+    """Drafts verified across the window boundary (rejected drafts' blocks given back in
+    both pools); a draft model writes its K/V through the global block table."""
+    if spec == "draft_model":
+        spec = {"model": tiny_model_factory("llama"), "num_speculative_tokens": 3}
+    tokens, core, _ = run_engine(
+        model_path, GREEDY, speculative_config=spec, block_size=4, max_num_batched_tokens=16
+    )
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == hf_greedy(model_path)
+    assert core.scheduler.num_spec_verifications > 0
+
+
+def test_prefix_cache_hits_across_the_window(model_path: str) -> None:
+    tokens, core, _ = run_engine(model_path, GREEDY)
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == hf_greedy(model_path)
+    assert core.block_manager.num_hit_tokens >= 32  # prompt 5 reused prompt 4's blocks

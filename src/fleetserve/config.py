@@ -189,6 +189,9 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes; used when num_kv_blocks is None
     enable_prefix_caching: bool = True
+    # Sliding-window layers give back the blocks that slid out of their window (False
+    # keeps them, as full-attention layers do: the A/B of docs/benchmarks.md).
+    free_window_blocks: bool = True
 
     DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 
@@ -218,6 +221,36 @@ class CacheConfig:
                 f"kv_cache_memory={budget} bytes holds no block of {per_block} bytes; raise it"
             )
         return int(num)
+
+    def resolve_sliding_blocks(
+        self, model: ModelConfig, scheduler: SchedulerConfig, num_blocks: int
+    ) -> int:
+        """Blocks of the sliding-window layers' own pool, for a model with both local and
+        global layers (0 for any other model: every layer uses the `num_blocks` pool).
+
+        A request's live window blocks at an allocation are at most those of W - 1 keys
+        before its chunk, the chunk (max_num_batched_tokens) and the lookahead, plus two
+        partial blocks; the pool holds that for max_num_seqs requests, never more blocks
+        than the global pool.
+        """
+        window = sliding_window_of(model)
+        if window is None or all(model.layer_windows):
+            return 0
+        if not self.free_window_blocks:
+            return num_blocks
+        tokens = window - 1 + scheduler.max_num_batched_tokens + scheduler.num_lookahead_tokens
+        per_seq = -(-tokens // self.block_size) + 2
+        return min(num_blocks, scheduler.max_num_seqs * per_seq)
+
+
+def sliding_window_of(model: ModelConfig) -> int | None:
+    """The model's one sliding window (None: no layer has one); ValueError for several."""
+    windows = {w for w in model.layer_windows if w is not None}
+    if len(windows) > 1:
+        raise ValueError(
+            f"layers with different sliding windows {sorted(windows)} are not supported"
+        )
+    return windows.pop() if windows else None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,9 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
+    # Sliding-window layers free the blocks that slid out of their window (False: keep
+    # them, the baseline of the KV-memory measurement in docs/benchmarks.md).
+    free_window_blocks: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
@@ -76,6 +79,7 @@ class EngineArgs:
                 num_kv_blocks=self.num_kv_blocks,
                 kv_cache_memory=self.kv_cache_memory,
                 enable_prefix_caching=self.enable_prefix_caching,
+                free_window_blocks=self.free_window_blocks,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=budget,

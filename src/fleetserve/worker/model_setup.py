@@ -55,11 +55,15 @@ def bind_kv_caches(
     dtype: torch.dtype,
     device: torch.device,
     use_cpu_kernel: bool,
+    num_sliding_blocks: int = 0,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Allocate each attention layer's K/V cache and bind it to the layer."""
+    """Allocate each attention layer's K/V cache and bind it to the layer; with
+    `num_sliding_blocks`, the sliding-window layers' caches hold that many blocks (their
+    own pool, core/hybrid_blocks.py)."""
     caches: list[tuple[torch.Tensor, torch.Tensor]] = []
     for attn in model.attention_layers():
-        shape = (num_blocks, attn.num_kv_heads, block_size, attn.head_dim)
+        n = num_sliding_blocks if num_sliding_blocks and attn.sliding_window else num_blocks
+        shape = (n, attn.num_kv_heads, block_size, attn.head_dim)
         if use_cpu_kernel:
             # The kernels' layout (keys d-major within a block), on huge pages where
             # the OS allows: decodes stream the cache every step. Zeroed now, so its
