@@ -52,6 +52,10 @@ class EngineArgs:
             from fleetserve.models.default_model import default_model_path
 
             path = default_model_path()
+        else:
+            from fleetserve.models.default_model import packaged_model_path
+
+            path = packaged_model_path(path) or path
         source = resolve_model(path)
         hf = source.hf_config
         max_len = self.max_model_len
