@@ -291,6 +291,27 @@ def _convert_tokenizer(gguf_path: str, chat_template: str | None, out_dir: str) 
         json.dump(special, f, indent=2, ensure_ascii=False)
 
 
+def check_tensor_types(path: str, tensors: list[GGUFTensorInfo]) -> None:
+    """ValueError naming the first tensor stored in a GGML type that cannot be read
+    (neither a kernel's block format nor one gguf-py dequantizes)."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import _type_traits
+
+    readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits}
+    for t in tensors:
+        try:
+            qtype = GGMLQuantizationType(t.qtype)
+        except ValueError:
+            raise ValueError(
+                f"{path}: tensor {t.name} has unknown GGML type id {t.qtype}"
+            ) from None
+        if qtype not in readable:
+            raise ValueError(
+                f"{path}: tensor {t.name} is stored as {qtype.name}, which fleetserve cannot "
+                f"read; supported: {sorted(q.name for q in readable)}"
+            )
+
+
 def resolve_gguf(path: str) -> ModelSource:
     path = os.path.abspath(path)
     meta, tensors = read_gguf(path)
@@ -300,6 +321,7 @@ def resolve_gguf(path: str) -> ModelSource:
     if "tokenizer.ggml.model" not in meta:
         raise ValueError(f"{path} carries no tokenizer (no tokenizer.ggml.model field)")
     arch = meta.get("general.architecture", "")
+    check_tensor_types(path, tensors)
     names = {n for t in tensors if (n := hf_tensor_name(t.name, arch)) is not None}
     hf_config = gguf_hf_config(meta, names, vocab_rows=embed.shape[0])
     weights = GGUFWeights(
