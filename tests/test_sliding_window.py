@@ -212,3 +212,21 @@ def test_prefix_cache_hits_across_the_window(model_path: str) -> None:
     tokens, core, _ = run_engine(model_path, GREEDY)
     assert [tokens[str(i)] for i in range(len(PROMPTS))] == hf_greedy(model_path)
     assert core.block_manager.num_hit_tokens >= 32  # prompt 5 reused prompt 4's blocks
+
+
+def test_gemma3_refuses_parallelism(tiny_model_factory: Callable[..., str]) -> None:
+    path = tiny_model_factory(*MODELS["gemma3"][:1], **MODELS["gemma3"][1])
+    with pytest.raises(ValueError, match="Gemma3ForCausalLM runs in one process"):
+        EngineCore(*EngineArgs(model=path, tensor_parallel_size=2).resolve())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_mistral_window_under_parallelism_matches_hf(
+    tiny_model_factory: Callable[..., str], kw: dict[str, int]
+) -> None:
+    """Sharded attention layers keep their window (they did not, once)."""
+    path = tiny_model_factory(*MODELS["mistral_window"][:1], **MODELS["mistral_window"][1])
+    tokens, core, _ = run_engine(path, GREEDY, **kw)
+    core.executor.shutdown()
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == hf_greedy(path)

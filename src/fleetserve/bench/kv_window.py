@@ -70,7 +70,7 @@ def measure(args: argparse.Namespace, free: bool) -> dict[str, Any]:
         if sliding is not None:
             used += (sliding.num_blocks - sliding.num_free_blocks) * num_windowed
         peak = max(peak, used * per_layer_block)
-        if out_ids:  # prefill done: what a long conversation holds while it decodes
+        if len(out_ids) > 1:  # decode steps only: what a long conversation holds then
             decode_peak = max(decode_peak, used * per_layer_block)
     return {
         "free_window_blocks": free,
