@@ -10,6 +10,7 @@ on the C kernel and the plain-torch backend; logprobs within 1e-4 of HF's.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -230,3 +231,35 @@ def test_mistral_window_under_parallelism_matches_hf(
     tokens, core, _ = run_engine(path, GREEDY, **kw)
     core.executor.shutdown()
     assert [tokens[str(i)] for i in range(len(PROMPTS))] == hf_greedy(path)
+
+
+def test_gemma3_conditional_generation_checkpoint_serves_its_text_model(
+    tiny_model_factory: Callable[..., str], tmp_path: Any
+) -> None:
+    """A Gemma3ForConditionalGeneration folder (vision tower + language model): the
+    engine reads its text config and language-model tensors and answers as the text
+    model does."""
+    import json
+    import shutil
+
+    from transformers import Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+
+    text_path = tiny_model_factory("gemma3", num_hidden_layers=4, tie_word_embeddings=True)
+    text = json.loads((Path(text_path) / "config.json").read_text())
+    text.pop("architectures")
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    cfg = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4,
+        image_token_index=500, boi_token_index=501, eoi_token_index=502,
+    )  # fmt: skip
+    mm = Gemma3ForConditionalGeneration(cfg)
+    state = Gemma3ForCausalLM.from_pretrained(text_path).state_dict()
+    lm = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
+    mm.model.language_model.load_state_dict(lm)
+    mm.save_pretrained(tmp_path)
+    for f in Path(text_path).iterdir():
+        if "token" in f.name or f.name == "generation_config.json":
+            shutil.copy(f, tmp_path)
+    tokens, _, _ = run_engine(str(tmp_path), GREEDY)
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == hf_greedy(text_path)

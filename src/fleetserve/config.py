@@ -122,7 +122,12 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         if "Gemma3ForConditionalGeneration" in archs and isinstance(hf.get("text_config"), dict):
             # The text part only: its language model's weights (models/loader.py).
-            hf = {**hf["text_config"], "architectures": ["Gemma3ForCausalLM"]}
+            tied = hf.get("tie_word_embeddings", hf["text_config"].get("tie_word_embeddings", True))
+            hf = {
+                **hf["text_config"],
+                "architectures": ["Gemma3ForCausalLM"],
+                "tie_word_embeddings": tied,  # the outer model's head is the one used
+            }
             archs = hf["architectures"]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

@@ -199,12 +199,40 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             layer.self_attn.rope = model.local_rope if window else model.global_rope
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """HF's Gemma norms scale by (1 + w): the 1 is added here, once."""
+        """HF's Gemma norms scale by (1 + w): the 1 is added here, once. A
+        Gemma3ForConditionalGeneration checkpoint gives its language model's tensors
+        (its vision tower and projector are not used: text only)."""
 
         def shifted() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
+                name = _text_model_name(name)
+                if name is None:
+                    continue
                 if name.endswith("norm.weight"):
                     tensor = tensor.float() + 1.0
                 yield name, tensor
 
         super().load_weights(shifted())
+
+
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def _text_model_name(name: str) -> str | None:
+    """A Gemma3ForConditionalGeneration tensor's name in the text model (None: a vision
+    tensor); other names unchanged."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for old, new in (
+        ("model.language_model.", "model."),  # transformers >= 4.52
+        ("language_model.model.", "model."),  # older checkpoints
+        ("language_model.lm_head.", "lm_head."),
+    ):
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
