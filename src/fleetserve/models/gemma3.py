@@ -204,8 +204,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         (its vision tower and projector are not used: text only)."""
 
         def shifted() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = _text_model_name(name)
+            for hf_name, tensor in weights:
+                name = _text_model_name(hf_name)
                 if name is None:
                     continue
                 if name.endswith("norm.weight"):
