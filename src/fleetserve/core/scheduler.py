@@ -65,6 +65,8 @@ class Scheduler:
         # Tokens and blocks the model runner already knows per running request.
         self._sent_tokens: dict[str, int] = {}
         self._sent_blocks: dict[str, int] = {}
+        # The same for the sliding-window layers' own block lists (hybrid models only).
+        self._sent_window_blocks: dict[str, int] = {}
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions = 0
         # Speculative decoding: verifications, draft tokens verified, drafts accepted.
@@ -83,9 +85,9 @@ class Scheduler:
                 "(the prompt must leave room for at least one generated token)"
             )
         bm = self.block_manager
-        if bm.blocks_needed(min(request.num_prompt_tokens + request.max_tokens, max_len)) > (
-            bm.num_blocks
-        ):
+        max_chunk = self.config.max_num_batched_tokens + self.config.num_lookahead_tokens
+        num_tokens = min(request.num_prompt_tokens + request.max_tokens, max_len)
+        if bm.max_blocks_held(num_tokens, max_chunk) > bm.num_blocks:
             raise ValueError(
                 f"request needs more KV blocks than the cache holds ({bm.num_blocks} blocks of "
                 f"{bm.block_size} tokens); lower max_tokens or raise num_kv_blocks"
@@ -129,6 +131,7 @@ class Scheduler:
         if self._sent_tokens.pop(req_id, None) is not None:
             self._finished_since_last_step.add(req_id)
         self._sent_blocks.pop(req_id, None)
+        self._sent_window_blocks.pop(req_id, None)
 
     # ---------------------------------------------------------------- schedule
     def _pick_victim(self) -> Request:
@@ -355,6 +358,7 @@ class Scheduler:
             if req.req_id not in step.num_scheduled:
                 continue
             block_ids = bm.block_ids(req.req_id)
+            window_ids = bm.window_block_ids(req.req_id)
             if req.req_id not in self._sent_tokens:
                 new_reqs.append(
                     NewRequestData(
@@ -366,6 +370,7 @@ class Scheduler:
                         num_computed_tokens=req.num_computed_tokens,
                         num_output_tokens=req.num_output_tokens,
                         eos_token_ids=req.eos_token_ids,
+                        window_block_ids=None if window_ids is None else list(window_ids),
                     )
                 )
             else:
@@ -378,8 +383,14 @@ class Scheduler:
                         num_kept_block_ids=self._sent_blocks[req.req_id],
                     )
                 )
+                if window_ids is not None:
+                    sent = self._sent_window_blocks[req.req_id]
+                    cached_reqs[-1].new_window_block_ids = window_ids[sent:]
+                    cached_reqs[-1].num_kept_window_block_ids = sent
             self._sent_tokens[req.req_id] = req.num_tokens
             self._sent_blocks[req.req_id] = len(block_ids)
+            if window_ids is not None:
+                self._sent_window_blocks[req.req_id] = len(window_ids)
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -459,3 +470,7 @@ class Scheduler:
             sent = self._sent_blocks.get(req.req_id)
             if sent is not None and sent > held:
                 self._sent_blocks[req.req_id] = held
+            window_ids = self.block_manager.window_block_ids(req.req_id)
+            sent = self._sent_window_blocks.get(req.req_id)
+            if window_ids is not None and sent is not None and sent > len(window_ids):
+                self._sent_window_blocks[req.req_id] = len(window_ids)

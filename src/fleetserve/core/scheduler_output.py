@@ -23,6 +23,8 @@ class NewRequestData:
     num_output_tokens: int = 0
     # Banned from sampling until min_tokens outputs (unless ignore_eos).
     eos_token_ids: tuple[int, ...] = ()
+    # The sliding-window layers' own blocks (a model with local and global layers).
+    window_block_ids: list[int] | None = None
 
 
 @dataclass
@@ -34,6 +36,9 @@ class CachedRequestData:
     # Set when blocks were given back since the runner last saw the request (rejected
     # draft tokens' blocks): keep this many block ids, then append new_block_ids.
     num_kept_block_ids: int | None = None
+    # The same two for the sliding-window layers' own block list (hybrid models only).
+    new_window_block_ids: list[int] | None = None
+    num_kept_window_block_ids: int | None = None
 
 
 @dataclass

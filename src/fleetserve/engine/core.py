@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from fleetserve.config import EngineConfig
+from fleetserve.config import EngineConfig, sliding_window_of
 from fleetserve.core.block_manager import BlockManager
+from fleetserve.core.hybrid_blocks import HybridBlockManager
 from fleetserve.core.request import Request, RequestStatus
 from fleetserve.core.scheduler import Scheduler
 from fleetserve.core.scheduler_output import EngineCoreOutput, SchedulerOutput
@@ -33,15 +34,35 @@ def make_executor(config: EngineConfig, source: ModelSource) -> Executor:
     return UniprocExecutor(config, source)
 
 
+def make_block_manager(config: EngineConfig, num_blocks: int) -> BlockManager:
+    """One pool for every layer, its blocks released past the window when every layer
+    has one (Mistral); for local and global layers (Gemma 3) a second pool for the local
+    ones (core/hybrid_blocks.py)."""
+    cache, mcfg = config.cache, config.model
+    window = sliding_window_of(mcfg)
+    num_sliding = cache.resolve_sliding_blocks(mcfg, config.scheduler, num_blocks)
+    if window is not None and num_sliding:
+        return HybridBlockManager(
+            num_blocks,
+            num_sliding,
+            cache.block_size,
+            window if cache.free_window_blocks else None,
+            cache.enable_prefix_caching,
+        )
+    all_windowed = window is not None and cache.free_window_blocks
+    return BlockManager(
+        num_blocks,
+        cache.block_size,
+        cache.enable_prefix_caching,
+        window if all_windowed else None,
+    )
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.config = config
         self.executor = make_executor(config, source)
-        self.block_manager = BlockManager(
-            self.executor.num_blocks,
-            config.cache.block_size,
-            config.cache.enable_prefix_caching,
-        )
+        self.block_manager = make_block_manager(config, self.executor.num_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.last_step_seconds = 0.0
         self.num_steps = 0

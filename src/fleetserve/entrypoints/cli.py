@@ -33,6 +33,7 @@ _BENCH = {
         "one MoE layer's step against the dense MLP of equal active size",
     ),
     "stream-cpu": ("fleetserve.bench.stream_cpu", "the server's CPU per streamed token vs length"),
+    "kv-window": ("fleetserve.bench.kv_window", "one long conversation's K/V, window freed or not"),
 }
 _DEPLOY = {
     "k8s": ("fleetserve.deploy.k8s", "render Kubernetes + KEDA manifests from a fleet file"),
@@ -60,7 +61,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         sub,
         "bench",
         "benchmarks (offline | serve | sla | embed | spec | latency | perplexity | batch | chaos "
-        "| kernels | moe | stream-cpu)",
+        "| kernels | moe | stream-cpu | kv-window)",
         _BENCH,
         argv,
     )

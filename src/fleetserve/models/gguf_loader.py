@@ -27,6 +27,7 @@ _ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 
 # llama.cpp's converter interleaves the two rotary halves of each q/k head only for these
@@ -62,21 +63,32 @@ _BLOCK_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# Gemma 3 (llama.cpp's gemma3 arch) names its four norms differently: its ffn_norm is
+# the norm *before* the MLP.
+_GEMMA3_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Architectures whose norms scale by (1 + w) in HF: llama.cpp's converter stores 1 + w.
+_NORM_SHIFTED_ARCHITECTURES = {"gemma3"}
 # Tensors HF models have no place for; llama3-style rope scaling baked into `rope_freqs` is
 # not reconstructed (transformers' GGUF loader drops it as well).
 _IGNORED_NAMES = {"rope_freqs"}
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unmapped."""
+    block_names = _GEMMA3_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
     base, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
     if base in _TOP_LEVEL_NAMES:
         return f"{_TOP_LEVEL_NAMES[base]}.{suffix}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block_names:
+        return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{suffix}"
     return None
 
 
@@ -101,13 +113,14 @@ class GGUFWeights:
     ) -> None:
         self._tensors: dict[str, GGUFTensorInfo] = {}  # HF name -> GGUF tensor
         for tensor in tensors:
-            hf_name = hf_tensor_name(tensor.name)
+            hf_name = hf_tensor_name(tensor.name, arch)
             if hf_name is None:
                 if tensor.name.rpartition(".")[0] not in _IGNORED_NAMES:
                     logger.warning("ignoring GGUF tensor %s: no HF counterpart", tensor.name)
                 continue
             self._tensors[hf_name] = tensor
         self._permuted = arch in _PERMUTED_ARCHITECTURES
+        self._norm_shifted = arch in _NORM_SHIFTED_ARCHITECTURES
         self._num_heads = num_heads
         self._num_kv_heads = num_kv_heads
 
@@ -134,6 +147,8 @@ class GGUFWeights:
         out = _dequantize(tensor, tensor.data)
         if out.dim() == 1 and name.endswith("shared_expert_gate.weight"):
             out = out.view(1, -1)  # llama.cpp stores the [1, hidden] gate as a vector
+        if self._norm_shifted and name.endswith("norm.weight"):
+            out = out - 1.0  # back to HF's w (the model adds the 1 again)
         heads = self._heads_to_unpermute(name)
         return out if heads is None else unpermute_rotary(out, heads)
 
@@ -203,15 +218,33 @@ def gguf_hf_config(meta: dict[str, Any], tensor_names: set[str], vocab_rows: int
         raise ValueError(
             f"GGUF {arch} experts gated by function {gating} are not supported (softmax only)"
         )
+    layers = int(get("block_count"))
     rope_scaling = None
     if get("rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    return {
+    extra: dict[str, Any] = {}
+    if arch == "gemma3":
+        head_dim = int(get("attention.key_length", hidden // heads))
+        # As llama.cpp: local layers use base 10000 and every 6th layer is global; the
+        # 27B (62 layers) scales queries by hidden / heads, the others by head_dim.
+        extra = {
+            "sliding_window": int(get("attention.sliding_window")),
+            "sliding_window_pattern": int(get("attention.sliding_window_pattern", 6)),
+            "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+            "rope_local_base_freq": 10000.0,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "final_logit_softcapping": get("final_logit_softcapping"),
+        }
+    elif get("attention.sliding_window") is not None:
+        raise ValueError(
+            f"GGUF architecture {arch!r} with {arch}.attention.sliding_window is not supported"
+        )
+    return extra | {
         "architectures": [hf_arch],
         "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length") or get("expert_feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
         "head_dim": int(get("attention.key_length", hidden // heads)),
@@ -301,6 +334,27 @@ def _convert_tokenizer(gguf_path: str, chat_template: str | None, out_dir: str) 
         json.dump(special, f, indent=2, ensure_ascii=False)
 
 
+def check_tensor_types(path: str, tensors: list[GGUFTensorInfo]) -> None:
+    """ValueError naming the first tensor stored in a GGML type that cannot be read
+    (neither a kernel's block format nor one gguf-py dequantizes)."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import _type_traits
+
+    readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits}
+    for t in tensors:
+        try:
+            qtype = GGMLQuantizationType(t.qtype)
+        except ValueError:
+            raise ValueError(
+                f"{path}: tensor {t.name} has unknown GGML type id {t.qtype}"
+            ) from None
+        if qtype not in readable:
+            raise ValueError(
+                f"{path}: tensor {t.name} is stored as {qtype.name}, which fleetserve cannot "
+                f"read; supported: {sorted(q.name for q in readable)}"
+            )
+
+
 def resolve_gguf(path: str) -> ModelSource:
     path = os.path.abspath(path)
     meta, tensors = read_gguf(path)
@@ -309,7 +363,9 @@ def resolve_gguf(path: str) -> ModelSource:
         raise ValueError(f"{path} has no token_embd.weight tensor; not a language model GGUF")
     if "tokenizer.ggml.model" not in meta:
         raise ValueError(f"{path} carries no tokenizer (no tokenizer.ggml.model field)")
-    names = {n for t in tensors if (n := hf_tensor_name(t.name)) is not None}
+    arch = meta.get("general.architecture", "")
+    check_tensor_types(path, tensors)
+    names = {n for t in tensors if (n := hf_tensor_name(t.name, arch)) is not None}
     hf_config = gguf_hf_config(meta, names, vocab_rows=embed.shape[0])
     weights = GGUFWeights(
         tensors,

@@ -17,7 +17,16 @@ from typing import Any
 
 import torch
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
 SIZES = ("tiny", "bench")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -189,6 +198,7 @@ def _save_tokenizer(tok: Any, out_dir: str) -> None:
 
 def _hf_config(arch: str, fields: dict[str, Any]) -> Any:
     from transformers import (
+        Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -206,9 +216,24 @@ def _hf_config(arch: str, fields: dict[str, Any]) -> Any:
         "mixtral": MixtralConfig,
         "qwen2_moe": Qwen2MoeConfig,
         "qwen3_moe": Qwen3MoeConfig,
+        "gemma3": Gemma3TextConfig,
     }
     if arch in ("mistral", "mixtral"):
         fields.setdefault("sliding_window", None)
+    if arch == "gemma3":
+        # Gemma 3's shape in small: local layers with a short window between global
+        # ones (every 2nd here, every 6th in the real models), two RoPE bases.
+        n = fields["num_hidden_layers"]
+        fields.setdefault("sliding_window", 16)
+        fields.setdefault(
+            "layer_types",
+            ["full_attention" if (i + 1) % 2 == 0 else "sliding_attention" for i in range(n)],
+        )
+        fields.setdefault("query_pre_attn_scalar", fields["head_dim"])
+        fields["rope_theta"] = fields.get("rope_theta_global", 1_000_000.0)
+        fields.pop("rope_theta_global", None)
+        fields.setdefault("rope_local_base_freq", 10_000.0)
+        fields.setdefault("architectures", ["Gemma3ForCausalLM"])
     return cls[arch](**fields)
 
 

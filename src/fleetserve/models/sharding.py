@@ -33,6 +33,11 @@ from fleetserve.models.moe_sharding import check_moe_parallel, load_moe_shards, 
 def check_parallel_config(cfg: ModelConfig, parallel: ParallelConfig) -> None:
     """Raise ValueError when the model cannot be split this way."""
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if cfg.architecture == "Gemma3ForCausalLM" and tp * pp > 1:
+        raise ValueError(
+            "Gemma3ForCausalLM runs in one process: tensor/pipeline parallelism of its "
+            "layers is not supported yet (use tensor_parallel_size=1, pipeline_parallel_size=1)"
+        )
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     if heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={heads}")
@@ -73,7 +78,9 @@ def shard_model(model: LlamaForCausalLM, ctx: ParallelContext) -> None:
         attn.q_size, attn.kv_size = num_heads * hd, num_kv_heads * hd
         attn.qkv_proj = Linear(hidden, attn.q_size + 2 * attn.kv_size, bias=cfg.attention_bias)
         attn.o_proj = RowParallelLinear(attn.q_size, hidden, ctx)
-        attn.attn = Attention(num_heads, num_kv_heads, hd, attn.attn.scale)
+        attn.attn = Attention(
+            num_heads, num_kv_heads, hd, attn.attn.scale, attn.attn.sliding_window
+        )
         if isinstance(layer.mlp, SparseMoeBlock):
             shard_moe_block(layer.mlp, cfg, ctx)
             continue

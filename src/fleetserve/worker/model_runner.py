@@ -43,6 +43,8 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_ids: tuple[int, ...] = ()
+    # The sliding-window layers' own blocks (a model with local and global layers).
+    window_block_ids: list[int] | None = None
     # The distribution the pending drafts were drawn from ([k, vocab]; None: a point mass).
     draft_probs: torch.Tensor | None = field(default=None, repr=False)
 
@@ -76,8 +78,18 @@ class ModelRunner:
             raise ValueError(
                 "attention_backend='cpu' needs a float32 model on the CPU and a C compiler"
             )
+        # A model with local and global layers: the local ones' own pool (0: none).
+        self.num_sliding_blocks = config.cache.resolve_sliding_blocks(
+            mcfg, config.scheduler, num_blocks
+        )
         self.kv_caches = bind_kv_caches(
-            self.model, num_blocks, self.block_size, mcfg.dtype, self.device, self.use_cpu_kernel
+            self.model,
+            num_blocks,
+            self.block_size,
+            mcfg.dtype,
+            self.device,
+            self.use_cpu_kernel,
+            self.num_sliding_blocks,
         )
         self.sampler = Sampler(config.seed)
         pack_for_cpu(self.model, self.use_cpu_kernel)
@@ -111,6 +123,9 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 eos_token_ids=new.eos_token_ids,
+                window_block_ids=None
+                if new.window_block_ids is None
+                else list(new.window_block_ids),
             )
         for cached in so.scheduled_cached_reqs:
             st = self.requests[cached.req_id]
@@ -118,6 +133,10 @@ class ModelRunner:
             if cached.num_kept_block_ids is not None:
                 del st.block_ids[cached.num_kept_block_ids :]
             st.block_ids.extend(cached.new_block_ids)
+            if st.window_block_ids is not None:
+                if cached.num_kept_window_block_ids is not None:
+                    del st.window_block_ids[cached.num_kept_window_block_ids :]
+                st.window_block_ids.extend(cached.new_window_block_ids or [])
             st.num_computed_tokens = cached.num_computed_tokens
 
     # ---------------------------------------------------------------- execute
@@ -157,6 +176,18 @@ class ModelRunner:
             self.use_cpu_kernel,
             DECODE_GROUP_SIZE,
         )
+        if self.num_sliding_blocks:
+            # The sliding-window layers' slots and tables (same positions).
+            meta.sliding, _ = build_attention_metadata(
+                [s.window_block_ids or [] for s in ordered],
+                ctx_lens,
+                q_lens,
+                len(decodes),
+                self.block_size,
+                self.device,
+                self.use_cpu_kernel,
+                DECODE_GROUP_SIZE,
+            )
         dev = self.device
         x = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pp = self.parallel
