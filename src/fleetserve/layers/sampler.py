@@ -9,6 +9,7 @@ batch, nor on whether it was preempted and recomputed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,9 +52,27 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits
 
 
+def apply_token_bitmask(logits: torch.Tensor, logit_rows: list[int], bits: Any) -> None:
+    """Structured outputs: in each of `logit_rows`, tokens whose bit is 0 in the matching
+    row of `bits` (int32 [rows, words], bit t % 32 of word t // 32) go to -inf, in place.
+    Tokens past the mask's vocabulary (a padded LM head) are forbidden too."""
+    if not logit_rows:
+        return
+    vocab = logits.shape[1]
+    words = torch.from_numpy(bits)  # [rows, words]
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(logit_rows), -1)
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    allowed = allowed[:, :vocab]
+    idx = torch.tensor(logit_rows, dtype=torch.long)
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+
+
 def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Before min_tokens outputs, EOS and stop_token_ids cannot be sampled (vLLM's rule):
-    merely not stopping on them would leave them inside the output."""
+    merely not stopping on them would leave them inside the output. A row a grammar has
+    already cut down to those tokens keeps them: the grammar wins over min_tokens."""
     for i, row in enumerate(rows):
         sp = row.params
         if len(row.output_token_ids) >= sp.min_tokens:
@@ -62,7 +81,11 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
         if not sp.ignore_eos:
             banned.update(row.eos_token_ids)
         if banned:
-            logits[i, sorted(banned)] = float("-inf")
+            ids = sorted(banned)
+            kept = logits[i].clone()
+            kept[ids] = float("-inf")
+            if sp.structured_outputs is None or bool(torch.isfinite(kept).any()):
+                logits[i] = kept
     return logits
 
 
@@ -141,5 +164,6 @@ def top_logprobs(row_logprobs: torch.Tensor, token_id: int, n: int) -> dict[int,
     if n > 0:
         vals, ids = row_logprobs.topk(n)
         for t, v in zip(ids.tolist(), vals.tolist(), strict=True):
-            lps.setdefault(t, v)
+            if v != float("-inf"):  # a token a grammar forbids is no alternative
+                lps.setdefault(t, v)
     return lps
