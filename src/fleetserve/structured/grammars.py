@@ -71,9 +71,15 @@ def _error_of(grammar: str) -> str:
     return err
 
 
-def check(params: StructuredOutputsParams, field: str = "structured_outputs") -> str:
+def check(
+    params: StructuredOutputsParams,
+    field: str = "structured_outputs",
+    json_field: str | None = None,
+) -> str:
     """The grammar text of `params`, or ValueError naming the field (a schema's error
-    names the JSON path of the deepest sub-schema that fails on its own)."""
+    names the JSON path of the deepest sub-schema that fails on its own, below
+    `json_field`, by default `{field}.json`)."""
+    json_field = json_field or f"{field}.json"
     try:
         grammar = grammar_text(params, field)
     except ValueError as e:
@@ -84,9 +90,9 @@ def check(params: StructuredOutputsParams, field: str = "structured_outputs") ->
     kind = params.kind
     if kind == "json":
         assert params.json is not None
-        schema = _schema(params.json, f"{field}.json")
+        schema = _schema(params.json, json_field)
         path = _failing_path(schema, schema)
-        where = ".".join([f"{field}.json", *path])
+        where = ".".join([json_field, *path])
         raise ValueError(f"{where}: the JSON schema cannot be compiled: {_first_line(err)}")
     if kind == "regex":
         raise ValueError(f"{field}.regex does not compile: {err.strip()}")
