@@ -138,3 +138,22 @@ def _failing_path(schema: Any, root: dict[str, Any]) -> list[str]:
         if _error_of(g):
             return path + _failing_path(child, root)
     return []
+
+
+def closed_schema(schema: Any) -> Any:
+    """`schema` with every object that lists its properties but says nothing of others
+    closed to them (additionalProperties: false), as OpenAI's strict mode requires them to
+    be. A small model given open objects adds keys until max_tokens; the answers still
+    validate against the original schema."""
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_schema(v) if k not in ("enum", "const", "default", "examples") else v
+           for k, v in schema.items()}  # fmt: skip
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: closed_schema(v) for name, v in schema[key].items()}
+    if "properties" in schema and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 from fleetserve.core.structured import StructuredOutputsParams
 from fleetserve.entrypoints.openai.errors import APIError
 from fleetserve.entrypoints.openai.protocol_tools import ResponseFormat, StructuredOutputsBody
-from fleetserve.structured.grammars import check
+from fleetserve.structured.grammars import check, closed_schema
 
 
 def _checked(so: StructuredOutputsParams, field: str, json_field: str | None = None) -> None:
@@ -48,6 +48,8 @@ def from_response_format(fmt: ResponseFormat | None) -> StructuredOutputsParams 
             400, "response_format.json_schema is required for type json_schema", "response_format"
         )
     schema = fmt.json_schema.schema_
+    if schema is not None and fmt.json_schema.strict:
+        schema = closed_schema(schema)
     # OpenAI's default when no schema is given: any JSON object.
     so = StructuredOutputsParams(json=schema if schema is not None else {"type": "object"})
     _checked(so, "response_format.json_schema", "response_format.json_schema.schema")

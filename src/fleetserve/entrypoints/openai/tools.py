@@ -30,7 +30,7 @@ from fleetserve.entrypoints.openai.tool_parsers import (
     parser_for_template,
 )
 from fleetserve.entrypoints.openai.tool_parsers.streaming import ToolCallStream, call_body
-from fleetserve.structured.grammars import check
+from fleetserve.structured.grammars import check, closed_schema
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -60,7 +60,10 @@ class ToolPlan:
 
 
 def _parameters(tool: ToolDefinition) -> dict[str, Any]:
-    return tool.function.parameters if tool.function.parameters is not None else ANY_OBJECT
+    """The schema a forced call's arguments are held to: objects closed to unlisted keys
+    (see closed_schema); the arguments still validate against the function's own."""
+    params = tool.function.parameters
+    return closed_schema(params) if params is not None else ANY_OBJECT
 
 
 def _checked(schema: dict[str, Any], field: str) -> StructuredOutputsParams:
@@ -217,16 +220,25 @@ def parse_final(plan: ToolPlan, text: str) -> ParseState:
     return state
 
 
+def plan_partial(plan: ToolPlan, text: str) -> ParseState:
+    assert plan.parser is not None
+    state = plan.parser.parse(text, final=False)
+    if plan.max_calls is not None:
+        del state.calls[plan.max_calls :]
+    return state
+
+
 def message_and_reason(
     plan: ToolPlan, text: str, finish_reason: str | None
 ) -> tuple[dict[str, Any], str | None]:
     """The assistant message of a finished choice, and its finish_reason."""
     if plan.mode == "none":
         return {"role": "assistant", "content": text}, finish_reason
-    state = parse_final(plan, text)
+    # A forced call cut by max_tokens still returns the calls it completed.
+    state = parse_final(plan, text) if plan.mode != "required" else plan_partial(plan, text)
     calls = [c for c in state.calls if c.name is not None and c.done]
     if not calls:
-        return {"role": "assistant", "content": text, "tool_calls": []}, finish_reason
+        return {"role": "assistant", "content": text}, finish_reason
     message = {
         "role": "assistant",
         "content": state.content or None,
@@ -254,4 +266,42 @@ def named_stream_delta(
     return ({"tool_calls": pieces} if pieces else None), len(text)
 
 
-__all__ = ["ToolPlan", "final_arguments", "message_and_reason", "plan_tools", "template_messages"]
+class ChoiceDeltas:
+    """One streamed choice: its text so far -> the delta to send now."""
+
+    def __init__(self, plan: ToolPlan | None) -> None:
+        self.plan = plan if plan is not None and plan.mode != "none" else None
+        self.sent = 0
+        self.calls = self.plan.stream() if self.plan and self.plan.mode != "named" else None
+        self.call_id = new_call_id()
+
+    def delta(self, text: str, final: bool) -> dict[str, Any]:
+        if self.plan is None:
+            piece = text[self.sent :]
+            self.sent = len(text)
+            return {"content": piece} if piece else {}
+        if self.plan.mode == "named":
+            assert self.plan.named is not None
+            d, self.sent = named_stream_delta(self.call_id, self.plan.named, self.sent, text)
+            return d or {}
+        assert self.calls is not None
+        return self.calls.delta(text, final)
+
+    @property
+    def made_calls(self) -> bool:
+        if self.plan is not None and self.plan.mode == "named":
+            return self.sent > 0
+        return self.calls is not None and self.calls.num_calls > 0
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.made_calls else reason
+
+
+__all__ = [
+    "ChoiceDeltas",
+    "ToolPlan",
+    "final_arguments",
+    "message_and_reason",
+    "plan_tools",
+    "template_messages",
+]

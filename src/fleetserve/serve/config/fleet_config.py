@@ -270,6 +270,9 @@ class RemoteConfig(_Strict):
         return self
 
 
+ToolParserName = Literal["hermes", "qwen", "llama3_json", "mistral", "json"]
+
+
 class ModelEntry(_Strict):
     name: str
     kind: ModelKind = "generate"
@@ -288,6 +291,9 @@ class ModelEntry(_Strict):
     # Served by other fleetserve servers; `model` and `engine` still describe the model
     # (the gateway tokenizes and validates), and should match the pods'.
     remote: RemoteConfig | None = None
+    # How tool calls are read from this model's output (generate models); by default
+    # what its chat template implies (entrypoints/openai/tool_parsers).
+    tool_parser: ToolParserName | None = None
 
     @field_validator("pools")
     @classmethod
@@ -341,6 +347,8 @@ class ModelEntry(_Strict):
             raise ValueError(f"handler and options are for kind 'custom', not {self.kind!r}")
         if self.kind == "generate" and self.batching is not None:
             raise ValueError("batching is for embed and custom models (generate batches itself)")
+        if self.kind != "generate" and self.tool_parser is not None:
+            raise ValueError(f"tool_parser is for generate models, not {self.kind!r}")
         if self.kind != "generate" and self.engine is not None:
             raise ValueError(f"engine is for generate models, not {self.kind!r}")
         if self.kind != "generate" and "resilience" in self.model_fields_set:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from fleetserve.config import model_root
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.async_engine import (
@@ -90,10 +91,12 @@ class GenerateService:
         spot_only_classes: frozenset[str] = frozenset(),
         capacity_check: Callable[[PoolConfig], bool] | None = None,
         remote: RemoteConfig | None = None,
+        tool_parser: str | None = None,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {num_replicas}")
         self.name = name
+        self.tool_parser = tool_parser
         self.resilience = resilience or ResilienceConfig()
         # Served by other fleetserve servers (pods) over HTTP: serve/remote/targets.py.
         self.remote = RemoteTargets(remote) if remote is not None else None
@@ -210,7 +213,10 @@ class GenerateService:
 
     def card(self) -> dict[str, Any]:
         return {
-            "root": self.config.model_path,
+            # What vLLM gives (clients load a tokenizer from it): the model's folder, or
+            # for a single .gguf file the served name; the file itself is model_path.
+            "root": model_root(self.config.model_path, self.name),
+            "model_path": self.config.model_path,
             "max_model_len": self.max_model_len,
             "replicas": len(self.replica_set.live),
         }

@@ -91,6 +91,7 @@ def _build_generate(entry: ModelEntry, fleet: FleetConfig, metrics: ModelMetrics
         pools=entry.replica_plan(),
         spot_only_classes=fleet.spot_only_classes(),
         remote=entry.remote,
+        tool_parser=entry.tool_parser,
     )
 
 

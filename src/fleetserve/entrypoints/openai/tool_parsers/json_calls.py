@@ -53,7 +53,8 @@ class JsonToolParser(ToolParser):
                 if i < len(text) and text[i] == ";":
                     i = skip_ws(text, i + 1)
         if not state.calls:
-            return ParseState(text)
+            # Not yet known whether JSON-looking output is a call: show nothing yet.
+            return ParseState(text if final or text[i] not in "[{" else "")
         if not self._known(state):
             return ParseState(text)
         if not final and state.calls[-1].name is None:
