@@ -512,6 +512,7 @@ def single_model_fleet(
     max_waiting: int,
     resilience: dict[str, Any] | None = None,
     oversubscribe: float = 1.0,
+    tool_parser: str | None = None,
 ) -> FleetConfig:
     """`fleetserve serve` without --config: one generate model, one class (`default`),
     the engine exactly as its flags say (fcfs unless --scheduling-policy priority).
@@ -521,6 +522,8 @@ def single_model_fleet(
     entry = {"name": name, "model": model, "replicas": replicas, "routing": routing}
     if resilience is not None:
         entry["resilience"] = resilience
+    if tool_parser is not None:
+        entry["tool_parser"] = tool_parser
     return parse_fleet_config(
         {
             "models": [{**entry, "engine": fields}],
