@@ -109,18 +109,16 @@ def main(argv: list[str] | None = None) -> None:
 
     llm = LLMEngine(engine_args_from(args))
     run_once(llm, 2, 8, True)  # warm-up: kernels, tokenizer tables, first grammar
-    report: dict[str, Any] = {}
     for n in args.streams:
         runs: dict[str, list[dict[str, float]]] = {"free": [], "json_schema": []}
         for _ in range(args.rounds):
             runs["free"].append(run_once(llm, n, args.max_tokens, False))
             runs["json_schema"].append(run_once(llm, n, args.max_tokens, True))
-        summary = {
+        summary: dict[str, Any] = {
             k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()
         }
         free, con = summary["free"]["step_ms"], summary["json_schema"]["step_ms"]
         summary["slowdown"] = con / free - 1.0
-        report[f"{n}_streams"] = summary
         print(json.dumps({f"{n}_streams": summary}), flush=True)
     llm.shutdown()
 

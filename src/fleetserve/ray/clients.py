@@ -117,6 +117,7 @@ class RayGenerateClient:
         """`handle`: the model's deployment; for a model with `pools`, None, and `pools`
         holds each pool's deployment by pool name."""
         self.name = entry.name
+        self.tool_parser = entry.tool_parser
         self._handles: dict[str, DeploymentHandle] = {}  # deployment name -> handle
         routes: list[PoolRoute] = []
         capacity_of = {p.name: p.capacity for p in entry.pools or []}
