@@ -52,21 +52,22 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits
 
 
-def apply_token_bitmask(logits: torch.Tensor, logit_rows: list[int], bits: Any) -> None:
-    """Structured outputs: in each of `logit_rows`, tokens whose bit is 0 in the matching
-    row of `bits` (int32 [rows, words], bit t % 32 of word t // 32) go to -inf, in place.
-    Tokens past the mask's vocabulary (a padded LM head) are forbidden too."""
+def apply_token_bitmask(logits: torch.Tensor, logit_rows: list[int], bias: Any) -> None:
+    """Structured outputs: adds each row of `bias` (float32 numpy, 0 for an allowed token,
+    -inf for a forbidden one; core/structured.bitmask_bias) to its row of `logit_rows`, in
+    place. Tokens past the mask's vocabulary (a padded LM head) are forbidden too."""
     if not logit_rows:
         return
     vocab = logits.shape[1]
-    words = torch.from_numpy(bits)  # [rows, words]
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(logit_rows), -1)
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    allowed = allowed[:, :vocab]
+    add = torch.from_numpy(bias)
+    if add.shape[1] < vocab:
+        add = torch.nn.functional.pad(add, (0, vocab - add.shape[1]), value=float("-inf"))
+    add = add[:, :vocab]
+    if logit_rows == list(range(logits.shape[0])):
+        logits.add_(add)
+        return
     idx = torch.tensor(logit_rows, dtype=torch.long)
-    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    logits[idx] += add
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -18,7 +18,7 @@ import numpy as np
 
 from fleetserve.core.request import Request
 from fleetserve.core.scheduler_output import SchedulerOutput
-from fleetserve.core.structured import GrammarBitmask, GrammarMatcher
+from fleetserve.core.structured import GrammarBitmask, GrammarMatcher, bitmask_bias
 
 
 class StepMasks:
@@ -51,7 +51,7 @@ class StepMasks:
         if not jobs:
             return None
         bits = np.full((num_rows, self.num_words), -1, dtype=np.int32)
-        mask = GrammarBitmask(rows, bits, threading.Event())
+        mask = GrammarBitmask(rows, bits, _done=threading.Event())
         if self._pool is None:
             self._fill(mask, jobs)
         else:
@@ -65,6 +65,7 @@ class StepMasks:
         try:
             for matcher, row, drafts in jobs:
                 matcher.fill_bitmask(mask.bits, row, drafts)
+            mask.bias = bitmask_bias(mask.bits)
         except BaseException as e:  # surfaced by wait() in the runner
             mask.error = f"{type(e).__name__}: {e}"
         finally:
