@@ -323,3 +323,9 @@ class EngineConfig:
             )
         if self.int8_activations and self.quantization == "none":
             raise ValueError("int8_activations needs quantization 'gguf' or 'int8'")
+
+
+def model_root(model_path: str, served_name: str) -> str:
+    """/v1/models' `root` for a model: its folder (HF-style), or its served name when it
+    is one .gguf file, which no client can load as a tokenizer."""
+    return served_name if model_path.endswith(".gguf") else model_path

@@ -285,9 +285,9 @@ def test_malformed_content_length_gets_json_error(srv: ServerProc) -> None:
 @pytest.mark.parametrize(
     ("path", "field", "value"),
     [
-        ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("/v1/chat/completions", "tool_choice", "auto"),
-        ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+        ("/v1/chat/completions", "prediction", {"type": "content", "content": "x"}),
+        ("/v1/chat/completions", "modalities", ["text", "audio"]),
+        ("/v1/chat/completions", "web_search_options", {}),
         ("/v1/completions", "logit_bias", {"42": 5}),
         ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ],

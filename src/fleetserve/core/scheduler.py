@@ -433,7 +433,7 @@ class Scheduler:
                 new_tokens.append(tok)
                 if result.logprobs is not None:
                     new_logprobs.append(result.logprobs[idx][j])
-                if req.check_stop(max_len):
+                if req.check_stop(max_len) or req.accept_grammar_token(tok):
                     break
             # Accepted drafts after a stop are dropped with their K/V.
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
@@ -464,7 +464,11 @@ class Scheduler:
         """Take the next drafts and give back the blocks past the verified tokens."""
         if result.spec_token_ids is not None:
             room = req.max_tokens - req.num_output_tokens - 1  # the last token is the target's
-            req.spec_token_ids = result.spec_token_ids[idx][: max(room, 0)]
+            drafts = result.spec_token_ids[idx][: max(room, 0)]
+            if req.grammar is not None:
+                # Drafts the grammar refuses would only be rejected: cut them here.
+                drafts = drafts[: req.grammar.validate_tokens(drafts)]
+            req.spec_token_ids = drafts
         if self.block_manager.free_tail(req, req.num_tokens):
             held = len(self.block_manager.block_ids(req.req_id))
             sent = self._sent_blocks.get(req.req_id)

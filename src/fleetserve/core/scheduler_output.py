@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.core.structured import GrammarBitmask
 
 
 @dataclass
@@ -52,6 +53,8 @@ class SchedulerOutput:
     # Draft tokens to verify, per request that has some: they follow the request's known
     # tokens and are counted in its num_scheduled_tokens.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Structured outputs: the token masks of the constrained requests that sample now.
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -269,13 +269,20 @@ class AsyncEngine:
             outputs = [[] for _ in child_ids] if resume is None else resume_tokens(resume)
             if any(outputs):  # the prompt's logprobs were already sent
                 params = replace(params, prompt_logprobs=None)
-            wire_params = params_to_wire(params)
             group = request_id if len(child_ids) > 1 else None
             messages = [
                 self._encoder.encode(
-                    AddRequest(cid, ids, wire_params, self.eos_token_ids, priority, group, out)
+                    AddRequest(
+                        cid,
+                        ids,
+                        params_to_wire(params.for_choice(i)),
+                        self.eos_token_ids,
+                        priority,
+                        group,
+                        out,
+                    )
                 )
-                for cid, out in zip(child_ids, outputs, strict=True)
+                for i, (cid, out) in enumerate(zip(child_ids, outputs, strict=True))
                 if out is not None
             ]
         except Exception:

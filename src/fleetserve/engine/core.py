@@ -14,6 +14,7 @@ from fleetserve.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from fleetserve.engine.stats import EngineStats, SpecDecodeStats
 from fleetserve.executor.base import Executor, ModelOutputFuture
 from fleetserve.models.loader import ModelSource
+from fleetserve.structured.engine import StructuredOutputs
 
 
 def spec_decode_stats(sched: Scheduler) -> SpecDecodeStats:
@@ -64,6 +65,8 @@ class EngineCore:
         self.executor = make_executor(config, source)
         self.block_manager = make_block_manager(config, self.executor.num_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        # Grammar matchers and step masks, built on the first constrained request.
+        self.structured = StructuredOutputs(config, source)
         self.last_step_seconds = 0.0
         self.num_steps = 0
         # Pipeline parallelism: submitted steps not yet taken back, oldest first.
@@ -75,6 +78,8 @@ class EngineCore:
         bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if request.sampling_params.structured_outputs is not None:
+            request.grammar = self.structured.matcher_for(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, req_ids: list[str]) -> None:
@@ -94,6 +99,7 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty and not sched_out.finished_req_ids:
             return []
+        sched_out.grammar_bitmask = self.structured.start_masks(sched_out, self.scheduler)
         result = self.executor.execute_model(sched_out)
         outputs = self.scheduler.update_from_output(sched_out, result)
         self.last_step_seconds = time.perf_counter() - t0
@@ -112,6 +118,7 @@ class EngineCore:
             cap = -(-(sched.num_running + sched.num_waiting) // depth)
             sched_out = sched.schedule(self._in_flight_req_ids, max(1, cap))
             if not sched_out.is_empty or sched_out.finished_req_ids:
+                sched_out.grammar_bitmask = self.structured.start_masks(sched_out, sched)
                 future = self.executor.execute_model_async(sched_out)
                 self._in_flight.append((sched_out, future))
                 self._in_flight_req_ids.update(sched_out.num_scheduled_tokens)
@@ -129,6 +136,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        masks = self.structured.stats()
         return EngineStats(
             num_requests_running=self.scheduler.num_running,
             num_requests_waiting=self.scheduler.num_waiting,
@@ -142,7 +150,11 @@ class EngineCore:
             spec_decode=(
                 spec_decode_stats(self.scheduler) if self.config.speculative is not None else None
             ),
+            structured_mask_steps=int(masks.get("structured_mask_steps", 0)),
+            structured_mask_rows=int(masks.get("structured_mask_rows", 0)),
+            structured_mask_seconds=masks.get("structured_mask_seconds", 0.0),
         )
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()

@@ -75,6 +75,10 @@ class PromptRules:
             )
         if params.stop_token_ids and any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if params.structured_outputs is not None:
+            from fleetserve.structured.grammars import check
+
+            check(params.structured_outputs)
 
 
 class LLMEngine:
@@ -118,12 +122,12 @@ class LLMEngine:
             params.max_tokens = self.max_model_len - len(ids)
         child_ids = self.output_processor.add_request(request_id, text, ids, params)
         try:
-            for cid in child_ids:
+            for i, cid in enumerate(child_ids):
                 self.core.add_request(
                     Request(
                         cid,
                         ids,
-                        params,
+                        params.for_choice(i),
                         eos_token_ids=self.eos_token_ids,
                         priority=priority,
                         arrival_time=arrival_time,

@@ -45,6 +45,11 @@ class EngineStats(msgspec.Struct, frozen=True):
     last_step_seconds: float = 0.0
     num_steps: int = 0
     spec_decode: SpecDecodeStats | None = None  # None: no speculative decoding
+    # Structured outputs: steps and rows whose grammar masks were filled, and the time it
+    # took (off the forward pass's critical path, on a helper thread).
+    structured_mask_steps: int = 0
+    structured_mask_rows: int = 0
+    structured_mask_seconds: float = 0.0
 
     def as_metrics(self) -> dict[str, float]:
         """By the Prometheus series' keys; speculative decoding's as `spec_decode_*`."""

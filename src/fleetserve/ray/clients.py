@@ -37,6 +37,7 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from fleetserve.config import model_root
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import EngineDeadError, ReplicaGoneError
 from fleetserve.engine.llm_engine import PromptRules, PromptType
@@ -117,6 +118,7 @@ class RayGenerateClient:
         """`handle`: the model's deployment; for a model with `pools`, None, and `pools`
         holds each pool's deployment by pool name."""
         self.name = entry.name
+        self.tool_parser = entry.tool_parser
         self._handles: dict[str, DeploymentHandle] = {}  # deployment name -> handle
         routes: list[PoolRoute] = []
         capacity_of = {p.name: p.capacity for p in entry.pools or []}
@@ -175,7 +177,10 @@ class RayGenerateClient:
 
     def card(self) -> dict[str, Any]:
         return {
-            "root": self.config.model_path,
+            # What vLLM gives (clients load a tokenizer from it): the model's folder, or
+            # for a single .gguf file the served name; the file itself is model_path.
+            "root": model_root(self.config.model_path, self.name),
+            "model_path": self.config.model_path,
             "max_model_len": self.max_model_len,
             "replicas": self._num_known_replicas(),
         }

@@ -14,9 +14,10 @@ import torch
 from fleetserve.config import EngineConfig
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from fleetserve.core.structured import GrammarBitmask
 from fleetserve.distributed.parallel_state import ParallelContext
 from fleetserve.forward_context import set_forward_context
-from fleetserve.layers.sampler import Sampler, SamplingRow, top_logprobs
+from fleetserve.layers.sampler import Sampler, SamplingRow, apply_token_bitmask, top_logprobs
 from fleetserve.models.loader import ModelSource
 from fleetserve.spec_decode.base import Proposal, ProposalRequest, Proposer
 from fleetserve.spec_decode.rejection_sampler import DraftedRow, RejectionSampler
@@ -202,7 +203,9 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
         qsl = meta.query_start_loc
-        sampled, lp_by_req = self._sample(ordered, qsl, meta.seq_lens, spec, hidden)
+        sampled, lp_by_req = self._sample(
+            ordered, qsl, meta.seq_lens, spec, hidden, so.grammar_bitmask
+        )
         prompt_lps = self._prompt_logprobs(ordered, qsl, ctx_lens, hidden)
         req_ids = list(sched)
         want_logprobs = any(s.params.logprobs is not None for s in ordered)
@@ -221,10 +224,13 @@ class ModelRunner:
         seq_lens: list[int],
         spec: dict[str, list[int]],
         hidden: torch.Tensor,
+        grammar: GrammarBitmask | None = None,
     ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, float]]]]:
         """Tokens (and logprobs) of each request whose step reaches its end: sampled from
         its last row, or, with drafts, verified against the rows of the pending token and
-        of each draft (row j predicts the token after draft j)."""
+        of each draft (row j predicts the token after draft j). A constrained request's
+        rows lose the tokens its grammar forbids first (so logprobs are those of the
+        allowed tokens, as in vLLM)."""
         plain: list[tuple[int, RequestState]] = []
         verify: list[tuple[int, RequestState, list[int]]] = []
         for i, s in enumerate(ordered):
@@ -242,6 +248,21 @@ class ModelRunner:
         if not rows:
             return sampled, lps_out
         logits = self.model.compute_logits(hidden[rows])
+        if grammar is not None:
+            logit_rows: list[int] = []
+            mask_rows: list[int] = []
+            for j, (_, s) in enumerate(plain):
+                if s.req_id in grammar.rows:
+                    logit_rows.append(j)
+                    mask_rows.append(grammar.rows[s.req_id])
+            base = len(plain)
+            for _, s, d in verify:
+                if s.req_id in grammar.rows:
+                    first = grammar.rows[s.req_id]
+                    logit_rows.extend(range(base, base + len(d) + 1))
+                    mask_rows.extend(range(first, first + len(d) + 1))
+                base += len(d) + 1
+            apply_token_bitmask(logits, logit_rows, grammar.wait()[mask_rows])
         if plain:
             tokens, lps = self.sampler(logits[: len(plain)], [s.sampling_row() for _, s in plain])
             for j, (_, s) in enumerate(plain):

@@ -53,6 +53,7 @@ class AccessRecord:
     route: str | None = None  # the matched route's path template (a bounded label)
     response_id: str | None = None
     prompt_tokens: int | None = None  # given by handlers without streams (embeddings)
+    metadata: dict[str, str] | None = None  # the request body's `metadata` (OpenAI's)
     states: list[RequestState] = field(default_factory=list)
     status_of: Callable[[Exception], int] | None = None
 
@@ -92,6 +93,8 @@ class AccessRecord:
             line["ttft_s"] = round(min(firsts) - self.start, 6) if firsts else None
         elif self.prompt_tokens is not None:
             line["prompt_tokens"] = self.prompt_tokens
+        if self.metadata:
+            line["metadata"] = self.metadata
         line["duration_s"] = round(end - self.start, 6)
         error = self.stream_error()
         if error is not None:
@@ -126,6 +129,13 @@ def note_model(request: Any, model: str, class_name: str | None = None) -> None:
         record.model, record.class_name = model, class_name
         route = request.scope.get("route")  # set by the router that matched the request
         record.route = getattr(route, "path", None)
+
+
+def note_metadata(request: Any, metadata: dict[str, str] | None) -> None:
+    """The request's `metadata` (OpenAI's field), written into its access line."""
+    record = access_record(request)
+    if record is not None and metadata:
+        record.metadata = dict(metadata)
 
 
 def note_prompt_tokens(request: Any, num_tokens: int) -> None:

@@ -229,6 +229,14 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
         cards = [c for c in registry.cards() if registry.services[c["id"]].dead_reason is None]
         return JSONResponse({"object": "list", "data": cards})
 
+    async def model_card(name: str) -> Response:
+        # client.models.retrieve(name): the card /v1/models lists, or 404.
+        registry = ctx.registry
+        for card in registry.cards():
+            if card["id"] == name and registry.services[name].dead_reason is None:
+                return JSONResponse(card)
+        raise APIError(404, f"the model {name!r} does not exist", "model", "model_not_found")
+
     async def completions(request: Request) -> Response:
         return await create_completion(ctx, request)
 
@@ -252,6 +260,7 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse(await unless_disconnected(request, run_predict(service, body)))
 
     app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/models/{name:path}", model_card, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
     app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])

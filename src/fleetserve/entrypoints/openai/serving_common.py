@@ -85,6 +85,8 @@ class ModelContext:
 
     engine: GenerateFrontend
     served_model_name: str
+    # The fleet file's `tool_parser:` for the model (None: by its chat template).
+    tool_parser: str | None = None
 
 
 @dataclass
@@ -108,7 +110,7 @@ class ServingContext:
     def generate_model(self, name: str | None) -> ModelContext:
         service = self.model(name, "generate")
         assert isinstance(service, GenerateFrontend)
-        return ModelContext(service, service.name)
+        return ModelContext(service, service.name, getattr(service, "tool_parser", None))
 
 
 def service_class(request: Request, service_tier: str | None) -> str | None:

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.entrypoints.openai.access_log import note_metadata
 from fleetserve.entrypoints.openai.errors import APIError, from_value_error
 from fleetserve.entrypoints.openai.protocol import MAX_N, CompletionRequest
 from fleetserve.entrypoints.openai.serving_common import (
@@ -35,6 +36,7 @@ from fleetserve.entrypoints.openai.serving_common import (
     unless_disconnected,
     usage,
 )
+from fleetserve.entrypoints.openai.structured import from_structured_outputs
 from fleetserve.outputs import CompletionOutput, Logprobs, RequestOutput
 from fleetserve.serve.request_state import FleetStream
 
@@ -63,8 +65,9 @@ def completion_inputs(req: CompletionRequest) -> tuple[list[Any], SamplingParams
     if len(prompts) * req.n > MAX_N:
         raise APIError(400, f"len(prompt) * n must be at most {MAX_N}", "prompt")
     echo_lps = req.logprobs if req.echo and req.logprobs is not None else None
+    constraint = from_structured_outputs(req.structured_outputs)
     try:
-        base = req.sampling_params(req.max_tokens, req.logprobs, echo_lps)
+        base = req.sampling_params(req.max_tokens, req.logprobs, echo_lps, constraint)
     except ValueError as e:
         raise from_value_error(e) from None
     return prompts, base
@@ -75,6 +78,7 @@ async def create_completion(server: ServingContext, request: Request) -> Respons
     ctx = server.generate_model(req.model)
     class_name = service_class(request, req.service_tier)
     note_request(request, ctx, class_name)
+    note_metadata(request, req.metadata)
     prompts, base = completion_inputs(req)
     prompts = await tokenize_large(ctx, prompts)
     request_id = new_id("cmpl")

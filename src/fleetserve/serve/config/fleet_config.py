@@ -253,6 +253,9 @@ class RemoteConfig(_Strict):
         return self
 
 
+ToolParserName = Literal["hermes", "qwen", "llama3_json", "mistral", "json"]
+
+
 class ModelEntry(_Strict):
     name: str
     kind: ModelKind = "generate"
@@ -275,6 +278,9 @@ class ModelEntry(_Strict):
     # Served by other fleetserve servers; `model` and `engine` still describe the model
     # (the gateway tokenizes and validates), and should match the pods'.
     remote: RemoteConfig | None = None
+    # How tool calls are read from this model's output (generate models); by default
+    # what its chat template implies (entrypoints/openai/tool_parsers).
+    tool_parser: ToolParserName | None = None
 
     @field_validator("pools")
     @classmethod
@@ -339,6 +345,8 @@ class ModelEntry(_Strict):
                 raise ValueError(f"{', '.join(limits)}: for kind 'custom', not {self.kind!r}")
         if self.kind == "generate" and self.batching is not None:
             raise ValueError("batching is for embed and custom models (generate batches itself)")
+        if self.kind != "generate" and self.tool_parser is not None:
+            raise ValueError(f"tool_parser is for generate models, not {self.kind!r}")
         if self.kind != "generate" and self.engine is not None:
             raise ValueError(f"engine is for generate models, not {self.kind!r}")
         if self.kind != "generate" and "resilience" in self.model_fields_set:
@@ -507,6 +515,7 @@ def single_model_fleet(
     max_waiting: int,
     resilience: dict[str, Any] | None = None,
     oversubscribe: float = 1.0,
+    tool_parser: str | None = None,
 ) -> FleetConfig:
     """`fleetserve serve` without --config: one generate model, one class (`default`),
     the engine exactly as its flags say (fcfs unless --scheduling-policy priority).
@@ -516,6 +525,8 @@ def single_model_fleet(
     entry = {"name": name, "model": model, "replicas": replicas, "routing": routing}
     if resilience is not None:
         entry["resilience"] = resilience
+    if tool_parser is not None:
+        entry["tool_parser"] = tool_parser
     return parse_fleet_config(
         {
             "models": [{**entry, "engine": fields}],

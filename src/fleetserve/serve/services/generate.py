@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
+from fleetserve.config import model_root
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import (
     AsyncEngine,
@@ -95,6 +96,7 @@ class GenerateService:
             raise ValueError(f"GenerateService serves generate models, not {entry.kind!r}")
         name, args, routing = entry.name, entry.engine_args(), entry.routing
         self.name = name
+        self.tool_parser = entry.tool_parser
         self.resilience = entry.resilience
         # Served by other fleetserve servers (pods) over HTTP: serve/remote/targets.py.
         self.remote = RemoteTargets(entry.remote) if entry.remote is not None else None
@@ -213,7 +215,10 @@ class GenerateService:
 
     def card(self) -> dict[str, Any]:
         return {
-            "root": self.config.model_path,
+            # What vLLM gives (clients load a tokenizer from it): the model's folder, or
+            # for a single .gguf file the served name; the file itself is model_path.
+            "root": model_root(self.config.model_path, self.name),
+            "model_path": self.config.model_path,
             "max_model_len": self.max_model_len,
             "replicas": len(self.replica_set.live),
         }
