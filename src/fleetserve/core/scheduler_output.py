@@ -23,6 +23,8 @@ class NewRequestData:
     num_output_tokens: int = 0
     # Banned from sampling until min_tokens outputs (unless ignore_eos).
     eos_token_ids: tuple[int, ...] = ()
+    # The LoRA adapter the request's rows run with (None: the base model).
+    lora_name: str | None = None
 
 
 @dataclass
