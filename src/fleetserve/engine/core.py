@@ -87,9 +87,15 @@ class EngineCore:
         """Load an adapter now, in this thread (the offline engine: a bad adapter is
         the caller's ValueError at once)."""
         if self.lora is None:
-            raise ValueError("LoRA adapters need enable_lora=True")
+            raise ValueError(
+                f"LoRA adapter {lora.lora_name!r} requested, but this engine was started "
+                "without enable_lora"
+            )
         if not self.lora.is_ready(lora):
-            self.lora.preload(lora)
+            self.lora.preload(lora, frozenset(self._loras_in_use()))
+
+    def _loras_in_use(self) -> set[str]:
+        return {r.lora_name for r in self.scheduler.requests.values() if r.lora_name}
 
     def take_rejected(self) -> list[tuple[str, str]]:
         """Requests refused after they were accepted (their adapter failed to load)."""
@@ -116,8 +122,7 @@ class EngineCore:
         assert self.lora is not None
         if not self.scheduler.has_unfinished_requests() and self.lora.num_parked():
             self.lora.wait(0.005)  # nothing else to run: sleep until a load is done
-        in_use = {r.lora_name for r in self.scheduler.requests.values() if r.lora_name}
-        ready, failed = self.lora.poll(in_use)
+        ready, failed = self.lora.poll(self._loras_in_use())
         for req in ready:
             try:
                 self.scheduler.add_request(req)

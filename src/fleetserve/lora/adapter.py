@@ -101,8 +101,7 @@ def read_adapter_config(name: str, path: str) -> dict[str, Any]:
     cfg_file = folder / CONFIG_FILE
     if not folder.is_dir() or not cfg_file.is_file():
         raise ValueError(
-            f"LoRA adapter {name!r}: {path!r} is not a PEFT adapter folder "
-            f"(no {CONFIG_FILE})"
+            f"LoRA adapter {name!r}: {path!r} is not a PEFT adapter folder (no {CONFIG_FILE})"
         )
     if not (folder / WEIGHTS_FILE).is_file():
         raise ValueError(
@@ -187,8 +186,7 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_lora_rank: int) -> 
             )
         if r > max_lora_rank:
             raise ValueError(
-                f"LoRA adapter {name!r}: rank {r} ({where}) is above max_lora_rank="
-                f"{max_lora_rank}"
+                f"LoRA adapter {name!r}: rank {r} ({where}) is above max_lora_rank={max_lora_rank}"
             )
         if a.shape[1] != in_f or b.shape[0] != out_f:
             raise ValueError(

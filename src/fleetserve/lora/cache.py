@@ -79,7 +79,7 @@ class AdapterCache:
 
     def unpark(self, req_ids: set[str]) -> list[Request]:
         """Take parked requests out (aborted before their adapter came)."""
-        taken = []
+        taken: list[Request] = []
         for name, reqs in list(self.parked.items()):
             keep = [r for r in reqs if r.req_id not in req_ids]
             taken.extend(r for r in reqs if r.req_id in req_ids)
@@ -131,8 +131,9 @@ class AdapterCache:
         self._evict(in_use | {r.lora_name for r in ready if r.lora_name})
         return ready, failed
 
-    def preload(self, lora: LoRARequest) -> LoRAAdapter:
-        """Load now, in the caller's thread (adapters named at start-up)."""
+    def preload(self, lora: LoRARequest, in_use: frozenset[str] = frozenset()) -> LoRAAdapter:
+        """Load now, in the caller's thread (adapters named at start-up, the offline
+        engine); `in_use` as for `poll`."""
         adapter = load_adapter(
             lora.lora_name, lora.lora_path, self.model_cfg, self.lcfg.max_lora_rank
         )
@@ -141,7 +142,7 @@ class AdapterCache:
         self.loaded[lora.lora_name] = adapter
         self._add(adapter)
         self.stats.loads[lora.lora_name] = self.stats.loads.get(lora.lora_name, 0) + 1
-        self._evict(set())
+        self._evict(set(in_use) | {lora.lora_name})
         return adapter
 
     def _evict(self, in_use: set[str]) -> None:

@@ -28,8 +28,7 @@ class LoRAConfig:
             )
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(
-                f"max_cpu_loras must be >= max_loras ({self.max_loras}), "
-                f"got {self.max_cpu_loras}"
+                f"max_cpu_loras must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}"
             )
         names = [n for n, _ in self.modules]
         if len(set(names)) != len(names):

@@ -45,7 +45,9 @@ class LoRALinear(nn.Module):
         # Plain tensors, not parameters: they are state the slot pool writes, never loaded
         # from the base checkpoint.
         self.seg_starts = torch.tensor(starts, dtype=torch.int64)
-        self.a = torch.zeros(max_loras, num_segs * max_rank, in_features, dtype=dtype, device=device)
+        self.a = torch.zeros(
+            max_loras, num_segs * max_rank, in_features, dtype=dtype, device=device
+        )
         self.b = torch.zeros(max_loras, self.out_features, max_rank, dtype=dtype, device=device)
         self.ranks = torch.zeros(max_loras, num_segs, dtype=torch.int32)
         self.use_c = True

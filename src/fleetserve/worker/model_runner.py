@@ -91,7 +91,9 @@ class ModelRunner:
         )
         # LoRA: the projections wrapped after the decode plan took the base modules (a
         # step with adapter rows skips that plan: llama.py).
-        self.lora = LoRASlots(self.model, config.lora, parallel, self.device) if config.lora else None
+        self.lora = (
+            LoRASlots(self.model, config.lora, parallel, self.device) if config.lora else None
+        )
         self.requests: dict[str, RequestState] = {}
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.proposer: Proposer | None = None
