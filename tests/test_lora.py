@@ -19,9 +19,11 @@ from fleetserve.core.request import Request
 from fleetserve.core.scheduler import Scheduler
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.core import EngineCore
+from fleetserve.layers.quant_linear import QuantLinear
 from fleetserve.lora import LoRARequest
 from fleetserve.lora.adapter import load_adapter
 from fleetserve.lora.kernel import _lib, apply_lora, group_rows
+from helpers import write_tiny_gguf
 from lora_helpers import make_adapter, peft_greedy, peft_logprobs
 
 NUM_TOKENS = 8
@@ -111,26 +113,46 @@ def test_torch_reference_path_matches_peft(arch_setup: tuple[str, dict[str, str]
         )
 
 
-def test_int8_base_stays_close_to_peft(arch_setup: tuple[str, dict[str, str]]) -> None:
-    """An int8 (Q8_0) base with a float adapter against HF + peft in float32, by the
-    quantized parity tests' rule: top-1 agreement >= 0.95 over the prompt positions."""
-    base, adapters = arch_setup
+def _assert_close_to_peft(llm: LLM, base: str, adapter: str) -> None:
+    """The quantized parity tests' rule against HF + peft in float32: top-1 agreement
+    >= 0.95 over the prompt positions, mean |dlogprob| < 0.1."""
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, 512, (96,), generator=g).tolist()
-    llm = LLM(base, quantization="int8", enable_lora=True, max_lora_rank=8, max_model_len=128)
-    lora = LoRARequest("all", 1, adapters["all"])
+    lora = LoRARequest("all", 1, adapter)
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
     out = llm.generate({"prompt_token_ids": ids}, params, lora_request=lora, use_tqdm=False)[0]
     assert out.prompt_logprobs is not None
     rows = out.prompt_logprobs[1:]
     got = torch.tensor([row[t] for row, t in zip(rows, ids[1:], strict=True)])  # type: ignore[index]
     got_top = [max(row, key=row.__getitem__) for row in rows]  # type: ignore[union-attr]
-    ref = peft_logprobs(base, adapters["all"], ids)[:-1]
+    ref = peft_logprobs(base, adapter, ids)[:-1]
     want = ref.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     want_top = ref.argmax(-1).tolist()
     agree = sum(a == b for a, b in zip(got_top, want_top, strict=True)) / len(want_top)
     assert agree >= 0.95, agree
     assert float((got - want).abs().mean()) < 0.1
+
+
+def test_int8_base_stays_close_to_peft(arch_setup: tuple[str, dict[str, str]]) -> None:
+    base, adapters = arch_setup
+    llm = LLM(base, quantization="int8", enable_lora=True, max_lora_rank=8, max_model_len=128)
+    model = llm.engine.core.executor.runner.model  # type: ignore[attr-defined]
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj.base, QuantLinear)
+    _assert_close_to_peft(llm, base, adapters["all"])
+
+
+def test_gguf_base_stays_close_to_peft(
+    tiny_model_factory: Callable[..., str], tmp_path: Path
+) -> None:
+    """A GGUF base (Q8_0 MLP blocks kept quantized, float32 attention)."""
+    base = tiny_model_factory("llama")
+    gguf_path = str(tmp_path / "tiny.gguf")
+    write_tiny_gguf(base, gguf_path)
+    adapter = make_adapter(base, tmp_path / "a", 1)
+    llm = LLM(gguf_path, enable_lora=True, max_lora_rank=8, max_model_len=128)
+    model = llm.engine.core.executor.runner.model  # type: ignore[attr-defined]
+    assert isinstance(model.model.layers[0].mlp.down_proj.base, QuantLinear)
+    _assert_close_to_peft(llm, base, adapter)
 
 
 def test_tensor_parallel_matches_peft(tiny_model_factory: Callable[..., str], tmp_path: Path):
