@@ -38,6 +38,7 @@ from fleetserve.engine.wire import (
     EngineSpec,
     Shutdown,
     StopRequests,
+    WireLoRAState,
     output_to_wire,
     params_from_wire,
 )
@@ -223,7 +224,15 @@ def _loop(
             time.sleep(step_delay_s)
             stats["last_step_seconds"] += step_delay_s
         wire = [output_to_wire(o) for o in outputs]
-        out_sock.send(encoder.encode(CoreOutputs(wire, stats, rejected)))
+        rejected.extend(core.take_rejected())
+        out_sock.send(encoder.encode(CoreOutputs(wire, stats, rejected, lora_state(core))))
+
+
+def lora_state(core: Any) -> WireLoRAState | None:
+    cache = core.lora
+    if cache is None:
+        return None
+    return WireLoRAState(list(cache.loaded), cache.stats.loads, cache.stats.evictions)
 
 
 def _handle(core: Any, msg: CoreInput, rejected: list[tuple[str, str]]) -> None:
@@ -238,6 +247,7 @@ def _handle(core: Any, msg: CoreInput, rejected: list[tuple[str, str]]) -> None:
                     priority=msg.priority,
                     group_id=msg.group_id,
                     output_token_ids=msg.output_token_ids,
+                    lora_request=None if msg.lora is None else msg.lora.to_request(),
                 )
             )
         except ValueError as e:
