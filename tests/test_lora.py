@@ -173,7 +173,7 @@ def test_kernel_matches_torch_reference(num_rows: int) -> None:
     g = torch.Generator().manual_seed(0)
     slots, max_rank, in_dim, segs = 3, 8, 37, [20, 6, 6]
     a = torch.randn(slots, len(segs) * max_rank, in_dim, generator=g)
-    b = torch.randn(slots, sum(segs), max_rank, generator=g)
+    b = torch.randn(slots, max_rank, sum(segs), generator=g)
     ranks = torch.tensor([[8, 4, 0], [2, 2, 2], [0, 8, 1]], dtype=torch.int32)
     # The torch reference multiplies everything: zero what is past each rank.
     for s in range(slots):
@@ -181,7 +181,7 @@ def test_kernel_matches_torch_reference(num_rows: int) -> None:
             r = int(ranks[s, seg])
             a[s, seg * max_rank + r : (seg + 1) * max_rank] = 0
             lo = sum(segs[:seg])
-            b[s, lo : lo + segs[seg], r:] = 0
+            b[s, r:, lo : lo + segs[seg]] = 0
     starts = torch.tensor([0, 20, 26, 32])
     x = torch.randn(num_rows, in_dim, generator=g)
     row_slots = [None if i % 4 == 3 else (i * 7) % slots for i in range(num_rows)]

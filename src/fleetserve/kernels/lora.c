@@ -6,7 +6,7 @@
 // segment g at columns [seg_starts[g], seg_starts[g + 1]), with its own rank-r pair.
 // Per slot the layout is
 //   A  [num_slots, num_segs * max_rank, in_dim]    segment g's A rows at g * max_rank
-//   B  [num_slots, out_dim, max_rank]              a column of segment g uses B[., :r]
+//   B  [num_slots, max_rank, out_dim]              rank-major: B^T of each slot
 //   ranks [num_slots, num_segs]                    0: the adapter leaves g untouched
 // Rows: `rows` lists the batch rows grouped by slot; group i is rows[group_starts[i] ..
 // group_starts[i + 1]) with slot group_slots[i]. `shrunk` is scratch of
@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define EXPAND_TILE 64
+#define EXPAND_TILE 256
 
 static float dot(const float *a, const float *b, int64_t n) {
     float acc = 0.0f;
@@ -48,22 +48,28 @@ void lora_shrink_expand(
             for (int64_t i = r0; i < r1; i++)
                 shrunk[i * width + c] = dot(a, x + rows[i] * x_stride, in_dim);
         }
-        // Expand: threads split the output columns in tiles (no two write one element);
-        // within a tile a row's outputs are contiguous.
+        // Expand: threads split the output columns in tiles (no two write one element).
+        // B is stored rank-major, so each of a row's r updates is one contiguous axpy.
 #pragma omp for schedule(static)
         for (int64_t o0 = 0; o0 < out_dim; o0 += EXPAND_TILE) {
             const int64_t o1 = o0 + EXPAND_TILE < out_dim ? o0 + EXPAND_TILE : out_dim;
-            for (int32_t grp = 0; grp < num_groups; grp++) {
-                const int32_t slot = group_slots[grp];
-                const float *bs = B + (int64_t)slot * out_dim * max_rank;
-                for (int64_t i = group_starts[grp]; i < group_starts[grp + 1]; i++) {
-                    float *yr = y + rows[i] * y_stride;
-                    const float *s = shrunk + i * width;
-                    int32_t g = 0;
-                    for (int64_t o = o0; o < o1; o++) {
-                        while (g + 1 < num_segs && o >= seg_starts[g + 1]) g++;
-                        const int32_t r = ranks[(int64_t)slot * num_segs + g];
-                        if (r) yr[o] += dot(bs + o * max_rank, s + (int64_t)g * max_rank, r);
+            for (int32_t g = 0; g < num_segs; g++) {
+                const int64_t lo = seg_starts[g] > o0 ? seg_starts[g] : o0;
+                const int64_t hi = seg_starts[g + 1] < o1 ? seg_starts[g + 1] : o1;
+                if (lo >= hi) continue;
+                for (int32_t grp = 0; grp < num_groups; grp++) {
+                    const int32_t slot = group_slots[grp];
+                    const int32_t r = ranks[(int64_t)slot * num_segs + g];
+                    const float *bt = B + (int64_t)slot * max_rank * out_dim;
+                    for (int64_t i = group_starts[grp]; i < group_starts[grp + 1]; i++) {
+                        float *yr = y + rows[i] * y_stride;
+                        const float *s = shrunk + i * width + (int64_t)g * max_rank;
+                        for (int32_t k = 0; k < r; k++) {
+                            const float sk = s[k];
+                            const float *bk = bt + (int64_t)k * out_dim;
+#pragma omp simd
+                            for (int64_t o = lo; o < hi; o++) yr[o] += sk * bk[o];
+                        }
                     }
                 }
             }

@@ -85,7 +85,7 @@ def apply_lora(
     """y[rows] += each row's slot's B (A x) in place.
 
     x [num_rows, in_dim], y [num_rows, out_dim] (rows contiguous), a [num_slots,
-    num_segs * max_rank, in_dim], b [num_slots, out_dim, max_rank], ranks int32
+    num_segs * max_rank, in_dim], b [num_slots, max_rank, out_dim] (B transposed), ranks int32
     [num_slots, num_segs], seg_starts int64 [num_segs + 1]."""
     lib = _lib() if use_c else None
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
@@ -93,7 +93,7 @@ def apply_lora(
         return
     assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
     num_segs = seg_starts.numel() - 1
-    max_rank = b.shape[2]
+    max_rank = b.shape[1]
     shrunk = torch.empty(groups.num_rows, num_segs * max_rank, dtype=torch.float32)
     lib.lora_shrink_expand(
         x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[1], y.shape[1],
@@ -113,12 +113,12 @@ def _apply_torch(
     groups: RowGroups,
 ) -> None:
     """The reference: slots hold zeros past each segment's rank, so plain matmuls do."""
-    max_rank = b.shape[2]
+    max_rank = b.shape[1]
     bounds = seg_starts.tolist()
     for i, slot in enumerate(groups.slot_list):
         rows = groups.rows[groups.start_list[i] : groups.start_list[i + 1]].to(x.device)
         shrunk = x[rows] @ a[slot].T  # [n, num_segs * max_rank]
         for g in range(len(bounds) - 1):
             s = shrunk[:, g * max_rank : (g + 1) * max_rank]
-            delta = s @ b[slot, bounds[g] : bounds[g + 1]].T
+            delta = s @ b[slot, :, bounds[g] : bounds[g + 1]]
             y[rows, bounds[g] : bounds[g + 1]] += delta.to(y.dtype)

@@ -20,7 +20,8 @@ from fleetserve.lora.kernel import apply_lora
 
 class LoRALinear(nn.Module):
     """`base` with `max_loras` slots of stacked LoRA pairs (see kernels/lora.c):
-    a [slots, num_segs * max_rank, in_features], b [slots, out_features, max_rank]."""
+    a [slots, num_segs * max_rank, in_features], b [slots, max_rank, out_features] (B
+    transposed: the kernel's expand is then contiguous axpys)."""
 
     def __init__(
         self,
@@ -48,7 +49,7 @@ class LoRALinear(nn.Module):
         self.a = torch.zeros(
             max_loras, num_segs * max_rank, in_features, dtype=dtype, device=device
         )
-        self.b = torch.zeros(max_loras, self.out_features, max_rank, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, max_rank, self.out_features, dtype=dtype, device=device)
         self.ranks = torch.zeros(max_loras, num_segs, dtype=torch.int32)
         self.use_c = True
 
@@ -67,7 +68,7 @@ class LoRALinear(nn.Module):
             lo, hi = int(self.seg_starts[g]), int(self.seg_starts[g + 1])
             assert a.shape == (r, self.in_features) and b.shape == (hi - lo, r), (a.shape, b.shape)
             self.a[slot, g * r_max : g * r_max + r].copy_(a)
-            self.b[slot, lo:hi, :r].copy_(b)
+            self.b[slot, :r, lo:hi].copy_(b.T)
             self.ranks[slot, g] = r
 
     def clear_slot(self, slot: int) -> None:

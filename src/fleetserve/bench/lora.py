@@ -1,0 +1,177 @@
+"""`fleetserve bench lora`: mixed-adapter throughput and the TTFT of a cold adapter.
+
+1. Throughput: `--streams` greedy streams of `--num-tokens` tokens each, once all on the
+   base model and once spread round-robin over `--num-adapters` adapters (max_loras =
+   num_adapters, so every adapter rides in every step); output tokens per second of the
+   whole batch (offline LLM.generate, median of `--repeats` after a warm-up), and their
+   ratio.
+2. Cold-adapter TTFT through the server's engine path (AsyncEngine + engine-core
+   process): the first token of a request on the base model, on an adapter already
+   loaded, and on one that must first be read from disk (the load runs in the core's
+   loader thread).
+
+Adapters are random PEFT LoRA folders (rank `--rank`, every attention and MLP projection,
+non-zero B) written for the model's shapes, so any base (a GGUF file included) works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fleetserve.config import ModelConfig
+from fleetserve.core.lora_request import LoRARequest
+from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.entrypoints.engine_args_cli import add_engine_args, engine_args_from
+from fleetserve.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, projection_shape
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_random_adapter(cfg: ModelConfig, out: Path, rank: int, seed: int) -> str:
+    """A PEFT LoRA folder for a base of `cfg`'s shapes: random A and B (B non-zero)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(cfg.num_hidden_layers):
+        for module in TARGETS:
+            sub = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            in_f, out_f = projection_shape(cfg, module)
+            key = f"base_model.model.model.layers.{layer}.{sub}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) / in_f**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out_f, rank, generator=g) * 0.01
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / WEIGHTS_FILE))
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": list(TARGETS),
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+    }
+    (out / CONFIG_FILE).write_text(json.dumps(config))
+    return str(out)
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--num-adapters", type=int, default=8)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--num-tokens", type=int, default=64, help="greedy tokens per stream")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--skip-ttft", action="store_true")
+    p.add_argument("--json", default=None, help="write the figures here")
+
+
+def _throughput(llm: Any, prompts: list[list[int]], loras: list[Any], n: int, reps: int) -> float:
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    items = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(items, params, lora_request=loras, use_tqdm=False)  # warm-up (and loads)
+    rates = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        outs = llm.generate(items, params, lora_request=loras, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
+    return statistics.median(rates)
+
+
+async def _ttft(
+    args: Any, prompt: list[int], lora: LoRARequest | None, rid: str, eng: Any
+) -> float:
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    async for _ in eng.generate(rid, {"prompt_token_ids": prompt}, params, lora_request=lora):
+        return time.perf_counter() - t0
+    raise RuntimeError("no output")
+
+
+async def _cold_ttft(eargs: Any, adapters: list[str], prompt: list[int]) -> dict[str, float]:
+    from fleetserve.engine.async_engine import AsyncEngine
+
+    eng = AsyncEngine(eargs, 64)
+    await eng.start()
+    try:
+        warm = LoRARequest("warm", 1, adapters[0])
+        await _ttft(eargs, prompt, warm, "w0", eng)  # loads "warm"
+        base = [await _ttft(eargs, prompt, None, f"b{i}", eng) for i in range(3)]
+        loaded = [await _ttft(eargs, prompt, warm, f"l{i}", eng) for i in range(3)]
+        cold = []
+        for i, path in enumerate(adapters[1:4]):
+            cold.append(
+                await _ttft(eargs, prompt, LoRARequest(f"cold{i}", i + 2, path), f"c{i}", eng)
+            )
+    finally:
+        await eng.shutdown()
+    return {
+        "ttft_base_ms": 1000 * statistics.median(base),
+        "ttft_loaded_adapter_ms": 1000 * statistics.median(loaded),
+        "ttft_cold_adapter_ms": 1000 * statistics.median(cold),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from fleetserve import LLM
+
+    eargs = engine_args_from(args)
+    eargs = replace(
+        eargs,
+        enable_lora=True,
+        max_loras=args.num_adapters,
+        max_lora_rank=args.rank,
+        max_cpu_loras=max(args.num_adapters, 8),
+        max_num_seqs=max(eargs.max_num_seqs, args.streams),
+    )
+    config, _ = eargs.resolve()
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(
+            3, min(config.model.vocab_size, 10000), (args.prompt_tokens,), generator=g
+        ).tolist()
+        for _ in range(args.streams)
+    ]
+    with tempfile.TemporaryDirectory(prefix="fleetserve-lora-bench-") as tmp:
+        adapters = [
+            write_random_adapter(config.model, Path(tmp) / f"a{i}", args.rank, i)
+            for i in range(max(args.num_adapters, 4))
+        ]
+        llm = LLM(**vars(eargs))
+        loras = [
+            LoRARequest(
+                f"a{i % args.num_adapters}",
+                1 + i % args.num_adapters,
+                adapters[i % args.num_adapters],
+            )
+            for i in range(args.streams)
+        ]
+        base = _throughput(llm, prompts, [None] * args.streams, args.num_tokens, args.repeats)
+        mixed = _throughput(llm, prompts, loras, args.num_tokens, args.repeats)
+        del llm
+        figures: dict[str, Any] = {
+            "streams": args.streams,
+            "num_adapters": args.num_adapters,
+            "rank": args.rank,
+            "base_tok_s": base,
+            "mixed_tok_s": mixed,
+            "ratio": mixed / base,
+        }
+        if not args.skip_ttft:
+            one = replace(eargs, max_loras=1, max_cpu_loras=8)
+            figures.update(asyncio.run(_cold_ttft(one, adapters, prompts[0])))
+    print(json.dumps(figures, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 0
