@@ -223,6 +223,8 @@ class RayGenerateClient:
         params_for: Callable[[], SamplingParams],
         class_name: str | None = None,
         priority: int = 0,
+        *,
+        lora_name: str | None = None,
     ) -> list[MigratingStream]:
         """As GenerateService.admit: validate, queue by class, return the streams once
         dispatched. Cancelling the wait takes the request out of the queue.
@@ -230,6 +232,11 @@ class RayGenerateClient:
         The request is sent from its own task, once its turn comes: a Serve handle call
         belongs to the HTTP request whose context makes it (its request id, its
         cancellation), so it must not be made from another request's task."""
+        if lora_name is not None:
+            raise ValueError(
+                f"model {lora_name!r}: LoRA adapters are not served on Ray yet; serve the "
+                "fleet without --ray for adapters"
+            )
         cls = self.admission.resolve(class_name, priority)
         items = [self._prepare(f"{request_id}-{i}", p, params_for()) for i, p in enumerate(prompts)]
         pending = _Pending(items, asyncio.get_running_loop().create_future(), time.monotonic())

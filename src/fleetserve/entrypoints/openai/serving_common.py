@@ -34,6 +34,7 @@ from fleetserve.outputs import RequestOutput
 from fleetserve.serve.admission.admit import ShedError
 from fleetserve.serve.admission.sla import ClassQueue
 from fleetserve.serve.contracts import ReplicaStreamLike
+from fleetserve.serve.services.adapters import UnknownAdapterError
 from fleetserve.serve.services.service_registry import (
     ModelService,
     Registry,
@@ -71,6 +72,8 @@ class GenerateFrontend(Protocol):
         params_for: Callable[[], Any],
         class_name: str | None = None,
         priority: int = 0,
+        *,
+        lora_name: str | None = None,
     ) -> Sequence[ReplicaStreamLike]: ...
 
 
@@ -80,6 +83,8 @@ class ModelContext:
 
     engine: GenerateFrontend
     served_model_name: str
+    # The LoRA adapter the request names as its model (None: the base model).
+    lora_name: str | None = None
 
 
 @dataclass
@@ -103,6 +108,8 @@ class ServingContext:
     def generate_model(self, name: str | None) -> ModelContext:
         service = self.model(name, "generate")
         assert isinstance(service, GenerateFrontend)
+        if name is not None and name != service.name:  # one of its LoRA adapters
+            return ModelContext(service, name, name)
         return ModelContext(service, service.name)
 
 
@@ -183,6 +190,8 @@ def engine_error(e: Exception) -> APIError:
         )
     if isinstance(e, ValueError):
         return from_value_error(e)
+    if isinstance(e, UnknownAdapterError):  # unloaded while the request was on its way
+        return APIError(404, str(e), "model", "model_not_found")
     raise e
 
 
@@ -200,7 +209,10 @@ async def admit(
     the queue (ClientGone)."""
     try:
         streams = await unless_disconnected(
-            request, ctx.engine.admit(request_id, prompts, params_for, class_name, priority)
+            request,
+            ctx.engine.admit(
+                request_id, prompts, params_for, class_name, priority, lora_name=ctx.lora_name
+            ),
         )
     except ClientGone:
         raise

@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import ReplicaGoneError
 from fleetserve.engine.llm_engine import PromptType
@@ -65,6 +66,9 @@ class LocalReplica:
         self.num_outstanding_requests = 0
         self.num_outstanding_tokens = 0
         self.num_routed = 0
+        # Adapters sent here that its engine has not yet reported loaded: it is loading
+        # them, so routing counts them as held.
+        self._routed_loras: set[str] = set()
         self.draining = False
         self._num_evicted = 0
         self._seqs_by_level: Counter[int] = Counter()
@@ -84,6 +88,12 @@ class LocalReplica:
         # When its engine last made progress (a step that ran) or, if it was idle, got
         # work: a replica that holds work and makes none for long is hung.
         self.last_progress = time.monotonic()
+
+    @property
+    def lora_names(self) -> frozenset[str]:
+        loaded = self.engine.lora_loaded
+        self._routed_loras -= loaded
+        return loaded | self._routed_loras
 
     # ------------------------------------------------------------- lifecycle
     async def start(self, timeout_s: float = 600.0) -> None:
@@ -221,11 +231,14 @@ class LocalReplica:
         level: int = 0,
         observer: StreamObserver | None = None,
         resume: RequestOutput | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ReplicaStream:
         """Hands the request to this replica's engine (raising what `add_request` raises).
         `priority` is the engine's (class and request folded, serve/admission/sla.py); `level` the
         class's, for `has_room`; `resume` the output it goes on from (migration)."""
-        inner = self.engine.add_request(request_id, prompt, params, priority, resume)
+        inner = self.engine.add_request(request_id, prompt, params, priority, resume, lora_request)
+        if lora_request is not None:
+            self._routed_loras.add(lora_request.lora_name)
         # add_request has filled in max_tokens when the client left it out.
         num_new_tokens = (params.max_tokens or 0) * params.n
         num_done = 0 if resume is None else sum(len(c.token_ids) for c in resume.outputs)
