@@ -37,14 +37,16 @@ from fleetserve.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, projection_shape
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_random_adapter(cfg: ModelConfig, out: Path, rank: int, seed: int) -> str:
+def write_random_adapter(
+    cfg: ModelConfig, out: Path, rank: int, seed: int, targets: tuple[str, ...] = TARGETS
+) -> str:
     """A PEFT LoRA folder for a base of `cfg`'s shapes: random A and B (B non-zero)."""
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(cfg.num_hidden_layers):
-        for module in TARGETS:
+        for module in targets:
             sub = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
             in_f, out_f = projection_shape(cfg, module)
             key = f"base_model.model.model.layers.{layer}.{sub}.{module}"
@@ -56,7 +58,7 @@ def write_random_adapter(cfg: ModelConfig, out: Path, rank: int, seed: int) -> s
         "peft_type": "LORA",
         "r": rank,
         "lora_alpha": 2 * rank,
-        "target_modules": list(TARGETS),
+        "target_modules": list(targets),
         "bias": "none",
         "task_type": "CAUSAL_LM",
     }
@@ -69,6 +71,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--num-adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument(
+        "--targets",
+        default="q_proj,v_proj",
+        help="comma-separated projections the adapters train (PEFT's default for Llama: "
+        "q_proj,v_proj; 'all' for every attention and MLP projection)",
+    )
     p.add_argument("--num-tokens", type=int, default=64, help="greedy tokens per stream")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
@@ -143,9 +151,13 @@ def run(args: argparse.Namespace) -> int:
         ).tolist()
         for _ in range(args.streams)
     ]
+    targets = TARGETS if args.targets == "all" else tuple(args.targets.split(","))
+    bad = sorted(set(targets) - set(TARGETS))
+    if bad:
+        raise ValueError(f"--targets: unknown projections {bad}; choose from {TARGETS}")
     with tempfile.TemporaryDirectory(prefix="fleetserve-lora-bench-") as tmp:
         adapters = [
-            write_random_adapter(config.model, Path(tmp) / f"a{i}", args.rank, i)
+            write_random_adapter(config.model, Path(tmp) / f"a{i}", args.rank, i, targets)
             for i in range(max(args.num_adapters, 4))
         ]
         llm = LLM(**vars(eargs))
@@ -164,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
             "streams": args.streams,
             "num_adapters": args.num_adapters,
             "rank": args.rank,
+            "targets": list(targets),
             "base_tok_s": base,
             "mixed_tok_s": mixed,
             "ratio": mixed / base,

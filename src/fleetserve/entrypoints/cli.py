@@ -28,6 +28,7 @@ _BENCH = {
     "batch": ("fleetserve.bench.batch", "`batch run` against the offline LLM.generate ceiling"),
     "chaos": ("fleetserve.bench.chaos", "replicas killed under streaming load: lost, latency"),
     "kernels": ("fleetserve.bench.quant_kernels", "quantized GEMM GFLOP/s, float vs int8 x"),
+    "lora": ("fleetserve.bench.lora", "16 streams over 8 LoRA adapters vs base; cold-adapter TTFT"),
 }
 _DEPLOY = {
     "k8s": ("fleetserve.deploy.k8s", "render Kubernetes + KEDA manifests from a fleet file"),
@@ -55,7 +56,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         sub,
         "bench",
         "benchmarks (offline | serve | sla | embed | spec | latency | perplexity | batch | chaos "
-        "| kernels)",
+        "| kernels | lora)",
         _BENCH,
         argv,
     )
