@@ -200,3 +200,24 @@ def test_fleet_routes_an_adapter_to_its_holder(
             assert values['fleetserve:lora_loads_total{lora_name="a",model_name="tiny"}'] == 1
     finally:
         proc.stop()
+
+
+@pytest.mark.slow
+def test_adapter_on_ray(tiny_llama: str, adapters: dict[str, str]) -> None:
+    """`serve --ray`: a request naming an adapter reaches its replica's engine with it."""
+    pytest.importorskip("ray")
+    srv = ServerProc(
+        tiny_llama, "--ray", "--served-model-name", "tiny", "--num-threads", "1",
+        "--max-model-len", "256", "--enable-lora", "--lora-modules", f"a={adapters['a']}",
+        "--max-lora-rank", "8",
+    )  # fmt: skip
+    try:
+        srv.wait_ready(timeout_s=300)
+        with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=120) as c:
+            assert {m.id for m in c.models.list().data} == {"tiny", "a"}
+            assert _text(c, "a") == _offline_text(tiny_llama, adapters["a"])
+            assert _text(c, "tiny") == _offline_text(tiny_llama, None)
+            with pytest.raises(openai.NotFoundError, match="nope"):
+                c.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+    finally:
+        srv.stop(timeout_s=60)

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.async_engine import AsyncEngine, EngineDeadError, ReplicaGoneError
@@ -84,6 +85,7 @@ class GenerateReplica:
         level: int,
         resume: RequestOutput | None = None,
         avoid: Sequence[int] = (),
+        lora: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput | RemoteError]:
         """The request's outputs (cumulative, the newest when the reader fell behind); a
         refusal or failure is one RemoteError and the end. `resume`: the request's last
@@ -96,7 +98,7 @@ class GenerateReplica:
         try:
             stream = self.replica.submit(
                 request_id, prompt, params, priority, num_prompt_tokens, level=level,
-                resume=resume,
+                resume=resume, lora_request=lora,
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001 -- every refusal goes back as data
             yield RemoteError.of(lost_as_gone(e, self.replica))

@@ -236,8 +236,12 @@ class LocalReplica:
         """Hands the request to this replica's engine (raising what `add_request` raises).
         `priority` is the engine's (class and request folded, serve/admission/sla.py); `level` the
         class's, for `has_room`; `resume` the output it goes on from (migration)."""
-        inner = self.engine.add_request(request_id, prompt, params, priority, resume, lora_request)
-        if lora_request is not None:
+        if lora_request is None:
+            inner = self.engine.add_request(request_id, prompt, params, priority, resume)
+        else:
+            inner = self.engine.add_request(
+                request_id, prompt, params, priority, resume, lora_request=lora_request
+            )
             self._routed_loras.add(lora_request.lora_name)
         # add_request has filled in max_tokens when the client left it out.
         num_new_tokens = (params.max_tokens or 0) * params.n
