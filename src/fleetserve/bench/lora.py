@@ -97,9 +97,7 @@ def _throughput(llm: Any, prompts: list[list[int]], loras: list[Any], n: int, re
     return statistics.median(rates)
 
 
-async def _ttft(
-    args: Any, prompt: list[int], lora: LoRARequest | None, rid: str, eng: Any
-) -> float:
+async def _ttft(prompt: list[int], lora: LoRARequest | None, rid: str, eng: Any) -> float:
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     async for _ in eng.generate(rid, {"prompt_token_ids": prompt}, params, lora_request=lora):
@@ -108,20 +106,27 @@ async def _ttft(
 
 
 async def _cold_ttft(eargs: Any, adapters: list[str], prompt: list[int]) -> dict[str, float]:
+    """Each request has a prompt of its own (no prefix-cache hits): base, an adapter
+    already loaded, adapters that are not (read from disk first)."""
     from fleetserve.engine.async_engine import AsyncEngine
 
     eng = AsyncEngine(eargs, 64)
     await eng.start()
+    n = iter(range(1, 1000))
+
+    def fresh() -> list[int]:
+        k = next(n)
+        return [(t + 7 * k) % 30000 + 3 for t in prompt]
+
     try:
         warm = LoRARequest("warm", 1, adapters[0])
-        await _ttft(eargs, prompt, warm, "w0", eng)  # loads "warm"
-        base = [await _ttft(eargs, prompt, None, f"b{i}", eng) for i in range(3)]
-        loaded = [await _ttft(eargs, prompt, warm, f"l{i}", eng) for i in range(3)]
+        await _ttft(fresh(), warm, "w0", eng)  # loads "warm"
+        base = [await _ttft(fresh(), None, f"b{i}", eng) for i in range(3)]
+        loaded = [await _ttft(fresh(), warm, f"l{i}", eng) for i in range(3)]
         cold = []
         for i, path in enumerate(adapters[1:4]):
-            cold.append(
-                await _ttft(eargs, prompt, LoRARequest(f"cold{i}", i + 2, path), f"c{i}", eng)
-            )
+            lora = LoRARequest(f"cold{i}", i + 2, path)
+            cold.append(await _ttft(fresh(), lora, f"c{i}", eng))
     finally:
         await eng.shutdown()
     return {
