@@ -51,6 +51,9 @@ class LoRALinear(nn.Module):
         )
         self.b = torch.zeros(max_loras, max_rank, self.out_features, dtype=dtype, device=device)
         self.ranks = torch.zeros(max_loras, num_segs, dtype=torch.int32)
+        # Per slot: whether its adapter targets this module at all (a step whose slots
+        # leave it alone skips the kernel call).
+        self.slot_used = [False] * max_loras
         self.use_c = True
 
     def set_slot(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
@@ -59,6 +62,7 @@ class LoRALinear(nn.Module):
         r_max = self.max_rank
         self.a[slot].zero_()
         self.b[slot].zero_()
+        self.slot_used[slot] = any(pair is not None for pair in pairs)
         for g, pair in enumerate(pairs):
             if pair is None:
                 self.ranks[slot, g] = 0
@@ -73,10 +77,11 @@ class LoRALinear(nn.Module):
 
     def clear_slot(self, slot: int) -> None:
         self.ranks[slot].zero_()
+        self.slot_used[slot] = False
 
     def _add_delta(self, x: torch.Tensor, y: torch.Tensor) -> None:
         groups = lora_rows()
-        if groups is None:
+        if groups is None or not any(self.slot_used[s] for s in groups.slot_list):
             return
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(-1) != 1:
