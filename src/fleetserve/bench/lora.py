@@ -84,17 +84,23 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the figures here")
 
 
-def _throughput(llm: Any, prompts: list[list[int]], loras: list[Any], n: int, reps: int) -> float:
+def _throughput(
+    llm: Any, prompts: list[list[int]], loras: list[Any], n: int, reps: int
+) -> tuple[float, float]:
+    """(output tokens per second, CPU ms of the process per output token): medians. The
+    CPU figure moves less than the wall clock on a shared machine."""
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     items = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(items, params, lora_request=loras, use_tqdm=False)  # warm-up (and loads)
-    rates = []
+    rates, cpu = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         outs = llm.generate(items, params, lora_request=loras, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
-    return statistics.median(rates)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        num = sum(len(o.outputs[0].token_ids) for o in outs)
+        rates.append(num / dt)
+        cpu.append(1000 * dc / num)
+    return statistics.median(rates), statistics.median(cpu)
 
 
 async def _ttft(prompt: list[int], lora: LoRARequest | None, rid: str, eng: Any) -> float:
@@ -174,8 +180,10 @@ def run(args: argparse.Namespace) -> int:
             )
             for i in range(args.streams)
         ]
-        base = _throughput(llm, prompts, [None] * args.streams, args.num_tokens, args.repeats)
-        mixed = _throughput(llm, prompts, loras, args.num_tokens, args.repeats)
+        base, base_cpu = _throughput(
+            llm, prompts, [None] * args.streams, args.num_tokens, args.repeats
+        )
+        mixed, mixed_cpu = _throughput(llm, prompts, loras, args.num_tokens, args.repeats)
         del llm
         figures: dict[str, Any] = {
             "streams": args.streams,
@@ -185,6 +193,9 @@ def run(args: argparse.Namespace) -> int:
             "base_tok_s": base,
             "mixed_tok_s": mixed,
             "ratio": mixed / base,
+            "base_cpu_ms_per_token": base_cpu,
+            "mixed_cpu_ms_per_token": mixed_cpu,
+            "cpu_ratio": base_cpu / mixed_cpu,
         }
         if not args.skip_ttft:
             one = replace(eargs, max_loras=1, max_cpu_loras=8)
