@@ -55,6 +55,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.on_notice = None
         self.core_pid = None
+        self.lora_loaded: frozenset[str] = frozenset()
 
     def kill(self) -> None:
         self.dead_reason = "killed"

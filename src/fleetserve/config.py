@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from fleetserve.core.config import SchedulerConfig
+from fleetserve.lora.config import LoRAConfig
 from fleetserve.moe_config import MOE_ARCHITECTURES, MoEConfig, moe_from_hf, refuse_unsupported
 from fleetserve.spec_decode.config import SpeculativeConfig
 
@@ -310,6 +311,8 @@ class EngineConfig:
     # Decode-sized GEMMs of Q4_0/Q4_1/Q8_0 weights quantize their input rows to int8
     # (integer dot products, kernels/quant_dot.h); resolved from EngineArgs.
     int8_activations: bool = False
+    # LoRA adapters beside the base model (None: off; requests naming one are refused).
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -119,7 +119,7 @@ class BlockManager:
         tokens = request.all_token_ids
         while (len(request.block_hashes) + 1) * bs <= len(tokens):
             i = len(request.block_hashes)
-            parent = request.block_hashes[-1] if i else None
+            parent = request.block_hashes[-1] if i else request.cache_salt
             request.block_hashes.append(hash_block(parent, tuple(tokens[i * bs : (i + 1) * bs])))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:

@@ -14,6 +14,9 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" | "priority"
     # KV slots reserved past a sampling step's tokens for a draft model's proposals.
     num_lookahead_tokens: int = 0
+    # LoRA: at most this many adapters among the running requests (their rows share a
+    # step through the worker's slots); None: no LoRA.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.core.structured import GrammarMatcher
 
@@ -48,6 +49,7 @@ class Request:
         arrival_time: float | None = None,
         group_id: str | None = None,
         output_token_ids: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -78,6 +80,18 @@ class Request:
         # Structured outputs: where the request is in its grammar (set at admission by
         # the engine core; advanced with every accepted token).
         self.grammar: GrammarMatcher | None = None
+        # The LoRA adapter the request runs with (None: the base model).
+        self.lora_request = lora_request
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora_request is None else self.lora_request.lora_name
+
+    @property
+    def cache_salt(self) -> int | None:
+        """Seeds the prefix-cache hash chain: K/V computed under an adapter are only
+        ever hits for requests of the same adapter (None: the base model)."""
+        return None if self.lora_request is None else self.lora_request.cache_salt
 
     @property
     def num_prompt_tokens(self) -> int:

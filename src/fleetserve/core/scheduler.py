@@ -76,6 +76,12 @@ class Scheduler:
 
     # --------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
+        self.check_request(request)
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        """Raise ValueError when `request` can never run here (add_request's checks)."""
         if request.req_id in self.requests:
             raise ValueError(f"request_id {request.req_id!r} is already in use")
         max_len = self.config.max_model_len
@@ -92,8 +98,6 @@ class Scheduler:
                 f"request needs more KV blocks than the cache holds ({bm.num_blocks} blocks of "
                 f"{bm.block_size} tokens); lower max_tokens or raise num_kv_blocks"
             )
-        self.requests[request.req_id] = request
-        self.waiting.append(request)
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Abort or stop requests (stop strings are found outside the core)."""
@@ -202,6 +206,16 @@ class Scheduler:
         siblings = [r for r in self.running if r.group_id == req.group_id]
         return bool(siblings) and all(r.num_computed_tokens < r.num_prompt_tokens for r in siblings)
 
+    def _lora_slots_taken(self, req: Request) -> bool:
+        """Whether `req`'s adapter would be one too many among the running requests (the
+        worker has `max_loras` slots); it waits until one of them is free."""
+        max_loras = self.config.max_loras
+        name = req.lora_name
+        if max_loras is None or name is None:
+            return False
+        active = {r.lora_name for r in self.running if r.lora_name is not None}
+        return name not in active and len(active) >= max_loras
+
     def schedule(
         self, skip_req_ids: Set[str] = frozenset(), max_num_reqs: int | None = None
     ) -> SchedulerOutput:
@@ -274,7 +288,7 @@ class Scheduler:
                 break
             if step.budget <= 0 and not self._borrow_tokens(step, req):
                 break
-            if self._sibling_prefilling(req):
+            if self._sibling_prefilling(req) or self._lora_slots_taken(req):
                 step.skip.add(req.req_id)
                 continue
             if not self._take_seat(step, req):
@@ -371,6 +385,7 @@ class Scheduler:
                         num_output_tokens=req.num_output_tokens,
                         eos_token_ids=req.eos_token_ids,
                         window_block_ids=None if window_ids is None else list(window_ids),
+                        lora_name=req.lora_name,
                     )
                 )
             else:

@@ -26,6 +26,8 @@ class NewRequestData:
     eos_token_ids: tuple[int, ...] = ()
     # The sliding-window layers' own blocks (a model with local and global layers).
     window_block_ids: list[int] | None = None
+    # The LoRA adapter the request's rows run with (None: the base model).
+    lora_name: str | None = None
 
 
 @dataclass

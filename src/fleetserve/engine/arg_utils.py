@@ -7,6 +7,7 @@ from typing import Any
 
 from fleetserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from fleetserve.core.config import SchedulerConfig
+from fleetserve.lora.config import LoRAConfig, parse_lora_modules
 from fleetserve.models.loader import ModelSource, resolve_model
 from fleetserve.models.quantize import resolve_int8_activations, resolve_quantization
 from fleetserve.spec_decode.config import SpeculativeConfig
@@ -47,6 +48,26 @@ class EngineArgs:
     # Int8 activations with quantized weights (W8A8 for int8/Q8_0): None picks the
     # default for the quantization (models/quantize.py: resolve_int8_activations).
     int8_activations: bool | None = None
+    # LoRA adapters (vLLM's flags): on with enable_lora; `lora_modules` names adapters
+    # known from the start ({"name": "path"} or ["name=path", ...]).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: dict[str, str] | list[str] | None = None
+
+    def resolve_lora(self) -> LoRAConfig | None:
+        modules = parse_lora_modules(self.lora_modules)
+        if not self.enable_lora:
+            if modules:
+                raise ValueError("lora_modules needs enable_lora=True")
+            return None
+        return LoRAConfig(
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
+            modules=modules,
+        )
 
     def resolve(self) -> tuple[EngineConfig, ModelSource]:
         path = self.model
@@ -74,6 +95,7 @@ class EngineArgs:
             self.device,
             self.tensor_parallel_size * self.pipeline_parallel_size,
         )
+        lora = self.resolve_lora()
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 1024 if self.enable_chunked_prefill else max_len
@@ -94,6 +116,7 @@ class EngineArgs:
                 chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
                 num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
+                max_loras=lora.max_loras if lora else None,
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -107,6 +130,7 @@ class EngineArgs:
             speculative=spec,
             quantization=quantization,
             int8_activations=resolve_int8_activations(self.int8_activations, quantization),
+            lora=lora,
         )
         if spec is not None and spec.method == "draft_model":
             from fleetserve.spec_decode.draft_model import check_draft_model

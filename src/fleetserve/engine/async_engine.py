@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from fleetserve.cloud.notices import NoticeConfig
+from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.delta_stream import (
@@ -48,8 +49,10 @@ from fleetserve.engine.wire import (
     EngineSpec,
     Shutdown,
     StopRequests,
+    WireLoRA,
     params_to_wire,
 )
+from fleetserve.lora.metrics import LoRAMetrics
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
 from fleetserve.tokenizer import Tokenizer
@@ -105,6 +108,11 @@ class AsyncEngine:
         self.dead_reason: str | None = None
         self.crashed = False  # the core process exited without being asked to
         self.stats: EngineStats | None = None  # after its first step
+        # LoRA: the adapters the engine holds in memory (from its last outputs), and the
+        # adapter of each request in flight (for the per-adapter token counts).
+        self.lora_loaded: frozenset[str] = frozenset()
+        self._lora_of: dict[str, str] = {}
+        self._lora_metrics_obj: LoRAMetrics | None = None
         # Called with every step's stats (a data-parallel frontend tracks its replicas).
         self.on_stats: Callable[[EngineStats], None] | None = None
         # Called when the core says it will be taken away (SIGTERM, a spot notice).
@@ -237,10 +245,12 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int = 0,
         resume: RequestOutput | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate and submit; raises ValueError for bad input before anything is sent.
         `resume`: the request's last output seen on a replica that was lost; it goes on
-        from there (see OutputProcessor.add_request)."""
+        from there (see OutputProcessor.add_request). `lora_request`: the adapter it runs
+        with (None: the base model); a resumed request keeps it."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if self.num_kv_blocks is None:
@@ -280,6 +290,7 @@ class AsyncEngine:
                         priority,
                         group,
                         out,
+                        WireLoRA.of(lora_request),
                     )
                 )
                 for i, (cid, out) in enumerate(zip(child_ids, outputs, strict=True))
@@ -301,6 +312,10 @@ class AsyncEngine:
             raise
         if self.metrics is not None and resume is None:
             self.metrics.add_prompt_tokens(len(ids))
+            if lora_request is not None:
+                self._lora_metrics().add_request(lora_request.lora_name, len(ids))
+        if lora_request is not None:
+            self._lora_of[request_id] = lora_request.lora_name
         return stream
 
     async def generate(
@@ -310,8 +325,9 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int = 0,
         resume: RequestOutput | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        stream = self.add_request(request_id, prompt, params, priority, resume)
+        stream = self.add_request(request_id, prompt, params, priority, resume, lora_request)
         try:
             async for out in stream:
                 yield out
@@ -332,6 +348,7 @@ class AsyncEngine:
         """A stream was closed: forget it, and abort it in the core if it was unfinished."""
         if self._streams.pop(stream.request_id, None) is None:
             return
+        self._lora_of.pop(stream.request_id, None)
         if not stream.started:
             self._num_unstarted -= 1
         if stream.finished:
@@ -358,8 +375,20 @@ class AsyncEngine:
             elif isinstance(msg, CoreNotice) and self.on_notice is not None:
                 self.on_notice(msg)
 
+    def _lora_metrics(self) -> LoRAMetrics:
+        assert self.metrics is not None
+        if self._lora_metrics_obj is None:
+            self._lora_metrics_obj = LoRAMetrics(self.metrics)
+        return self._lora_metrics_obj
+
     def _handle_outputs(self, msg: CoreOutputs) -> None:
         self.stats = msg.stats
+        if msg.lora is not None:
+            self.lora_loaded = frozenset(msg.lora.loaded)
+            if self.metrics is not None:
+                self._lora_metrics().set_engine_totals(
+                    self.data_parallel_rank, msg.lora.loads, msg.lora.evictions
+                )
         if self.metrics is not None:
             self.metrics.set_engine_stats(msg.stats.as_metrics(), self.data_parallel_rank)
         if self.on_stats is not None:
@@ -372,6 +401,13 @@ class AsyncEngine:
         core_outputs = [w.to_core_output() for w in msg.outputs]
         if self.metrics is not None:
             self.metrics.add_generation_tokens(sum(len(o.new_token_ids) for o in core_outputs))
+            if self._lora_of:
+                lora = self._lora_metrics()
+                for o in core_outputs:
+                    parent = self.output_processor.child_to_parent.get(o.req_id)
+                    name = self._lora_of.get(parent) if parent is not None else None
+                    if name is not None:
+                        lora.add_generation_tokens(name, len(o.new_token_ids))
         outputs, to_stop = self.output_processor.process(core_outputs)
         if to_stop:
             self._send(StopRequests(to_stop))

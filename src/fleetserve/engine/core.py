@@ -8,11 +8,13 @@ from collections import deque
 from fleetserve.config import EngineConfig, sliding_window_of
 from fleetserve.core.block_manager import BlockManager
 from fleetserve.core.hybrid_blocks import HybridBlockManager
+from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.request import Request, RequestStatus
 from fleetserve.core.scheduler import Scheduler
 from fleetserve.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from fleetserve.engine.stats import EngineStats, SpecDecodeStats
 from fleetserve.executor.base import Executor, ModelOutputFuture
+from fleetserve.lora.cache import AdapterCache
 from fleetserve.models.loader import ModelSource
 from fleetserve.structured.engine import StructuredOutputs
 
@@ -72,6 +74,15 @@ class EngineCore:
         # Pipeline parallelism: submitted steps not yet taken back, oldest first.
         self._in_flight: deque[tuple[SchedulerOutput, ModelOutputFuture]] = deque()
         self._in_flight_req_ids: set[str] = set()
+        # LoRA: adapters loaded off the loop; requests wait there for theirs.
+        self.lora: AdapterCache | None = None
+        self._lora_rejected: list[tuple[str, str]] = []
+        if config.lora is not None:
+            self.lora = AdapterCache(
+                config.lora, config.model, self.executor.add_lora, self.executor.remove_lora
+            )
+            for i, (name, path) in enumerate(config.lora.modules[: config.lora.cpu_capacity]):
+                self.lora.preload(LoRARequest(name, i + 1, path))
 
     def add_request(self, request: Request) -> None:
         vocab = self.config.model.vocab_size
@@ -80,19 +91,69 @@ class EngineCore:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         if request.sampling_params.structured_outputs is not None:
             request.grammar = self.structured.matcher_for(request)
+        lora = request.lora_request
+        if lora is not None:
+            if self.lora is None:
+                raise ValueError(
+                    f"LoRA adapter {lora.lora_name!r} requested, but this engine was started "
+                    "without enable_lora"
+                )
+            if not self.lora.is_ready(lora):
+                self.scheduler.check_request(request)
+                self.lora.park(request)
+                return
         self.scheduler.add_request(request)
 
+    def load_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter now, in this thread (the offline engine: a bad adapter is
+        the caller's ValueError at once)."""
+        if self.lora is None:
+            raise ValueError(
+                f"LoRA adapter {lora.lora_name!r} requested, but this engine was started "
+                "without enable_lora"
+            )
+        if not self.lora.is_ready(lora):
+            self.lora.preload(lora, frozenset(self._loras_in_use()))
+
+    def _loras_in_use(self) -> set[str]:
+        return {r.lora_name for r in self.scheduler.requests.values() if r.lora_name}
+
+    def take_rejected(self) -> list[tuple[str, str]]:
+        """Requests refused after they were accepted (their adapter failed to load)."""
+        out, self._lora_rejected = self._lora_rejected, []
+        return out
+
     def abort_requests(self, req_ids: list[str]) -> None:
+        if self.lora is not None:
+            self.lora.unpark(set(req_ids))
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
     def stop_requests(self, req_ids: list[str]) -> None:
         """Finish requests that hit a stop string (found by the detokenizing side)."""
+        if self.lora is not None:
+            self.lora.unpark(set(req_ids))
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+        parked = self.lora is not None and self.lora.num_parked() > 0
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight) or parked
+
+    def _admit_loaded(self) -> None:
+        """Requests whose adapter finished loading join the scheduler (between steps)."""
+        assert self.lora is not None
+        if not self.scheduler.has_unfinished_requests() and self.lora.num_parked():
+            self.lora.wait(0.005)  # nothing else to run: sleep until a load is done
+        ready, failed = self.lora.poll(self._loras_in_use())
+        for req in ready:
+            try:
+                self.scheduler.add_request(req)
+            except ValueError as e:
+                self._lora_rejected.append((req.req_id, str(e)))
+        self._lora_rejected.extend((req.req_id, msg) for req, msg in failed)
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.lora is not None:
+            self._admit_loaded()
         if self.executor.max_concurrent_batches > 1:
             return self._step_pipelined()
         t0 = time.perf_counter()
@@ -157,4 +218,6 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.structured.shutdown()
+        if self.lora is not None:
+            self.lora.shutdown()
         self.executor.shutdown()

@@ -39,6 +39,7 @@ from fleetserve.engine.wire import (
     EngineSpec,
     Shutdown,
     StopRequests,
+    WireLoRAState,
     output_to_wire,
     params_from_wire,
 )
@@ -227,7 +228,15 @@ def _loop(
             slower = stats.last_step_seconds + step_delay_s
             stats = msgspec.structs.replace(stats, last_step_seconds=slower)
         wire = [output_to_wire(o) for o in outputs]
-        out_sock.send(encoder.encode(CoreOutputs(wire, stats, rejected)))
+        rejected.extend(core.take_rejected())
+        out_sock.send(encoder.encode(CoreOutputs(wire, stats, rejected, lora_state(core))))
+
+
+def lora_state(core: EngineCore) -> WireLoRAState | None:
+    cache = core.lora
+    if cache is None:
+        return None
+    return WireLoRAState(list(cache.loaded), cache.stats.loads, cache.stats.evictions)
 
 
 def _handle(core: EngineCore, msg: CoreInput, rejected: list[tuple[str, str]]) -> None:
@@ -242,6 +251,7 @@ def _handle(core: EngineCore, msg: CoreInput, rejected: list[tuple[str, str]]) -
                     priority=msg.priority,
                     group_id=msg.group_id,
                     output_token_ids=msg.output_token_ids,
+                    lora_request=None if msg.lora is None else msg.lora.to_request(),
                 )
             )
         except ValueError as e:

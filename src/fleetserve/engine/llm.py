@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any, cast
 
+from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.llm_engine import LLMEngine, PromptType
@@ -27,7 +28,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one (or None: the base
+        model) per prompt; a batch may mix adapters and the base model."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -45,6 +49,14 @@ class LLM:
                 )
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(
+                    f"lora_request has {len(loras)} entries for {len(prompts)} prompts"
+                )
         # Validate everything before anything runs, so one bad prompt costs nothing.
         ids = [str(next(self._counter)) for _ in prompts]
         added: list[str] = []
@@ -52,7 +64,11 @@ class LLM:
             for i, (rid, prompt, params) in enumerate(zip(ids, prompts, params_list, strict=True)):
                 # Each request owns its params: max_tokens=None is filled per prompt.
                 self.engine.add_request(
-                    rid, prompt, _copy(params), priority=priority[i] if priority else 0
+                    rid,
+                    prompt,
+                    _copy(params),
+                    priority=priority[i] if priority else 0,
+                    lora_request=loras[i],
                 )
                 added.append(rid)
         except Exception:

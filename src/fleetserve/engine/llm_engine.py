@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from fleetserve.config import EngineConfig
+from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.request import Request
 from fleetserve.core.sampling_params import SamplingParams, is_valid_unicode
 from fleetserve.engine.arg_utils import EngineArgs
@@ -114,10 +115,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         params = params or SamplingParams()
         text, ids = self.tokenize_prompt(prompt)
         self.validate(ids, params)
+        if lora_request is not None:
+            # Offline: the adapter is loaded (and checked) before the request is taken.
+            self.core.load_lora(lora_request)
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(ids)
         child_ids = self.output_processor.add_request(request_id, text, ids, params)
@@ -132,6 +137,7 @@ class LLMEngine:
                         priority=priority,
                         arrival_time=arrival_time,
                         group_id=request_id if len(child_ids) > 1 else None,
+                        lora_request=lora_request,
                     )
                 )
         except ValueError:

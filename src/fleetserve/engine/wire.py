@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from fleetserve.cloud.notices import NoticeConfig
+from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SAMPLING_FIELDS, SamplingParams
 from fleetserve.core.scheduler_output import EngineCoreOutput
 from fleetserve.engine.arg_utils import EngineArgs
@@ -47,6 +48,30 @@ def params_from_wire(w: WireSamplingParams) -> SamplingParams:
     return SamplingParams(**{name: getattr(w, name) for name in SAMPLING_FIELDS})
 
 
+class WireLoRA(msgspec.Struct, array_like=True):
+    """A request's LoRA adapter (core/lora_request.LoRARequest)."""
+
+    name: str
+    int_id: int
+    path: str
+
+    def to_request(self) -> LoRARequest:
+        return LoRARequest(self.name, self.int_id, self.path)
+
+    @classmethod
+    def of(cls, lora: LoRARequest | None) -> WireLoRA | None:
+        return None if lora is None else cls(lora.lora_name, lora.lora_int_id, lora.lora_path)
+
+
+class WireLoRAState(msgspec.Struct, array_like=True):
+    """The core's adapters: those loaded now (what routing prefers), and per name the
+    loads and evictions since start (counters)."""
+
+    loaded: list[str]
+    loads: dict[str, int]
+    evictions: dict[str, int]
+
+
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
     req_id: str
     prompt_token_ids: list[int]
@@ -58,6 +83,8 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     group_id: str | None = None
     # Tokens it already generated on a replica that was lost (request migration).
     output_token_ids: list[int] = []
+    # The LoRA adapter it runs with (None: the base model); kept across migration.
+    lora: WireLoRA | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -119,6 +146,8 @@ class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
     stats: EngineStats
     # Requests the core refused (req_id, reason); their ids are unknown to the core.
     rejected: list[tuple[str, str]] = []
+    # Engines with LoRA on: their adapters (None: LoRA off).
+    lora: WireLoRAState | None = None
 
 
 class CoreFailure(msgspec.Struct, tag="failure", array_like=True):

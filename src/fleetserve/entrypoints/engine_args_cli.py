@@ -57,6 +57,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="with --quantization gguf/int8: quantize the inputs of decode-sized matmuls "
         "to int8 too (integer dot products; W8A8 for int8)",
     )
+    lora = p.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="adapters served under their own names (a request names one as its model)",
+    )
+    lora.add_argument("--max-loras", type=int, default=1, help="adapters in one step")
+    lora.add_argument("--max-lora-rank", type=int, default=16)
+    lora.add_argument(
+        "--max-cpu-loras", type=int, default=None, help="adapters kept loaded (default: max-loras)"
+    )
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
@@ -81,4 +95,9 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         speculative_config=args.speculative_config,
         quantization=args.quantization,
         int8_activations=args.int8_activations,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        lora_modules=args.lora_modules,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from typing import Any
 
 from fleetserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
@@ -44,6 +45,15 @@ class Executor(abc.ABC):
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelOutputFuture:
         return DoneOutput(self.execute_model(scheduler_output))
+
+    def add_lora(self, adapter: Any) -> None:
+        """Give every worker a loaded LoRA adapter (lora/adapter.py: LoRAAdapter); steps
+        submitted after this call may use it."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve LoRA adapters")
+
+    def remove_lora(self, name: str) -> None:
+        """Workers drop the adapter (no step submitted after this call uses it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve LoRA adapters")
 
     @abc.abstractmethod
     def shutdown(self) -> None: ...

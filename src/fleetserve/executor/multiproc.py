@@ -132,6 +132,14 @@ class MultiprocExecutor(Executor):
         self._pending.append(pending)
         return pending
 
+    def add_lora(self, adapter: Any) -> None:
+        # In order with the steps on every rank's pipe: the first step that uses it
+        # comes after it. Each rank keeps only its share when it fills a slot.
+        self._broadcast(("lora_add", adapter))
+
+    def remove_lora(self, name: str) -> None:
+        self._broadcast(("lora_remove", name))
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(scheduler_output).result()
 

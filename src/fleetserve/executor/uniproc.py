@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from fleetserve.config import EngineConfig
@@ -23,6 +25,14 @@ class UniprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def add_lora(self, adapter: Any) -> None:
+        assert self.runner.lora is not None, "LoRA is off in this engine"
+        self.runner.lora.add(adapter)
+
+    def remove_lora(self, name: str) -> None:
+        assert self.runner.lora is not None, "LoRA is off in this engine"
+        self.runner.lora.remove(name)
 
     def shutdown(self) -> None:
         pass

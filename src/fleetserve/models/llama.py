@@ -23,6 +23,7 @@ from fleetserve.layers.attention import Attention
 from fleetserve.layers.linear import Linear, pack_linears
 from fleetserve.layers.norm import RMSNorm
 from fleetserve.layers.rotary import RotaryEmbedding
+from fleetserve.lora.context import lora_rows
 from fleetserve.models.llama_decode import run_decode
 
 
@@ -116,7 +117,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if self.decode_plan is not None:
+        if self.decode_plan is not None and lora_rows() is None:
             out = run_decode(self.decode_plan, x, positions)
             if out is not None:
                 return out

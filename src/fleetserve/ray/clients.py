@@ -38,6 +38,7 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from fleetserve.config import model_root
+from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import EngineDeadError, ReplicaGoneError
 from fleetserve.engine.llm_engine import PromptRules, PromptType
@@ -54,6 +55,7 @@ from fleetserve.serve.contracts import ReplicaStreamLike
 from fleetserve.serve.request_state import FleetStream, RequestState
 from fleetserve.serve.resilience.hedging import hedge_for
 from fleetserve.serve.resilience.migration import migration_reason
+from fleetserve.serve.services.adapters import AdapterTable
 from fleetserve.tokenizer import Tokenizer
 
 
@@ -64,6 +66,8 @@ class _Item:
     params: SamplingParams
     num_prompt_tokens: int
     num_new_tokens: int
+    # The LoRA adapter it runs with (the fleet file's `adapters:`; None: the base model).
+    lora: LoRARequest | None = None
 
 
 log = logging.getLogger("fleetserve.ray")
@@ -137,6 +141,9 @@ class RayGenerateClient:
         self.config, source = args.resolve()
         self.tokenizer = Tokenizer.from_source(source)
         self._rules = PromptRules(self.tokenizer, self.config)
+        # The model's adapters (fixed on Ray: the fleet file's `adapters:`); a call passes
+        # its request's adapter to the replica's engine.
+        self.adapters = AdapterTable(self.name, self.config, args)
         self.pools = PoolChoice(
             routes, self.config.scheduler.max_num_seqs, fleet.spot_only_classes()
         )
@@ -229,6 +236,8 @@ class RayGenerateClient:
         params_for: Callable[[], SamplingParams],
         class_name: str | None = None,
         priority: int = 0,
+        *,
+        lora_name: str | None = None,
     ) -> list[FleetStream]:
         """As GenerateService.admit: validate, queue by class, return the streams once
         dispatched. Cancelling the wait takes the request out of the queue.
@@ -237,7 +246,10 @@ class RayGenerateClient:
         belongs to the HTTP request whose context makes it (its request id, its
         cancellation), so it must not be made from another request's task."""
         cls = self.admission.resolve(class_name, priority)
+        lora = None if lora_name is None else self.adapters.get(lora_name)
         items = [self._prepare(f"{request_id}-{i}", p, params_for()) for i, p in enumerate(prompts)]
+        for item in items:
+            item.lora = lora
         pending = _Pending(items, asyncio.get_running_loop().create_future(), time.monotonic())
         entry = self.admission.push(pending, cls, priority)
         self._dispatch()
@@ -337,6 +349,7 @@ class RayGenerateClient:
             level=call.service_class.priority,
             resume=resume,
             avoid=sorted(avoid),
+            lora=item.lora,
         )
         assert isinstance(gen, DeploymentResponseGenerator)  # stream=True
         return RayStream(

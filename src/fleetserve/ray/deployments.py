@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.async_engine import (
@@ -89,6 +90,7 @@ class GenerateReplica:
         level: int,
         resume: RequestOutput | None = None,
         avoid: Sequence[int] = (),
+        lora: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput | RemoteError]:
         """The request's deltas (what is new since the previous yield; merged when the
         ingress fell behind), as the engine hands them: nothing is folded or diffed here.
@@ -102,7 +104,7 @@ class GenerateReplica:
         try:
             stream = self.replica.submit(
                 request_id, prompt, params, priority, num_prompt_tokens, level=level,
-                resume=resume,
+                resume=resume, lora_request=lora,
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001 -- every refusal goes back as data
             yield RemoteError.of(lost_as_gone(e, self.replica))

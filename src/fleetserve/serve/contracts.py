@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.stats import EngineStats
 from fleetserve.outputs import RequestOutput
@@ -25,6 +26,9 @@ class RouteRequest:
     # Upper bound on the tokens it will generate (max_tokens times n).
     num_new_tokens: int
     priority: int = 0
+    # The LoRA adapter it runs with (None: the base model): routing prefers replicas
+    # that hold it (serve/routing/adapters.py).
+    lora_name: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -134,6 +138,12 @@ class Replica(ReplicaLoad, Protocol):
     def num_routed(self) -> int: ...
 
     @property
+    def lora_names(self) -> frozenset[str]:
+        """The LoRA adapters it holds in memory, or is loading for requests sent to it
+        (what adapter-aware routing prefers)."""
+        ...
+
+    @property
     def pid(self) -> int | None:
         """Its engine's process id where it runs on this machine (None elsewhere)."""
         ...
@@ -163,10 +173,12 @@ class Replica(ReplicaLoad, Protocol):
         num_prompt_tokens: int,
         level: int = 0,
         resume: RequestOutput | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ReplicaStreamLike:
         """`resume`: the request's whole output so far (folded) as its reader got it on a
         lost replica; the request goes on from it here (request migration,
-        serve/resilience/migration.py)."""
+        serve/resilience/migration.py).
+        `lora_request`: the LoRA adapter it runs with (None: the base model)."""
         ...
 
     def abort(self, request_id: str) -> None: ...

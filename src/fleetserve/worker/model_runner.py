@@ -18,6 +18,8 @@ from fleetserve.core.structured import GrammarBitmask
 from fleetserve.distributed.parallel_state import ParallelContext
 from fleetserve.forward_context import set_forward_context
 from fleetserve.layers.sampler import Sampler, SamplingRow, apply_token_bitmask, top_logprobs
+from fleetserve.lora.context import set_lora_rows
+from fleetserve.lora.slots import LoRASlots
 from fleetserve.models.loader import ModelSource
 from fleetserve.spec_decode.base import Proposal, ProposalRequest, Proposer
 from fleetserve.spec_decode.rejection_sampler import DraftedRow, RejectionSampler
@@ -46,6 +48,7 @@ class RequestState:
     eos_token_ids: tuple[int, ...] = ()
     # The sliding-window layers' own blocks (a model with local and global layers).
     window_block_ids: list[int] | None = None
+    lora_name: str | None = None
     # The distribution the pending drafts were drawn from ([k, vocab]; None: a point mass).
     draft_probs: torch.Tensor | None = field(default=None, repr=False)
 
@@ -99,6 +102,11 @@ class ModelRunner:
             self.use_cpu_kernel and parallel is None,
             fused_decode_enabled(),
         )
+        # LoRA: the projections wrapped after the decode plan took the base modules (a
+        # step with adapter rows skips that plan: llama.py).
+        self.lora = (
+            LoRASlots(self.model, config.lora, parallel, self.device) if config.lora else None
+        )
         self.requests: dict[str, RequestState] = {}
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.proposer: Proposer | None = None
@@ -127,6 +135,7 @@ class ModelRunner:
                 window_block_ids=None
                 if new.window_block_ids is None
                 else list(new.window_block_ids),
+                lora_name=new.lora_name,
             )
         for cached in so.scheduled_cached_reqs:
             st = self.requests[cached.req_id]
@@ -196,7 +205,13 @@ class ModelRunner:
             # A later stage starts from the previous stage's hidden states, not token ids.
             mcfg = self.config.model
             x = pp.recv_prev((len(input_ids), mcfg.hidden_size), mcfg.dtype, dev)
-        with set_forward_context(meta):
+        lora_groups = None
+        if self.lora is not None:
+            row_adapters: list[str | None] = []
+            for s, n in zip(ordered, q_lens, strict=True):
+                row_adapters.extend([s.lora_name] * n)
+            lora_groups = self.lora.prepare(row_adapters)
+        with set_forward_context(meta), set_lora_rows(lora_groups):
             hidden = self.model(x, pos_t)
         if pp is not None and not pp.is_last_stage:
             pp.send_next(hidden)

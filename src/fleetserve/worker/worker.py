@@ -122,6 +122,12 @@ def _run(init: WorkerInit, conn: Connection) -> None:
             timer.num_steps += 1
             if ctx.is_output_rank:
                 conn.send(("output", result))
+        elif kind in ("lora_add", "lora_remove"):
+            assert runner.lora is not None, "LoRA is off in this engine"
+            if kind == "lora_add":
+                runner.lora.add(payload)
+            else:
+                runner.lora.remove(payload)
         elif kind == "stats":
             conn.send(("stats", {"rank": init.rank, **timer.report(ctx.stats.as_dict())}))
             if payload:

@@ -35,24 +35,29 @@ class DrainRequest(BaseModel):
     timeout_s: float = Field(default=_DEFAULT_DRAIN_S, ge=0.0, le=3600.0)
 
 
+def admin_guard(request: Request, key_required: bool) -> None:
+    """403 unless the key was checked (by the GuardMiddleware) or the client is local."""
+    if key_required:
+        return  # the GuardMiddleware has checked the key
+    host = request.client.host if request.client is not None else ""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise APIError(
+            403,
+            "the admin API answers only local clients when the server has no API key",
+            code="forbidden",
+        )
+
+
 def admin_router(ctx: ServingContext, key_required: bool) -> APIRouter:
     router = APIRouter()
     registry = ctx.registry
 
     def guard(request: Request) -> None:
-        if key_required:
-            return  # the GuardMiddleware has checked the key
-        host = request.client.host if request.client is not None else ""
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback:
-            raise APIError(
-                403,
-                "the admin API answers only local clients when the server has no API key",
-                code="forbidden",
-            )
+        admin_guard(request, key_required)
 
     def replicas() -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []

@@ -52,6 +52,7 @@ from fleetserve.entrypoints.openai.serving_common import (
 )
 from fleetserve.entrypoints.openai.serving_completion import create_completion
 from fleetserve.entrypoints.openai.serving_embedding import Embedder, create_embedding
+from fleetserve.entrypoints.openai.serving_lora import lora_router
 from fleetserve.entrypoints.openai.serving_predict import Predictor
 from fleetserve.entrypoints.openai.serving_predict import predict as run_predict
 from fleetserve.metrics import CONTENT_TYPE, ServerMetrics
@@ -107,6 +108,7 @@ def build_app(
             )
         )
     app.include_router(admin_router(state.ctx, key_required=state.api_key is not None))
+    app.include_router(lora_router(state.ctx, key_required=state.api_key is not None))
     app.include_router(replica_router(state.ctx))
     app.include_router(dashboard_router(state.metrics, state.ctx.registry))
     install_request_schemas(
@@ -226,7 +228,12 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
     async def models() -> Response:
         # A model that cannot answer any more is not listed.
         registry = ctx.registry
-        cards = [c for c in registry.cards() if registry.services[c["id"]].dead_reason is None]
+        cards = []
+        for card in registry.cards():
+            # An adapter's card names its base model as its parent.
+            owner = registry.services[card.get("parent", card["id"])]
+            if owner.dead_reason is None:
+                cards.append(card)
         return JSONResponse({"object": "list", "data": cards})
 
     async def model_card(name: str) -> Response:

@@ -113,8 +113,9 @@ class FleetLineExecutor:
         cls = self.class_name if self.class_name in service.queue.classes else None
         try:
             streams = await service.admit(
-                request_id, prompts, lambda: copy.copy(base), cls, priority
-            )
+                request_id, prompts, lambda: copy.copy(base), cls, priority,
+                lora_name=ctx.lora_name,
+            )  # fmt: skip
         except Exception as e:
             raise engine_error(e) from None
         return await collect(streams)

@@ -79,8 +79,10 @@ def replica_router(ctx: ServingContext) -> APIRouter:
             prompt["prompt"] = req.prompt
         # Its own id here: a request that moves back to this server is a new request.
         request_id = f"{req.request_id}.{uuid.uuid4().hex[:8]}"
+        lora_name = None if req.model == service.name else req.model  # an adapter's name
         admitted = service.admit(request_id, [prompt], lambda: params_from_http(req.params),
-                                 class_name, priority, resume=req.resume)  # fmt: skip
+                                 class_name, priority, resume=req.resume,
+                                 lora_name=lora_name)  # fmt: skip
         try:
             streams = await unless_disconnected(request, admitted)
         except ClientGone:

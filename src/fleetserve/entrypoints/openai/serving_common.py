@@ -36,6 +36,7 @@ from fleetserve.outputs import RequestOutput
 from fleetserve.serve.admission.admit import ShedError
 from fleetserve.serve.admission.sla import ClassQueue
 from fleetserve.serve.request_state import FleetStream
+from fleetserve.serve.services.adapters import UnknownAdapterError
 from fleetserve.serve.services.service_registry import (
     ModelService,
     Registry,
@@ -76,6 +77,8 @@ class GenerateFrontend(Protocol):
         params_for: Callable[[], SamplingParams],
         class_name: str | None = None,
         priority: int = 0,
+        *,
+        lora_name: str | None = None,
     ) -> Sequence[FleetStream]: ...
 
 
@@ -87,6 +90,8 @@ class ModelContext:
     served_model_name: str
     # The fleet file's `tool_parser:` for the model (None: by its chat template).
     tool_parser: str | None = None
+    # The LoRA adapter the request names as its model (None: the base model).
+    lora_name: str | None = None
 
 
 @dataclass
@@ -110,7 +115,10 @@ class ServingContext:
     def generate_model(self, name: str | None) -> ModelContext:
         service = self.model(name, "generate")
         assert isinstance(service, GenerateFrontend)
-        return ModelContext(service, service.name, getattr(service, "tool_parser", None))
+        tool_parser = getattr(service, "tool_parser", None)
+        if name is not None and name != service.name:  # one of its LoRA adapters
+            return ModelContext(service, name, tool_parser, name)
+        return ModelContext(service, service.name, tool_parser)
 
 
 def service_class(request: Request, service_tier: str | None) -> str | None:
@@ -211,6 +219,8 @@ def engine_error(e: Exception) -> APIError:
         )
     if isinstance(e, ValueError):
         return from_value_error(e)
+    if isinstance(e, UnknownAdapterError):  # unloaded while the request was on its way
+        return APIError(404, str(e), "model", "model_not_found")
     raise e
 
 
@@ -228,7 +238,10 @@ async def admit(
     the queue (ClientGone). The access log reads the streams' states."""
     try:
         streams = await unless_disconnected(
-            request, ctx.engine.admit(request_id, prompts, params_for, class_name, priority)
+            request,
+            ctx.engine.admit(
+                request_id, prompts, params_for, class_name, priority, lora_name=ctx.lora_name
+            ),
         )
     except ClientGone:
         raise

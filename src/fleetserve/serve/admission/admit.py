@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import EngineOverloadedError
 from fleetserve.metrics import ModelMetrics
@@ -55,6 +56,8 @@ class PreparedPrompt:
     num_prompt_tokens: int
     # The whole output it goes on from (a gateway moved it here from a lost replica).
     resume: RequestOutput | None = None
+    # The LoRA adapter it runs with (None: the base model); kept when it moves.
+    lora: LoRARequest | None = None
 
 
 @dataclass

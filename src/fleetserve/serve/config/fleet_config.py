@@ -69,6 +69,7 @@ from pydantic import (
 
 from fleetserve.cloud.notices import NoticeConfig
 from fleetserve.engine.arg_utils import EngineArgs
+from fleetserve.lora.config import parse_lora_modules
 from fleetserve.serve.admission.sla import ServiceClass
 from fleetserve.serve.config.deploy_config import DeployConfig
 from fleetserve.serve.microbatch.batcher import MicroBatchConfig
@@ -281,6 +282,19 @@ class ModelEntry(_Strict):
     # How tool calls are read from this model's output (generate models); by default
     # what its chat template implies (entrypoints/openai/tool_parsers).
     tool_parser: ToolParserName | None = None
+    # LoRA adapters of a generate model, name -> PEFT folder; each is served under its
+    # name (implies the engine's enable_lora; engine: max_loras etc. size the slots).
+    adapters: dict[str, str] | None = None
+
+    @field_validator("adapters")
+    @classmethod
+    def _check_adapters(cls, adapters: dict[str, str] | None) -> dict[str, str] | None:
+        for name, path in (adapters or {}).items():
+            if not _NAME.match(name):
+                raise ValueError(f"adapter name {name!r}: no spaces or control characters")
+            if not path:
+                raise ValueError(f"adapter {name!r}: the path is empty")
+        return adapters
 
     @field_validator("pools")
     @classmethod
@@ -347,6 +361,8 @@ class ModelEntry(_Strict):
             raise ValueError("batching is for embed and custom models (generate batches itself)")
         if self.kind != "generate" and self.tool_parser is not None:
             raise ValueError(f"tool_parser is for generate models, not {self.kind!r}")
+        if self.kind != "generate" and self.adapters:
+            raise ValueError(f"adapters is for generate models, not {self.kind!r}")
         if self.kind != "generate" and self.engine is not None:
             raise ValueError(f"engine is for generate models, not {self.kind!r}")
         if self.kind != "generate" and "resilience" in self.model_fields_set:
@@ -363,6 +379,10 @@ class ModelEntry(_Strict):
         fields = (
             self.engine.model_dump() if self.engine is not None else EngineFields().model_dump()
         )
+        if self.adapters:
+            modules = dict(parse_lora_modules(fields.get("lora_modules")))
+            fields["lora_modules"] = {**modules, **self.adapters}
+            fields["enable_lora"] = True
         return EngineArgs(model=self.model, **fields)
 
     def replica_plan(self) -> list[PoolConfig]:
@@ -388,6 +408,12 @@ class FleetConfig(_Strict):
         dups = sorted({n for n in names if names.count(n) > 1})
         if dups:
             raise ValueError(f"model names must be unique; repeated: {', '.join(dups)}")
+        adapter_names = [a for m in self.models for a in (m.adapters or {})]
+        clash = sorted({a for a in adapter_names if adapter_names.count(a) > 1 or a in names})
+        if clash:
+            raise ValueError(
+                f"adapter names must be unique and differ from model names: {', '.join(clash)}"
+            )
         if not self.classes:
             raise ValueError("classes: at least one class is needed")
         for name in self.classes:

@@ -29,6 +29,7 @@ import httpx
 import msgspec
 
 from fleetserve.config import EngineConfig
+from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import (
     EngineDeadError,
@@ -78,6 +79,9 @@ class RemoteEngine:
         self.max_num_seqs: int | None = None
         self.dead_reason: str | None = None
         self.crashed = False  # a pod's exit is not this process's crash
+        # The pod does not report its adapters: the gateway's replica counts those it
+        # sent there (LocalReplica.lora_names).
+        self.lora_loaded: frozenset[str] = frozenset()
         self.on_stats: Callable[[EngineStats], None] | None = None
         self.on_notice: Callable[[Any], None] | None = None
         self.report: LoadReport | None = None
@@ -229,6 +233,7 @@ class RemoteEngine:
         params: SamplingParams,
         priority: int = 0,
         resume: RequestOutput | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RemoteStream:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -237,7 +242,15 @@ class RemoteEngine:
         ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")
         body = self._encoder.encode(
             GenerateRequest(
-                self.model, request_id, ids, params_to_http(params), text, priority, resume
+                # An adapter is named as the model, as a client names it; the pod's
+                # registry knows it (the same fleet file's `adapters:`).
+                self.model if lora_request is None else lora_request.lora_name,
+                request_id,
+                ids,
+                params_to_http(params),
+                text,
+                priority,
+                resume,
             )  # fmt: skip
         )
         stream = RemoteStream(self._release, request_id, params.n)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from fleetserve.config import EngineConfig
+from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.delta_stream import DeltaStream
 from fleetserve.engine.stats import EngineStats
@@ -26,6 +27,8 @@ class EngineClient(Protocol):
     num_kv_blocks: int | None
     dead_reason: str | None
     crashed: bool
+    # The LoRA adapters its engine holds in memory (as it last reported them).
+    lora_loaded: frozenset[str]
     on_stats: Callable[[EngineStats], None] | None
     on_notice: Callable[[Any], None] | None
 
@@ -44,6 +47,7 @@ class EngineClient(Protocol):
         params: SamplingParams,
         priority: int = 0,
         resume: RequestOutput | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> EngineStream: ...
 
     def abort(self, request_id: str) -> None: ...

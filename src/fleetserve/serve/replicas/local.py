@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import ReplicaGoneError
 from fleetserve.engine.llm_engine import PromptType
@@ -69,6 +70,9 @@ class LocalReplica:
         self.num_outstanding_requests = 0
         self.num_outstanding_tokens = 0
         self.num_routed = 0
+        # Adapters sent here that its engine has not yet reported loaded: it is loading
+        # them, so routing counts them as held.
+        self._routed_loras: set[str] = set()
         self.draining = False
         self._num_evicted = 0
         self._seqs_by_level: Counter[int] = Counter()
@@ -88,6 +92,12 @@ class LocalReplica:
         # When its engine last made progress (a step that ran) or, if it was idle, got
         # work: a replica that holds work and makes none for long is hung.
         self.last_progress = time.monotonic()
+
+    @property
+    def lora_names(self) -> frozenset[str]:
+        loaded = self.engine.lora_loaded
+        self._routed_loras -= loaded
+        return loaded | self._routed_loras
 
     # ------------------------------------------------------------- lifecycle
     async def start(self, timeout_s: float = 600.0) -> None:
@@ -227,12 +237,20 @@ class LocalReplica:
         num_prompt_tokens: int,
         level: int = 0,
         resume: RequestOutput | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> EngineStream:
         """Hands the request to this replica's engine (raising what `add_request` raises)
         and returns its engine stream, whose deltas retire its work here as they are read.
         `priority` is the engine's (class and request folded, serve/admission/sla.py);
-        `level` the class's, for `has_room`; `resume` the output it goes on from."""
-        stream = self.engine.add_request(request_id, prompt, params, priority, resume)
+        `level` the class's, for `has_room`; `resume` the output it goes on from;
+        `lora_request` the adapter it runs with (None: the base model)."""
+        if lora_request is None:
+            stream = self.engine.add_request(request_id, prompt, params, priority, resume)
+        else:
+            stream = self.engine.add_request(
+                request_id, prompt, params, priority, resume, lora_request=lora_request
+            )
+            self._routed_loras.add(lora_request.lora_name)
         # add_request has filled in max_tokens when the client left it out.
         num_new_tokens = (params.max_tokens or 0) * params.n
         num_done = 0 if resume is None else sum(len(c.token_ids) for c in resume.outputs)

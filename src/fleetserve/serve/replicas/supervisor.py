@@ -182,6 +182,7 @@ class Supervisor:
                     "pid": r.pid,
                     "url": getattr(r, "url", None),  # a remote replica's pod
                     "num_requests": r.num_outstanding_requests,
+                    "lora_adapters": sorted(r.lora_names),
                 }
             )
         return out

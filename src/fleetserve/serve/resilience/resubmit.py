@@ -95,6 +95,7 @@ class RouterResubmitter:
             tuple(item.prompt["prompt_token_ids"]) + tuple(done),
             (item.params.max_tokens or 0) * item.params.n - len(done),
             sent.priority,
+            None if item.lora is None else item.lora.lora_name,
         )
         wait_s = self.resilience.migration_wait_s
         deadline = time.monotonic() + wait_s
@@ -126,6 +127,7 @@ class RouterResubmitter:
                     item.num_prompt_tokens,
                     level=cls.priority,
                     resume=last,
+                    lora_request=item.lora,
                 )
             except (EngineDeadError, EngineNotReadyError, EngineOverloadedError):
                 refused.add(replica.index)

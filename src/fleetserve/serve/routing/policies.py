@@ -81,16 +81,21 @@ class PrefixAffinity(RoutingPolicy):
     def __len__(self) -> int:
         return len(self._owner)
 
-    def block_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
+    def block_hashes(
+        self, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> list[BlockHash]:
+        """The chain of the prompt's full blocks; an adapter's requests get a chain of
+        their own, as in the engine, where they never share KV blocks with another's."""
         bs = self.block_size
         hashes: list[BlockHash] = []
+        seed = None if lora_name is None else hash(("lora", lora_name))
         for start in range(0, len(token_ids) - bs + 1, bs):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else seed
             hashes.append(hash_block(parent, tuple(token_ids[start : start + bs])))
         return hashes
 
     def choose(self, request: RouteRequest, candidates: Sequence[R]) -> R:
-        hashes = self.block_hashes(request.prompt_token_ids)
+        hashes = self.block_hashes(request.prompt_token_ids, request.lora_name)
         by_index = {c.index: c for c in candidates}
         least = min(candidates, key=load_key)
         chosen = least

@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Generic
 
 from fleetserve.serve.contracts import R, RouteRequest, RoutingPolicy
+from fleetserve.serve.routing.adapters import adapter_candidates
 
 
 class NoHealthyReplicaError(RuntimeError):
@@ -35,6 +36,7 @@ class Router(Generic[R]):
         straggler_min_gap_s: float = 0.01,
         probe_interval_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        adapter_imbalance_tokens: int = 2048,
     ) -> None:
         if straggler_factor <= 1.0:
             raise ValueError(f"straggler_factor must be > 1, got {straggler_factor}")
@@ -49,6 +51,7 @@ class Router(Generic[R]):
         self.straggler_min_gap_s = straggler_min_gap_s
         self.probe_interval_s = probe_interval_s
         self._clock = clock
+        self.adapter_imbalance_tokens = adapter_imbalance_tokens
         # Straggler index -> when it was ejected or last probed.
         self._ejected_since: dict[int, float] = {}
 
@@ -103,4 +106,5 @@ class Router(Generic[R]):
             cands = narrow(cands)
         if not cands:
             raise NoHealthyReplicaError("no healthy replica can take the request")
+        cands = adapter_candidates(request, cands, self.adapter_imbalance_tokens)
         return self.policy.choose(request, cands)

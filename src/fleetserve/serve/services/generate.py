@@ -65,6 +65,7 @@ from fleetserve.serve.resilience.hedging import hedge_for
 from fleetserve.serve.resilience.resubmit import Narrow, RouterResubmitter, SentRequest
 from fleetserve.serve.routing.policies import make_policy
 from fleetserve.serve.routing.router import NoHealthyReplicaError, Router
+from fleetserve.serve.services.adapters import AdapterTable
 from fleetserve.serve.telemetry.pooled_stats import publish_pooled_stats
 from fleetserve.tokenizer import Tokenizer
 
@@ -134,6 +135,7 @@ class GenerateService:
             policy,
             overload_requests=self.config.scheduler.max_num_seqs,
             straggler_factor=straggler_factor,
+            adapter_imbalance_tokens=imbalance_tokens,
         )
         # Migration's service side (serve/resilience/resubmit.py): moves a lost request through the router.
         self.resubmitter = RouterResubmitter(name, self.router, self.resilience, metrics, self)
@@ -153,6 +155,9 @@ class GenerateService:
             self.pools, self.provisioner, interval_s=SUPERVISE_INTERVAL_S
         )
         self._controller_task: asyncio.Task[None] | None = None
+        # LoRA adapters served under their own names (the fleet file's `adapters:`,
+        # --lora-modules, POST /v1/load_lora_adapter): serve/services/adapters.py.
+        self.adapters = AdapterTable(name, self.config, args)
 
     def _new_replica(self, index: int, pool: PoolConfig | None) -> Replica:
         """A replica of this model in `pool`: a local engine-core process (other
@@ -297,12 +302,15 @@ class GenerateService:
         class_name: str | None = None,
         priority: int = 0,
         resume: RequestOutput | None = None,
+        lora_name: str | None = None,
     ) -> list[FleetStream]:
         """Validates every prompt (ValueError naming the field), queues the request in its
         class and returns its streams once it is sent to a replica: one per prompt, all on
         their way. Raises ShedError (queue full / waited too long), EngineNotReadyError,
         EngineDeadError. Cancelling the wait takes the request out of the queue.
-        `resume` (one prompt only): the output it goes on from (a gateway moved it here)."""
+        `resume` (one prompt only): the output it goes on from (a gateway moved it here).
+        `lora_name`: one of the model's LoRA adapters (None: the base model); an unknown
+        one is UnknownAdapterError (404)."""
         if not self._started:
             if self.dead_reason is not None and self.replica_set.members:
                 raise EngineDeadError(self.dead_reason)
@@ -310,7 +318,10 @@ class GenerateService:
         if not self.replica_set.live and not self.recovering:
             raise EngineDeadError(self.dead_reason or "no replica of the model is serving")
         cls = self.admission.resolve(class_name, priority)
+        lora = None if lora_name is None else self.adapters.get(lora_name)
         items = [self._prepare(f"{request_id}-{i}", p, params_for()) for i, p in enumerate(prompts)]
+        for item in items:
+            item.lora = lora
         if resume is not None:
             if len(items) != 1:
                 raise ValueError("resume is for a request of one prompt")
@@ -381,6 +392,7 @@ class GenerateService:
                     tuple(item.prompt["prompt_token_ids"]),
                     (item.params.max_tokens or 0) * item.params.n,
                     entry.priority,
+                    None if item.lora is None else item.lora.lora_name,
                 )
                 narrow = self.narrow(cls.name)
                 try:
@@ -398,6 +410,7 @@ class GenerateService:
                         item.num_prompt_tokens,
                         level=cls.priority,
                         resume=item.resume,
+                        lora_request=item.lora,
                     )
                 except BaseException:
                     observer.on_end()  # it never started

@@ -20,6 +20,7 @@ from fleetserve.metrics import ModelMetrics, ServerMetrics
 from fleetserve.serve.config.fleet_config import FleetConfig, ModelEntry
 from fleetserve.serve.microbatch.batcher import MicroBatchConfig
 from fleetserve.serve.microbatch.services import CustomService, EmbedService
+from fleetserve.serve.services.adapters import AdapterTable
 from fleetserve.serve.services.generate import GenerateService
 
 
@@ -151,6 +152,8 @@ class Registry:
             raise WrongKindError(f"model is required: this server has {self._listing()}")
         service = self.services.get(name)
         if service is None:
+            service = self.adapter_owner(name)
+        if service is None:
             raise UnknownModelError(
                 f"the model {name!r} does not exist; this server has {self._listing()}"
             )
@@ -159,6 +162,14 @@ class Registry:
                 f"the model {name!r} is a {service.kind} model; this endpoint serves {kind} models"
             )
         return service
+
+    def adapter_owner(self, name: str) -> ModelService | None:
+        """The generate model that serves the LoRA adapter `name`, if one does."""
+        for s in self:
+            adapters = getattr(s, "adapters", None)
+            if isinstance(adapters, AdapterTable) and name in adapters:
+                return s
+        return None
 
     def _listing(self) -> str:
         return ", ".join(f"{s.name!r} ({s.kind})" for s in self)
@@ -196,6 +207,11 @@ class Registry:
             s.abort_all(reason)
 
     def cards(self) -> list[dict[str, Any]]:
+        adapters = []
+        for s in self:
+            table = getattr(s, "adapters", None)
+            if isinstance(table, AdapterTable):
+                adapters.extend(table.cards(self.created))
         return [
             {
                 "id": s.name,
@@ -206,7 +222,7 @@ class Registry:
                 **s.card(),
             }
             for s in self
-        ]
+        ] + adapters
 
 
 def build_registry(fleet: FleetConfig, metrics: ServerMetrics) -> Registry:

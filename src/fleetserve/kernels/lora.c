@@ -1,0 +1,78 @@
+// Grouped LoRA shrink/expand: y[row] += B_slot (A_slot x[row]) for the rows of each
+// adapter slot, the rows of one slot taken together so that its A and B are read once
+// per step and layer however many rows it has (mixed-adapter batches).
+//
+// A module may be fused (q/k/v, gate/up): its output columns are `num_segs` segments,
+// segment g at columns [seg_starts[g], seg_starts[g + 1]), with its own rank-r pair.
+// Per slot the layout is
+//   A  [num_slots, num_segs * max_rank, in_dim]    segment g's A rows at g * max_rank
+//   B  [num_slots, max_rank, out_dim]              rank-major: B^T of each slot
+//   ranks [num_slots, num_segs]                    0: the adapter leaves g untouched
+// Rows: `rows` lists the batch rows grouped by slot; group i is rows[group_starts[i] ..
+// group_starts[i + 1]) with slot group_slots[i]. `shrunk` is scratch of
+// [num_listed_rows, num_segs * max_rank] floats.
+
+#include <stdint.h>
+
+#define EXPAND_TILE 256
+
+static float dot(const float *a, const float *b, int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t k = 0; k < n; k++) acc += a[k] * b[k];
+    return acc;
+}
+
+void lora_shrink_expand(
+    const float *x, int64_t x_stride, float *y, int64_t y_stride, int64_t in_dim,
+    int64_t out_dim, const float *A, const float *B, const int32_t *ranks, int64_t max_rank,
+    int32_t num_segs, const int64_t *seg_starts, const int64_t *rows,
+    const int64_t *group_starts, const int32_t *group_slots, int32_t num_groups,
+    float *shrunk, int32_t num_threads) {
+    const int64_t width = (int64_t)num_segs * max_rank;
+    const int64_t num_items = (int64_t)num_groups * width;
+#pragma omp parallel num_threads(num_threads)
+    {
+        // Shrink: one (group, A row) item per iteration; its rows reuse the A row.
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < num_items; item++) {
+            const int64_t grp = item / width, c = item % width;
+            const int32_t slot = group_slots[grp];
+            const int32_t r = ranks[(int64_t)slot * num_segs + c / max_rank];
+            const int64_t r0 = group_starts[grp], r1 = group_starts[grp + 1];
+            if (c % max_rank >= r) {
+                for (int64_t i = r0; i < r1; i++) shrunk[i * width + c] = 0.0f;
+                continue;
+            }
+            const float *a = A + ((int64_t)slot * width + c) * in_dim;
+            for (int64_t i = r0; i < r1; i++)
+                shrunk[i * width + c] = dot(a, x + rows[i] * x_stride, in_dim);
+        }
+        // Expand: threads split the output columns in tiles (no two write one element).
+        // B is stored rank-major, so each of a row's r updates is one contiguous axpy.
+#pragma omp for schedule(static)
+        for (int64_t o0 = 0; o0 < out_dim; o0 += EXPAND_TILE) {
+            const int64_t o1 = o0 + EXPAND_TILE < out_dim ? o0 + EXPAND_TILE : out_dim;
+            for (int32_t g = 0; g < num_segs; g++) {
+                const int64_t lo = seg_starts[g] > o0 ? seg_starts[g] : o0;
+                const int64_t hi = seg_starts[g + 1] < o1 ? seg_starts[g + 1] : o1;
+                if (lo >= hi) continue;
+                for (int32_t grp = 0; grp < num_groups; grp++) {
+                    const int32_t slot = group_slots[grp];
+                    const int32_t r = ranks[(int64_t)slot * num_segs + g];
+                    const float *bt = B + (int64_t)slot * max_rank * out_dim;
+                    for (int64_t i = group_starts[grp]; i < group_starts[grp + 1]; i++) {
+                        float *yr = y + rows[i] * y_stride;
+                        const float *s = shrunk + i * width + (int64_t)g * max_rank;
+                        for (int32_t k = 0; k < r; k++) {
+                            const float sk = s[k];
+                            const float *bk = bt + (int64_t)k * out_dim;
+#pragma omp simd
+                            for (int64_t o = lo; o < hi; o++) yr[o] += sk * bk[o];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,75 @@
+"""Tiny PEFT LoRA adapters for the tests (non-zero B, so every adapter changes tokens)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(
+    base_path: str,
+    out: Path,
+    seed: int,
+    r: int = 8,
+    alpha: float = 16.0,
+    targets: list[str] | None = None,
+    use_rslora: bool = False,
+    **extra: Any,
+) -> str:
+    """Save a PEFT LoRA adapter of `base_path` with random A and B to `out`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    cfg = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=targets or ALL_TARGETS,
+        use_rslora=use_rslora,
+        init_lora_weights=False,
+        **extra,
+    )
+    model = get_peft_model(base, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(str(out))
+    return str(out)
+
+
+def peft_greedy(base_path: str, adapter: str | None, prompt: list[int], n: int) -> list[int]:
+    """HF transformers (+ peft) greedy continuation of one prompt."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def peft_logprobs(base_path: str, adapter: str | None, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
