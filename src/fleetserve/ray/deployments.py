@@ -61,10 +61,16 @@ def lost_as_gone(e: Exception, replica: Any) -> Exception:
 
 class GenerateReplica:
     """One engine. `args` are the model entry's EngineArgs (num_threads: the replica's);
-    `resilience` its hang timeout and SIGTERM grace."""
+    `resilience` its hang timeout and SIGTERM grace; `notice` its spot pool's cloud notice
+    config (the engine process polls its own node's metadata endpoint, as on the local
+    server; a notice drains the replica through EngineWatch)."""
 
     async def __init__(  # type: ignore[misc]
-        self, model_name: str, args: EngineArgs, resilience: ResilienceConfig | None = None
+        self,
+        model_name: str,
+        args: EngineArgs,
+        resilience: ResilienceConfig | None = None,
+        notice: dict[str, Any] | None = None,
     ) -> None:
         self.model_name = model_name
         resilience = resilience or ResilienceConfig()
@@ -72,6 +78,7 @@ class GenerateReplica:
             args = replace(args, num_threads=1)
         engine = AsyncEngine(args, _ENGINE_MAX_WAITING)
         engine.sigterm_grace_s = resilience.sigterm_grace_s
+        engine.notice = notice
         self.replica = LocalReplica(0, engine, max_num_seqs=engine.config.scheduler.max_num_seqs)
         self.watch = EngineWatch(model_name, self.replica, resilience)
         await self.replica.start()
