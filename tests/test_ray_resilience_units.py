@@ -335,3 +335,46 @@ def test_least_loaded_counts_a_request_when_it_picks_it() -> None:
         assert sum(router.outstanding(frozenset())) == 1  # the retried pick, not yet routed
     finally:
         router_state.ROUTERS.pop("model-burst-test", None)
+
+
+# Serve awaits a replica's async __del__; a bare object's is only called by the GC.
+@pytest.mark.filterwarnings("ignore:coroutine 'GenerateReplica.__del__' was never awaited")
+def test_a_spot_notice_drains_a_ray_replica(tiny_llama: str) -> None:
+    """GenerateReplica (no cluster needed) given its pool's notice config: the engine polls
+    the (stand-in) GCP metadata server; on preemption the replica drains and refuses new
+    calls as `refused` (not a migration move)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "serve"))
+    from metadata_standins import GcpMetadataStandIn
+
+    from fleetserve.engine.arg_utils import EngineArgs
+    from fleetserve.ray.deployments import GenerateReplica
+
+    async def main() -> None:
+        with GcpMetadataStandIn() as meta:
+            notice = {"provider": "gcp", "url": meta.url, "poll_interval_s": 0.2}
+            args = EngineArgs(model=tiny_llama, max_model_len=128, num_threads=1)
+            replica = object.__new__(GenerateReplica)
+            await GenerateReplica.__init__(replica, "m", args, ResilienceConfig(), notice)
+            try:
+                assert not replica.watch.draining
+                meta.preempt()
+                deadline = time.monotonic() + 30
+                while not replica.watch.draining:
+                    assert time.monotonic() < deadline, "the notice never drained the replica"
+                    await asyncio.sleep(0.1)
+                params = SamplingParams(max_tokens=2)
+                outs = [
+                    o
+                    async for o in replica.generate(
+                        request_id="late", prompt={"prompt_token_ids": [1, 2]}, params=params,
+                        priority=0, num_prompt_tokens=2, num_new_tokens=2, level=0,
+                    )
+                ]  # fmt: skip
+                assert len(outs) == 1 and outs[0].kind == "refused"
+            finally:
+                await replica.__del__()
+
+    asyncio.run(main())

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from fleetserve.cloud.notices import NoticeConfig
 from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
@@ -63,16 +64,27 @@ def lost_as_gone(e: Exception, replica: Any) -> Exception:
 
 class GenerateReplica:
     """One engine. `args` are the model entry's EngineArgs (num_threads: the replica's);
-    `resilience` its hang timeout and SIGTERM grace."""
+    `resilience` its hang timeout and SIGTERM grace; `notice` its spot pool's cloud notice
+    config (the engine process polls its own node's metadata endpoint, as on the local
+    server; a notice drains the replica through EngineWatch)."""
 
     async def __init__(  # type: ignore[misc]
-        self, model_name: str, args: EngineArgs, resilience: ResilienceConfig | None = None
+        self,
+        model_name: str,
+        args: EngineArgs,
+        resilience: ResilienceConfig | None = None,
+        notice: dict[str, Any] | None = None,
     ) -> None:
         self.model_name = model_name
         resilience = resilience or ResilienceConfig()
         if args.num_threads is None:
             args = replace(args, num_threads=1)
-        engine = AsyncEngine(args, _ENGINE_MAX_WAITING, sigterm_grace_s=resilience.sigterm_grace_s)
+        engine = AsyncEngine(
+            args,
+            _ENGINE_MAX_WAITING,
+            sigterm_grace_s=resilience.sigterm_grace_s,
+            notice=NoticeConfig(**notice) if notice is not None else None,
+        )
         self.replica = LocalReplica(0, engine, max_num_seqs=engine.config.scheduler.max_num_seqs)
         self.watch = EngineWatch(model_name, self.replica, resilience)
         await self.replica.start()

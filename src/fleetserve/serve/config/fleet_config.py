@@ -444,16 +444,6 @@ class FleetConfig(_Strict):
                 )
         return self
 
-    def local_only_keys(self) -> list[str]:
-        """The keys `fleetserve serve --ray` does not honour, where this fleet sets them:
-        spot notices (their watcher runs beside the local server's replica processes)."""
-        return [
-            f"models[{i}].pools[{j}].notice"
-            for i, m in enumerate(self.models)
-            for j, p in enumerate(m.pools or [])
-            if p.notice is not None
-        ]
-
     def ray_only_keys(self) -> list[str]:
         """The keys only `fleetserve serve --ray` honours, where this fleet sets them."""
         return [
