@@ -166,7 +166,12 @@ def test_a_spot_pools_notice_is_served_on_ray() -> None:
         name: pool_app._bound_deployment.init_args for name, pool_app in pool_handles["m"].items()
     }
     # GenerateReplica(model_name, args, resilience, notice)
-    assert bound["spot"][3] == {"provider": "gcp", "url": None, "poll_interval_s": 1.0}
+    assert bound["spot"][3] == {
+        "provider": "gcp",
+        "url": None,
+        "poll_interval_s": 1.0,
+        "resource_name": None,
+    }
     assert bound["base"][3] is None
 
 

@@ -75,7 +75,10 @@ def run_fleetserve(args: argparse.Namespace) -> dict[str, Any]:
     engine = LLMEngine(engine_args)
     rss = _rss_mib()
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
-    ids = engine.tokenizer.apply_chat_template(messages)
+    if engine.tokenizer.has_chat_template:
+        ids = engine.tokenizer.apply_chat_template(messages)
+    else:  # a base model (Gemma 3 270M): the same words as plain text
+        ids = engine.tokenizer.encode(f"{SYSTEM}\n\n{USER}\n")
     params = SamplingParams(max_tokens=args.num_tokens, temperature=0.0, ignore_eos=True)
     runs: list[dict[str, float]] = []
     tokens: list[int] = []
