@@ -5,7 +5,8 @@ nested object, an array of items with patterns, enums and numeric ranges). Runs
 alternate (free, constrained, free, ...) so machine load hits both alike. Reported per
 run: the mean decode step time while every stream of the run is still decoding (so a
 constrained stream that finishes early does not shrink the batch being measured), that
-is TPOT at 1 stream and tokens/s = streams / step time at N streams; and the mask's own
+is TPOT at 1 stream and tokens/s = streams / step time at N streams; the process CPU time
+per step (all threads: steadier than wall time on a shared machine); and the mask's own
 time per step (filled on the mask thread while the forward pass runs).
 
     python -m fleetserve.bench.structured --streams 1 16 --rounds 3
@@ -73,17 +74,19 @@ def run_once(engine: Any, streams: int, max_tokens: int, constrained: bool) -> d
         ids = tok.apply_chat_template([{"role": "user", "content": PROMPT.format(i=i)}])
         engine.add_request(f"r{i}-{time.monotonic_ns()}", {"prompt_token_ids": ids}, params)
     step_times: list[float] = []
+    cpu_times: list[float] = []  # process CPU time (all threads): steadier on a busy box
     decoding = 0
     num_tokens = 0
     while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         outs = engine.step()
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         sched = engine.core.scheduler
         num_tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
         # Decode steps with every stream still in: all have their first token.
         if decoding == streams and sched.num_running == streams:
             step_times.append(dt)
+            cpu_times.append(dc)
         decoding = sched.num_running if not sched.num_waiting else 0
     stats1 = engine.stats()
     mask_steps = stats1.get("structured_mask_steps", 0) - stats0.get("structured_mask_steps", 0)
@@ -91,6 +94,7 @@ def run_once(engine: Any, streams: int, max_tokens: int, constrained: bool) -> d
     step = statistics.mean(step_times) if step_times else float("nan")
     return {
         "step_ms": 1e3 * step,
+        "cpu_ms": 1e3 * statistics.mean(cpu_times) if cpu_times else float("nan"),
         "tok_s": streams / step,
         "steps_measured": len(step_times),
         "mask_ms_per_step": 1e3 * mask_s / mask_steps if mask_steps else 0.0,
@@ -119,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         }
         free, con = summary["free"]["step_ms"], summary["json_schema"]["step_ms"]
         summary["slowdown"] = con / free - 1.0
+        cfree, ccon = summary["free"]["cpu_ms"], summary["json_schema"]["cpu_ms"]
+        summary["cpu_slowdown"] = ccon / cfree - 1.0
         print(json.dumps({f"{n}_streams": summary}), flush=True)
     llm.shutdown()
 
