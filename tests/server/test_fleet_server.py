@@ -8,6 +8,7 @@ order and counts (which request got its first token before which), never about s
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import time
@@ -189,9 +190,12 @@ class Timeline:
         async with ac.stream("POST", "/v1/completions", json=body, headers=headers) as r:
             self.status[rid] = r.status_code
             async for line in r.aiter_lines():
-                if line.startswith("data: {") and '"usage": {' in line:
-                    self.tokens[rid] = int(line.split('"completion_tokens": ')[1].split(",")[0])
-                elif line.startswith("data: {") and rid not in self.first:
+                if not line.startswith("data: {"):
+                    continue
+                usage = json.loads(line[6:]).get("usage")
+                if usage:
+                    self.tokens[rid] = int(usage["completion_tokens"])
+                elif rid not in self.first:
                     self.first[rid] = time.monotonic()
 
     def overtakes(self, probe: str, flood: list[str]) -> int:
