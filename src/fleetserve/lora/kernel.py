@@ -100,8 +100,18 @@ def apply_lora(
         a.data_ptr(), b.data_ptr(), ranks.data_ptr(), max_rank, num_segs,
         seg_starts.data_ptr(), groups.rows.data_ptr(), groups.starts.data_ptr(),
         groups.slots.data_ptr(), groups.num_groups, shrunk.data_ptr(),
-        torch.get_num_threads(),
+        _num_threads(groups.num_rows * (a.shape[1] * x.shape[1] + max_rank * y.shape[1])),
     )  # fmt: skip
+
+
+# Below this many multiply-adds a call runs on one thread: a decode step's LoRA work is
+# ~0.1 ms, and splitting it costs two barriers, which on a busy machine (a descheduled
+# partner thread) cost more than the work itself.
+_PARALLEL_MIN_MACS = 4_000_000
+
+
+def _num_threads(macs: int) -> int:
+    return 1 if macs < _PARALLEL_MIN_MACS else torch.get_num_threads()
 
 
 def _apply_torch(
