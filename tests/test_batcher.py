@@ -1,4 +1,4 @@
-"""DynamicBatcher without a model: a fake run_batch that records every batch it is given."""
+"""MicroBatcher without a model: a fake run_batch that records every batch it is given."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetserve.serve.batcher import (
-    BatcherOverloadedError,
-    BatcherStoppedError,
-    BatchingConfig,
-    BatchItemError,
-    BatchResultError,
-    DynamicBatcher,
+from fleetserve.serve.microbatch.batcher import (
+    MicroBatchConfig,
+    MicroBatcher,
+    MicroBatchItemError,
+    MicroBatchOverloadedError,
+    MicroBatchResultError,
+    MicroBatchStoppedError,
 )
 
 LONG = 3600.0  # a timeout no test waits for: batches form only by size, drain or stop
@@ -59,8 +59,8 @@ def make(
     timeout: float = LONG,
     max_waiting: int = 100,
     **kw: object,
-) -> DynamicBatcher:
-    return DynamicBatcher(
+) -> MicroBatcher:
+    return MicroBatcher(
         run,  # type: ignore[arg-type]
         max_batch_size=max_batch_size,
         batch_wait_timeout_s=timeout,
@@ -215,7 +215,7 @@ def test_wrong_number_of_results_fails_with_a_clear_error() -> None:
         return await asyncio.gather(b.submit(1), b.submit(2), return_exceptions=True)
 
     out = asyncio.run(main())
-    assert all(isinstance(e, BatchResultError) for e in out)
+    assert all(isinstance(e, MicroBatchResultError) for e in out)
     assert "returned 0 results for a batch of 1 items" in str(out[0])
 
 
@@ -226,9 +226,9 @@ def test_max_waiting_bounds_the_queue() -> None:
         b = make(rec, max_batch_size=10, max_waiting=3)
         tasks = [asyncio.create_task(b.submit(i)) for i in range(3)]
         await settle()
-        with pytest.raises(BatcherOverloadedError, match="max_waiting=3"):
+        with pytest.raises(MicroBatchOverloadedError, match="max_waiting=3"):
             await b.submit(9)
-        with pytest.raises(BatcherOverloadedError):
+        with pytest.raises(MicroBatchOverloadedError):
             await b.submit_many([7, 8])  # all or nothing
         with pytest.raises(ValueError, match="4 items in one request exceed"):
             await b.submit_many([1, 2, 3, 4])  # could never fit: not worth a retry
@@ -249,7 +249,7 @@ def test_drain_runs_queued_items_and_then_refuses() -> None:
         await settle()
         await b.drain()
         assert [t.result() for t in tasks] == [0, 2, 4, 6, 8]
-        with pytest.raises(BatcherStoppedError, match="takes no new items"):
+        with pytest.raises(MicroBatchStoppedError, match="takes no new items"):
             await b.submit(1)
 
     asyncio.run(main())
@@ -267,7 +267,7 @@ def test_stop_fails_queued_items_clearly() -> None:
         return await asyncio.gather(*tasks, return_exceptions=True)
 
     out = asyncio.run(main())
-    assert all(isinstance(e, BatcherStoppedError) for e in out)
+    assert all(isinstance(e, MicroBatchStoppedError) for e in out)
     assert "stopped before this item ran" in str(out[0])
     assert rec.batches == []
 
@@ -283,7 +283,7 @@ def test_stop_with_a_timeout_fails_a_batch_that_runs_too_long() -> None:
         return (await asyncio.gather(task, return_exceptions=True))[0]
 
     out = asyncio.run(main())
-    assert isinstance(out, BatcherStoppedError) and "while it ran" in str(out)
+    assert isinstance(out, MicroBatchStoppedError) and "while it ran" in str(out)
 
 
 def test_submit_many_names_the_failing_index_and_withdraws_the_rest() -> None:
@@ -291,7 +291,7 @@ def test_submit_many_names_the_failing_index_and_withdraws_the_rest() -> None:
 
     async def main() -> None:
         b = make(rec, max_batch_size=2)
-        with pytest.raises(BatchItemError) as info:
+        with pytest.raises(MicroBatchItemError) as info:
             await b.submit_many([10, 11, 12, 13, 14])
         assert info.value.index == 2 and isinstance(info.value.error, ValueError)
         await settle()
@@ -324,7 +324,7 @@ def test_on_batch_hook_failure_does_not_stop_the_batcher() -> None:
 )
 def test_config_errors_name_the_field(field: str, kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=field):
-        BatchingConfig(**kwargs)  # type: ignore[arg-type]
+        MicroBatchConfig(**kwargs)  # type: ignore[arg-type]
 
 
 # Each step: pause this long (ms), then submit this many items at once.

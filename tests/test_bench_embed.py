@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from fleetserve.bench import embed as bench
 from fleetserve.entrypoints.openai.protocol_embed import EmbeddingRequest
 from fleetserve.entrypoints.openai.serving_embedding import create_embedding
-from fleetserve.serve.batch_service import EmbedService
-from fleetserve.serve.batcher import BatchingConfig
+from fleetserve.serve.microbatch.batcher import MicroBatchConfig
+from fleetserve.serve.microbatch.services import EmbedService
 
 
 def test_in_process_run_reports_both_runs_and_batches() -> None:
@@ -52,7 +52,7 @@ def test_against_a_server_reads_its_batch_histogram() -> None:
     service = EmbedService(
         "minilm",
         "all-MiniLM-L6-v2",
-        batching=BatchingConfig(max_batch_size=4, batch_wait_timeout_s=0.05),
+        batching=MicroBatchConfig(max_batch_size=4, batch_wait_timeout_s=0.05),
         on_batch=lambda n, s: hist.labels(model_name="minilm").observe(n),
     )
     app = FastAPI()

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from fleetserve.serve.batch_service import CustomService, ServiceNotReadyError
-from fleetserve.serve.batcher import BatchingConfig, BatchItemError
-from fleetserve.serve.custom import HandlerError, load_handler, parse_handler_spec
+from fleetserve.serve.microbatch.batcher import MicroBatchConfig, MicroBatchItemError
+from fleetserve.serve.microbatch.custom import HandlerError, load_handler, parse_handler_spec
+from fleetserve.serve.microbatch.services import CustomService, ServiceNotReadyError
 
 
 @pytest.mark.parametrize(
@@ -75,7 +75,7 @@ def _service(handler: str, **options: Any) -> CustomService:
         "clf",
         handler,
         options=options,
-        batching=BatchingConfig(max_batch_size=4, batch_wait_timeout_s=3600, max_waiting=64),
+        batching=MicroBatchConfig(max_batch_size=4, batch_wait_timeout_s=3600, max_waiting=64),
     )
 
 
@@ -97,7 +97,7 @@ def test_a_failing_instance_fails_its_request_only() -> None:
     assert out[0] == [{"label": "c", "length": 2}]
     assert out[2] == [{"label": "a", "length": 3}]
     err = out[1]
-    assert isinstance(err, BatchItemError) and err.index == 0
+    assert isinstance(err, MicroBatchItemError) and err.index == 0
     assert isinstance(err.error, ValueError) and "cannot classify 'boom'" in str(err.error)
     # One batch of all four instances, then each alone to find the one that fails.
     texts = [[i["text"] for i in b] for b in svc.model.handler.batches]  # type: ignore[attr-defined]

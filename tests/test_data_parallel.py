@@ -20,16 +20,16 @@ import pytest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.core_proc import debug_step_delay_s
 from fleetserve.outputs import CompletionOutput, RequestOutput
-from fleetserve.serve.base import RouteRequest
-from fleetserve.serve.policies import (
+from fleetserve.serve.contracts import RouteRequest
+from fleetserve.serve.replicas.local import LocalReplica
+from fleetserve.serve.routing.policies import (
     LeastLoaded,
     PowerOfTwo,
     PrefixAffinity,
     RoundRobin,
     make_policy,
 )
-from fleetserve.serve.replica import LocalReplica
-from fleetserve.serve.router import NoHealthyReplicaError, Router
+from fleetserve.serve.routing.router import NoHealthyReplicaError, Router
 
 sys.path.insert(0, str(Path(__file__).parent / "server"))
 from server_proc import ServerProc, metric, scrape, wait_until  # noqa: E402

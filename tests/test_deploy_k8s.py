@@ -18,7 +18,7 @@ import yaml
 from fleetserve.deploy import pods
 from fleetserve.deploy.k8s import RenderOptions, model_slug, render_fleet
 from fleetserve.entrypoints.cli import main
-from fleetserve.serve.fleet_config import parse_fleet_config
+from fleetserve.serve.config.fleet_config import parse_fleet_config
 from k8s_schemas import NameError_, validate
 
 FLEET: dict[str, Any] = {
@@ -318,7 +318,7 @@ def test_kustomize_builds_the_folder(tmp_path: Path) -> None:
 
 def test_pools_are_refused_with_the_deploy_alternative() -> None:
     from fleetserve.deploy.k8s import RenderOptions, render_fleet
-    from fleetserve.serve.fleet_config import parse_fleet_config
+    from fleetserve.serve.config.fleet_config import parse_fleet_config
 
     fleet = parse_fleet_config(
         {

@@ -19,7 +19,7 @@ from fleetserve.deploy.gateway import GatewaySettings
 from fleetserve.deploy.k8s import RenderOptions, model_slug, render_fleet
 from fleetserve.deploy.pods import SecretRef
 from fleetserve.entrypoints.cli import main
-from fleetserve.serve.fleet_config import parse_fleet_config
+from fleetserve.serve.config.fleet_config import parse_fleet_config
 from k8s_schemas import validate
 from test_deploy_k8s import FLEET
 

@@ -13,7 +13,7 @@ import yaml
 
 from fleetserve.deploy import kuberay, scheduling
 from fleetserve.deploy.k8s import RenderOptions, render_fleet
-from fleetserve.serve.fleet_config import parse_fleet_config
+from fleetserve.serve.config.fleet_config import parse_fleet_config
 from k8s_schemas import validate
 
 FLEET: dict[str, Any] = {

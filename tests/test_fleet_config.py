@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetserve.serve.fleet_config import load_fleet_config, parse_fleet_config
+from fleetserve.serve.config.fleet_config import load_fleet_config, parse_fleet_config
 
 EXAMPLE = """
 models:

@@ -16,12 +16,12 @@ from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.async_engine import EngineDeadError, ReplicaGoneError
 from fleetserve.metrics import ServerMetrics
 from fleetserve.outputs import CompletionOutput, RequestOutput
-from fleetserve.serve.admission import ShedError
-from fleetserve.serve.fleet_config import ResilienceConfig
-from fleetserve.serve.migration import MigrationLimitError
-from fleetserve.serve.model_service import GenerateService
-from fleetserve.serve.replica import LocalReplica
-from fleetserve.serve.sla import REQUEST_PRIORITY_SPAN, ServiceClass, oversubscription
+from fleetserve.serve.admission.admit import ShedError
+from fleetserve.serve.admission.sla import REQUEST_PRIORITY_SPAN, ServiceClass, oversubscription
+from fleetserve.serve.config.fleet_config import ResilienceConfig
+from fleetserve.serve.replicas.local import LocalReplica
+from fleetserve.serve.resilience.migration import MigrationLimitError
+from fleetserve.serve.services.generate import GenerateService
 
 CLASSES = {
     "interactive": ServiceClass("interactive", priority=0, max_waiting=2, max_queue_time_s=0.2),

@@ -21,8 +21,8 @@ from fleetserve.entrypoints.openai.serving_common import ServingContext
 from fleetserve.metrics import ServerMetrics
 from fleetserve.ray.batch import LineActor, RayBatchOptions
 from fleetserve.ray.batch_engine import GenerateLines, LineModel, line_model, load_engine
-from fleetserve.serve.fleet_config import parse_fleet_config
-from fleetserve.serve.registry import build_registry
+from fleetserve.serve.config.fleet_config import parse_fleet_config
+from fleetserve.serve.services.service_registry import build_registry
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -24,9 +24,9 @@ from fleetserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from fleetserve.ray import router_state  # noqa: E402
 from fleetserve.ray.clients import RayGenerateClient  # noqa: E402
 from fleetserve.ray.wire import RemoteError  # noqa: E402
-from fleetserve.serve.admission import ShedError  # noqa: E402
-from fleetserve.serve.fleet_config import parse_fleet_config  # noqa: E402
-from fleetserve.serve.migration import MigrationLimitError  # noqa: E402
+from fleetserve.serve.admission.admit import ShedError  # noqa: E402
+from fleetserve.serve.config.fleet_config import parse_fleet_config  # noqa: E402
+from fleetserve.serve.resilience.migration import MigrationLimitError  # noqa: E402
 
 DEPLOYMENT = "model-migr"
 MAX_TOKENS = 6
@@ -254,7 +254,7 @@ def pending(kwargs: dict[str, Any]) -> Any:
 
 
 def test_the_router_never_picks_a_replica_the_request_was_lost_on() -> None:
-    from fleetserve.ray.router import FleetRequestRouter, route_of
+    from fleetserve.ray.request_router import FleetRequestRouter, route_of
 
     router = FleetRequestRouter.__new__(FleetRequestRouter)  # Serve's setup is not needed
     router._deployment_id = SimpleNamespace(name="model-router-test")  # type: ignore[assignment]

@@ -1,6 +1,6 @@
 """Spot and on-demand pools on Ray without a cluster: a model's pools as Serve deployments
 (names, resources, sizes), the pools' autoscaling policy deciding the on-demand fallback
-(serve/pools.py's plan() over what Serve runs), the ingress's choice of deployment per
+(serve/replicas/pool_plan.py's plan() over what Serve runs), the ingress's choice of deployment per
 call, and a request lost with its spot replica resuming on an on-demand one. The same on
 a (simulated) cluster: test_ray_pools_cluster.py."""
 
@@ -20,8 +20,7 @@ from ray.exceptions import ActorDiedError  # noqa: E402
 from fleetserve.core.sampling_params import SamplingParams  # noqa: E402
 from fleetserve.ray import pool_state, router_state  # noqa: E402
 from fleetserve.ray.clients import RayGenerateClient  # noqa: E402
-from fleetserve.ray.pool_state import PoolSnapshot  # noqa: E402
-from fleetserve.ray.pools import (  # noqa: E402
+from fleetserve.ray.pool_deployments import (  # noqa: E402
     RESOURCE_PER_REPLICA,
     PoolChoice,
     PoolPolicy,
@@ -32,7 +31,8 @@ from fleetserve.ray.pools import (  # noqa: E402
     pool_options,
     served_pools,
 )
-from fleetserve.serve.fleet_config import PoolConfig, parse_fleet_config  # noqa: E402
+from fleetserve.ray.pool_state import PoolSnapshot  # noqa: E402
+from fleetserve.serve.config.fleet_config import PoolConfig, parse_fleet_config  # noqa: E402
 from test_ray_migration import MAX_TOKENS, ScriptedGen, output  # noqa: E402
 
 SPOT = PoolConfig(name="spot", capacity="spot", replicas=2, overprovision=1)

@@ -25,8 +25,8 @@ from fleetserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from fleetserve.ray import router_state  # noqa: E402
 from fleetserve.ray.clients import RayGenerateClient  # noqa: E402
 from fleetserve.ray.health import EngineWatch  # noqa: E402
-from fleetserve.serve.fleet_config import ResilienceConfig, parse_fleet_config  # noqa: E402
-from fleetserve.serve.supervisor import NOTICE_MARGIN_S  # noqa: E402
+from fleetserve.serve.config.fleet_config import ResilienceConfig, parse_fleet_config  # noqa: E402
+from fleetserve.serve.replicas.supervisor import NOTICE_MARGIN_S  # noqa: E402
 
 DEPLOYMENT = "model-hedge"
 MAX_TOKENS = 4
@@ -269,7 +269,7 @@ def test_a_notice_drains_within_its_deadline_then_reports_unhealthy() -> None:
 
 
 def test_the_router_skips_a_draining_replica_while_another_is_listed() -> None:
-    from fleetserve.ray.router import FleetRequestRouter
+    from fleetserve.ray.request_router import FleetRequestRouter
 
     router = FleetRequestRouter.__new__(FleetRequestRouter)  # Serve's setup is not needed
     router._deployment_id = SimpleNamespace(name="model-drain-test")  # type: ignore[assignment]

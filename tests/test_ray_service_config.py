@@ -17,7 +17,7 @@ import yaml
 
 from fleetserve.deploy.k8s import RenderOptions, render_fleet
 from fleetserve.deploy.kuberay import RaySettings
-from fleetserve.serve.fleet_config import parse_fleet_config
+from fleetserve.serve.config.fleet_config import parse_fleet_config
 from ray_cluster import ray_cluster, replica_nodes, wait_healthy
 
 pytestmark = pytest.mark.slow

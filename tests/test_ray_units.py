@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from fleetserve.engine.async_engine import EngineDeadError, EngineOverloadedError
-from fleetserve.serve.batch_service import ServiceNotReadyError
-from fleetserve.serve.batcher import BatchItemError
-from fleetserve.serve.fleet_config import parse_fleet_config
+from fleetserve.serve.config.fleet_config import parse_fleet_config
+from fleetserve.serve.microbatch.batcher import MicroBatchItemError
+from fleetserve.serve.microbatch.services import ServiceNotReadyError
 
 
 def fleet(**entry: Any) -> dict[str, Any]:
@@ -128,9 +128,9 @@ def test_refusals_cross_as_data(error: Exception, batch: bool, expected: type) -
 def test_a_failed_batch_item_keeps_its_index() -> None:
     from fleetserve.ray.wire import RemoteError
 
-    remote = RemoteError.of(BatchItemError(3, ValueError("cannot classify")))
+    remote = RemoteError.of(MicroBatchItemError(3, ValueError("cannot classify")))
     rebuilt = pickle.loads(pickle.dumps(remote)).exception(batch=True)
-    assert isinstance(rebuilt, BatchItemError) and rebuilt.index == 3
+    assert isinstance(rebuilt, MicroBatchItemError) and rebuilt.index == 3
     assert isinstance(rebuilt.error, ValueError) and str(rebuilt.error) == "cannot classify"
 
 
@@ -140,7 +140,7 @@ def test_fleetserve_and_the_local_server_do_not_import_ray() -> None:
 
     code = (
         "import sys, fleetserve, fleetserve.entrypoints.openai.api_server, "
-        "fleetserve.serve.registry; print('ray' in sys.modules)"
+        "fleetserve.serve.services.service_registry; print('ray' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -158,7 +158,7 @@ def test_ray_refuses_what_only_the_local_server_honours() -> None:
         "classes": {"fast": {"hedge_after_s": 1.0}},
     }
     cfg = parse_fleet_config(data)
-    # Pools and hedging are served on Ray (ray/pools.py, ray/clients.py); spot notices
+    # Pools and hedging are served on Ray (ray/pool_deployments.py, ray/clients.py); spot notices
     # are not (their watcher runs beside the local server's replica processes).
     assert cfg.local_only_keys() == ["models[0].pools[0].notice"]
     with pytest.raises(ValueError, match=r"^models\[0\].pools\[0\].notice: served by"):
@@ -191,7 +191,7 @@ def test_ray_batch_clients_check_readiness_and_input_and_map_refusals() -> None:
     import numpy as np
 
     pytest.importorskip("ray")
-    from fleetserve.ray.batch_clients import RayCustomClient, RayEmbedClient
+    from fleetserve.ray.microbatch_clients import RayCustomClient, RayEmbedClient
     from fleetserve.ray.wire import RemoteError
 
     cfg = parse_fleet_config(
@@ -206,7 +206,7 @@ def test_ray_batch_clients_check_readiness_and_input_and_map_refusals() -> None:
 
     def embed(inputs: list[Any]) -> Any:
         if inputs == ["bad"]:
-            return RemoteError.of(BatchItemError(0, ValueError("input[0] is bad")))
+            return RemoteError.of(MicroBatchItemError(0, ValueError("input[0] is bad")))
         return vectors[: len(inputs)], [4] * len(inputs)
 
     emb_handle = SimpleNamespace(
@@ -230,7 +230,7 @@ def test_ray_batch_clients_check_readiness_and_input_and_map_refusals() -> None:
         assert emb.dimension == 3 and emb.is_ready
         result = await emb.embed(["a", "b"])
         assert result.vectors.shape == (2, 3) and result.num_tokens == [4, 4]
-        with pytest.raises(BatchItemError) as bad:
+        with pytest.raises(MicroBatchItemError) as bad:
             await emb.embed(["bad"])
         assert bad.value.index == 0 and isinstance(bad.value.error, ValueError)
         with pytest.raises(ValueError, match="instances must not be empty"):

@@ -1,5 +1,5 @@
-"""The gateway <-> pod schema (serve/remote_wire.py), the remote pool's address keeping
-(serve/remote_pool.py) and the `remote:` config, without servers (tests/server/
+"""The gateway <-> pod schema (serve/remote/wire.py), the remote pool's address keeping
+(serve/remote/targets.py) and the `remote:` config, without servers (tests/server/
 test_gateway.py runs them for real)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.outputs import CompletionOutput, RequestOutput
-from fleetserve.serve.fleet_config import RemoteConfig, parse_fleet_config
-from fleetserve.serve.pools import MemberView, PoolController, Start
-from fleetserve.serve.remote_pool import POOL_NAME, RemoteTargets
-from fleetserve.serve.remote_wire import (
+from fleetserve.serve.admission.sla import ServiceClass, engine_priority, split_engine_priority
+from fleetserve.serve.config.fleet_config import RemoteConfig, parse_fleet_config
+from fleetserve.serve.remote.targets import POOL_NAME, RemoteTargets
+from fleetserve.serve.remote.wire import (
     ErrorFrame,
     FrameReader,
     FrameWriter,
@@ -26,7 +26,7 @@ from fleetserve.serve.remote_wire import (
     params_from_http,
     params_to_http,
 )
-from fleetserve.serve.sla import ServiceClass, engine_priority, split_engine_priority
+from fleetserve.serve.replicas.pool_plan import MemberView, PoolController, Start
 
 PROMPT = [11, 12, 13]
 

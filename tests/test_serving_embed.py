@@ -28,8 +28,8 @@ from fleetserve.entrypoints.openai.protocol_embed import EmbeddingRequest, Predi
 from fleetserve.entrypoints.openai.serving_common import parse, read_json
 from fleetserve.entrypoints.openai.serving_embedding import create_embedding
 from fleetserve.entrypoints.openai.serving_predict import predict
-from fleetserve.serve.batch_service import CustomService, EmbedService
-from fleetserve.serve.batcher import BatchingConfig
+from fleetserve.serve.microbatch.batcher import MicroBatchConfig
+from fleetserve.serve.microbatch.services import CustomService, EmbedService
 
 
 class Fleet:
@@ -38,14 +38,14 @@ class Fleet:
         self.embed = EmbedService(
             "minilm",
             MINILM_NAME,
-            batching=BatchingConfig(max_batch_size=16, batch_wait_timeout_s=0.05),
+            batching=MicroBatchConfig(max_batch_size=16, batch_wait_timeout_s=0.05),
             on_batch=lambda n, s: self.batch_sizes.append(n),
         )
         self.custom = CustomService(
             "clf",
             "fleet_handlers:Classifier",
             options={"labels": ["a", "b"]},
-            batching=BatchingConfig(max_batch_size=4, batch_wait_timeout_s=0.05),
+            batching=MicroBatchConfig(max_batch_size=4, batch_wait_timeout_s=0.05),
         )
         self.app = _app(self)
 

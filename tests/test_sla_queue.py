@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetserve.serve.sla import (
+from fleetserve.serve.admission.sla import (
     REQUEST_PRIORITY_SPAN,
     ClassQueue,
     QueueFullError,

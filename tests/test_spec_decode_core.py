@@ -267,7 +267,7 @@ def test_speculative_config_parse() -> None:
 
 def test_spec_decode_metrics_pool_replicas_and_count_deltas() -> None:
     from fleetserve.metrics import ServerMetrics
-    from fleetserve.serve.pooled_stats import spec_decode_totals
+    from fleetserve.serve.telemetry.pooled_stats import spec_decode_totals
 
     assert spec_decode_totals([{"num_requests_running": 1.0}]) == {}
     pooled = spec_decode_totals(

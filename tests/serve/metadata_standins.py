@@ -3,7 +3,7 @@
 AWS IMDSv2, GCP's metadata server and Azure Scheduled Events cannot be reached from here
 (they live on link-local addresses inside each cloud's VMs), so these HTTP servers on
 127.0.0.1 (ephemeral port, one thread per request) answer the paths the watchers use in the
-formats and with the headers the clouds document (see fleetserve/serve/notices.py for the
+formats and with the headers the clouds document (see fleetserve/cloud/notices.py for the
 URLs), including the refusals: IMDSv2 answers 401 to a GET without a valid session token and
 400 to a token PUT without a TTL, GCP answers 403 without `Metadata-Flavor: Google`, Azure
 answers 400 without `Metadata: true` or with an unknown api-version. Each has a switch to

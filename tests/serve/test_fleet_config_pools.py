@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleetserve.serve.fleet_config import NoticeConfig, PoolConfig, parse_fleet_config
+from fleetserve.serve.config.fleet_config import NoticeConfig, PoolConfig, parse_fleet_config
 
 SPOT = {"name": "spot", "capacity": "spot", "replicas": 3, "overprovision": 1}
 BASE = {"name": "base", "capacity": "on_demand", "replicas": 1, "max_fallback": 3}

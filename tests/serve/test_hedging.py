@@ -1,4 +1,4 @@
-"""The hedging race (serve/hedging.py) over scripted replica streams: no copy while the
+"""The hedging race (serve/resilience/hedging.py) over scripted replica streams: no copy while the
 first call answers in time; the first answer wins and the other call is closed (aborted
 in its engine) and never read; a call that fails does not win while the other may still
 answer; no copy when none can be made. The same race on real engines: test_resume.py
@@ -14,9 +14,9 @@ import pytest
 from fleetserve.engine.async_engine import EngineDeadError, ReplicaGoneError
 from fleetserve.metrics import ServerMetrics
 from fleetserve.outputs import CompletionOutput, RequestOutput
-from fleetserve.serve.base import ReplicaStreamLike
-from fleetserve.serve.hedging import Hedge, hedge_for
-from fleetserve.serve.migration import MigratingStream
+from fleetserve.serve.contracts import ReplicaStreamLike
+from fleetserve.serve.resilience.hedging import Hedge, hedge_for
+from fleetserve.serve.resilience.migration import MigratingStream
 
 MAX_TOKENS = 3
 

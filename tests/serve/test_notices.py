@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from metadata_standins import AwsImdsStandIn, AzureScheduledEventsStandIn, GcpMetadataStandIn
 
-from fleetserve.serve.notices import (
+from fleetserve.cloud.notices import (
     AWS_TOKEN_REFRESH_MARGIN_S,
     AWS_TOKEN_TTL_S,
     AwsNoticeWatcher,
@@ -355,7 +355,7 @@ def test_notice_thread_survives_a_failing_callback(caplog: pytest.LogCaptureFixt
         def on_notice(notice: PreemptionNotice) -> None:
             raise RuntimeError("drain failed")
 
-        with caplog.at_level(logging.ERROR, logger="fleetserve.serve.notices"):
+        with caplog.at_level(logging.ERROR, logger="fleetserve.cloud.notices"):
             thread = NoticeThread(watcher, on_notice, interval_s=0.05).start()
             thread.join(10.0)
         assert not thread.is_alive()

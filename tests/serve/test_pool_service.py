@@ -22,9 +22,9 @@ from metadata_standins import AwsImdsStandIn, AzureScheduledEventsStandIn, GcpMe
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.metrics import ServerMetrics
-from fleetserve.serve.fleet_config import NoticeConfig, PoolConfig, ResilienceConfig
-from fleetserve.serve.model_service import GenerateService
-from fleetserve.serve.sla import ServiceClass
+from fleetserve.serve.admission.sla import ServiceClass
+from fleetserve.serve.config.fleet_config import NoticeConfig, PoolConfig, ResilienceConfig
+from fleetserve.serve.services.generate import GenerateService
 
 CLASSES = {
     "interactive": ServiceClass("interactive", priority=0),

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetserve.serve.fleet_config import PoolConfig
-from fleetserve.serve.pools import (
+from fleetserve.serve.config.fleet_config import PoolConfig
+from fleetserve.serve.replicas.pool_plan import (
     CapacityUnavailableError,
     MemberView,
     PoolController,

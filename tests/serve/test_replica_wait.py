@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from fleetserve.serve.admission import ShedError
-from fleetserve.serve.replica_wait import SHED_REASON, NoReplicaWait
-from fleetserve.serve.sla import ClassQueue, ServiceClass
+from fleetserve.serve.admission.admit import ShedError
+from fleetserve.serve.admission.replica_wait import SHED_REASON, NoReplicaWait
+from fleetserve.serve.admission.sla import ClassQueue, ServiceClass
 
 
 class Clock:

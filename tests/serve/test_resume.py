@@ -18,9 +18,9 @@ from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.async_engine import AsyncEngine
 from fleetserve.metrics import ServerMetrics
 from fleetserve.outputs import RequestOutput
-from fleetserve.serve.fleet_config import ResilienceConfig
-from fleetserve.serve.model_service import GenerateService
-from fleetserve.serve.sla import ServiceClass
+from fleetserve.serve.admission.sla import ServiceClass
+from fleetserve.serve.config.fleet_config import ResilienceConfig
+from fleetserve.serve.services.generate import GenerateService
 
 
 def run(main: Callable[[], Awaitable[None]]) -> None:

@@ -25,8 +25,8 @@ from fleetserve.entrypoints.openai.errors import APIError, error_response
 from fleetserve.entrypoints.openai.serving_batch import batch_router
 from fleetserve.entrypoints.openai.serving_common import ServingContext
 from fleetserve.metrics import ServerMetrics
-from fleetserve.serve.fleet_config import single_model_fleet
-from fleetserve.serve.registry import build_registry
+from fleetserve.serve.config.fleet_config import single_model_fleet
+from fleetserve.serve.services.service_registry import build_registry
 
 
 def build(args: argparse.Namespace) -> FastAPI:

@@ -32,7 +32,7 @@ from fleetserve.deploy.gateway import GatewaySettings
 from fleetserve.deploy.k8s import RenderOptions, render_fleet
 from fleetserve.deploy.monitoring import ScrapeTarget, implied_scrape_config
 from fleetserve.deploy.pods import SecretRef
-from fleetserve.serve.fleet_config import parse_fleet_config
+from fleetserve.serve.config.fleet_config import parse_fleet_config
 
 pytestmark = [
     pytest.mark.slow,

@@ -31,7 +31,7 @@ from server_proc import ServerProc, free_port, metric, scrape, wait_until
 from fleetserve.deploy import grafana
 from fleetserve.deploy.k8s import RenderOptions, render_fleet
 from fleetserve.deploy.monitoring import ScrapeTarget, implied_scrape_config
-from fleetserve.serve.fleet_config import parse_fleet_config
+from fleetserve.serve.config.fleet_config import parse_fleet_config
 
 pytestmark = [
     pytest.mark.slow,

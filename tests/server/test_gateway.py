@@ -23,7 +23,7 @@ import pytest
 from server_proc import ServerProc, free_port, metric, scrape, wait_until
 from test_chaos import MAX_TOKENS, STEP_DELAY_S, requests, run_streams
 
-from fleetserve.serve.remote_wire import GENERATE_PATH, LOAD_PATH, MSGPACK
+from fleetserve.serve.remote.wire import GENERATE_PATH, LOAD_PATH, MSGPACK
 
 POD_KEY = "pod-secret"
 AUTH = {"Authorization": f"Bearer {POD_KEY}"}
@@ -325,9 +325,9 @@ def test_a_dns_name_that_lists_no_pod_yet(
     from fleetserve.entrypoints.openai.protocol import CompletionRequest
     from fleetserve.entrypoints.openai.serving_completion import completion_inputs
     from fleetserve.metrics import ServerMetrics
-    from fleetserve.serve.fleet_config import parse_fleet_config
-    from fleetserve.serve.registry import build_registry
-    from fleetserve.serve.remote_pool import RemoteTargets
+    from fleetserve.serve.config.fleet_config import parse_fleet_config
+    from fleetserve.serve.remote.targets import RemoteTargets
+    from fleetserve.serve.services.service_registry import build_registry
 
     listed: list[str] = []
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from server_proc import ServerProc, metric, scrape
 
-from fleetserve.entrypoints.openai.api_server import api_key_from
+from fleetserve.entrypoints.openai.server_args import api_key_from
 
 WAITING_BOUND = 2
 READ_TIMEOUT_S = 1.0

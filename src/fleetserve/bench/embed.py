@@ -193,16 +193,16 @@ def summarize(
 
 
 async def run_in_process(args: argparse.Namespace, inputs: list[str]) -> list[RunResult]:
-    from fleetserve.serve.batch_service import EmbedService
-    from fleetserve.serve.batcher import BatchingConfig
+    from fleetserve.serve.microbatch.batcher import MicroBatchConfig
+    from fleetserve.serve.microbatch.services import EmbedService
 
     results = []
     plans = [
-        ("one-at-a-time", 1, BatchingConfig(1, 0.0), inputs[: args.num_baseline_inputs]),
+        ("one-at-a-time", 1, MicroBatchConfig(1, 0.0), inputs[: args.num_baseline_inputs]),
         (
             "batched",
             args.concurrency,
-            BatchingConfig(args.max_batch_size, args.batch_wait_timeout_s, 100_000),
+            MicroBatchConfig(args.max_batch_size, args.batch_wait_timeout_s, 100_000),
             inputs,
         ),
     ]

@@ -6,7 +6,7 @@
                   --> headless Service fleetserve-M-pods --> M's ready pods
 
 The gateway fleet file is the fleet file with each generate model's engines replaced by
-`remote:` (serve/remote_pool.py re-resolves the headless Service, so pods that KEDA adds
+`remote:` (serve/remote/targets.py re-resolves the headless Service, so pods that KEDA adds
 or removes join and leave): one endpoint routes over the pods with the model's `routing`
 (prefix affinity), the fleet's classes, and moves requests off pods that die or drain.
 The gateway tokenizes, so `model` and `engine` stay (its image needs the model files).
@@ -29,8 +29,8 @@ from typing import Any
 
 from fleetserve.deploy import pods
 from fleetserve.deploy.yaml_out import dump_yaml
-from fleetserve.serve.deploy_config import DeployConfig
-from fleetserve.serve.fleet_config import FleetConfig, parse_fleet_config
+from fleetserve.serve.config.deploy_config import DeployConfig
+from fleetserve.serve.config.fleet_config import FleetConfig, parse_fleet_config
 
 GATEWAY_NAME = "fleetserve-gateway"
 # What a gateway entry keeps: how to tokenize, route and survive; the replicas are remote.

@@ -24,8 +24,8 @@ from typing import Any
 from fleetserve.deploy import keda, kuberay, monitoring, pods
 from fleetserve.deploy.gateway import GATEWAY_NAME, GatewaySettings, render_gateway
 from fleetserve.deploy.yaml_out import dump_yaml
-from fleetserve.serve.deploy_config import DeployConfig
-from fleetserve.serve.fleet_config import FleetConfig, ModelEntry, parse_fleet_config
+from fleetserve.serve.config.deploy_config import DeployConfig
+from fleetserve.serve.config.fleet_config import FleetConfig, ModelEntry, parse_fleet_config
 
 DEFAULT_IMAGE = "fleetserve:0.1.0"
 DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
@@ -310,7 +310,7 @@ def _settings(args: argparse.Namespace, flag: str, cls: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleetserve.serve.fleet_config import load_fleet_config
+    from fleetserve.serve.config.fleet_config import load_fleet_config
 
     fleet = load_fleet_config(args.config)
     monitor_labels = []

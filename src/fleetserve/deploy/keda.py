@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleetserve.serve.deploy_config import DeployConfig
+from fleetserve.serve.config.deploy_config import DeployConfig
 
 
 def _number(value: float) -> str:

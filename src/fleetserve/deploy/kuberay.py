@@ -25,8 +25,8 @@ from typing import Any
 
 from fleetserve.deploy import kuberay_pools, pods, scheduling
 from fleetserve.deploy.yaml_out import dump_yaml
-from fleetserve.serve.deploy_config import DeployConfig
-from fleetserve.serve.fleet_config import FleetConfig, ModelEntry, parse_fleet_config
+from fleetserve.serve.config.deploy_config import DeployConfig
+from fleetserve.serve.config.fleet_config import FleetConfig, ModelEntry, parse_fleet_config
 
 RAY_SERVICE_NAME = "fleetserve"
 APP_NAME = "fleetserve"  # ray/serve_cli.py's name for the application

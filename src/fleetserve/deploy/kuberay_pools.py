@@ -1,7 +1,7 @@
 """`deploy k8s --ray` for a generate model with `pools:` (spot and on-demand capacity).
 
 On Ray, each pool is a Serve deployment whose replicas ask for a sliver of the pool's
-capacity resource (`placement.spot_resource`, `on_demand_resource`: ray/pools.py), and
+capacity resource (`placement.spot_resource`, `on_demand_resource`: ray/pool_deployments.py), and
 PoolPolicy sizes them, falling back to on-demand while spot replicas cannot be placed. On
 KubeRay the nodes that offer those resources are worker pods, so the model gets one
 worker group per capacity:
@@ -26,12 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fleetserve.serve.deploy_config import DeployConfig
-from fleetserve.serve.fleet_config import ModelEntry, PlacementConfig
-from fleetserve.serve.pools import pool_size
+from fleetserve.serve.config.deploy_config import DeployConfig
+from fleetserve.serve.config.fleet_config import ModelEntry, PlacementConfig
+from fleetserve.serve.replicas.pool_plan import pool_size
 
 # What a pod of a capacity group offers of its capacity resource; a replica asks 0.001
-# (ray/pools.py), so the pod's CPUs, not this, bound how many it runs.
+# (ray/pool_deployments.py), so the pod's CPUs, not this, bound how many it runs.
 CAPACITY_UNITS = "1"
 # The deploy keys that pools decide instead (refused rather than ignored).
 _POOL_DECIDED = ("pool", "min_replicas", "max_replicas", "target_queue_depth")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetserve.deploy import scheduling
-from fleetserve.serve.deploy_config import DeployConfig
+from fleetserve.serve.config.deploy_config import DeployConfig
 
 CONFIG_DIR = "/etc/fleetserve"
 CONFIG_FILE = "fleet.yaml"
@@ -32,7 +32,7 @@ SHUTDOWN_MARGIN_S = 15
 STARTUP_PERIOD_S = 5
 
 
-API_KEY_ENV = "FLEETSERVE_API_KEY"  # the server's key (api_server.api_key_from)
+API_KEY_ENV = "FLEETSERVE_API_KEY"  # the server's key (server_args.api_key_from)
 _SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleetserve.serve.deploy_config import PoolKind
+from fleetserve.serve.config.deploy_config import PoolKind
 
 # (node label, its value on spot nodes), per provider.
 SPOT_NODE_LABELS: tuple[tuple[str, str], ...] = (

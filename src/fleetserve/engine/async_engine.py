@@ -54,7 +54,7 @@ class EngineDeadError(RuntimeError):
 class ReplicaGoneError(EngineDeadError):
     """This engine can no longer serve the request (its process died, it is being drained
     or stopped), though another replica may: the fleet resumes the request elsewhere
-    (request migration, serve/migration.py)."""
+    (request migration, serve/resilience/migration.py)."""
 
 
 class EngineNotReadyError(RuntimeError):

@@ -10,7 +10,7 @@ SIGTERM is a notice, not an order: it is what Kubernetes sends a pod and what a 
 machine's shutdown sends its processes. The core tells the frontend (CoreNotice) and keeps
 serving while the frontend moves its requests to other replicas (request migration); it
 exits when the frontend sends Shutdown, at the notice's deadline, or on a second SIGTERM.
-A cloud's spot notice (serve/notices.py, polled in a thread) is handled the same way.
+A cloud's spot notice (cloud/notices.py, polled in a thread) is handled the same way.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def _start_notice_watcher(config: dict[str, Any] | None) -> Any:
     """Polls the cloud's metadata endpoint for a spot notice (None: no watcher)."""
     if config is None:
         return None
-    from fleetserve.serve.notices import NoticeConfig, NoticeThread, make_watcher
+    from fleetserve.cloud.notices import NoticeConfig, NoticeThread, make_watcher
 
     cfg = NoticeConfig(**config)
 

@@ -44,7 +44,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     params: WireSamplingParams  # type: ignore[valid-type]
     eos_token_ids: list[int]
     # Lower runs first under the "priority" scheduling policy (the fleet's class priority
-    # and the request's own priority folded into one number, see serve/sla.py).
+    # and the request's own priority folded into one number, see serve/admission/sla.py).
     priority: int = 0
     group_id: str | None = None
     # Tokens it already generated on a replica that was lost (request migration).
@@ -139,5 +139,5 @@ class EngineSpec(msgspec.Struct):
     # After SIGTERM the core keeps serving for this long while the frontend moves its
     # requests elsewhere, then exits by itself (a second SIGTERM ends it at once).
     sigterm_grace_s: float = 15.0
-    # A cloud's spot notice source ({provider, url, poll_interval_s}; serve/notices.py).
+    # A cloud's spot notice source ({provider, url, poll_interval_s}; cloud/notices.py).
     notice: dict[str, Any] | None = None

@@ -154,10 +154,10 @@ def _checkpointed_batch(store: Any, input_path: str, data: bytes) -> str:
 
 def _registry(args: argparse.Namespace, n: int) -> Any:
     """The fleet file's models, or the engine flags' one model."""
-    from fleetserve.entrypoints.openai.api_server import served_name
+    from fleetserve.entrypoints.openai.server_args import served_name
     from fleetserve.metrics import ServerMetrics
-    from fleetserve.serve.fleet_config import load_fleet_config, single_model_fleet
-    from fleetserve.serve.registry import build_registry
+    from fleetserve.serve.config.fleet_config import load_fleet_config, single_model_fleet
+    from fleetserve.serve.services.service_registry import build_registry
 
     if args.config is not None:
         fleet = load_fleet_config(args.config)

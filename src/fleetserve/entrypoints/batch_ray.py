@@ -34,9 +34,9 @@ def check_ray_args(args: argparse.Namespace) -> None:
 
 def _line_model(args: argparse.Namespace, endpoint: str) -> Any:
     from fleetserve.batch.lines import EMBEDDINGS_URL
-    from fleetserve.entrypoints.openai.api_server import served_name
+    from fleetserve.entrypoints.openai.server_args import served_name
     from fleetserve.ray.batch_engine import LineModel, line_model
-    from fleetserve.serve.fleet_config import load_fleet_config
+    from fleetserve.serve.config.fleet_config import load_fleet_config
 
     if args.config is not None:
         return line_model(load_fleet_config(args.config), endpoint)

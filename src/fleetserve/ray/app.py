@@ -3,7 +3,7 @@
     FleetIngress (OpenAI routes; class queues)  --handle-->  one deployment per model
         generate: GenerateReplica (one engine per Serve replica), routed by
                   FleetRequestRouter with the model's `routing` policy
-        embed / custom: BatchReplica (the service and its dynamic batcher)
+        embed / custom: MicroBatchReplica (the service and its dynamic batcher)
 
 Per model: `replicas`, or `autoscale` (queue depth, autoscale.py); `placement` gives each
 replica's Ray resources (`num_cpus`, `memory_gb`, custom `resources`, which is how a pool
@@ -25,13 +25,18 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from fleetserve.entrypoints.openai.api_server import api_key_from
+from fleetserve.entrypoints.openai.server_args import api_key_from
 from fleetserve.ray.autoscale import QueueDepthPolicy
-from fleetserve.ray.deployments import BatchReplica, GenerateReplica
+from fleetserve.ray.deployments import GenerateReplica, MicroBatchReplica
 from fleetserve.ray.ingress import FleetIngress, IngressOptions
-from fleetserve.ray.pools import capacity_placement, deployment_name, pool_options, served_pools
-from fleetserve.ray.router import FleetRequestRouter
-from fleetserve.serve.fleet_config import (
+from fleetserve.ray.pool_deployments import (
+    capacity_placement,
+    deployment_name,
+    pool_options,
+    served_pools,
+)
+from fleetserve.ray.request_router import FleetRequestRouter
+from fleetserve.serve.config.fleet_config import (
     AutoscaleConfig,
     FleetConfig,
     ModelEntry,
@@ -154,7 +159,7 @@ def build_app(
             deployment = serve.deployment(**opts)(GenerateReplica)
             handles[entry.name] = deployment.bind(entry.name, args, entry.resilience)
         else:
-            deployment = serve.deployment(**opts)(BatchReplica)
+            deployment = serve.deployment(**opts)(MicroBatchReplica)
             handles[entry.name] = deployment.bind(entry.model_dump())
     ingress = serve.deployment(
         name="ingress",

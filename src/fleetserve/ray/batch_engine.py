@@ -47,8 +47,8 @@ from fleetserve.entrypoints.openai.serving_common import (
 from fleetserve.entrypoints.openai.serving_completion import completion_body, completion_inputs
 from fleetserve.entrypoints.openai.serving_embedding import create_embedding
 from fleetserve.outputs import RequestOutput
-from fleetserve.serve.batcher import BatchingConfig
-from fleetserve.serve.fleet_config import FleetConfig
+from fleetserve.serve.config.fleet_config import FleetConfig
+from fleetserve.serve.microbatch.batcher import MicroBatchConfig
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class LineModel:
     listing: tuple[tuple[str, str], ...]
     engine_args: EngineArgs | None = None  # generate
     embed_model: str | None = None  # embed: a folder, or all-MiniLM-L6-v2
-    batching: BatchingConfig | None = None  # embed: inputs per forward, wait
+    batching: MicroBatchConfig | None = None  # embed: inputs per forward, wait
 
     def __post_init__(self) -> None:
         if self.kind not in KIND_URLS:
@@ -135,7 +135,7 @@ def line_model(fleet: FleetConfig, endpoint: str) -> LineModel:
         kind,
         listing,
         embed_model=entry.model or MINILM_NAME,
-        batching=BatchingConfig(**entry.batching.model_dump()) if entry.batching else None,
+        batching=MicroBatchConfig(**entry.batching.model_dump()) if entry.batching else None,
     )
 
 
@@ -280,13 +280,13 @@ class EmbedLines:
     batcher item, so inputs of different lines share forwards, as on the server."""
 
     def __init__(self, model: LineModel) -> None:
-        from fleetserve.serve.batch_service import EmbedService
+        from fleetserve.serve.microbatch.services import EmbedService
 
         assert model.embed_model is not None  # LineModel checks it for embed models
         self.model = model
         # The queue bound sheds load on a server; here the caller sizes `run`, and every
         # line's inputs must be taken at once.
-        batching = dataclasses.replace(model.batching or BatchingConfig(), max_waiting=2**31 - 1)
+        batching = dataclasses.replace(model.batching or MicroBatchConfig(), max_waiting=2**31 - 1)
         self.service = EmbedService(model.name, model.embed_model, batching=batching)
         self.loop = asyncio.new_event_loop()
         self.loop.run_until_complete(self.service.start())

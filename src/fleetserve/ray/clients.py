@@ -3,20 +3,20 @@ handlers and registry take as they take GenerateService, backed by a Serve deplo
 handle (embed and custom models: batch_clients.py).
 
 A generate request goes through the same steps as on the local server, in the ingress:
-tokenize and validate (400s), its class's queue (serve/sla.py: ordered by class, then the
+tokenize and validate (400s), its class's queue (serve/admission/sla.py: ordered by class, then the
 request's priority, then deadline; 503 when the class is full or its max_queue_time_s
 passes), then dispatch while the model has room: in-flight requests below its replicas
 times `max_ongoing_requests` (one replica's worth when none is known yet, so that the
 first request reaches Serve and wakes a scaled-to-zero deployment). Serve's router (ours,
 router.py) then picks the replica, and the engine's priority scheduler orders what it holds.
 
-Each sent engine request is a `MigratingStream` (serve/migration.py) over its calls: when
+Each sent engine request is a `MigratingStream` (serve/resilience/migration.py) over its calls: when
 the replica running it is lost (its actor, node or engine process died, Serve stopped it;
 streams.py), the client is its `Resubmitter` and calls the deployment again with
 `resume=` the last output its reader got and `avoid=` the replicas the request was lost
 on, which the router never picks for it; the new replica prefills prompt + tokens so far
 and the reader's stream goes on. The request keeps its seat in the ingress meanwhile.
-A class with `hedge_after_s` hedges as on the local server (serve/hedging.py): the copy is
+A class with `hedge_after_s` hedges as on the local server (serve/resilience/hedging.py): the copy is
 one more call, whose `avoid` names the replica the first call went to.
 
 A model with `pools` has one deployment per pool (pools.py): each call goes to the spot
@@ -43,15 +43,15 @@ from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
 from fleetserve.ray import router_state
-from fleetserve.ray.pools import PoolChoice, PoolRoute
+from fleetserve.ray.pool_deployments import PoolChoice, PoolRoute
 from fleetserve.ray.router_state import num_known_replicas
 from fleetserve.ray.streams import RayStream, RequestObserver
-from fleetserve.serve.admission import Admission
-from fleetserve.serve.base import ReplicaStreamLike
-from fleetserve.serve.fleet_config import FleetConfig, ModelEntry
-from fleetserve.serve.hedging import hedge_for
-from fleetserve.serve.migration import MigratingStream, migration_reason
-from fleetserve.serve.sla import Entry, ServiceClass, engine_priority
+from fleetserve.serve.admission.admit import Admission
+from fleetserve.serve.admission.sla import Entry, ServiceClass, engine_priority
+from fleetserve.serve.config.fleet_config import FleetConfig, ModelEntry
+from fleetserve.serve.contracts import ReplicaStreamLike
+from fleetserve.serve.resilience.hedging import hedge_for
+from fleetserve.serve.resilience.migration import MigratingStream, migration_reason
 from fleetserve.tokenizer import Tokenizer
 
 
@@ -93,7 +93,7 @@ class _Call:
 
 @dataclass
 class _Pending:
-    """A queued request (a serve/admission.py Waiter); `future` resolves when its turn
+    """A queued request (a serve/admission/admit.py Waiter); `future` resolves when its turn
     comes to be sent (its seats are then reserved)."""
 
     items: list[_Item]
@@ -348,7 +348,7 @@ class RayGenerateClient:
     async def resubmit(
         self, stream: MigratingStream, exclude: set[int]
     ) -> tuple[ReplicaStreamLike, int]:
-        """Resubmitter (serve/migration.py): calls the deployment again for `stream`'s
+        """Resubmitter (serve/resilience/migration.py): calls the deployment again for `stream`'s
         request, going on from the output its reader got last, never on a replica it was
         lost on; first waits up to migration_wait_s for Serve to list a replica it may go
         to (EngineDeadError if none). `exclude` holds only _UNPLACED: which replica each
@@ -366,7 +366,7 @@ class RayGenerateClient:
     async def hedge(
         self, stream: MigratingStream, exclude: set[int]
     ) -> tuple[ReplicaStreamLike, int]:
-        """CopyMaker (serve/hedging.py): calls the deployment again for `stream`'s request,
+        """CopyMaker (serve/resilience/hedging.py): calls the deployment again for `stream`'s request,
         from its start, never on the replica its first call went to (the copy's `avoid`:
         the two calls never meet in one engine, where they would share a request id).
         EngineDeadError at once when that call is not routed yet (it waits in Serve for a

@@ -29,10 +29,10 @@ from fleetserve.engine.embedding import MINILM_NAME
 from fleetserve.outputs import RequestOutput
 from fleetserve.ray.health import EngineWatch
 from fleetserve.ray.wire import RemoteError
-from fleetserve.serve.batch_service import CustomService, EmbedService
-from fleetserve.serve.batcher import BatchingConfig
-from fleetserve.serve.fleet_config import ResilienceConfig
-from fleetserve.serve.replica import LocalReplica
+from fleetserve.serve.config.fleet_config import ResilienceConfig
+from fleetserve.serve.microbatch.batcher import MicroBatchConfig
+from fleetserve.serve.microbatch.services import CustomService, EmbedService
+from fleetserve.serve.replicas.local import LocalReplica
 
 # Each request is one the ingress let through its class queue; the engine never refuses.
 _ENGINE_MAX_WAITING = 1 << 20
@@ -155,11 +155,11 @@ class GenerateReplica:
         await self.replica.stop()
 
 
-class BatchReplica:
+class MicroBatchReplica:
     """An embed or custom model with its dynamic batcher (fleet_config's model entry)."""
 
     async def __init__(self, entry: dict[str, Any]) -> None:  # type: ignore[misc]
-        batching = BatchingConfig(**(entry.get("batching") or {}))
+        batching = MicroBatchConfig(**(entry.get("batching") or {}))
         self.service: EmbedService | CustomService
         if entry["kind"] == "embed":
             self.service = EmbedService(

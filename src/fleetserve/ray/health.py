@@ -1,4 +1,4 @@
-"""A Ray generate replica's watch over its own engine: what serve/supervisor.py does for
+"""A Ray generate replica's watch over its own engine: what serve/replicas/supervisor.py does for
 the local server's replicas, for the one engine inside a Serve replica.
 
 - Hung: while the engine holds work and has run no step for `hang_timeout_s`, its
@@ -10,7 +10,7 @@ the local server's replicas, for the one engine inside a Serve replica.
   a notice with a deadline `sigterm_grace_s` away. The replica drains as a local one
   does: it takes nothing new (new calls end "gone" and go elsewhere; its routing stats
   say `draining`, so the router stops picking it), lets short requests finish, hands the
-  rest over before the deadline (serve/supervisor.py's margin), and then reports itself
+  rest over before the deadline (serve/replicas/supervisor.py's margin), and then reports itself
   unhealthy, so that Serve replaces it.
 
 `health_error()` is what `check_health` raises; Serve then stops the replica and starts
@@ -26,9 +26,9 @@ from collections.abc import Coroutine
 from typing import Any
 
 from fleetserve.engine.wire import CoreNotice
-from fleetserve.serve.fleet_config import ResilienceConfig
-from fleetserve.serve.replica import LocalReplica
-from fleetserve.serve.supervisor import SUPERVISE_INTERVAL_S, is_hung, notice_window_s
+from fleetserve.serve.config.fleet_config import ResilienceConfig
+from fleetserve.serve.replicas.local import LocalReplica
+from fleetserve.serve.replicas.supervisor import SUPERVISE_INTERVAL_S, is_hung, notice_window_s
 
 log = logging.getLogger("fleetserve.ray")
 

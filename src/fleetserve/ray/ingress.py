@@ -14,14 +14,14 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from fleetserve.entrypoints.openai.access_log import ACCESS_LOG_MODES, configure_access_log
-from fleetserve.entrypoints.openai.api_server import ServerState, build_app
+from fleetserve.entrypoints.openai.app_factory import ServerState, build_app
 from fleetserve.entrypoints.openai.serving_common import ServingContext
 from fleetserve.metrics import ServerMetrics
-from fleetserve.ray.batch_clients import RayCustomClient, RayEmbedClient
 from fleetserve.ray.clients import RayGenerateClient
+from fleetserve.ray.microbatch_clients import RayCustomClient, RayEmbedClient
 from fleetserve.ray.router_state import ROUTERS
-from fleetserve.serve.fleet_config import parse_fleet_config
-from fleetserve.serve.registry import ModelService, Registry
+from fleetserve.serve.config.fleet_config import parse_fleet_config
+from fleetserve.serve.services.service_registry import ModelService, Registry
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class IngressOptions:
 
 
 class RayFleetCollector(Collector):
-    """The local server's fleet series (serve/fleet_metrics.py) on Ray: the queue depth
+    """The local server's fleet series (serve/telemetry/fleet_metrics.py) on Ray: the queue depth
     `fleetserve:num_requests_waiting{model_name, class}` (the ingress's class queues), and
     per Serve replica of each generate model, as the ingress's router sees it (and as the
     replica last reported to it), `fleetserve:replica_*{model_name, replica}` (replica: its index, prefixed with its

@@ -1,4 +1,4 @@
-"""What the pool deployments' autoscaling policies (ray/pools.py) tell each other: each
+"""What the pool deployments' autoscaling policies (ray/pool_deployments.py) tell each other: each
 policy call records its deployment's replica figures here, and an on-demand pool's policy
 reads its model's spot pools from here. All of them run in Serve's controller process.
 Its own module, since Serve ships a policy's module to the controller by value

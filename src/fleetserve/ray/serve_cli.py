@@ -12,7 +12,7 @@ import signal
 import threading
 from typing import Any
 
-from fleetserve.serve.fleet_config import FleetConfig
+from fleetserve.serve.config.fleet_config import FleetConfig
 
 APP_NAME = "fleetserve"
 

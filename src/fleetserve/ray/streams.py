@@ -5,7 +5,7 @@ A call that ends because its replica is lost ends with ReplicaGoneError: the rep
 actor or its node died or is unreachable (Ray's RayActorError, ActorDiedError,
 ActorUnavailableError, NodeDiedError), or the replica says so itself (its engine process
 died, Serve is stopping it: RemoteError kind "gone"). The request's MigratingStream
-(serve/migration.py) answers that by resuming it on another replica (clients.py). Any
+(serve/resilience/migration.py) answers that by resuming it on another replica (clients.py). Any
 other failure ends it with the error the handlers map to HTTP, as before.
 """
 
@@ -23,7 +23,7 @@ from fleetserve.engine.async_engine import EngineDeadError, ReplicaGoneError
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
 from fleetserve.ray.wire import RemoteError
-from fleetserve.serve.admission import ClassObserver
+from fleetserve.serve.admission.admit import ClassObserver
 
 
 def replica_lost(e: BaseException) -> bool:

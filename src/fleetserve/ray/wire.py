@@ -15,14 +15,18 @@ from fleetserve.engine.async_engine import (
     EngineOverloadedError,
     ReplicaGoneError,
 )
-from fleetserve.serve.batch_service import ServiceNotReadyError
-from fleetserve.serve.batcher import BatcherOverloadedError, BatcherStoppedError, BatchItemError
+from fleetserve.serve.microbatch.batcher import (
+    MicroBatchItemError,
+    MicroBatchOverloadedError,
+    MicroBatchStoppedError,
+)
+from fleetserve.serve.microbatch.services import ServiceNotReadyError
 
 ErrorKind = Literal["value", "not_ready", "overloaded", "stopped", "gone", "dead", "internal"]
 
 _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
-    (BatcherOverloadedError, "overloaded"),
-    (BatcherStoppedError, "stopped"),
+    (MicroBatchOverloadedError, "overloaded"),
+    (MicroBatchStoppedError, "stopped"),
     (ServiceNotReadyError, "not_ready"),
     (EngineNotReadyError, "not_ready"),
     (EngineOverloadedError, "overloaded"),
@@ -35,7 +39,7 @@ _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
 @dataclass(frozen=True)
 class RemoteError:
     """A request refused or failed in a model replica. `index`: the failing item of an
-    embed/predict request (BatchItemError), else None."""
+    embed/predict request (MicroBatchItemError), else None."""
 
     kind: ErrorKind
     message: str
@@ -44,7 +48,7 @@ class RemoteError:
     @classmethod
     def of(cls, e: BaseException) -> RemoteError:
         index: int | None = None
-        if isinstance(e, BatchItemError):
+        if isinstance(e, MicroBatchItemError):
             index, e = e.index, e.error
         kind: ErrorKind = next((k for t, k in _KINDS if isinstance(e, t)), "internal")
         return cls(kind, str(e), index)
@@ -56,13 +60,13 @@ class RemoteError:
             err: Exception = {
                 "value": ValueError,
                 "not_ready": ServiceNotReadyError,
-                "overloaded": BatcherOverloadedError,
-                "stopped": BatcherStoppedError,
-                "gone": BatcherStoppedError,
-                "dead": BatcherStoppedError,
+                "overloaded": MicroBatchOverloadedError,
+                "stopped": MicroBatchStoppedError,
+                "gone": MicroBatchStoppedError,
+                "dead": MicroBatchStoppedError,
                 "internal": RuntimeError,
             }[self.kind](self.message)
-            return err if self.index is None else BatchItemError(self.index, err)
+            return err if self.index is None else MicroBatchItemError(self.index, err)
         return {
             "value": ValueError,
             "not_ready": EngineNotReadyError,

@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from typing import IO, Any, Protocol, runtime_checkable
 
 from fleetserve.outputs import RequestOutput
-from fleetserve.serve.base import ReplicaStreamLike
+from fleetserve.serve.contracts import ReplicaStreamLike
 
 REQUEST_ID_HEADER = "X-Request-Id"
 ACCESS_LOG_MODES = ("json", "off")
@@ -41,7 +41,7 @@ _MAX_ERROR_CHARS = 300
 
 @runtime_checkable
 class PlacedStream(Protocol):
-    """A stream that knows where it ran (serve/migration.py's MigratingStream)."""
+    """A stream that knows where it ran (serve/resilience/migration.py's MigratingStream)."""
 
     replicas_used: list[int]
     migrations: int

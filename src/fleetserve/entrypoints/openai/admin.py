@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fleetserve.entrypoints.openai.errors import APIError
 from fleetserve.entrypoints.openai.serving_common import ServingContext, parse, read_body
-from fleetserve.serve.model_service import GenerateService
+from fleetserve.serve.services.generate import GenerateService
 
 _DEFAULT_DRAIN_S = 15.0  # GKE's spot budget; AWS and GCP give more
 

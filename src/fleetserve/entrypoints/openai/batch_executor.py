@@ -36,7 +36,7 @@ from fleetserve.entrypoints.openai.serving_common import (
 from fleetserve.entrypoints.openai.serving_completion import completion_body, completion_inputs
 from fleetserve.entrypoints.openai.serving_embedding import create_embedding
 from fleetserve.outputs import RequestOutput
-from fleetserve.serve.batch_service import EmbedService
+from fleetserve.serve.microbatch.services import EmbedService
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""The replica API: how a gateway (serve/remote.py) uses this server as one of its
+"""The replica API: how a gateway (serve/remote/replica.py) uses this server as one of its
 replicas. Same auth as /v1 (the GuardMiddleware); refused with 503 `draining` once the
-server is shutting down. Schema: serve/remote_wire.py.
+server is shutting down. Schema: serve/remote/wire.py.
 
     POST /internal/v1/replica/generate  GenerateRequest (application/msgpack or JSON)
          -> 200 application/x-fleetserve-frames: the request's outputs as delta frames,
@@ -33,9 +33,9 @@ from fleetserve.entrypoints.openai.serving_common import (
     unless_disconnected,
 )
 from fleetserve.outputs import RequestOutput
-from fleetserve.serve.base import ReplicaStreamLike
-from fleetserve.serve.model_service import GenerateService
-from fleetserve.serve.remote_wire import (
+from fleetserve.serve.admission.sla import split_engine_priority
+from fleetserve.serve.contracts import ReplicaStreamLike
+from fleetserve.serve.remote.wire import (
     FRAMES,
     GENERATE_PATH,
     LOAD_PATH,
@@ -47,7 +47,7 @@ from fleetserve.serve.remote_wire import (
     check_resume,
     params_from_http,
 )
-from fleetserve.serve.sla import split_engine_priority
+from fleetserve.serve.services.generate import GenerateService
 
 
 def replica_router(ctx: ServingContext) -> APIRouter:

@@ -68,6 +68,23 @@ def batch_router(
     """`executor_factory()` is called as each batch starts running, after the app's own
     start-up, so it may hand out an engine that the app creates in its lifespan."""
     jobs = BatchJobs(store, executor_factory, concurrency)
+    routes = _BatchRoutes(store, jobs, max_file_bytes, max_body_bytes, read_timeout_s)
+    router = APIRouter(lifespan=_lifespan(jobs))
+    router.batch_jobs = jobs  # type: ignore[attr-defined]  # for the lead's drain and tests
+    router.add_api_route("/v1/files", routes.upload_file, methods=["POST"])
+    router.add_api_route("/v1/files", routes.list_files, methods=["GET"])
+    router.add_api_route("/v1/files/{file_id}", routes.delete_file, methods=["DELETE"])
+    router.add_api_route("/v1/files/{file_id}", routes.get_file, methods=["GET"])
+    router.add_api_route("/v1/files/{file_id}/content", routes.file_content, methods=["GET"])
+    router.add_api_route("/v1/batches", routes.create_batch, methods=["POST"])
+    router.add_api_route("/v1/batches", routes.list_batches, methods=["GET"])
+    router.add_api_route("/v1/batches/{batch_id}", routes.get_batch, methods=["GET"])
+    router.add_api_route("/v1/batches/{batch_id}/cancel", routes.cancel_batch, methods=["POST"])
+    return router
+
+
+def _lifespan(jobs: BatchJobs) -> Any:
+    """Starts the batch worker with the app (resuming unfinished batches); stops it after."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -77,12 +94,28 @@ def batch_router(
         finally:
             await jobs.stop()
 
-    router = APIRouter(lifespan=lifespan)
-    router.batch_jobs = jobs  # type: ignore[attr-defined]  # for the lead's drain and tests
+    return lifespan
 
-    @router.post("/v1/files")
-    async def upload_file(request: Request) -> Response:
-        incoming = IncomingFile(store)
+
+class _BatchRoutes:
+    """The Files and Batches handlers over one store and its jobs (one method a route)."""
+
+    def __init__(
+        self,
+        store: BatchStore,
+        jobs: BatchJobs,
+        max_file_bytes: int,
+        max_body_bytes: int,
+        read_timeout_s: float,
+    ) -> None:
+        self.store = store
+        self.jobs = jobs
+        self.max_file_bytes = max_file_bytes
+        self.max_body_bytes = max_body_bytes
+        self.read_timeout_s = read_timeout_s
+
+    async def upload_file(self, request: Request) -> Response:
+        incoming = IncomingFile(self.store)
         check = InputCheck()
 
         def sink(chunk: bytes) -> None:
@@ -91,7 +124,7 @@ def batch_router(
 
         try:
             try:
-                upload = await read_upload(request, sink, max_file_bytes, read_timeout_s)
+                upload = await read_upload(request, sink, self.max_file_bytes, self.read_timeout_s)
                 purpose = upload.fields.get("purpose")
                 if purpose != "batch":
                     shown = shorten(str(purpose))
@@ -107,38 +140,35 @@ def batch_router(
             incoming.discard()
         return JSONResponse(record.to_api())
 
-    @router.get("/v1/files")
     async def list_files(
-        after: str | None = None, limit: str = "10000", purpose: str | None = None
+        self, after: str | None = None, limit: str = "10000", purpose: str | None = None
     ) -> Response:
         try:
-            page, has_more = store.list_files(after, _limit(limit, 10_000), purpose)
+            page, has_more = self.store.list_files(after, _limit(limit, 10_000), purpose)
         except ValueError as e:
             raise APIError(400, str(e), "after") from None
         return _page([f.to_api() for f in page], has_more)
 
-    @router.delete("/v1/files/{file_id}")
-    async def delete_file(file_id: str) -> Response:
+    async def delete_file(self, file_id: str) -> Response:
         try:
-            deleted = store.delete_file(file_id)
+            deleted = self.store.delete_file(file_id)
         except ValueError as e:
             raise APIError(409, str(e), code="file_in_use") from None
         if not deleted:
             raise _not_found("File", file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
-    @router.get("/v1/files/{file_id}")
-    async def get_file(file_id: str) -> Response:
-        return JSONResponse(_file(store, file_id).to_api())
+    async def get_file(self, file_id: str) -> Response:
+        return JSONResponse(_file(self.store, file_id).to_api())
 
-    @router.get("/v1/files/{file_id}/content")
-    async def file_content(file_id: str) -> Response:
-        record = _file(store, file_id)
-        return FileResponse(store.file_path(record.id), media_type="application/octet-stream")
+    async def file_content(self, file_id: str) -> Response:
+        record = _file(self.store, file_id)
+        path = self.store.file_path(record.id)
+        return FileResponse(path, media_type="application/octet-stream")
 
-    @router.post("/v1/batches")
-    async def create_batch(request: Request) -> Response:
-        req = parse(CreateBatchRequest, await read_json(request, max_body_bytes, read_timeout_s))
+    async def create_batch(self, request: Request) -> Response:
+        body = await read_json(request, self.max_body_bytes, self.read_timeout_s)
+        req = parse(CreateBatchRequest, body)
         if req.endpoint not in ENDPOINTS:
             raise APIError(
                 400,
@@ -147,7 +177,7 @@ def batch_router(
             )
         if req.completion_window != "24h":
             raise APIError(400, "completion_window must be '24h'", "completion_window")
-        source = store.get_file(req.input_file_id)
+        source = self.store.get_file(req.input_file_id)
         if source is None or source.purpose != "batch":
             raise APIError(
                 400,
@@ -155,33 +185,29 @@ def batch_router(
                 f"{shorten(req.input_file_id)!r}",
                 "input_file_id",
             )
+        store = self.store
         batch = store.create_batch(source.id, req.endpoint, req.completion_window, req.metadata)
-        jobs.enqueue(batch.id)
+        self.jobs.enqueue(batch.id)
         return JSONResponse(batch.to_api())
 
-    @router.get("/v1/batches")
-    async def list_batches(after: str | None = None, limit: str = "20") -> Response:
+    async def list_batches(self, after: str | None = None, limit: str = "20") -> Response:
         try:
-            page, has_more = store.list_batches(after, _limit(limit, 100))
+            page, has_more = self.store.list_batches(after, _limit(limit, 100))
         except ValueError as e:
             raise APIError(400, str(e), "after") from None
         return _page([b.to_api() for b in page], has_more)
 
-    @router.get("/v1/batches/{batch_id}")
-    async def get_batch(batch_id: str) -> Response:
-        batch = store.get_batch(batch_id)
+    async def get_batch(self, batch_id: str) -> Response:
+        batch = self.store.get_batch(batch_id)
         if batch is None:
             raise _not_found("Batch", batch_id)
         return JSONResponse(batch.to_api())
 
-    @router.post("/v1/batches/{batch_id}/cancel")
-    async def cancel_batch(batch_id: str) -> Response:
-        batch = jobs.cancel(batch_id)
+    async def cancel_batch(self, batch_id: str) -> Response:
+        batch = self.jobs.cancel(batch_id)
         if batch is None:
             raise _not_found("Batch", batch_id)
         return JSONResponse(batch.to_api())
-
-    return router
 
 
 def _limit(text: str, most: int) -> int:

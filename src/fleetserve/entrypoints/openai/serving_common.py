@@ -31,10 +31,15 @@ from fleetserve.entrypoints.openai.errors import (
     from_value_error,
 )
 from fleetserve.outputs import RequestOutput
-from fleetserve.serve.admission import ShedError
-from fleetserve.serve.base import ReplicaStreamLike
-from fleetserve.serve.registry import ModelService, Registry, UnknownModelError, WrongKindError
-from fleetserve.serve.sla import ClassQueue
+from fleetserve.serve.admission.admit import ShedError
+from fleetserve.serve.admission.sla import ClassQueue
+from fleetserve.serve.contracts import ReplicaStreamLike
+from fleetserve.serve.services.service_registry import (
+    ModelService,
+    Registry,
+    UnknownModelError,
+    WrongKindError,
+)
 from fleetserve.tokenizer import Tokenizer
 
 M = TypeVar("M", bound=BaseModel)

@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from fleetserve.entrypoints.openai.batch_errors import batch_api_error
 from fleetserve.entrypoints.openai.protocol_embed import PredictRequest
-from fleetserve.serve.custom import Instance, Prediction
+from fleetserve.serve.microbatch.custom import Instance, Prediction
 
 
 @runtime_checkable

@@ -29,7 +29,7 @@ _REQUESTS = _NS + "http_requests_total"
 
 @runtime_checkable
 class ServiceView(Protocol):
-    """What the snapshot reads of every model's service (serve/registry.py ModelService)."""
+    """What the snapshot reads of every model's service (serve/services/service_registry.py ModelService)."""
 
     @property
     def name(self) -> str: ...
