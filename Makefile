@@ -58,7 +58,7 @@ serve: setup
 
 # The tests run in TEST_WORKERS processes (pytest-xdist), a test module to one process: its
 # module-scoped servers start once (tests/conftest.py groups the modules that share one).
-# Many tests wait on servers rather than compute, so two workers pay off on two cores.
+# Many tests wait on servers (step delays, drains, restarts) rather than compute.
 # TEST_WORKERS=0 runs them in this process, one after another.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
