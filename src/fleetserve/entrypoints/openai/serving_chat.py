@@ -98,6 +98,10 @@ def chat_completion_body(
 
 async def create_chat_completion(server: ServingContext, request: Request) -> Response:
     req = parse(ChatCompletionRequest, await read_body(server, request))
+    if (cascade := server.cascade(req.model)) is not None:  # serve/pipelines/
+        from fleetserve.entrypoints.openai.serving_cascade import create_cascade_chat
+
+        return await create_cascade_chat(request, cascade, req)
     ctx = server.generate_model(req.model)
     class_name = service_class(request, req.service_tier)
     note_request(request, ctx, class_name)

@@ -104,6 +104,11 @@ class ServingContext:
         except WrongKindError as e:
             raise APIError(400, shorten(str(e), 400), "model", "wrong_model_kind") from None
 
+    def cascade(self, name: str | None) -> Any:
+        """The cascade called `name` (serve/pipelines/cascade.py), or None."""
+        service = self.registry.services.get(name) if name is not None else None
+        return service if service is not None and service.kind == "cascade" else None
+
     def generate_model(self, name: str | None) -> ModelContext:
         service = self.model(name, "generate")
         assert isinstance(service, GenerateFrontend)

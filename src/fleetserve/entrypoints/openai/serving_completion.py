@@ -71,6 +71,10 @@ def completion_inputs(req: CompletionRequest) -> tuple[list[Any], SamplingParams
 
 async def create_completion(server: ServingContext, request: Request) -> Response:
     req = parse(CompletionRequest, await read_body(server, request))
+    if (cascade := server.cascade(req.model)) is not None:  # serve/pipelines/
+        from fleetserve.entrypoints.openai.serving_cascade import create_cascade_completion
+
+        return await create_cascade_completion(request, cascade, req)
     ctx = server.generate_model(req.model)
     class_name = service_class(request, req.service_tier)
     note_request(request, ctx, class_name)
