@@ -140,6 +140,12 @@ def build_app(
     """The fleet (a fleet YAML path, its parsed dict, or a FleetConfig) as a Serve
     application; ValueError naming the key for a bad file, before anything starts."""
     fleet = _fleet(config)
+    for i, entry in enumerate(fleet.models):
+        if entry.kind == "cascade":  # serve/pipelines/: the local server only, for now
+            raise ValueError(
+                f"models[{i}] ({entry.name!r}): kind 'cascade' is served by `fleetserve serve` "
+                "without --ray only (not yet on Ray)"
+            )
     handles: dict[str, Any] = {}
     pool_handles: dict[str, dict[str, Any]] = {}  # model -> pool -> its deployment
     max_ongoing: dict[str, int] = {}

@@ -19,8 +19,9 @@ races a copy (serve/resilience/hedging.py).
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fleetserve.engine.async_engine import ReplicaGoneError
 from fleetserve.outputs import OutputFold, RequestOutput
@@ -74,6 +75,18 @@ class RequestState:
     def resume_from(self) -> RequestOutput | None:
         """What a new call goes on from: the whole answer so far (None: nothing yet)."""
         return self.fold.output() if self.fold.num_generated else None
+
+
+class StatefulStream(Protocol):
+    """What the HTTP layer reads a request through: deltas, and the request's state (its
+    fold of them). A FleetStream, or a stream built on one (a cascade's replay)."""
+
+    @property
+    def state(self) -> RequestState: ...
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    def close(self) -> None: ...
 
 
 class FleetStream:

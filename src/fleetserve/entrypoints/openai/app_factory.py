@@ -38,6 +38,7 @@ from fleetserve.entrypoints.openai.dashboard import (
     dashboard_router,
 )
 from fleetserve.entrypoints.openai.errors import APIError, error_body, error_response
+from fleetserve.entrypoints.openai.fleet_client import bind_fleet_clients
 from fleetserve.entrypoints.openai.openapi import install_request_schemas
 from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from fleetserve.entrypoints.openai.protocol_embed import EmbeddingRequest, PredictRequest
@@ -129,6 +130,7 @@ def _lifespan(state: ServerState, drain_timeout: float) -> Any:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loader = asyncio.create_task(_load_engine(state))
+        bind_fleet_clients(state.ctx.registry, asyncio.get_running_loop())  # handlers' sub-calls
         if state.server is not None:
             state.server.loop = asyncio.get_running_loop()
             state.server.drain_timeout = drain_timeout

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -50,7 +50,7 @@ from fleetserve.entrypoints.openai.tools import (
     template_renders_tools,
 )
 from fleetserve.outputs import CompletionOutput, RequestOutput
-from fleetserve.serve.request_state import FleetStream
+from fleetserve.serve.request_state import StatefulStream
 
 
 def _prompt_ids(ctx: ModelContext, req: ChatCompletionRequest) -> list[int]:
@@ -142,6 +142,10 @@ def chat_completion_body(
 
 async def create_chat_completion(server: ServingContext, request: Request) -> Response:
     req = parse(ChatCompletionRequest, await read_body(server, request))
+    if (cascade := server.cascade(req.model)) is not None:  # serve/pipelines/
+        from fleetserve.entrypoints.openai.serving_cascade import create_cascade_chat
+
+        return await create_cascade_chat(request, cascade, req)
     ctx = server.generate_model(req.model)
     class_name = service_class(request, req.service_tier)
     note_request(request, ctx, class_name)
@@ -159,7 +163,10 @@ async def create_chat_completion(server: ServingContext, request: Request) -> Re
 
 
 async def _stream(
-    ctx: ModelContext, req: ChatCompletionRequest, request_id: str, streams: list[FleetStream]
+    ctx: ModelContext,
+    req: ChatCompletionRequest,
+    request_id: str,
+    streams: Sequence[StatefulStream],
 ) -> AsyncIterator[str]:
     created = now()
     extra = {"usage": None} if req.include_usage else {}

@@ -36,7 +36,7 @@ from fleetserve.entrypoints.openai.errors import (
 from fleetserve.outputs import RequestOutput
 from fleetserve.serve.admission.admit import ShedError
 from fleetserve.serve.admission.sla import ClassQueue
-from fleetserve.serve.request_state import FleetStream
+from fleetserve.serve.request_state import FleetStream, StatefulStream
 from fleetserve.serve.services.adapters import UnknownAdapterError
 from fleetserve.serve.services.service_registry import (
     ModelService,
@@ -112,6 +112,11 @@ class ServingContext:
             raise APIError(404, shorten(str(e), 400), "model", "model_not_found") from None
         except WrongKindError as e:
             raise APIError(400, shorten(str(e), 400), "model", "wrong_model_kind") from None
+
+    def cascade(self, name: str | None) -> Any:
+        """The cascade called `name` (serve/pipelines/cascade.py), or None."""
+        service = self.registry.services.get(name) if name is not None else None
+        return service if service is not None and service.kind == "cascade" else None
 
     def generate_model(self, name: str | None) -> ModelContext:
         service = self.model(name, "generate")
@@ -256,7 +261,9 @@ async def admit(
     return list(streams)
 
 
-async def merged(streams: Sequence[FleetStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged(
+    streams: Sequence[StatefulStream],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Deltas of several streams as they come, tagged with the stream's index."""
     if len(streams) == 1:
         async for out in streams[0]:
@@ -264,7 +271,7 @@ async def merged(streams: Sequence[FleetStream]) -> AsyncIterator[tuple[int, Req
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, s: FleetStream) -> None:
+    async def pump(i: int, s: StatefulStream) -> None:
         try:
             async for out in s:
                 queue.put_nowait((i, out))
@@ -290,7 +297,7 @@ async def merged(streams: Sequence[FleetStream]) -> AsyncIterator[tuple[int, Req
             s.close()
 
 
-async def collect(streams: Sequence[FleetStream]) -> list[RequestOutput]:
+async def collect(streams: Sequence[StatefulStream]) -> list[RequestOutput]:
     """Each stream's whole answer (its state's fold of the deltas), once all have ended."""
     try:
         async for _ in merged(streams):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -38,7 +38,7 @@ from fleetserve.entrypoints.openai.serving_common import (
 )
 from fleetserve.entrypoints.openai.structured import from_structured_outputs
 from fleetserve.outputs import CompletionOutput, Logprobs, RequestOutput
-from fleetserve.serve.request_state import FleetStream
+from fleetserve.serve.request_state import StatefulStream
 
 
 def _prompts(prompt: Any) -> list[Any]:
@@ -75,6 +75,10 @@ def completion_inputs(req: CompletionRequest) -> tuple[list[Any], SamplingParams
 
 async def create_completion(server: ServingContext, request: Request) -> Response:
     req = parse(CompletionRequest, await read_body(server, request))
+    if (cascade := server.cascade(req.model)) is not None:  # serve/pipelines/
+        from fleetserve.entrypoints.openai.serving_cascade import create_cascade_completion
+
+        return await create_cascade_completion(request, cascade, req)
     ctx = server.generate_model(req.model)
     class_name = service_class(request, req.service_tier)
     note_request(request, ctx, class_name)
@@ -125,7 +129,7 @@ def completion_body(
 
 
 async def _stream(
-    ctx: ModelContext, req: CompletionRequest, request_id: str, streams: list[FleetStream]
+    ctx: ModelContext, req: CompletionRequest, request_id: str, streams: Sequence[StatefulStream]
 ) -> AsyncIterator[str]:
     created = now()
     # Per choice: characters already sent (after the echoed prompt) and tokens generated.

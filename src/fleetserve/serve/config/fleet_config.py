@@ -73,9 +73,10 @@ from fleetserve.lora.config import parse_lora_modules
 from fleetserve.serve.admission.sla import ServiceClass
 from fleetserve.serve.config.deploy_config import DeployConfig
 from fleetserve.serve.microbatch.batcher import MicroBatchConfig
+from fleetserve.serve.pipelines.cascade_config import EscalateConfig, check_cascade, check_tiers
 from fleetserve.serve.routing.policies import POLICY_NAMES
 
-ModelKind = Literal["generate", "embed", "custom"]
+ModelKind = Literal["generate", "embed", "custom", "cascade"]
 MODEL_KINDS: tuple[str, ...] = typing.get_args(ModelKind)
 RoutingName = Literal["round_robin", "least_loaded", "prefix_affinity", "power_of_two"]
 assert set(typing.get_args(RoutingName)) == set(POLICY_NAMES)
@@ -296,6 +297,11 @@ class ModelEntry(_Strict):
                 raise ValueError(f"adapter {name!r}: the path is empty")
         return adapters
 
+    # kind cascade (serve/pipelines/): its tiers, cheapest first, and when to go up a tier.
+    tiers: list[str] | None = None
+    escalate: EscalateConfig | None = None
+    decide_after_tokens: int | None = Field(default=None, ge=1)
+
     @field_validator("pools")
     @classmethod
     def _check_pools(cls, pools: list[PoolConfig] | None) -> list[PoolConfig] | None:
@@ -348,6 +354,7 @@ class ModelEntry(_Strict):
             raise ValueError("give replicas or autoscale, not both (autoscale starts at min)")
         if not _NAME.match(self.name):
             raise ValueError(f"name {self.name!r}: no spaces or control characters")
+        check_cascade(self.kind, self.tiers, self.escalate, self.decide_after_tokens)
         if self.kind == "custom":
             if self.handler is None or not re.match(r"^[\w.]+:[\w.]+$", self.handler):
                 raise ValueError("a custom model needs handler: 'package.module:ClassName'")
@@ -434,6 +441,10 @@ class FleetConfig(_Strict):
                 f"default_class {self.default_class!r} is not one of the classes "
                 f"({', '.join(sorted(self.classes))})"
             )
+        kinds = {m.name: m.kind for m in self.models}
+        for i, m in enumerate(self.models):
+            if m.tiers is not None:
+                check_tiers(i, m.name, m.tiers, kinds)
         pinned = sorted(self.spot_only_classes())
         for i, m in enumerate(self.models):
             if pinned and m.kind == "generate" and not m.has_spot:

@@ -14,7 +14,9 @@ a hang (ended at the model's timeout_s: HTTP 504) or the death of the handler's 
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -65,8 +67,11 @@ def parse_handler_spec(spec: str) -> HandlerSpec:
     return HandlerSpec(module, attr)
 
 
-def load_handler(spec: str, options: dict[str, Any] | None = None) -> CustomModel:
-    """Import the class, build it with `options` as keyword arguments, wrap it."""
+def load_handler(
+    spec: str, options: dict[str, Any] | None = None, fleet: Any = None
+) -> CustomModel:
+    """Import the class, build it with `options` as keyword arguments, wrap it. A class
+    whose __init__ has a parameter named `fleet` gets `fleet` (a fleet client) there."""
     parsed = parse_handler_spec(spec)
     try:
         module = importlib.import_module(parsed.module)
@@ -82,12 +87,27 @@ def load_handler(spec: str, options: dict[str, Any] | None = None) -> CustomMode
     if not isinstance(target, type):
         raise ValueError(f"handler {spec!r} is a {type(target).__name__}, not a class")
     try:
-        instance = target(**(options or {}))
+        kwargs = dict(options or {})
+        if fleet is not None and "fleet" in inspect.signature(target).parameters:
+            kwargs["fleet"] = fleet
+        instance = target(**kwargs)
     except TypeError as e:
         raise ValueError(f"options for handler {spec!r} do not fit its __init__: {e}") from e
     if not callable(instance):
         raise ValueError(f"handler {spec!r}: its instances are not callable (no __call__)")
     return CustomModel(str(parsed), instance)
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+
+
+def run_async(awaitable: Any) -> Any:
+    """An async handler's call, run to its end on this thread's (the handler process's)
+    own event loop, kept between calls."""
+    global _LOOP
+    if _LOOP is None:
+        _LOOP = asyncio.new_event_loop()
+    return _LOOP.run_until_complete(awaitable)
 
 
 class CustomModel:
@@ -102,6 +122,8 @@ class CustomModel:
         Exception in a slot fails that instance only."""
         try:
             predictions = self.handler(instances)
+            if inspect.isawaitable(predictions):  # `async def __call__`
+                predictions = run_async(predictions)
         except ValueError:
             raise  # a bad instance: the batcher isolates it and it becomes a 400
         except Exception as e:

@@ -8,7 +8,9 @@ None) or ("load_error", message) once; then per call ("ok", [slot, ...]) where a
 message) / ("raise", message) when the call as a whole raised. Everything the handler
 raises, BaseException included (sys.exit, KeyboardInterrupt, MemoryError), becomes a
 message: only the death of the process itself (os._exit, a signal, the kernel's OOM
-killer) ends it, and the parent restarts it.
+killer) ends it, and the parent restarts it. During a call the child may send
+("fleet", (call_id, method, args, kwargs)) and gets ("fleet_reply", (call_id, ok, value))
+back: a sub-call of its fleet client (proc_fleet.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from fleetserve.serve.microbatch.custom import CustomModel, load_handler
+from fleetserve.serve.microbatch.proc_fleet import ProcFleetClient
 
 Message = tuple[str, Any]
 
@@ -77,16 +80,19 @@ def main(
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     try:
         _limit_memory(memory_limit_mb)
-        model = load_handler(spec, options)
+        fleet = ProcFleetClient(conn)
+        model = load_handler(spec, options, fleet=fleet)
     except BaseException as e:  # noqa: BLE001 -- a failed load is reported, not raised
         conn.send(("load_error", str(e) if isinstance(e, ValueError) else _describe(e)))
         return
     conn.send(("ready", None))
     while True:
         try:
-            kind, payload = conn.recv()
+            kind, payload = fleet.kept.pop(0) if fleet.kept else conn.recv()
         except (EOFError, OSError):
             return  # the parent is gone
         if kind == "stop":
             return
+        if kind == "fleet_reply":
+            continue  # a sub-call the handler did not wait for
         conn.send(_call(model, payload))

@@ -17,20 +17,24 @@ model's batcher thread, one call at a time:
 - `unhealthy_reason` says why the model cannot serve now: its process is (re)starting, or
   a call has run past half its timeout (stuck); /health, /ready and the dashboard show it.
 
-Seam for later: the pipe carries the parent's calls and the child's answers. A handler
-that calls other models of the fleet (DESIGN.md: "Handlers call the fleet through one
-seam") would get a `FleetClient` in the child whose requests travel the same connection
-as further message kinds, answered by the parent's ModelServices on the event loop; a
-call then waits for the child's answer while serving its requests. Not built here.
+Handlers call the fleet over the same pipe: a handler whose __init__ takes `fleet` gets a
+client (proc_fleet.py) whose sub-calls arrive here as ("fleet", ...) messages while a call
+waits; `bind_fleet` (the server, at startup) gives the coroutine that runs one on the
+server's event loop through the callee's service (entrypoints/openai/fleet_client.py).
+Each sub-call gets the call's remaining time as its deadline, and is cancelled (its engine
+requests aborted) when the call ends first (timeout, crash).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Callable, Coroutine
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -74,6 +78,17 @@ class HandlerProcess:
         self._starting = False
         self._stopped = False
         self._call_started: float | None = None  # time.monotonic()
+        # Sub-calls (bind_fleet): (method, args, kwargs, timeout_s) -> the response body.
+        self._fleet: Callable[..., Coroutine[Any, Any, dict[str, Any]]] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._send_lock = threading.Lock()
+
+    def bind_fleet(
+        self,
+        call: Callable[..., Coroutine[Any, Any, dict[str, Any]]],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self._fleet, self._loop = call, loop
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -191,11 +206,19 @@ class HandlerProcess:
                     raise HandlerCrashedError(f"handler {self.spec}: its process does not start")
             conn = self._conn
             self._call_started = time.monotonic()
+            subcalls: list[concurrent.futures.Future[Any]] = []
             try:
-                conn.send(("call", instances))
-                if not conn.poll(self.timeout_s):
-                    return self._timed_out(len(instances))
-                kind, payload = conn.recv()
+                with self._send_lock:
+                    conn.send(("call", instances))
+                deadline = time.monotonic() + self.timeout_s
+                while True:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or not conn.poll(remaining):
+                        return self._timed_out(len(instances))
+                    kind, payload = conn.recv()
+                    if kind != "fleet":
+                        break
+                    subcalls.append(self._subcall(conn, payload, remaining))
             except (EOFError, OSError) as e:
                 if self._proc is not None:
                     self._proc.join(_STOP_WAIT_S)
@@ -207,11 +230,47 @@ class HandlerProcess:
                 ) from e
             finally:
                 self._call_started = None
+                for f in subcalls:
+                    f.cancel()  # the call ended: what it still waits for is cancelled
         if kind == "raise_value":
             raise ValueError(payload)
         if kind == "raise":
             raise HandlerError(f"handler {self.spec} raised {payload}")
         return [self._result(slot) for slot in payload]
+
+    def _subcall(
+        self, conn: Connection, payload: Any, remaining_s: float
+    ) -> concurrent.futures.Future[Any]:
+        """Runs one sub-call on the server's loop; its answer goes back down the pipe."""
+        call_id, method, args, kwargs = payload
+        fleet, loop = self._fleet, self._loop
+        if fleet is None or loop is None:
+
+            async def refuse() -> dict[str, Any]:
+                raise RuntimeError("this server gives handlers no fleet client")
+
+            coro = refuse()
+        else:
+            coro = fleet(method, args, kwargs, remaining_s)
+        loop = loop or asyncio.new_event_loop()
+        future = asyncio.run_coroutine_threadsafe(coro, loop)
+
+        def reply(f: concurrent.futures.Future[Any]) -> None:
+            if f.cancelled():
+                return
+            e = f.exception()
+            if e is None:
+                answer = (call_id, True, f.result())
+            else:
+                answer = (call_id, False, (getattr(e, "status", 500), str(e)))
+            try:
+                with self._send_lock:
+                    conn.send(("fleet_reply", answer))
+            except (OSError, ValueError):
+                pass  # the process is gone
+
+        future.add_done_callback(reply)
+        return future
 
     def _timed_out(self, n: int) -> list[Prediction | Exception]:
         self._restart_soon(f"a call ran past timeout_s {self.timeout_s:g}")

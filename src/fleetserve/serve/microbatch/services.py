@@ -217,6 +217,10 @@ class CustomService(_MicroBatchService[Instance, Prediction]):
         # The handler runs in a process of its own (serve/microbatch/isolated.py).
         self._model = HandlerProcess(name, handler, self.options, timeout_s, memory_limit_mb)
 
+    def bind_fleet(self, call: Any, loop: asyncio.AbstractEventLoop) -> None:
+        """Its handler's sub-calls run with `call` on `loop` (serve/microbatch/isolated.py)."""
+        self._model.bind_fleet(call, loop)
+
     @property
     def model(self) -> HandlerProcess:
         return self._model

@@ -123,10 +123,21 @@ def _handler_limits(entry: ModelEntry) -> dict[str, Any]:
     return limits
 
 
+def _build_cascade(entry: ModelEntry, fleet: FleetConfig, metrics: ModelMetrics) -> ModelService:
+    from fleetserve.serve.pipelines.cascade import CascadeService
+    from fleetserve.serve.pipelines.rules import Rules
+
+    assert entry.tiers is not None and entry.escalate is not None  # the config checked them
+    return CascadeService(
+        entry.name, entry.tiers, Rules(entry.escalate), entry.decide_after_tokens, metrics
+    )
+
+
 _BUILDERS: dict[str, ServiceBuilder] = {
     "generate": _build_generate,
     "embed": _build_embed,
     "custom": _build_custom,
+    "cascade": _build_cascade,
 }
 
 
@@ -138,6 +149,10 @@ def register_kind(kind: str, builder: ServiceBuilder) -> None:
 class Registry:
     def __init__(self, services: list[ModelService]) -> None:
         self.services = {s.name: s for s in services}
+        for s in services:  # a service built from others (a cascade) takes them now
+            bind = getattr(s, "bind", None)
+            if bind is not None:
+                bind(self.services)
         self.created = int(time.time())
 
     def __iter__(self) -> Iterator[ModelService]:

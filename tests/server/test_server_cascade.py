@@ -1,0 +1,188 @@
+"""Cascades (`kind: cascade`) on a real server with the real openai client: a request runs
+on the small tier and goes up to the large one when the rule fires; a greedy request that
+escalates gets exactly what the large tier alone returns; the tier is told in the
+X-Fleetserve-Tier header and the `fleetserve` field; metrics count tiers and escalations."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from server_proc import ServerProc, metric, scrape
+
+ENGINE = "engine: {{max_num_seqs: 2, num_threads: 1, max_model_len: 256}}"
+CONFIG = f"""
+models:
+  - name: small
+    model: {{small}}
+    {ENGINE}
+  - name: large
+    model: {{large}}
+    {ENGINE}
+  - {{{{name: up, kind: cascade, tiers: [small, large], escalate: {{{{min_mean_logprob: 0.0}}}}}}}}
+  - {{{{name: stay, kind: cascade, tiers: [small, large],
+      escalate: {{{{min_mean_logprob: -1000000.0}}}}}}}}
+  - {{{{name: by_length, kind: cascade, tiers: [small, large],
+      escalate: {{{{max_tokens_hit: true}}}}}}}}
+  - {{{{name: by_regex, kind: cascade, tiers: [small, large], escalate: {{{{must_match: "(?!)"}}}}}}}}
+  - {{{{name: by_schema, kind: cascade, tiers: [small, large],
+      escalate: {{{{must_match: {{{{type: object}}}}}}}}}}}}
+  - {{{{name: by_predicate, kind: cascade, tiers: [small, large],
+      escalate: {{{{predicate: "cascade_rules:longer_than_three"}}}}}}}}
+  - {{{{name: early_up, kind: cascade, tiers: [small, large], decide_after_tokens: 2,
+      escalate: {{{{min_mean_logprob: 0.0}}}}}}}}
+  - {{{{name: early_stay, kind: cascade, tiers: [small, large], decide_after_tokens: 2,
+      escalate: {{{{min_mean_logprob: -1000000.0}}}}}}}}
+"""
+MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    tiny_model_factory: Callable[..., str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProc]:
+    path = tmp_path_factory.mktemp("cascade") / "fleet.yaml"
+    small, large = tiny_model_factory("llama"), tiny_model_factory("llama", seed=7)
+    path.write_text(CONFIG.format(small=small, large=large))
+    tests_dir = str(Path(__file__).resolve().parent.parent)  # tests/cascade_rules.py
+    pythonpath = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
+    srv = ServerProc(None, "--config", str(path), env={"PYTHONPATH": pythonpath})
+    try:
+        yield srv.wait_ready()
+    finally:
+        assert srv.stop() == 0, srv.final_output
+
+
+def client(srv: ServerProc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+
+
+def chat(srv: ServerProc, model: str, **kw: Any) -> tuple[str, str, dict[str, Any] | None]:
+    """(text, X-Fleetserve-Tier header, fleetserve field) of a greedy chat request."""
+    raw = client(srv).chat.completions.with_raw_response.create(
+        model=model, messages=MESSAGES, max_tokens=8, temperature=0.0, **kw
+    )
+    body = raw.parse()
+    extra = body.model_extra or {}
+    return (
+        body.choices[0].message.content or "",
+        raw.headers.get("x-fleetserve-tier"),
+        extra.get("fleetserve"),
+    )
+
+
+def stream_chat(srv: ServerProc, model: str) -> tuple[str, str | None, dict[str, Any] | None]:
+    with client(srv).chat.completions.with_streaming_response.create(
+        model=model, messages=MESSAGES, max_tokens=8, temperature=0.0, stream=True
+    ) as raw:
+        tier = raw.headers.get("x-fleetserve-tier")
+        chunks = list(raw.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, tier, (chunks[0].model_extra or {}).get("fleetserve")
+
+
+def test_an_escalated_greedy_request_is_the_large_tiers_answer(fleet: ServerProc) -> None:
+    large, _, _ = chat(fleet, "large")
+    small, _, _ = chat(fleet, "small")
+    assert large != small  # the tiers differ, so the test tells them apart
+    text, tier, info = chat(fleet, "up")
+    assert (text, tier) == (large, "large")
+    assert info == {
+        "tier": "large",
+        "escalations": [{"tier": "small", "reason": "min_mean_logprob"}],
+    }
+    text, tier, info = chat(fleet, "stay")
+    assert (text, tier, info) == (small, "small", {"tier": "small", "escalations": []})
+
+
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [
+        ("by_length", "max_tokens_hit"),
+        ("by_regex", "must_match"),
+        ("by_schema", "must_match"),
+        ("by_predicate", "predicate"),
+    ],
+)
+def test_each_rule_escalates(fleet: ServerProc, model: str, reason: str) -> None:
+    large, _, _ = chat(fleet, "large")
+    text, tier, info = chat(fleet, model)
+    assert (text, tier) == (large, "large")
+    assert info is not None and info["escalations"] == [{"tier": "small", "reason": reason}]
+
+
+def test_a_rule_that_holds_keeps_the_small_answer(fleet: ServerProc) -> None:
+    small, _, _ = chat(fleet, "small")
+    # Two tokens are not "longer than three": the predicate accepts.
+    raw = client(fleet).chat.completions.with_raw_response.create(
+        model="by_predicate", messages=MESSAGES, max_tokens=2, temperature=0.0
+    )
+    assert raw.headers["x-fleetserve-tier"] == "small"
+    direct = client(fleet).chat.completions.create(
+        model="small", messages=MESSAGES, max_tokens=2, temperature=0.0
+    )
+    assert raw.parse().choices[0].message.content == direct.choices[0].message.content
+    assert small.startswith(direct.choices[0].message.content or "")
+
+
+@pytest.mark.parametrize(
+    ("model", "tier"),
+    [("up", "large"), ("stay", "small"), ("early_up", "large"), ("early_stay", "small")],
+)
+def test_streams_are_the_accepted_tiers_answer(fleet: ServerProc, model: str, tier: str) -> None:
+    expected, _, _ = chat(fleet, tier)
+    text, header, info = stream_chat(fleet, model)
+    assert (text, header) == (expected, tier)
+    assert info is not None and info["tier"] == tier
+    assert len(info["escalations"]) == (1 if tier == "large" else 0)
+
+
+def test_completions_endpoint(fleet: ServerProc) -> None:
+    c = client(fleet)
+    direct = c.completions.create(model="large", prompt="The sea", max_tokens=6, temperature=0.0)
+    raw = c.completions.with_raw_response.create(
+        model="up", prompt="The sea", max_tokens=6, temperature=0.0
+    )
+    assert raw.headers["x-fleetserve-tier"] == "large"
+    assert raw.parse().choices[0].text == direct.choices[0].text
+    assert raw.parse().model == "up"
+    streamed = c.completions.create(
+        model="up", prompt="The sea", max_tokens=6, temperature=0.0, stream=True
+    )
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == direct.choices[0].text
+
+
+def test_metrics_count_tiers_tokens_and_escalations(fleet: ServerProc) -> None:
+    before = scrape(fleet.url)
+    chat(fleet, "up")
+    chat(fleet, "stay")
+    after = scrape(fleet.url)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    req = "fleetserve:cascade_requests_total"
+    assert delta(req, model_name="up", tier="large") == 1
+    assert delta(req, model_name="up", tier="small") == 0
+    assert delta(req, model_name="stay", tier="small") == 1
+    esc = "fleetserve:cascade_escalations_total"
+    assert delta(esc, model_name="up", tier="small", reason="min_mean_logprob") == 1
+    tok = "fleetserve:cascade_tokens_total"
+    assert delta(tok, model_name="up", tier="small") == 8  # the escalated answer's tokens
+    assert delta(tok, model_name="up", tier="large") == 8
+    # The tiers' own series count the sub-calls under their own model_name.
+    assert delta("fleetserve:generation_tokens_total", model_name="large") >= 8
+
+
+def test_models_listing_and_errors(fleet: ServerProc) -> None:
+    cards = {m["id"]: m for m in httpx.get(f"{fleet.url}/v1/models").json()["data"]}
+    assert cards["up"]["kind"] == "cascade" and cards["up"]["tiers"] == ["small", "large"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client(fleet).chat.completions.create(model="up", messages=MESSAGES, max_tokens=10_000)
+    assert "max_tokens" in json.dumps(info.value.body)

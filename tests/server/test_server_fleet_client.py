@@ -1,0 +1,87 @@
+"""A custom handler that calls another model of the fleet (its __init__ takes `fleet`):
+across its process boundary, through the callee's own service, with its parent's deadline;
+a sub-call to a missing model is a clear error; a parent that times out cancels its
+sub-calls (the callee's engine requests end)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_proc import ServerProc, metric, scrape, wait_until
+
+CONFIG = """
+models:
+  - name: tiny
+    model: {model}
+    engine: {{max_num_seqs: 2, num_threads: 1, max_model_len: 512}}
+  - name: composer
+    kind: custom
+    handler: pipeline_handlers:Complete
+    options: {{model: tiny}}
+    timeout_s: 3.0
+    batching: {{max_batch_size: 4, batch_wait_timeout_s: 0.01}}
+"""
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    path = tmp_path_factory.mktemp("fleetclient") / "fleet.yaml"
+    path.write_text(CONFIG.format(model=tiny_llama))
+    tests_dir = str(Path(__file__).resolve().parent.parent)  # tests/pipeline_handlers.py
+    pythonpath = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": pythonpath, "FLEETSERVE_DEBUG_STEP_DELAY_S": "0.05"}
+    srv = ServerProc(None, "--config", str(path), env=env)
+    try:
+        yield srv.wait_ready()
+    finally:
+        assert srv.stop() == 0, srv.final_output
+
+
+def predict(srv: ServerProc, instances: list[dict[str, object]]) -> httpx.Response:
+    return httpx.post(f"{srv.url}/v1/models/composer:predict", json={"instances": instances},
+                      timeout=60)  # fmt: skip
+
+
+def test_a_handler_calls_another_model_through_its_service(fleet: ServerProc) -> None:
+    client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="none", max_retries=0)
+    direct = client.completions.create(
+        model="tiny", prompt="The sea", max_tokens=4, temperature=0.0
+    )
+    before = scrape(fleet.url)
+    r = predict(fleet, [{"prompt": "The sea"}, {"prompt": "The sea"}])
+    assert r.status_code == 200, r.text
+    preds = r.json()["predictions"]
+    assert preds == [{"text": direct.choices[0].text, "model": "tiny"}] * 2
+    after = scrape(fleet.url)
+    key = "fleetserve:generation_tokens_total"
+    # The sub-calls are the callee's requests, counted under its model_name.
+    assert metric(after, key, model_name="tiny") - metric(before, key, model_name="tiny") == 8
+
+
+def test_a_sub_call_to_a_missing_model_is_a_clear_error(fleet: ServerProc) -> None:
+    r = predict(fleet, [{"prompt": "x", "model": "nope"}])
+    assert r.status_code == 200, r.text
+    (pred,) = r.json()["predictions"]
+    assert pred["status"] == 404 and "'nope' does not exist" in pred["error"]
+
+
+def test_a_parent_past_its_deadline_cancels_its_sub_calls(fleet: ServerProc) -> None:
+    # 300 tokens at 0.05 s a step outlast the handler's timeout_s of 3 s.
+    aborted = "fleetserve:request_success_total"
+    before = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
+    r = predict(fleet, [{"prompt": "The sea", "max_tokens": 300}])
+    assert r.status_code == 504, r.text
+
+    def sub_call_aborted() -> bool:
+        now = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
+        return now == before + 1
+
+    # Left running, it would end 'length' after ~15 s; cancelled, it ends 'abort' at once.
+    assert wait_until(sub_call_aborted, 5.0)
+    # The handler was restarted and serves again.
+    assert predict(fleet, [{"prompt": "The sea"}]).status_code == 200
