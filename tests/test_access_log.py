@@ -25,23 +25,20 @@ from fleetserve.entrypoints.openai.access_log import (
     configure_access_log,
     note_model,
 )
-from fleetserve.outputs import CompletionOutput, RequestOutput
+from fleetserve.outputs import CompletionOutput, OutputFold, RequestOutput
+from fleetserve.serve.request_state import FleetStream, RequestState
 
 
-class FakeStream:
-    """A replica stream that ran on `replicas` and yields `outputs` (then maybe fails)."""
+class FakeCall:
+    """One replica call's stream: yields `outputs` (deltas), then maybe fails."""
 
-    def __init__(
-        self, outputs: list[RequestOutput], replicas: list[int], fail: Exception | None = None
-    ) -> None:
+    def __init__(self, outputs: list[RequestOutput], fail: Exception | None = None) -> None:
         self.request_id, self.n = "r", 1
-        self.replicas_used = replicas
-        self.migrations = len(replicas) - 1
         self._outputs = iter(outputs)
         self._fail = fail
         self.closed = False
 
-    def __aiter__(self) -> FakeStream:
+    def __aiter__(self) -> FakeCall:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -56,7 +53,15 @@ class FakeStream:
         self.closed = True
 
 
+def stream(call: FakeCall, replicas: list[int]) -> FleetStream:
+    """The request's stream, its state as if it had run on `replicas` (the last: now)."""
+    state = RequestState("r", 1, "batch", 0, 0.0, OutputFold("r"), replicas[-1],
+                         list(replicas), migrations=len(replicas) - 1)  # fmt: skip
+    return FleetStream(state, call, service=None)  # type: ignore[arg-type]  # never moved
+
+
 def output(num_prompt: int, tokens: list[int], finished: bool = False) -> RequestOutput:
+    """A delta: `tokens` are the new ones."""
     c = CompletionOutput(0, "x" * len(tokens), tokens, "length" if finished else None)
     return RequestOutput("r", None, list(range(num_prompt)), [c], finished)
 
@@ -74,10 +79,12 @@ async def streamed(request: Request) -> Response:
     record = access_record(request)
     assert record is not None
     note_model(request, "tiny", "batch")
-    moved = FakeStream([output(3, []), output(3, [5, 6]), output(3, [5, 6, 7], True)], [2, 0])
+    moved = stream(FakeCall([output(3, []), output(3, [5, 6]), output(3, [7], True)]), [2, 0])
     # First placed where nobody knows (Ray's router picks inside Serve: index -1).
-    failing = FakeStream([output(4, [9])], [-1, 1], fail=RuntimeError("replica lost for good"))
-    streams = record.watch([moved, failing], status_of=lambda e: 503)
+    lost = RuntimeError("replica lost for good")
+    failing = stream(FakeCall([output(4, [9])], fail=lost), [-1, 1])
+    streams = [moved, failing]
+    record.watch([s.state for s in streams], status_of=lambda e: 503)
 
     async def body() -> AsyncIterator[str]:
         for s in streams:

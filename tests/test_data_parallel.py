@@ -19,6 +19,8 @@ import pytest
 
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.core_proc import debug_step_delay_s
+from fleetserve.engine.delta_stream import DeltaStream
+from fleetserve.engine.stats import EngineStats
 from fleetserve.outputs import CompletionOutput, RequestOutput
 from fleetserve.serve.contracts import RouteRequest
 from fleetserve.serve.replicas.local import LocalReplica
@@ -213,23 +215,21 @@ def test_router_dead_replicas_and_exclusions() -> None:
 
 
 # ------------------------------------------------------------------ replica handle
-class FakeStream:
-    def __init__(self, outs: list[RequestOutput]) -> None:
-        self.request_id, self.n, self.outs, self.closed = "x", 2, outs, False
+class FakeStream(DeltaStream):
+    """An engine client's stream whose next delta arrives as the reader asks for it."""
 
-    def __aiter__(self) -> FakeStream:
-        return self
+    def __init__(self, outs: list[RequestOutput]) -> None:
+        super().__init__("x", 2, lambda s: None)
+        self.outs = outs
 
     async def __anext__(self) -> RequestOutput:
-        if not self.outs:
-            raise StopAsyncIteration
-        return self.outs.pop(0)
-
-    def close(self) -> None:
-        self.closed = True
+        if self.outs:
+            self.deltas.put(self.outs.pop(0))
+        return await super().__anext__()
 
 
 def output(lengths: list[int], finished: bool) -> RequestOutput:
+    """A delta: `lengths` new tokens per choice."""
     choices = [CompletionOutput(i, "", list(range(n)), None, None) for i, n in enumerate(lengths)]
     return RequestOutput("x", None, [1, 2, 3], choices, finished)
 
@@ -249,8 +249,8 @@ def make_handle(outs: list[RequestOutput]) -> tuple[LocalReplica, FakeStream]:
 
 
 def test_replica_handle_load_accounting() -> None:
-    outs = [output([0, 0], False), output([3, 1], False), output([3, 2], False),
-            output([10, 10], True)]  # fmt: skip
+    outs = [output([0, 0], False), output([3, 1], False), output([0, 1], False),
+            output([7, 8], True)]  # fmt: skip
     handle, inner = make_handle(outs)
     params = SamplingParams(n=2, max_tokens=10)
     stream = handle.submit("x", [1, 2, 3], params, 0, num_prompt_tokens=3)
@@ -270,7 +270,7 @@ def test_replica_handle_load_accounting() -> None:
 
 
 def test_replica_handle_close_early_and_default_max_tokens() -> None:
-    handle, _ = make_handle([output([2], False), output([5], False)])
+    handle, _ = make_handle([output([2], False), output([3], False)])
     stream = handle.submit("x", [1] * 7, SamplingParams(max_tokens=None), 0, num_prompt_tokens=7)
     assert handle.num_outstanding_tokens == 7 + 50
 
@@ -287,10 +287,10 @@ def test_replica_handle_step_latency_ewma() -> None:
     handle, _ = make_handle([])
     calls: list[int] = []
     handle.on_stats = lambda h: calls.append(h.index)
-    handle._update_stats({"num_steps": 1, "last_step_seconds": 0.4})
+    handle._update_stats(EngineStats(num_steps=1, last_step_seconds=0.4))
     assert handle.step_latency_s is None  # still warming up
-    handle._update_stats({"num_steps": 1, "last_step_seconds": 9.0})  # no new step: ignored
-    handle._update_stats({"num_steps": 2, "last_step_seconds": 0.2, "num_requests_waiting": 3})
+    handle._update_stats(EngineStats(num_steps=1, last_step_seconds=9.0))  # no new step: ignored
+    handle._update_stats(EngineStats(num_steps=2, last_step_seconds=0.2, num_requests_waiting=3))
     assert handle.step_latency_s == pytest.approx(0.3)
     assert handle.queue_depth == 3 and calls == [0, 0, 0]
 

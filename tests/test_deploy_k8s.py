@@ -5,6 +5,7 @@ broken ones do not, and the manifests say what the server and the fleet file say
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -335,3 +336,19 @@ def test_pools_are_refused_with_the_deploy_alternative() -> None:
     )
     with pytest.raises(ValueError, match=r"models\[0\].pools .*deploy: \{pool: spot\}"):
         render_fleet(fleet, RenderOptions())
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "instead"),
+    [
+        ("autoscale", {"min_replicas": 0, "max_replicas": 4}, "deploy: {min_replicas"),
+        ("placement", {"num_cpus": 2}, "deploy: {cpu, memory"),
+    ],
+)
+def test_ray_only_keys_are_refused_with_their_path(key: str, value: Any, instead: str) -> None:
+    # `fleetserve serve` in the pod refuses them: shipping them would crash-loop every pod.
+    fleet = {"models": [{"name": "embed", "kind": "embed"}, {"name": "chat", key: value}]}
+    with pytest.raises(
+        ValueError, match=rf"models\[1\]\.{key} \(model 'chat'\).*{re.escape(instead)}"
+    ):
+        render(fleet)

@@ -9,6 +9,7 @@ import pytest
 
 from fleetserve import LLM, SamplingParams
 from fleetserve.core.request import Request
+from fleetserve.outputs import OutputFold
 
 MAX_MODEL_LEN = 64
 PROMPTS = [
@@ -202,12 +203,14 @@ def test_bad_requests_raise_and_leave_the_engine_usable(
         engine.add_request("bad", prompt, params)
     assert engine.output_processor.child_ids("bad") == []
     finished = {}
+    folds: dict[str, OutputFold] = {}
     for _ in range(100):
         if not engine.has_unfinished_requests():
             break
-        for out in engine.step():
+        for out in engine.step():  # deltas: folded per request
+            folds.setdefault(out.request_id, OutputFold(out.request_id)).add(out)
             if out.finished:
-                finished[out.request_id] = out
+                finished[out.request_id] = folds[out.request_id].output()
     assert list(finished) == ["good"]
     assert finished["good"].outputs[0].token_ids == expected
     bm = engine.core.block_manager

@@ -19,6 +19,7 @@ from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.async_engine import AsyncEngine
 from fleetserve.lora import LoRARequest
 from fleetserve.metrics import ServerMetrics
+from fleetserve.outputs import OutputFold
 from lora_helpers import make_adapter, peft_greedy
 
 PROMPT = [5, 17, 29, 41, 53, 65, 77, 89]
@@ -30,10 +31,14 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
 
 
 async def outputs(engine: AsyncEngine, rid: str, **kw: Any) -> list[Any]:
+    """The whole answer after each of the stream's deltas (folded as they come)."""
     seen = []
     params = copy.copy(GREEDY)
+    resume = kw.get("resume")
+    whole = OutputFold(rid, start=resume)
     async for out in engine.generate(rid, {"prompt_token_ids": PROMPT}, params, **kw):
-        seen.append(copy.deepcopy(out))
+        whole.add(out)
+        seen.append(whole.output())
     return seen
 
 

@@ -16,6 +16,9 @@ ARCH_CLASSES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 PROMPTS = ["The cat", "Hello world", "A small dog found the map"]
 

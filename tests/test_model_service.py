@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 
 from fleetserve.core.sampling_params import SamplingParams
-from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.async_engine import EngineDeadError, ReplicaGoneError
+from fleetserve.engine.delta_stream import DeltaStream
 from fleetserve.metrics import ServerMetrics
 from fleetserve.outputs import CompletionOutput, RequestOutput
 from fleetserve.serve.admission.admit import ShedError
 from fleetserve.serve.admission.sla import REQUEST_PRIORITY_SPAN, ServiceClass, oversubscription
-from fleetserve.serve.config.fleet_config import ResilienceConfig
+from fleetserve.serve.config.fleet_config import ModelEntry, ResilienceConfig
 from fleetserve.serve.replicas.local import LocalReplica
 from fleetserve.serve.resilience.migration import MigrationLimitError
 from fleetserve.serve.services.generate import GenerateService
@@ -29,34 +29,15 @@ CLASSES = {
 }
 
 
-class FakeStream:
+class FakeStream(DeltaStream):
+    """The engine client's stream (engine/delta_stream.py), fed by the test."""
+
     def __init__(self, engine: FakeEngine, request_id: str, n: int) -> None:
-        self.engine, self.request_id, self.n = engine, request_id, n
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.closed = False
-        self.finished = False
-
-    def __aiter__(self) -> FakeStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.closed:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        if item.finished:
-            self.closed = self.finished = True
-        return item
+        super().__init__(request_id, n, lambda s: engine.aborted.append(s.request_id))
 
     def finish(self) -> None:
         out = CompletionOutput(0, "x", [7], "length")
-        self.queue.put_nowait(RequestOutput(self.request_id, None, [1], [out], True))
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.engine.aborted.append(self.request_id)
+        self.deltas.put(RequestOutput(self.request_id, None, [1], [out], True))
 
 
 class FakeEngine:
@@ -98,7 +79,7 @@ class FakeEngine:
 
     def abort_all(self, reason: str) -> None:
         for s in self.streams.values():
-            s.queue.put_nowait(EngineDeadError(reason))
+            s.fail(EngineDeadError(reason))
 
 
 class Service(GenerateService):
@@ -117,13 +98,17 @@ def service(
     replicas: int = 1,
     classes: dict[str, ServiceClass] = CLASSES,
 ) -> Service:
-    args = EngineArgs(model=model, max_num_seqs=2, scheduling_policy=policy)
     metrics = ServerMetrics().model("m")
     # Replicas are added and removed by hand here: no replacement, no waiting for one.
     resilience = ResilienceConfig(replace_failed=False, migration_wait_s=0.0)
-    return Service(
-        "m", args, replicas, classes, "interactive", metrics=metrics, resilience=resilience
+    entry = ModelEntry(
+        name="m",
+        model=model,
+        engine={"max_num_seqs": 2, "scheduling_policy": policy},
+        replicas=replicas,
+        resilience=resilience,
     )
+    return Service(entry, classes, "interactive", metrics=metrics)
 
 
 def engine(svc: GenerateService, index: int = 0) -> FakeEngine:
@@ -342,16 +327,16 @@ def test_migration_moves_a_lost_request_until_its_limit(tiny_llama: str) -> None
         task = admit(svc, "m", "batch")
         await settle()
         [stream] = task.result()
-        first = stream.replica_index
+        first = stream.state.replica_index
         other = 1 - first
         # Its replica is lost: it goes on on the other one, resumed from what was seen.
-        engine(svc, first).streams["m-0"].queue.put_nowait(ReplicaGoneError("died"))
+        engine(svc, first).streams["m-0"].fail(ReplicaGoneError("died"))
         consumer = asyncio.ensure_future(stream.__anext__())
         await settle()
-        assert stream.replica_index == other and stream.migrations == 1
+        assert stream.state.replica_index == other and stream.state.migrations == 1
         assert [rid for rid, _ in engine(svc, other).sent] == ["m-0"]
         # Lost again: past migration_limit=1, a clear error instead of a third replica.
-        engine(svc, other).streams["m-0"].queue.put_nowait(ReplicaGoneError("died again"))
+        engine(svc, other).streams["m-0"].fail(ReplicaGoneError("died again"))
         with pytest.raises(MigrationLimitError, match="migration_limit of 1"):
             await consumer
         await svc.shutdown()

@@ -20,7 +20,7 @@ from ray.serve.handle import DeploymentResponseGenerator  # noqa: E402
 from fleetserve.core.sampling_params import SamplingParams  # noqa: E402
 from fleetserve.engine.async_engine import EngineDeadError, ReplicaGoneError  # noqa: E402
 from fleetserve.metrics import ServerMetrics  # noqa: E402
-from fleetserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from fleetserve.outputs import CompletionOutput, RequestOutput, fold  # noqa: E402
 from fleetserve.ray import router_state  # noqa: E402
 from fleetserve.ray.clients import RayGenerateClient  # noqa: E402
 from fleetserve.ray.wire import RemoteError  # noqa: E402
@@ -33,8 +33,9 @@ MAX_TOKENS = 6
 
 
 def output(request_id: str, num_tokens: int) -> RequestOutput:
-    """The request's cumulative output after `num_tokens` tokens (token t is 100 + t)."""
-    ids = [100 + t for t in range(num_tokens)]
+    """The delta that brings the request to `num_tokens` tokens (token t is 100 + t), as
+    a replica yields it."""
+    ids = [100 + num_tokens - 1]
     done = num_tokens == MAX_TOKENS
     text = "".join(f"<{t}>" for t in ids)
     choice = CompletionOutput(0, text, ids, "length" if done else None)
@@ -145,11 +146,11 @@ def test_a_lost_actor_resumes_on_another_replica(tiny_llama: str) -> None:
     got, error = asyncio.run(read_all(c))
     assert error is None
     # The reader saw one stream: every token once, in order, as if nothing happened.
-    assert [len(o.outputs[0].token_ids) for o in got] == list(range(1, MAX_TOKENS + 1))
+    assert [t for o in got for t in o.outputs[0].token_ids] == [100 + t for t in range(6)]
     assert got[-1] == output("req-0", MAX_TOKENS)
     first, second = handle.calls
     assert first["resume"] is None and first["avoid"] == []
-    assert second["resume"] == got[1]  # the last output its reader got
+    assert second["resume"] == fold(got[:2])  # the whole answer its reader had
     assert second["avoid"] == [0]  # never back to the replica it was lost on
     assert second["num_new_tokens"] == first["num_new_tokens"] - 2
     assert handle.gens[0].cancelled_  # the lost call is let go
@@ -271,7 +272,7 @@ def test_the_router_never_picks_a_replica_the_request_was_lost_on() -> None:
         lost = router.placement("req-0")
         assert lost == router.index_of(first.replica_id)
 
-        resume = output("req-0", 2)
+        resume = fold([output("req-0", 1), output("req-0", 2)])
         moved = {**kw, "resume": resume, "avoid": [lost]}
         ranks = asyncio.run(router.choose_replicas(replicas, pending(moved)))  # type: ignore[arg-type]
         assert [r.replica_id for rank in ranks for r in rank] == [

@@ -33,7 +33,8 @@ MAX_TOKENS = 4
 
 
 def output(request_id: str, num_tokens: int, tag: int) -> RequestOutput:
-    ids = [tag + t for t in range(num_tokens)]
+    """The delta that brings the answer to `num_tokens` tokens (a replica yields deltas)."""
+    ids = [tag + num_tokens - 1]
     done = num_tokens == MAX_TOKENS
     choice = CompletionOutput(0, str(ids), ids, "length" if done else None)
     return RequestOutput(request_id, "p", [1, 2, 3], [choice], finished=done)
@@ -110,7 +111,7 @@ def router() -> Iterator[Router]:
     del router_state.ROUTERS[DEPLOYMENT]
 
 
-def hedged_client(model: str, handle: Handle) -> RayGenerateClient:
+def hedged_client(model: str, handle: Handle, max_ongoing: int = 4) -> RayGenerateClient:
     fleet = parse_fleet_config(
         {
             "models": [{"name": "hedge", "model": model}],
@@ -118,7 +119,7 @@ def hedged_client(model: str, handle: Handle) -> RayGenerateClient:
         }
     )
     metrics = ServerMetrics().model("hedge")
-    return RayGenerateClient(fleet.models[0], fleet, handle, 4, metrics)  # type: ignore[arg-type]
+    return RayGenerateClient(fleet.models[0], fleet, handle, max_ongoing, metrics)  # type: ignore[arg-type]
 
 
 def read(c: RayGenerateClient) -> tuple[list[RequestOutput], Any]:
@@ -148,7 +149,7 @@ def test_a_slow_first_call_gets_a_copy_elsewhere_and_the_copy_wins(
     assert first["avoid"] == [] and copy["avoid"] == [0]  # never on the first's replica
     assert copy["resume"] is None and copy["num_new_tokens"] == first["num_new_tokens"]
     assert handle.gens[0].cancelled_ and not handle.gens[1].cancelled_  # the loser aborted
-    assert stream.hedged and hedges(c, "copy") == 1 and hedges(c, "first") == 0
+    assert stream.state.hedged and hedges(c, "copy") == 1 and hedges(c, "first") == 0
     assert c.num_in_flight_streams == 0  # one seat, given back once
 
 
@@ -171,15 +172,16 @@ def test_the_first_call_wins_over_a_slow_copy(tiny_llama: str, router: Router) -
     assert hedges(c, "first") == 1 and c.num_in_flight_streams == 0
 
 
-@pytest.mark.parametrize("why", ["no_other_replica", "first_not_routed"])
+@pytest.mark.parametrize("why", ["no_other_replica", "first_not_routed", "budget_full"])
 def test_no_copy_when_it_could_not_go_elsewhere(tiny_llama: str, router: Router, why: str) -> None:
     if why == "no_other_replica":
         router.live = {0}
     handle = Handle(router, slow=0, slow_s=0.3, route=why != "first_not_routed")
-    c = hedged_client(tiny_llama, handle)
+    # budget_full: one seat in flight at most (the first call holds it): no copy past it.
+    c = hedged_client(tiny_llama, handle, max_ongoing=1 if why == "budget_full" else 4)
     got, stream = read(c)
     assert got[-1] == output("req-0", MAX_TOKENS, 100)
-    assert len(handle.calls) == 1 and stream.hedged  # tried once, then the first alone
+    assert len(handle.calls) == 1 and stream.state.hedged  # tried once, then the first alone
     assert hedges(c, "first") == hedges(c, "copy") == 0
 
 
@@ -289,3 +291,90 @@ def test_the_router_skips_a_draining_replica_while_another_is_listed() -> None:
         assert [r.replica_id for rank in ranks for r in rank] == ["r0"]
     finally:
         router_state.ROUTERS.pop("model-drain-test", None)
+
+
+def test_least_loaded_counts_a_request_when_it_picks_it() -> None:
+    """A burst picked before Serve reports any route spreads over the replicas; the count
+    moves with a call Serve sends elsewhere, and a retried pick replaces the earlier one."""
+    from fleetserve.ray.request_router import FleetRequestRouter
+
+    router = FleetRequestRouter.__new__(FleetRequestRouter)  # Serve's setup is not needed
+    router._deployment_id = SimpleNamespace(name="model-burst-test")  # type: ignore[assignment]
+    router.initialize_state(policy="least_loaded")
+    try:
+        replicas = [SimpleNamespace(replica_id=f"r{i}", routing_stats={}) for i in range(2)]
+        router._replicas = {r.replica_id: r for r in replicas}  # what Serve lists
+
+        def pending(i: int) -> Any:
+            kw = {"request_id": f"q{i}", "prompt": {"prompt_token_ids": [1, 2]},
+                  "num_new_tokens": 8}  # fmt: skip
+            return SimpleNamespace(kwargs=kw, metadata=SimpleNamespace(internal_request_id=f"h{i}"))
+
+        calls = [pending(i) for i in range(8)]
+        picks = []
+        for call in calls:
+            ranks = asyncio.run(router.choose_replicas(replicas, call))  # type: ignore[arg-type]
+            picks.append(ranks[0][0].replica_id)
+        assert sorted(picks) == ["r0"] * 4 + ["r1"] * 4
+        assert router.outstanding(frozenset()) == [4, 4]
+        # Serve routes the first seven where they were picked and the last elsewhere.
+        for call, pick in zip(calls[:7], picks[:7], strict=True):
+            router.on_request_routed(call, pick, None)  # type: ignore[arg-type]
+        other = "r0" if picks[7] == "r1" else "r1"
+        router.on_request_routed(calls[7], other, None)  # type: ignore[arg-type]
+        counts = dict(zip(["r0", "r1"], router.outstanding(frozenset()), strict=True))
+        expected = {r: picks[:7].count(r) + (r == other) for r in ("r0", "r1")}
+        assert counts == expected
+        # A pick retried (Serve backed off) counts once.
+        retry = pending(99)
+        for _ in range(3):
+            asyncio.run(router.choose_replicas(replicas, retry))  # type: ignore[arg-type]
+        assert sum(router.outstanding(frozenset())) == 9
+        for call, rid in [*zip(calls[:7], picks[:7], strict=True), (calls[7], other)]:
+            router.on_request_completed(rid, call.metadata.internal_request_id)  # type: ignore[arg-type]
+        assert sum(router.outstanding(frozenset())) == 1  # the retried pick, not yet routed
+    finally:
+        router_state.ROUTERS.pop("model-burst-test", None)
+
+
+# Serve awaits a replica's async __del__; a bare object's is only called by the GC.
+@pytest.mark.filterwarnings("ignore:coroutine 'GenerateReplica.__del__' was never awaited")
+def test_a_spot_notice_drains_a_ray_replica(tiny_llama: str) -> None:
+    """GenerateReplica (no cluster needed) given its pool's notice config: the engine polls
+    the (stand-in) GCP metadata server; on preemption the replica drains and refuses new
+    calls as `refused` (not a migration move)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "serve"))
+    from metadata_standins import GcpMetadataStandIn
+
+    from fleetserve.engine.arg_utils import EngineArgs
+    from fleetserve.ray.deployments import GenerateReplica
+
+    async def main() -> None:
+        with GcpMetadataStandIn() as meta:
+            notice = {"provider": "gcp", "url": meta.url, "poll_interval_s": 0.2}
+            args = EngineArgs(model=tiny_llama, max_model_len=128, num_threads=1)
+            replica = object.__new__(GenerateReplica)
+            await GenerateReplica.__init__(replica, "m", args, ResilienceConfig(), notice)
+            try:
+                assert not replica.watch.draining
+                meta.preempt()
+                deadline = time.monotonic() + 30
+                while not replica.watch.draining:
+                    assert time.monotonic() < deadline, "the notice never drained the replica"
+                    await asyncio.sleep(0.1)
+                params = SamplingParams(max_tokens=2)
+                outs = [
+                    o
+                    async for o in replica.generate(
+                        request_id="late", prompt={"prompt_token_ids": [1, 2]}, params=params,
+                        priority=0, num_prompt_tokens=2, num_new_tokens=2, level=0,
+                    )
+                ]  # fmt: skip
+                assert len(outs) == 1 and outs[0].kind == "refused"
+            finally:
+                await replica.__del__()
+
+    asyncio.run(main())

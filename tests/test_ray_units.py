@@ -146,7 +146,9 @@ def test_fleetserve_and_the_local_server_do_not_import_ray() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_ray_refuses_what_only_the_local_server_honours() -> None:
+def test_a_spot_pools_notice_is_served_on_ray() -> None:
+    """Behaviour changed (issue 20): a pool's cloud notice was refused on Ray; its spot
+    pool's replicas' engines now get the notice config (they poll their own node)."""
     from fleetserve.ray.app import build_app
 
     pools = [
@@ -157,12 +159,20 @@ def test_ray_refuses_what_only_the_local_server_honours() -> None:
         **fleet(pools=pools),
         "classes": {"fast": {"hedge_after_s": 1.0}},
     }
-    cfg = parse_fleet_config(data)
-    # Pools and hedging are served on Ray (ray/pool_deployments.py, ray/clients.py); spot notices
-    # are not (their watcher runs beside the local server's replica processes).
-    assert cfg.local_only_keys() == ["models[0].pools[0].notice"]
-    with pytest.raises(ValueError, match=r"^models\[0\].pools\[0\].notice: served by"):
-        build_app(cfg)
+    app = build_app(parse_fleet_config(data))
+    # The ingress's arguments: (fleet, handles, max_ongoing, options, pool_handles).
+    pool_handles = app._bound_deployment.init_args[4]
+    bound = {
+        name: pool_app._bound_deployment.init_args for name, pool_app in pool_handles["m"].items()
+    }
+    # GenerateReplica(model_name, args, resilience, notice)
+    assert bound["spot"][3] == {
+        "provider": "gcp",
+        "url": None,
+        "poll_interval_s": 1.0,
+        "resource_name": None,
+    }
+    assert bound["base"][3] is None
 
 
 class _Method:

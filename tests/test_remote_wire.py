@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from fleetserve.core.sampling_params import SamplingParams
-from fleetserve.outputs import CompletionOutput, RequestOutput
+from fleetserve.outputs import CompletionOutput, RequestOutput, fold
 from fleetserve.serve.admission.sla import ServiceClass, engine_priority, split_engine_priority
 from fleetserve.serve.config.fleet_config import RemoteConfig, parse_fleet_config
 from fleetserve.serve.remote.targets import POOL_NAME, RemoteTargets
@@ -31,19 +31,17 @@ from fleetserve.serve.replicas.pool_plan import MemberView, PoolController, Star
 PROMPT = [11, 12, 13]
 
 
-def cumulative_outputs() -> list[RequestOutput]:
-    """A request of n=2 as the OutputProcessor would stream it: choice 1 stops early,
-    logprobs include -inf, prompt logprobs come with the first output."""
+def delta_outputs() -> list[RequestOutput]:
+    """A request of n=2 as the OutputProcessor streams it (deltas): choice 1 stops at
+    step 3 and is in no later delta, logprobs include -inf, prompt logprobs come once."""
     outs = []
     for step in range(1, 7):
         choices = []
-        for i in range(2):
-            k = min(step, 3) if i == 1 else step
-            finish = "stop" if i == 1 and step >= 3 else ("length" if step == 6 else None)
-            lps = [{t: (-math.inf if t % 5 == 0 else -0.1 * t)} for t in range(k)]
-            choices.append(CompletionOutput(i, "".join(f"<{t}>" for t in range(k)),
-                                            list(range(k)), finish, None, lps,
-                                            -0.5 * k))  # fmt: skip
+        for i in range(2 if step <= 3 else 1):
+            finish = "stop" if i == 1 and step == 3 else ("length" if step == 6 else None)
+            t = step - 1
+            lps = [{t: -math.inf if t % 5 == 0 else -0.1 * t}]
+            choices.append(CompletionOutput(i, f"<{t}>", [t], finish, None, lps, -0.5 * step))
         outs.append(
             RequestOutput(
                 "r",
@@ -51,19 +49,19 @@ def cumulative_outputs() -> list[RequestOutput]:
                 PROMPT,
                 choices,
                 step == 6,
-                [None, {12: -1.0}, {13: -2.0}],
+                [None, {12: -1.0}, {13: -2.0}] if step == 1 else None,
                 num_cached_tokens=2,
-                metrics={"arrival": 1.0},
+                metrics={"arrival": 1.0} if step == 6 else {},
             )  # fmt: skip
         )
     return outs
 
 
-def replay(outs: list[RequestOutput], resume: RequestOutput | None) -> list[RequestOutput]:
+def replay(outs: list[RequestOutput]) -> list[RequestOutput]:
     """Writes `outs` as frames, cuts the bytes at random points, reads them back."""
-    writer = FrameWriter(2, resume)
+    writer = FrameWriter()
     data = b"".join(writer.output(o) for o in outs)
-    reader = FrameReader("r", "p", PROMPT, 2, copy.deepcopy(resume))
+    reader = FrameReader("r", "p", PROMPT)
     rng = random.Random(0)
     got: list[RequestOutput] = []
     pos = 0
@@ -71,35 +69,35 @@ def replay(outs: list[RequestOutput], resume: RequestOutput | None) -> list[Requ
         cut = min(len(data), pos + rng.randint(1, 40))
         for frame in reader.feed(data[pos:cut]):
             assert isinstance(frame, OutputFrame)
-            got.append(reader.apply(frame))
+            got.append(reader.delta(frame))
         pos = cut
     return got
 
 
-def test_frames_rebuild_every_cumulative_output() -> None:
-    outs = cumulative_outputs()
-    got = replay(outs, None)
+def test_frames_carry_every_delta_as_it_is() -> None:
+    outs = delta_outputs()
+    got = replay(outs)
     assert got == outs
-    assert got[0] is not got[1] and got[0].outputs[0].token_ids == [0]  # not mutated later
+    whole = fold(got)
+    assert whole == fold(outs)
+    assert whole.outputs[0].token_ids == [0, 1, 2, 3, 4, 5]
+    assert whole.outputs[1].token_ids == [0, 1, 2] and whole.outputs[1].finish_reason == "stop"
+    assert whole.outputs[1].text == "<0><1><2>" and whole.prompt_logprobs == outs[0].prompt_logprobs
 
 
-def test_frames_resume_where_the_gateway_left_off() -> None:
-    outs = cumulative_outputs()
-    resume = outs[2]
-    got = replay(outs[3:], resume)
-    assert got == outs[3:]
-    # Only what is new travels: the first frame after the resume carries one token.
-    writer = FrameWriter(2, resume)
-    reader = FrameReader("r", "p", PROMPT, 2, resume)
+def test_a_frame_holds_only_what_is_new() -> None:
+    outs = delta_outputs()
+    writer = FrameWriter()
+    reader = FrameReader("r", "p", PROMPT)
     (frame,) = reader.feed(writer.output(outs[3]))
     assert isinstance(frame, OutputFrame)
-    assert [c.token_ids for c in frame.choices] == [[3], []]
+    assert [c.token_ids for c in frame.choices] == [[3]]
     assert frame.prompt_logprobs is None
 
 
 def test_error_frame_round_trip() -> None:
-    writer = FrameWriter(1, None)
-    reader = FrameReader("r", None, PROMPT, 1, None)
+    writer = FrameWriter()
+    reader = FrameReader("r", None, PROMPT)
     err = ErrorFrame(503, "the server is shutting down", "engine_unavailable", None, True)
     assert reader.feed(writer.error(err)) == [err]
 
@@ -115,7 +113,7 @@ def test_sampling_params_travel_by_name() -> None:
 
 def test_check_resume_names_the_field() -> None:
     params = SamplingParams(n=2, max_tokens=6)
-    good = cumulative_outputs()[2]
+    good = fold(delta_outputs()[:3])  # a resume is a whole answer so far
     check_resume(good, PROMPT, params, vocab=100)
     cases = {
         "prompt_token_ids": dict(prompt_token_ids=[1]),
@@ -131,7 +129,7 @@ def test_check_resume_names_the_field() -> None:
             check_resume(broken, PROMPT, params, vocab)
     with pytest.raises(ValueError, match="max_tokens=2"):
         check_resume(good, PROMPT, SamplingParams(n=2, max_tokens=2), 100)
-    done = cumulative_outputs()[-1]
+    done = fold(delta_outputs())
     with pytest.raises(ValueError, match="every output has finished"):
         check_resume(done, PROMPT, params, 100)
 

@@ -93,7 +93,7 @@ def test_self_draft_is_accepted_almost_always(tiny_llama: str, backend: str) -> 
     assert token_ids(llm, PROMPTS, greedy(max_tokens=48)) == ref
     drafts, accepted = spec_totals(llm)
     assert accepted >= 0.95 * drafts
-    stats = llm.engine.stats()
+    stats = llm.engine.stats().as_metrics()
     assert stats["spec_decode_acceptance_rate"] == accepted / drafts
     assert stats["spec_decode_mean_accepted_length"] > 4.0
 

@@ -12,6 +12,7 @@ import torch
 
 from fleetserve.core.config import SchedulerConfig
 from fleetserve.lora.config import LoRAConfig
+from fleetserve.moe_config import MOE_ARCHITECTURES, MoEConfig, moe_from_hf, refuse_unsupported
 from fleetserve.spec_decode.config import SpeculativeConfig
 
 __all__ = ["SchedulerConfig"]
@@ -32,7 +33,47 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *MOE_ARCHITECTURES,
+    "Gemma3ForCausalLM",
 )
+
+
+def layer_windows(hf: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: it attends to everything), as transformers
+    reads the config: Mistral windows every layer; Qwen2/3 the layers from
+    `max_window_layers` on when `use_sliding_window`; Gemma 3 its "sliding_attention"
+    layers (`layer_types`, else every layer but each `sliding_window_pattern`-th)."""
+    window = hf.get("sliding_window")
+    qwen = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+    if arch in qwen and not hf.get("use_sliding_window"):
+        window = None
+    if window is None:
+        return (None,) * num_layers
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
+    types = hf.get("layer_types")
+    if types is None:
+        if arch == "MistralForCausalLM":
+            types = ["sliding_attention"] * num_layers
+        elif arch == "Gemma3ForCausalLM":
+            pattern = int(hf.get("sliding_window_pattern", 6))
+            types = [
+                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                for i in range(num_layers)
+            ]
+        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            start = int(hf.get("max_window_layers", num_layers))
+            types = [
+                "sliding_attention" if i >= start else "full_attention" for i in range(num_layers)
+            ]
+        else:
+            raise ValueError(f"{arch} with sliding_window={window} is not supported")
+    if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(
+            f"layer_types must list 'sliding_attention' / 'full_attention' for each of the "
+            f"{num_layers} layers, got {types!r}"
+        )
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -71,6 +112,9 @@ class ModelConfig:
     max_model_len: int
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # mixture-of-experts fields (moe_config.py); None: dense
+    # Per layer: its sliding window in tokens, None for full attention (empty: all full).
+    layer_windows: tuple[int | None, ...] = ()
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -81,6 +125,16 @@ class ModelConfig:
         max_model_len: int | None = None,
     ) -> ModelConfig:
         archs = hf.get("architectures") or []
+        if "Gemma3ForConditionalGeneration" in archs and isinstance(hf.get("text_config"), dict):
+            # The text part only: its language model's weights (models/loader.py).
+            tied = hf.get("tie_word_embeddings", hf["text_config"].get("tie_word_embeddings", True))
+            hf = {
+                **hf["text_config"],
+                "architectures": ["Gemma3ForCausalLM"],
+                "tie_word_embeddings": tied,  # the outer model's head is the one used
+            }
+            archs = hf["architectures"]
+        refuse_unsupported(archs)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
@@ -124,12 +178,18 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=arch == "Qwen2ForCausalLM"
+            or (arch == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True)))
+            or bool(hf.get("attention_bias", False)),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             dtype=parse_dtype(dtype),
             max_model_len=max_model_len,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=moe_from_hf(arch, hf, int(hf["num_hidden_layers"]))
+            if arch in MOE_ARCHITECTURES
+            else None,
+            layer_windows=layer_windows(hf, arch, int(hf["num_hidden_layers"])),
             hf_config=dict(hf),
         )
 
@@ -145,6 +205,9 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes; used when num_kv_blocks is None
     enable_prefix_caching: bool = True
+    # Sliding-window layers give back the blocks that slid out of their window (False
+    # keeps them, as full-attention layers do: the A/B of docs/benchmarks.md).
+    free_window_blocks: bool = True
 
     DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 
@@ -175,17 +238,52 @@ class CacheConfig:
             )
         return int(num)
 
+    def resolve_sliding_blocks(
+        self, model: ModelConfig, scheduler: SchedulerConfig, num_blocks: int
+    ) -> int:
+        """Blocks of the sliding-window layers' own pool, for a model with both local and
+        global layers (0 for any other model: every layer uses the `num_blocks` pool).
+
+        A request's live window blocks at an allocation are at most those of W - 1 keys
+        before its chunk, the chunk (max_num_batched_tokens) and the lookahead, plus two
+        partial blocks; the pool holds that for max_num_seqs requests, never more blocks
+        than the global pool.
+        """
+        window = sliding_window_of(model)
+        if window is None or all(model.layer_windows):
+            return 0
+        if not self.free_window_blocks:
+            return num_blocks
+        tokens = window - 1 + scheduler.max_num_batched_tokens + scheduler.num_lookahead_tokens
+        per_seq = -(-tokens // self.block_size) + 2
+        return min(num_blocks, scheduler.max_num_seqs * per_seq)
+
+
+def sliding_window_of(model: ModelConfig) -> int | None:
+    """The model's one sliding window (None: no layer has one); ValueError for several."""
+    windows = {w for w in model.layer_windows if w is not None}
+    if len(windows) > 1:
+        raise ValueError(
+            f"layers with different sliding windows {sorted(windows)} are not supported"
+        )
+    return windows.pop() if windows else None
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # MoE models: each TP rank holds whole experts (num_experts / tp of them) instead of
+    # a slice of every expert (models/moe_sharding.py).
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.expert_parallel and self.tensor_parallel_size < 2:
+            raise ValueError("expert_parallel needs tensor_parallel_size >= 2")
 
     @property
     def world_size(self) -> int:
@@ -228,3 +326,9 @@ class EngineConfig:
             )
         if self.int8_activations and self.quantization == "none":
             raise ValueError("int8_activations needs quantization 'gguf' or 'int8'")
+
+
+def model_root(model_path: str, served_name: str) -> str:
+    """/v1/models' `root` for a model: its folder (HF-style), or its served name when it
+    is one .gguf file, which no client can load as a tokenizer."""
+    return served_name if model_path.endswith(".gguf") else model_path

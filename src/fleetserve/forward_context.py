@@ -62,6 +62,10 @@ class AttentionMetadata:
     # float32 on the CPU with the C kernels built: norms, rotary, silu*mul and the
     # cache write run as fused C calls too (fleetserve/kernels/fused_ops.c).
     cpu_kernels: bool = False
+    # The sliding-window layers' own slots and block tables, when the engine keeps a
+    # separate block table for them (a model with local and global layers); None: the
+    # sliding-window layers (if any) use this metadata.
+    sliding: AttentionMetadata | None = None
 
 
 _CONTEXT: AttentionMetadata | None = None

@@ -8,7 +8,7 @@ the fleet has its `ModelMetrics` view of it (label `model_name`, vLLM's name).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -41,6 +41,16 @@ _COUNTERS = {
     "spec_decode_num_drafts": "Draft verifications (request-steps with draft tokens).",
     "spec_decode_num_draft_tokens": "Draft tokens verified by the target model.",
     "spec_decode_num_accepted_tokens": "Draft tokens the target model accepted.",
+}
+
+
+# The label values known before any request, exported at 0 from the start (declare()).
+SHED_REASONS = ("queue_full", "queue_timeout", "no_replica")
+REPLICA_EVENTS = ("started", "start_failed", "no_capacity", "failed", "hung", "notice", "drained")
+ROUTES_BY_KIND = {
+    "generate": ("/v1/completions", "/v1/chat/completions"),
+    "embed": ("/v1/embeddings",),
+    "custom": ("/v1/models/{name}:predict",),
 }
 
 
@@ -161,6 +171,28 @@ class ModelMetrics:
         for winner in ("first", "copy"):
             server.hedges.labels(model_name, winner)
 
+    def declare(self, kind: str, class_names: Iterable[str], batches: bool = True) -> None:
+        """Export at 0 every series whose labels are known before the first request: per
+        class the latencies and sheds of a generate model, its replica events, a batch
+        model's batch sizes (`batches`: its batcher feeds this registry), and each of the
+        model's routes answered 200, so that dashboards and alerts read 0, not "no data"."""
+        s, name = self.server, self.model_name
+        classes = list(class_names) if kind == "generate" else [""]
+        for cls in classes:
+            for route in ROUTES_BY_KIND.get(kind, ()):
+                s.http_requests.labels(name, cls, route, "200")
+        if kind == "generate":
+            for cls in classes:
+                for histogram in (s.ttft, s.tpot, s.e2e):
+                    histogram.labels(name, cls)
+                for reason in SHED_REASONS:
+                    s.shed.labels(name, cls, reason)
+            for event in REPLICA_EVENTS:
+                s.replica_events.labels(name, event)
+        elif batches:
+            s.batch_size.labels(name)
+            s.batch_seconds.labels(name)
+
     def set_engine_stats(self, stats: Mapping[str, float], replica: int | None = 0) -> None:
         """One engine's stats (`replica`: its index), or with replica=None the model's
         gauges pooled over its replicas (running totals are then left alone)."""
@@ -192,9 +224,11 @@ class ModelMetrics:
         self.server.finished.labels(self.model_name, finish_reason).inc(count)
 
     def observe_finished(self, out: RequestOutput) -> None:
-        """Finish reasons of a request that finished normally (latencies: observe_latency)."""
+        """Finish reasons of the choices a delta ends (each choice ends in one delta;
+        latencies: observe_latency)."""
         for c in out.outputs:
-            self.add_finished(c.finish_reason or "abort")
+            if c.finish_reason is not None:
+                self.add_finished(c.finish_reason)
 
     def observe_latency(
         self, class_name: str, ttft: float | None, e2e: float | None, num_tokens: int

@@ -16,7 +16,7 @@ def one(**model: object) -> dict[str, object]:
 
 
 def test_pools_parse_and_plan() -> None:
-    notice = {"provider": "gcp", "url": "http://127.0.0.1:9000/x", "poll_interval_s": 0.5}
+    notice = {"provider": "gcp", "url": "http://127.0.0.1:9000", "poll_interval_s": 0.5}
     cfg = parse_fleet_config(
         {
             "models": [
@@ -33,7 +33,7 @@ def test_pools_parse_and_plan() -> None:
     plain = parse_fleet_config(one(replicas=2)).models[0]
     spot, base = chat.replica_plan()
     assert (spot.name, spot.capacity, spot.replicas, spot.overprovision) == ("spot", "spot", 3, 1)
-    assert spot.notice == NoticeConfig(provider="gcp", url="http://127.0.0.1:9000/x",
+    assert spot.notice == NoticeConfig(provider="gcp", url="http://127.0.0.1:9000",
                                        poll_interval_s=0.5)  # fmt: skip
     assert (base.capacity, base.replicas, base.max_fallback, base.notice) == (
         "on_demand", 1, 3, None)  # fmt: skip

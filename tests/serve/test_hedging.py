@@ -1,4 +1,4 @@
-"""The hedging race (serve/resilience/hedging.py) over scripted replica streams: no copy while the
+"""The hedging race (serve/resilience/hedging.py) over scripted replica streams of deltas: no copy while the
 first call answers in time; the first answer wins and the other call is closed (aborted
 in its engine) and never read; a call that fails does not win while the other may still
 answer; no copy when none can be made. The same race on real engines: test_resume.py
@@ -13,20 +13,25 @@ import pytest
 
 from fleetserve.engine.async_engine import EngineDeadError, ReplicaGoneError
 from fleetserve.metrics import ServerMetrics
-from fleetserve.outputs import CompletionOutput, RequestOutput
+from fleetserve.outputs import CompletionOutput, OutputFold, RequestOutput
 from fleetserve.serve.contracts import ReplicaStreamLike
+from fleetserve.serve.request_state import FleetStream, RequestState
 from fleetserve.serve.resilience.hedging import Hedge, hedge_for
-from fleetserve.serve.resilience.migration import MigratingStream
 
 MAX_TOKENS = 3
 
 
 def output(num_tokens: int, tag: int) -> RequestOutput:
-    """The cumulative output after `num_tokens` tokens; `tag` tells the calls apart."""
-    ids = [tag + t for t in range(num_tokens)]
+    """The delta that brings the answer to `num_tokens` tokens; `tag` tells the calls apart."""
+    ids = [tag + num_tokens - 1]
     done = num_tokens == MAX_TOKENS
     choice = CompletionOutput(0, str(ids), ids, "length" if done else None)
     return RequestOutput("req-0", "p", [1, 2], [choice], finished=done)
+
+
+def answer(stream: FleetStream) -> list[int]:
+    """The whole answer its state folded from the deltas its reader got."""
+    return stream.state.fold.output().outputs[0].token_ids
 
 
 class Call:
@@ -80,7 +85,8 @@ def read(first: Call, copy: Call | None, after_s: float = 0.05) -> tuple[Any, An
     metrics = ServerMetrics().model("m")
     service = Service(copy)
     hedge = hedge_for(after_s, service.make_copy, metrics)
-    stream = MigratingStream(service, "req-0", 1, first, 0, hedge=hedge)
+    state = RequestState("req-0", 1, "c", 0, 0.0, OutputFold("req-0"), 0)
+    stream = FleetStream(state, first, service, hedge=hedge)
 
     async def main() -> list[RequestOutput]:
         return [out async for out in stream]
@@ -97,7 +103,8 @@ def test_a_first_answer_in_time_sends_no_copy() -> None:
     first, copy = Call(100, 0.0), Call(200, 0.0)
     got, stream, (service, metrics) = read(first, copy, after_s=5.0)
     assert got[-1] == output(MAX_TOKENS, 100)
-    assert not stream.hedged and service.copies == [] and copy.num_read == 0
+    assert not stream.state.hedged and service.copies == [] and copy.num_read == 0
+    assert answer(stream) == [100, 101, 102]
     assert hedges(metrics, "first") == hedges(metrics, "copy") == 0
 
 
@@ -108,8 +115,8 @@ def test_the_copy_wins_when_the_first_is_slow_and_the_first_is_closed() -> None:
     assert got == [output(k, 200) for k in range(1, MAX_TOKENS + 1)]
     assert service.copies == [{0}]  # never on the first call's replica
     assert first.closed and first.num_read == 0
-    assert stream.hedged and stream.inner is copy and stream.replica_index == 1
-    assert stream.replicas_used == [0, 1]
+    assert stream.state.hedged and stream.inner is copy and stream.state.replica_index == 1
+    assert stream.state.replicas_used == [0, 1] and answer(stream) == [200, 201, 202]
     assert hedges(metrics, "copy") == 1 and hedges(metrics, "first") == 0
 
 
@@ -118,7 +125,7 @@ def test_the_first_wins_when_it_answers_before_the_copy() -> None:
     got, stream, (_, metrics) = read(first, copy)
     assert got == [output(k, 100) for k in range(1, MAX_TOKENS + 1)]
     assert copy.closed and copy.num_read == 0
-    assert stream.hedged and stream.inner is first and stream.replicas_used == [0]
+    assert stream.state.hedged and stream.inner is first and stream.state.replicas_used == [0]
     assert hedges(metrics, "first") == 1 and hedges(metrics, "copy") == 0
 
 
@@ -143,7 +150,7 @@ def test_with_no_replica_for_a_copy_the_first_runs_alone() -> None:
     first = Call(100, 0.2)
     got, stream, (service, metrics) = read(first, None)
     assert got[-1] == output(MAX_TOKENS, 100)
-    assert service.copies == [{0}] and stream.hedged and stream.inner is first
+    assert service.copies == [{0}] and stream.state.hedged and stream.inner is first
     assert hedges(metrics, "first") == hedges(metrics, "copy") == 0
 
 

@@ -20,10 +20,14 @@ import pytest
 from metadata_standins import AwsImdsStandIn, AzureScheduledEventsStandIn, GcpMetadataStandIn
 
 from fleetserve.core.sampling_params import SamplingParams
-from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.metrics import ServerMetrics
 from fleetserve.serve.admission.sla import ServiceClass
-from fleetserve.serve.config.fleet_config import NoticeConfig, PoolConfig, ResilienceConfig
+from fleetserve.serve.config.fleet_config import (
+    ModelEntry,
+    NoticeConfig,
+    PoolConfig,
+    ResilienceConfig,
+)
 from fleetserve.serve.services.generate import GenerateService
 
 CLASSES = {
@@ -33,15 +37,18 @@ CLASSES = {
 
 
 def build(model: str, pools: list[PoolConfig], market: dict[str, bool]) -> GenerateService:
+    entry = ModelEntry(
+        name="m",
+        model=model,
+        engine={"max_num_seqs": 8, "num_threads": 1},
+        resilience=ResilienceConfig(hang_timeout_s=None),
+        pools=pools,
+    )
     svc = GenerateService(
-        "m",
-        EngineArgs(model=model, max_num_seqs=8, num_threads=1),
-        1,
+        entry,
         CLASSES,
         "interactive",
         metrics=ServerMetrics().model("m"),
-        resilience=ResilienceConfig(hang_timeout_s=None),
-        pools=pools,
         spot_only_classes=frozenset({"batch"}),
         capacity_check=lambda pool: market["open"] or not pool.is_spot,
     )
@@ -52,11 +59,11 @@ def build(model: str, pools: list[PoolConfig], market: dict[str, bool]) -> Gener
 async def generate(svc: GenerateService, rid: str, cls: str, max_tokens: int = 8) -> Any:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     streams = await svc.admit(rid, ["the pool keeps serving"], lambda: params, cls)
-    last = None
-    async for out in streams[0]:
-        last = out
-    assert last is not None and last.finished
-    return last.outputs[0]
+    async for _ in streams[0]:
+        pass
+    whole = streams[0].state.fold.output()  # the deltas its reader got, folded
+    assert whole.finished
+    return whole.outputs[0]
 
 
 def ready(svc: GenerateService, pool: str) -> list[dict[str, Any]]:

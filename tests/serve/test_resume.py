@@ -17,9 +17,9 @@ from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.async_engine import AsyncEngine
 from fleetserve.metrics import ServerMetrics
-from fleetserve.outputs import RequestOutput
+from fleetserve.outputs import OutputFold, RequestOutput, fold
 from fleetserve.serve.admission.sla import ServiceClass
-from fleetserve.serve.config.fleet_config import ResilienceConfig
+from fleetserve.serve.config.fleet_config import ModelEntry, ResilienceConfig
 from fleetserve.serve.services.generate import GenerateService
 
 
@@ -28,10 +28,13 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
 
 
 async def outputs(engine: AsyncEngine, rid: str, params: SamplingParams, **kw: Any) -> list[Any]:
-    """Every cumulative output of the request, deep-copied as a reader would keep them."""
+    """The request's answer so far after each of its deltas (folded, as migration folds
+    them; a resumed request's fold starts from its `resume`)."""
     seen = []
+    acc = OutputFold(rid, params.n, start=kw.get("resume"))
     async for out in engine.generate(rid, {"prompt_token_ids": PROMPT}, params, **kw):
-        seen.append(copy.deepcopy(out))
+        acc.add(out)
+        seen.append(acc.output())
     return seen
 
 
@@ -127,30 +130,29 @@ def test_hedged_copy_wins_when_the_first_replica_is_slow(
     async def main() -> None:
         classes = {"fast": ServiceClass("fast", hedge_after_s=0.3)}
         metrics = ServerMetrics().model("m")
-        svc = GenerateService(
-            "m", EngineArgs(model=tiny_llama, max_num_seqs=4, num_threads=1), 2, classes,
-            "fast", routing="round_robin", metrics=metrics,
-            resilience=ResilienceConfig(hang_timeout_s=None),
+        entry = ModelEntry(
+            name="m", model=tiny_llama, engine={"max_num_seqs": 4, "num_threads": 1},
+            replicas=2, routing="round_robin", resilience=ResilienceConfig(hang_timeout_s=None),
         )  # fmt: skip
+        svc = GenerateService(entry, classes, "fast", metrics=metrics)
         await svc.start()
         try:
             params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
             streams = await svc.admit("h", [{"prompt_token_ids": PROMPT}], lambda: params)
             [stream] = streams
-            assert stream.replica_index == 0  # round robin: the slow one first
-            last = None
-            async for out in stream:
-                last = out
-            assert last is not None and len(last.outputs[0].token_ids) == 12
-            assert stream.hedged and stream.replica_index == 1
+            assert stream.state.replica_index == 0  # round robin: the slow one first
+            async for _ in stream:
+                pass
+            last = stream.state.fold.output()
+            assert len(last.outputs[0].token_ids) == 12
+            assert stream.state.hedged and stream.state.replica_index == 1
             slow = svc.replica_set.get(0)
             assert slow.num_outstanding_requests == 0  # the loser was aborted there
             # The same request unhedged on the fast replica gives the same tokens.
             ref = svc.replica_set.get(1).submit(
                 "ref", {"prompt_token_ids": PROMPT}, copy.copy(params), 0, len(PROMPT)
             )
-            async for out in ref:
-                final = out
+            final = fold([out async for out in ref])
             assert final.outputs[0].token_ids == last.outputs[0].token_ids
         finally:
             await svc.shutdown()

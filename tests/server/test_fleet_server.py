@@ -8,7 +8,9 @@ order and counts (which request got its first token before which), never about s
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,6 +61,37 @@ def fleet(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 def client(srv: ServerProc) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+
+
+def test_every_dashboard_series_exists_from_the_start(fleet: ServerProc) -> None:
+    """First in this module: the server has had no request yet. Every series a Grafana
+    panel queries is on /metrics, for every model it applies to, at 0 where it counts."""
+    from fleetserve.deploy import grafana
+
+    exprs = [t["expr"] for p in grafana.dashboard()["panels"] for t in p["targets"]]
+    names = {n for e in exprs for n in re.findall(r"fleetserve:[A-Za-z0-9_:]+", e)}
+    assert len(names) >= 15, names
+    values = scrape(fleet.url)
+    models = {n: set() for n in names}  # type: dict[str, set[str]]
+    for key in values:
+        name, _, labels = key.partition("{")
+        if name in models:
+            models[name].add(re.search(r'model_name="([^"]*)"', labels)[1])  # type: ignore[index]
+    batch_series = {"fleetserve:batch_size_bucket"}
+    for name in names:
+        expected = {"minilm", "classifier"} if name in batch_series else {"tiny"}
+        assert expected <= models[name], (name, models[name])
+    for cls in ("interactive", "batch", "tail"):
+        for reason in ("queue_full", "queue_timeout", "no_replica"):
+            labels = {"model_name": "tiny", "class": cls, "reason": reason}
+            key = (
+                "fleetserve:requests_shed_total{"
+                + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+                + "}"
+            )
+            assert values[key] == 0
+    assert metric(values, "fleetserve:batch_size_count") == 0
+    assert metric(values, "fleetserve:http_requests_total") == 0
 
 
 def test_each_endpoint_serves_its_kind_of_model(fleet: ServerProc) -> None:
@@ -157,9 +190,12 @@ class Timeline:
         async with ac.stream("POST", "/v1/completions", json=body, headers=headers) as r:
             self.status[rid] = r.status_code
             async for line in r.aiter_lines():
-                if line.startswith("data: {") and '"usage": {' in line:
-                    self.tokens[rid] = int(line.split('"completion_tokens": ')[1].split(",")[0])
-                elif line.startswith("data: {") and rid not in self.first:
+                if not line.startswith("data: {"):
+                    continue
+                usage = json.loads(line[6:]).get("usage")
+                if usage:
+                    self.tokens[rid] = int(usage["completion_tokens"])
+                elif rid not in self.first:
                     self.first[rid] = time.monotonic()
 
     def overtakes(self, probe: str, flood: list[str]) -> int:

@@ -357,10 +357,9 @@ def test_a_dns_name_that_lists_no_pod_yet(
             # A pod the earlier tests did not SIGTERM or kill (they take one each).
             listed.append(next(p.url for p in pods if p.proc.poll() is None))
             (stream,) = await asyncio.wait_for(sent, 60)
-            text = ""
-            async for out in stream:
-                text = out.outputs[0].text
-            return text
+            async for _ in stream:  # deltas; the state folds them into the whole answer
+                pass
+            return str(stream.state.fold.output().outputs[0].text)
         finally:
             await service.shutdown()
 

@@ -136,12 +136,24 @@ def test_non_json_content_type_is_415(http: httpx.Client, content_type: str | No
     check_error(resp, 415)
 
 
-def test_json_with_charset_is_accepted(http: httpx.Client) -> None:
-    headers = {"Content-Type": "application/json; charset=utf-8"}
+@pytest.mark.parametrize("charset", ["utf-8", "UTF-8", '"utf-8"', "utf8"])
+def test_json_with_charset_is_accepted(http: httpx.Client, charset: str) -> None:
+    headers = {"Content-Type": f"application/json; charset={charset}"}
     resp = http.post(
         "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}', headers=headers
     )
     assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.parametrize("charset", ["utf-16", "latin-1", "utf-16le"])
+def test_json_in_another_charset_is_415(http: httpx.Client, charset: str) -> None:
+    # A UTF-8 body declared as another charset would be read as what it is not.
+    headers = {"Content-Type": f"application/json; charset={charset}"}
+    resp = http.post(
+        "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}', headers=headers
+    )
+    err = check_error(resp, 415)
+    assert "charset" in err["message"]
 
 
 def test_cors_only_for_allowed_origins(http: httpx.Client) -> None:
@@ -249,6 +261,13 @@ def test_whole_number_floats_are_integers(http: httpx.Client) -> None:
     assert http.post("/v1/chat/completions", json=chat).status_code == 200
 
 
+def test_openapi_operation_ids_are_unique(http: httpx.Client) -> None:
+    spec = http.get("/openapi.json").json()
+    ids = [op["operationId"] for item in spec["paths"].values() for op in item.values()]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    assert "get" in spec["paths"]["/health"] and "head" not in spec["paths"]["/health"]
+
+
 def test_head_health_and_live(http: httpx.Client) -> None:
     for path in ("/health", "/live", "/ready"):
         assert http.head(path).status_code == 200, path
@@ -266,9 +285,9 @@ def test_malformed_content_length_gets_json_error(srv: ServerProc) -> None:
 @pytest.mark.parametrize(
     ("path", "field", "value"),
     [
-        ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("/v1/chat/completions", "tool_choice", "auto"),
-        ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+        ("/v1/chat/completions", "prediction", {"type": "content", "content": "x"}),
+        ("/v1/chat/completions", "modalities", ["text", "audio"]),
+        ("/v1/chat/completions", "web_search_options", {}),
         ("/v1/completions", "logit_bias", {"42": 5}),
         ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ],

@@ -102,6 +102,79 @@ def split_input(data: bytes) -> list[tuple[int, str]]:
     return lines
 
 
+# What a line holds besides its request body: custom_id (at most 512 characters), method,
+# url and the JSON around them. A line may be this much longer than the body limit.
+LINE_ENVELOPE_BYTES = 4096
+_CHUNK = 1 << 20
+
+
+def parse_file(
+    path: str, endpoint: str, max_body_bytes: int | None = None
+) -> list[BatchLine | LineError]:
+    """`parse_lines` of the file at `path`, read a line at a time: a line longer than a
+    request body may be (`max_body_bytes`, the HTTP limit, plus LINE_ENVELOPE_BYTES) is a
+    LineError, skipped without being held in memory, parsed or run."""
+    if endpoint not in ENDPOINTS:
+        raise ValueError(f"endpoint must be one of {', '.join(ENDPOINTS)}; got {endpoint!r}")
+    limit = None if max_body_bytes is None else max_body_bytes + LINE_ENVELOPE_BYTES
+    lines, too_long = split_file(path, limit)
+    if not lines and not too_long:
+        raise ValueError("the file has no lines; a batch needs at least one request")
+    if len(lines) + len(too_long) > MAX_LINES:
+        raise ValueError(
+            f"the file has {len(lines) + len(too_long)} lines; a batch holds at most {MAX_LINES}"
+        )
+    items: list[BatchLine | LineError] = [*parse_split(lines, endpoint), *too_long]
+    return sorted(items, key=lambda x: x.line_no)
+
+
+def split_file(
+    path: str, max_line_bytes: int | None
+) -> tuple[list[tuple[int, str]], list[LineError]]:
+    """(line_no, text) of each non-blank line, numbered as `split_input` numbers them (the
+    same line breaks), and a LineError for each line past `max_line_bytes`."""
+    lines: list[tuple[int, str]] = []
+    too_long: list[LineError] = []
+    line_no = offset = 0
+    with open(path, "rb") as f:
+        while True:
+            # One "\n"-ended piece; a "\r\n" pair never spans two.
+            raw = f.readline() if max_line_bytes is None else f.readline(max_line_bytes + 1)
+            if not raw:
+                break
+            if max_line_bytes is not None and len(raw) > max_line_bytes:
+                size = len(raw) + _skip_line(f) if not raw.endswith(b"\n") else len(raw)
+                too_long.append(LineError(
+                    line_no, None,
+                    f"line {line_no + 1} is {size} bytes: a line holds a request body of at "
+                    f"most {max_line_bytes - LINE_ENVELOPE_BYTES} bytes (the server's request "
+                    f"limit) and {LINE_ENVELOPE_BYTES} bytes of custom_id, method and url",
+                ))  # fmt: skip
+                line_no += 1
+                offset += size
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"the file is not UTF-8 text (byte {offset + e.start})") from None
+            offset += len(raw)
+            for part in text.splitlines():
+                if part.strip():
+                    lines.append((line_no, part))
+                line_no += 1
+    return lines, too_long
+
+
+def _skip_line(f: Any) -> int:
+    """Reads past the rest of the current line, a chunk at a time; the bytes skipped."""
+    skipped = 0
+    while True:
+        chunk = f.readline(_CHUNK)
+        skipped += len(chunk)
+        if not chunk or chunk.endswith(b"\n"):
+            return skipped
+
+
 class InputCheck:
     """`split_input`'s checks on a file that arrives in chunks (an upload on its way to
     disk), without holding it: UTF-8, at least one non-blank line, at most MAX_LINES (as

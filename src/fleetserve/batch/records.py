@@ -9,7 +9,6 @@ from typing import Any
 
 # Batches a restart must pick up again (their runner was interrupted).
 ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
-FINAL_STATUSES = ("completed", "failed", "expired", "cancelled")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from fleetserve.batch.lines import (
     LineResult,
     error_result,
     invalid_result,
-    parse_lines,
+    parse_file,
     response_result,
 )
 from fleetserve.batch.store import BatchStore
@@ -123,21 +123,26 @@ async def run_batch(
     concurrency: int = DEFAULT_CONCURRENCY,
     cancel: asyncio.Event | None = None,
     on_result: OnResult | None = None,
+    max_body_bytes: int | None = None,
 ) -> str:
     """Takes a batch from wherever it stopped to a final status, which it returns
     (completed, cancelled, expired or failed). Raises what the executor raised if the
-    run cannot go on; the batch then stays in progress for a later run."""
+    run cannot go on; the batch then stays in progress for a later run.
+    `max_body_bytes`: a line's body may be no larger than an HTTP request's (an error line
+    otherwise, never read whole)."""
     cancel = cancel or asyncio.Event()
     batch = store.get_batch(batch_id)
     if batch is None:
         raise ValueError(f"no batch with id {batch_id!r}")
-    if not validate(store, batch_id):
+    # Reading and parsing the file takes time in proportion to it: off the event loop.
+    if not await asyncio.to_thread(validate, store, batch_id, max_body_bytes):
         return "failed"
     batch = store.get_batch(batch_id)
     assert batch is not None
     if batch.status == "in_progress":
         done = store.done_line_nos(batch_id)
-        todo = [line for line in _valid_lines(store, batch) if line.line_no not in done]
+        valid = await asyncio.to_thread(_valid_lines, store, batch, max_body_bytes)
+        todo = [line for line in valid if line.line_no not in done]
 
         def commit(result: LineResult) -> None:
             if store.commit_result(batch_id, result) and on_result is not None:
@@ -169,7 +174,7 @@ async def run_batch(
     return batch.status
 
 
-def validate(store: BatchStore, batch_id: str) -> bool:
+def validate(store: BatchStore, batch_id: str, max_body_bytes: int | None = None) -> bool:
     """validating -> in_progress (unusable lines already in the error set) or -> failed
     (the file as a whole is unusable). False if the batch failed; a no-op past validating."""
     batch = store.get_batch(batch_id)
@@ -178,7 +183,7 @@ def validate(store: BatchStore, batch_id: str) -> bool:
     if batch.status != "validating":
         return True
     try:
-        items = parse_lines(store.read_file(batch.input_file_id), batch.endpoint)
+        items = parse_file(store.file_path(batch.input_file_id), batch.endpoint, max_body_bytes)
     except (ValueError, OSError) as e:
         error = {"code": "invalid_file", "message": str(e), "param": None, "line": None}
         store.set_status(batch_id, "failed", errors=[error])
@@ -188,6 +193,6 @@ def validate(store: BatchStore, batch_id: str) -> bool:
     return True
 
 
-def _valid_lines(store: BatchStore, batch: Any) -> list[BatchLine]:
-    items = parse_lines(store.read_file(batch.input_file_id), batch.endpoint)
+def _valid_lines(store: BatchStore, batch: Any, max_body_bytes: int | None) -> list[BatchLine]:
+    items = parse_file(store.file_path(batch.input_file_id), batch.endpoint, max_body_bytes)
     return [x for x in items if isinstance(x, BatchLine)]

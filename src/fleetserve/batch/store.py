@@ -48,6 +48,9 @@ CREATE TABLE IF NOT EXISTS results (
 );
 CREATE UNIQUE INDEX IF NOT EXISTS results_custom_id ON results (batch_id, custom_id)
     WHERE ran = 1;
+CREATE TABLE IF NOT EXISTS batch_runs (
+    batch_id TEXT PRIMARY KEY, running INTEGER NOT NULL, crashes INTEGER NOT NULL
+);
 """
 
 _TIMESTAMPS = {
@@ -291,6 +294,32 @@ class BatchStore:
             if row["status"] in ("validating", "in_progress"):
                 self._set_status(db, batch_id, "cancelling")
         return self.get_batch(batch_id)
+
+    def begin_run(self, batch_id: str) -> int:
+        """A process starts running the batch; returns how many earlier runs ended with
+        their process (a run that began and never reached end_run: killed, OOM)."""
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT running, crashes FROM batch_runs WHERE batch_id = ?", (batch_id,)
+            ).fetchone()
+            crashes = 0 if row is None else row["crashes"] + row["running"]
+            db.execute(
+                "INSERT OR REPLACE INTO batch_runs (batch_id, running, crashes) VALUES (?, 1, ?)",
+                (batch_id, crashes),
+            )
+        return int(crashes)
+
+    def end_run(self, batch_id: str) -> None:
+        """The run stopped with its process still alive (finished, failed, or the server
+        stopped it): not a crash."""
+        with self._tx() as db:
+            db.execute("UPDATE batch_runs SET running = 0 WHERE batch_id = ?", (batch_id,))
+
+    def fail_batch(self, batch_id: str, code: str, message: str) -> None:
+        """Marks the batch failed for good, with the lines that finished written out."""
+        error = {"code": code, "message": message, "param": None, "line": None}
+        self.set_status(batch_id, "failed", errors=[error])
+        self.finalize(batch_id, "failed")
 
     # ------------------------------------------------------------------ lines
     def done_line_nos(self, batch_id: str) -> set[int]:

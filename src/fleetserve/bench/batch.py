@@ -240,7 +240,7 @@ def _ceiling(args: argparse.Namespace, lines: list[dict[str, Any]]) -> dict[str,
     t0 = time.perf_counter()
     outs = llm.chat(conversations, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
-    steps = int(llm.engine.stats()["num_steps"])
+    steps = llm.engine.stats().num_steps
     llm.engine.shutdown()
     return {
         "seconds": seconds,

@@ -75,19 +75,24 @@ def run_fleetserve(args: argparse.Namespace) -> dict[str, Any]:
     engine = LLMEngine(engine_args)
     rss = _rss_mib()
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
-    ids = engine.tokenizer.apply_chat_template(messages)
+    if engine.tokenizer.has_chat_template:
+        ids = engine.tokenizer.apply_chat_template(messages)
+    else:  # a base model (Gemma 3 270M): the same words as plain text
+        ids = engine.tokenizer.encode(f"{SYSTEM}\n\n{USER}\n")
     params = SamplingParams(max_tokens=args.num_tokens, temperature=0.0, ignore_eos=True)
-    runs, tokens = [], []
+    runs: list[dict[str, float]] = []
+    tokens: list[int] = []
     for i in range(args.repeats + 1):  # the first run warms up and is dropped
         t0 = time.perf_counter()
         t_first, cpu_first = None, 0.0
         engine.add_request(f"latency-{i}", {"prompt_token_ids": ids}, params)
+        tokens = []
         while engine.has_unfinished_requests():
-            for out in engine.step():
-                if t_first is None and out.outputs[0].token_ids:
-                    t_first, cpu_first = time.perf_counter(), time.process_time()
-                if out.finished:
-                    tokens = list(out.outputs[0].token_ids)
+            for out in engine.step():  # deltas: this step's new tokens
+                for c in out.outputs:
+                    if t_first is None and c.token_ids:
+                        t_first, cpu_first = time.perf_counter(), time.process_time()
+                    tokens.extend(c.token_ids)
         t_end, cpu_end = time.perf_counter(), time.process_time()
         assert t_first is not None and len(tokens) == args.num_tokens
         runs.append(

@@ -45,6 +45,7 @@ def perplexity(job: dict) -> dict:
     )
     ids = job["token_ids"]
     nll, n = 0.0, 0
+    top1: list[int] = []
     for start in range(0, len(ids), ctx):
         window = ids[start : start + ctx]
         if len(window) < 2:
@@ -56,7 +57,13 @@ def perplexity(job: dict) -> dict:
         logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
         nll -= float(logp[np.arange(len(window) - 1), window[1:]].sum())
         n += len(window) - 1
-    return {"version": llama_cpp.__version__, "num_scored": n, "perplexity": math.exp(nll / n)}
+        top1 += [int(t) for t in logits.argmax(axis=1)]
+    return {
+        "version": llama_cpp.__version__,
+        "num_scored": n,
+        "perplexity": math.exp(nll / n),
+        "top1": top1,
+    }
 
 
 def main() -> int:

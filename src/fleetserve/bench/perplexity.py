@@ -5,7 +5,8 @@ into windows of ``--context`` tokens; each window's tokens are scored given the 
 before them in the window (prompt logprobs), and perplexity is exp of the mean negative
 log-likelihood over every scored token. Each ``--quantizations`` entry loads the model
 once more in the same process. ``--compare llamacpp`` scores the same token ids with
-llama-cpp-python (see `fleetserve bench latency`).
+llama-cpp-python (see `fleetserve bench latency`) and reports the teacher-forced top-1
+agreement: at how many scored positions both pick the same most likely next token.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def score(args: argparse.Namespace, quantization: str, text: str) -> dict[str, A
         ea.max_model_len = args.context + 8
     llm = LLM(**dataclasses.asdict(ea))
     ids = llm.get_tokenizer().encode(text)
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
     nll, n = 0.0, 0
+    top1: list[int] = []
     for window in _windows(ids, args.context):
         out = llm.generate({"prompt_token_ids": window}, params, use_tqdm=False)[0]
         assert out.prompt_logprobs is not None
@@ -58,6 +60,7 @@ def score(args: argparse.Namespace, quantization: str, text: str) -> dict[str, A
             assert row is not None
             nll -= row[tok]
             n += 1
+            top1.append(max(row, key=row.__getitem__))
     resolved = llm.engine.config.quantization
     model = llm.engine.config.model_path
     llm.engine.shutdown()
@@ -67,6 +70,7 @@ def score(args: argparse.Namespace, quantization: str, text: str) -> dict[str, A
         "token_ids": ids,
         "num_scored": n,
         "perplexity": math.exp(nll / n),
+        "top1": top1,
     }
 
 
@@ -88,15 +92,19 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"text": args.text, "context": args.context, "runs": []}
     for kind in kinds:
         r = score(args, kind, text)
-        results["runs"].append({k: v for k, v in r.items() if k != "token_ids"})
+        results["runs"].append({k: v for k, v in r.items() if k not in ("token_ids", "top1")})
         print(f"{kind:>5}: perplexity {r['perplexity']:.4f} over {r['num_scored']} tokens")
     if args.compare == "llamacpp":
         model = results["runs"][0]["model"]
         require_gguf(model)
         lc = score_llamacpp(args, model, r["token_ids"])
+        ours, theirs = r["top1"], lc.pop("top1")
+        agree = sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)
+        lc["top1_agreement"] = agree
         results["llamacpp"] = lc
         print(f"llama.cpp {lc['version']}: perplexity {lc['perplexity']:.4f} over "
-              f"{lc['num_scored']} tokens")  # fmt: skip
+              f"{lc['num_scored']} tokens; top-1 agreement with {kinds[-1]}: "
+              f"{100 * agree:.1f}%")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -111,9 +111,11 @@ def run(args: argparse.Namespace) -> int:
                 num_decoded[name] += len(ids) - 1
     stats1 = engines["speculative"].engine.stats()
     rate = {n: num_decoded[n] / sum(decode[n]) for n in engines}
-    drafts = stats1["spec_decode_num_draft_tokens"] - stats0["spec_decode_num_draft_tokens"]
-    accepted = stats1["spec_decode_num_accepted_tokens"] - stats0["spec_decode_num_accepted_tokens"]
-    verifications = stats1["spec_decode_num_drafts"] - stats0["spec_decode_num_drafts"]
+    spec0, spec1 = stats0.spec_decode, stats1.spec_decode
+    assert spec0 is not None and spec1 is not None  # the speculative engine's
+    drafts = spec1.num_draft_tokens - spec0.num_draft_tokens
+    accepted = spec1.num_accepted_tokens - spec0.num_accepted_tokens
+    verifications = spec1.num_drafts - spec0.num_drafts
     result = {
         "workload": args.workload,
         "speculative_config": json.loads(spec) if isinstance(spec, str) else spec,

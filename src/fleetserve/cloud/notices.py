@@ -44,8 +44,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
-from typing import Literal, Protocol, get_args
+from typing import Annotated, ClassVar, Literal, Protocol, get_args
 from urllib.parse import urlsplit
+
+from annotated_types import Gt, Le
+from pydantic import Strict
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +80,20 @@ class PreemptionNotice:
 
 @dataclass(frozen=True)
 class NoticeConfig:
-    """What to watch. GCP and Azure give 30 s from notice to stop, and a GCP deadline counts
+    """What to watch: a spot pool's `notice:` in the fleet file, carried to the engine-core
+    process as it is. GCP and Azure give 30 s from notice to stop, and a GCP deadline counts
     from the poll that saw it, so keep `poll_interval_s` to a few seconds (AWS itself
-    suggests polling every 5 s)."""
+    suggests polling every 5 s).
+
+    The one definition for both readers: the fleet file's parser (pydantic reads the
+    annotations below, so a wrong key or type is named by its path, and `__post_init__`'s
+    rules then apply) and direct construction (`__post_init__` alone)."""
+
+    __pydantic_config__: ClassVar[dict[str, str]] = {"extra": "forbid"}
 
     provider: Provider
-    url: str | None = None  # base URL; None = the provider's documented address
-    poll_interval_s: float = 1.0
+    url: str | None = None  # base URL http(s)://host[:port]; None = the documented address
+    poll_interval_s: Annotated[float, Strict(), Gt(0.0), Le(60.0)] = 1.0
     # Azure only: a Preempt event counts only if this VM name is among its Resources.
     resource_name: str | None = None
 
@@ -118,7 +128,7 @@ class NoticeConfig:
 
 def _split_base_url(url: str) -> tuple[str, str, int | None]:
     """(scheme, host, port) of an `http(s)://host[:port]` URL, else ValueError naming url."""
-    problem = f"url must be http(s)://host[:port], got {url!r}"
+    problem = f"url {url!r}: expected http://host[:port] or https://host[:port], no path"
     if not isinstance(url, str):
         raise ValueError(problem)
     parts = urlsplit(url)

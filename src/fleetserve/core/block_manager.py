@@ -7,6 +7,19 @@ count drops to zero goes to the tail of the free queue but keeps its hash, so a 
 request can still hit it. New allocations pop the head of the free queue (least
 recently freed first) and only then drop the popped block's hash: eviction is LRU and
 happens only when a block is actually needed.
+
+With a ``sliding_window`` W (the manager of layers that attend to their last W tokens),
+a request's leading blocks that no future query can see are *released* as its
+computation advances: a query at position p >= num_computed_tokens sees keys
+p - W + 1 .. p, so every block wholly before key num_computed_tokens - W + 1 is dead.
+
+    tokens:  0 .............. num_computed - W + 1 ....... num_computed ...
+    blocks:  [ released | released | live | live | live ... ]
+
+Released entries stay in the request's block list as placeholders (their positions
+keep the list aligned with token positions; the attention kernels never read them), and
+``req_num_released`` counts them; the blocks themselves go back to the free queue with
+their hashes, so a prefix-cache hit can still find them while they are not reused.
 """
 
 from __future__ import annotations
@@ -31,9 +44,20 @@ class KVBlock:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+    ):
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        self.sliding_window = sliding_window
+        # Leading entries of a request's block list given back (sliding window only).
+        self.req_num_released: dict[str, int] = {}
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -63,8 +87,32 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of `num_tokens` tokens holds at once when each step
+        gives it at most `max_chunk` new slots: all of them, or with a sliding window those
+        of W - 1 keys before a chunk, the chunk and two partial blocks."""
+        n = self.blocks_needed(num_tokens)
+        if self.sliding_window is None:
+            return n
+        return min(n, self.blocks_needed(self.sliding_window - 1 + max_chunk) + 2)
+
     def block_ids(self, req_id: str) -> list[int]:
         return self.req_to_blocks.get(req_id, [])
+
+    def window_block_ids(self, req_id: str) -> list[int] | None:
+        """The sliding-window layers' own block list, where they have one (see
+        core/hybrid_blocks.py); None: every layer uses `block_ids`."""
+        return None
+
+    def _num_dead(self, num_computed: int) -> int:
+        """Leading blocks no query at a position >= num_computed can see."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    def _held(self, req_id: str) -> list[int]:
+        """The blocks the request holds references on (past its released ones)."""
+        return self.req_to_blocks.get(req_id, [])[self.req_num_released.get(req_id, 0) :]
 
     def _update_block_hashes(self, request: Request) -> None:
         bs = self.block_size
@@ -84,6 +132,9 @@ class BlockManager:
             return [], 0
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.sliding_window is not None:
+            window_hits = self.window_hits(request, max_blocks)
+            return window_hits, len(window_hits) * self.block_size
         hits: list[int] = []
         for h in request.block_hashes[:max_blocks]:
             block_id = self.cached.get(h)
@@ -91,6 +142,23 @@ class BlockManager:
                 break
             hits.append(block_id)
         return hits, len(hits) * self.block_size
+
+    def window_hits(self, request: Request, max_blocks: int) -> list[int]:
+        """Sliding window: the longest run of n <= max_blocks leading blocks whose live
+        part (blocks _num_dead(n * block_size) .. n - 1) is all cached; the dead part
+        needs no content, its entries are placeholders (block 0). Call after
+        `_update_block_hashes`."""
+        best, run_start = 0, 0
+        ids: list[int | None] = []
+        for j, h in enumerate(request.block_hashes[:max_blocks]):
+            block_id = self.cached.get(h)
+            ids.append(block_id)
+            if block_id is None:
+                run_start = j + 1
+            elif run_start <= self._num_dead((j + 1) * self.block_size):
+                best = j + 1
+        dead = self._num_dead(best * self.block_size)
+        return [0] * dead + [b for b in ids[dead:best] if b is not None]
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's prefix-cache lookup (for the hit-rate metric)."""
@@ -107,16 +175,22 @@ class BlockManager:
         Returns False and changes nothing when the free blocks do not suffice.
         """
         computed_blocks = computed_blocks or []
+        self.release_out_of_window(request)
         held = self.req_to_blocks.get(request.req_id, [])
         assert not (held and computed_blocks), "cache hits only for a request with no blocks"
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total_blocks = self.blocks_needed(num_computed + num_new_tokens)
         num_new_blocks = total_blocks - len(held) - len(computed_blocks)
+        # A hit's dead leading entries (sliding window) are placeholders, not taken.
+        num_dead_hits = self._num_dead(len(computed_blocks) * self.block_size)
+        live_hits = computed_blocks[num_dead_hits:]
         # Hit blocks sitting in the free queue stop being free once we take them.
-        num_hits_free = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
+        num_hits_free = sum(1 for b in live_hits if self.blocks[b].ref_cnt == 0)
         if num_new_blocks + num_hits_free > self.num_free_blocks:
             return False
-        for b in computed_blocks:
+        if num_dead_hits:
+            self.req_num_released[request.req_id] = num_dead_hits
+        for b in live_hits:
             block = self.blocks[b]
             if block.ref_cnt == 0:
                 del self.free_queue[b]
@@ -128,6 +202,34 @@ class BlockManager:
         if computed_blocks:
             self.req_num_hashed[request.req_id] = len(computed_blocks)
         return True
+
+    def release_out_of_window(self, request: Request) -> int:
+        """Sliding window: give back the request's blocks that slid wholly out of every
+        future query's window; returns how many."""
+        blocks = self.req_to_blocks.get(request.req_id)
+        if self.sliding_window is None or not blocks:
+            return 0
+        start = self.req_num_released.get(request.req_id, 0)
+        dead = min(self._num_dead(request.num_computed_tokens), len(blocks))
+        if dead <= start:
+            return 0
+        for b in blocks[start:dead]:
+            self._unref(b)
+        self.req_num_released[request.req_id] = dead
+        return dead - start
+
+    def _unref(self, b: int) -> None:
+        block = self.blocks[b]
+        block.ref_cnt -= 1
+        assert block.ref_cnt >= 0, f"double free of block {b}"
+        if block.ref_cnt == 0:
+            if block.block_hash is None or self.cached.get(block.block_hash) != b:
+                # Uncached content is worthless: reuse it before any cached block.
+                block.block_hash = None
+                self.free_queue[b] = None
+                self.free_queue.move_to_end(b, last=False)
+            else:
+                self.free_queue[b] = None
 
     def _pop_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
@@ -152,6 +254,8 @@ class BlockManager:
         if num_full <= start:
             return
         self._update_block_hashes(request)
+        # Released entries (sliding window) are not the request's to register.
+        start = max(start, self.req_num_released.get(request.req_id, 0))
         for i in range(start, num_full):
             h = request.block_hashes[i]
             block = self.blocks[blocks[i]]
@@ -191,18 +295,9 @@ class BlockManager:
         are evicted before the (more shareable) head blocks."""
         blocks = self.req_to_blocks.pop(request.req_id, [])
         self.req_num_hashed.pop(request.req_id, None)
-        for b in reversed(blocks):
-            block = self.blocks[b]
-            block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"double free of block {b}"
-            if block.ref_cnt == 0:
-                if block.block_hash is None or self.cached.get(block.block_hash) != b:
-                    # Uncached content is worthless: reuse it before any cached block.
-                    block.block_hash = None
-                    self.free_queue[b] = None
-                    self.free_queue.move_to_end(b, last=False)
-                else:
-                    self.free_queue[b] = None
+        num_released = self.req_num_released.pop(request.req_id, 0)
+        for b in reversed(blocks[num_released:]):
+            self._unref(b)
 
     def reset_prefix_cache(self) -> None:
         for h, b in list(self.cached.items()):
@@ -213,7 +308,8 @@ class BlockManager:
     # ------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
         refs = [0] * self.num_blocks
-        for req_id, blocks in self.req_to_blocks.items():
+        for req_id in self.req_to_blocks:
+            blocks = self._held(req_id)
             assert len(blocks) == len(set(blocks)), f"{req_id} holds a block twice"
             for b in blocks:
                 refs[b] += 1

@@ -7,6 +7,7 @@ import time
 
 from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.core.structured import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -76,6 +77,9 @@ class Request:
         # Draft tokens proposed after the last step, to verify in the next one. They are
         # not part of the request's tokens until the target model accepts them.
         self.spec_token_ids: list[int] = []
+        # Structured outputs: where the request is in its grammar (set at admission by
+        # the engine core; advanced with every accepted token).
+        self.grammar: GrammarMatcher | None = None
         # The LoRA adapter the request runs with (None: the base model).
         self.lora_request = lora_request
 
@@ -113,6 +117,21 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+
+    def accept_grammar_token(self, token_id: int) -> bool:
+        """Advance the grammar past `token_id`; True when the request is finished by it
+        (the grammar refused the token, or it is complete and allows only the end)."""
+        if self.grammar is None:
+            return False
+        if not self.grammar.consume([token_id]):
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = None
+            return True
+        if self.grammar.is_terminated() and not self.finished:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = None
+            return True
+        return False
 
     def check_stop(self, max_model_len: int) -> bool:
         """Token-level stops (length, EOS, stop_token_ids). Stop strings need text and are

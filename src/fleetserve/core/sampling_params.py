@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
+
+from fleetserve.core.structured import StructuredOutputsParams
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
@@ -43,6 +45,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Output held to a JSON schema, regex, choice list or grammar by a token mask.
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +107,17 @@ class SamplingParams:
                 raise bad(name, f"an integer in [0, {MAX_LOGPROBS}]", v)
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "an integer", self.seed)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad("structured_outputs", "a StructuredOutputsParams", self.structured_outputs)
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The settings of choice `index` of an n > 1 request: a seeded request's choices
+        each draw their own numbers (seed + index, as vLLM does), reproducibly."""
+        if self.seed is None or index == 0:
+            return self
+        return replace(self, seed=self.seed + index)
 
     @property
     def needs_penalties(self) -> bool:

@@ -18,6 +18,7 @@ their blocks back.
 from __future__ import annotations
 
 from collections.abc import Iterable, Set
+from dataclasses import dataclass, field
 
 from fleetserve.core.block_manager import BlockManager
 from fleetserve.core.config import SchedulerConfig
@@ -31,6 +32,29 @@ from fleetserve.core.scheduler_output import (
 )
 
 
+@dataclass
+class _Step:
+    """One schedule() call's working state, which its phases share."""
+
+    budget: int  # tokens left to give this step
+    max_num_reqs: int
+    in_flight: Set[str]  # in an in-flight pipeline batch: never touched this step
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    preempted: bool = False  # a running request lost its blocks: no admissions
+    skip: set[str] = field(default_factory=set)  # not to be (re-)admitted this step
+    lent: dict[str, int] = field(default_factory=dict)  # tokens a lender gave a borrower
+
+    @property
+    def batch_full(self) -> bool:
+        return len(self.num_scheduled) >= self.max_num_reqs
+
+    def take_back(self, req_id: str) -> None:
+        """A preempted request gives back the tokens (and drafts) given it this step."""
+        self.budget += self.num_scheduled.pop(req_id, 0)
+        self.spec_tokens.pop(req_id, None)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -41,6 +65,8 @@ class Scheduler:
         # Tokens and blocks the model runner already knows per running request.
         self._sent_tokens: dict[str, int] = {}
         self._sent_blocks: dict[str, int] = {}
+        # The same for the sliding-window layers' own block lists (hybrid models only).
+        self._sent_window_blocks: dict[str, int] = {}
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions = 0
         # Speculative decoding: verifications, draft tokens verified, drafts accepted.
@@ -65,9 +91,9 @@ class Scheduler:
                 "(the prompt must leave room for at least one generated token)"
             )
         bm = self.block_manager
-        if bm.blocks_needed(min(request.num_prompt_tokens + request.max_tokens, max_len)) > (
-            bm.num_blocks
-        ):
+        max_chunk = self.config.max_num_batched_tokens + self.config.num_lookahead_tokens
+        num_tokens = min(request.num_prompt_tokens + request.max_tokens, max_len)
+        if bm.max_blocks_held(num_tokens, max_chunk) > bm.num_blocks:
             raise ValueError(
                 f"request needs more KV blocks than the cache holds ({bm.num_blocks} blocks of "
                 f"{bm.block_size} tokens); lower max_tokens or raise num_kv_blocks"
@@ -109,6 +135,7 @@ class Scheduler:
         if self._sent_tokens.pop(req_id, None) is not None:
             self._finished_since_last_step.add(req_id)
         self._sent_blocks.pop(req_id, None)
+        self._sent_window_blocks.pop(req_id, None)
 
     # ---------------------------------------------------------------- schedule
     def _pick_victim(self) -> Request:
@@ -195,126 +222,157 @@ class Scheduler:
         """One step's batch. With pipeline parallelism the engine keeps several batches in
         flight: `skip_req_ids` are in one (never scheduled, nor re-admitted after a
         preemption, until it returns) and `max_num_reqs` caps the batch so that the running
-        requests spread over the in-flight batches."""
+        requests spread over the in-flight batches.
+
+        Phases: the running requests take the budget (preempting when blocks run out),
+        then waiting ones are admitted while budget, seats and blocks allow (unless a
+        preemption happened), then tokens lent to more important requests go back to
+        their lenders, and the step's batch is written out."""
         if max_num_reqs is None:
             max_num_reqs = self.config.max_num_seqs
-        budget = self.config.max_num_batched_tokens
-        max_len = self.config.max_model_len
-        bm = self.block_manager
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        spec_tokens: dict[str, list[int]] = {}
-        preempted = False
+        step = _Step(self.config.max_num_batched_tokens, max_num_reqs, skip_req_ids)
+        step.skip.update(skip_req_ids)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._admit_waiting(step)
+        self._return_lent_tokens(step)
+        return self._step_output(step)
 
-        # Under "priority" the most important running requests take the budget first.
+    def _schedule_running(self, step: _Step) -> None:
+        """Running requests take the budget (under "priority", most important first)."""
         order = list(self.running)
         if self.config.policy == "priority":
             order.sort(key=lambda r: (r.priority, r.arrival_time))
         for req in order:
-            if budget <= 0 or len(num_scheduled) >= max_num_reqs:
+            if step.budget <= 0 or step.batch_full:
                 break
-            if req.status != RequestStatus.RUNNING or req.req_id in skip_req_ids:
+            if req.status != RequestStatus.RUNNING or req.req_id in step.in_flight:
                 continue  # preempted earlier in this loop, or in flight
-            num_unseen = req.num_tokens - req.num_computed_tokens
-            num_new = min(num_unseen + len(req.spec_token_ids), budget)
-            num_new = min(num_new, max_len - req.num_computed_tokens)
-            if num_new <= 0:
-                continue
-            num_spec = max(0, num_new - num_unseen)
-            lookahead = self._lookahead(req, req.num_computed_tokens, num_new)
-            while not bm.allocate_slots(req, num_new + lookahead):
-                if num_spec or lookahead:
-                    # Drafts and lookahead are optional: drop them before preempting.
-                    num_new, num_spec, lookahead = num_new - num_spec, 0, 0
-                    continue
-                victim = self._pick_victim()
-                self._preempt(victim)
-                preempted = True
-                # A victim already given tokens this step gives them back.
-                budget += num_scheduled.pop(victim.req_id, 0)
-                spec_tokens.pop(victim.req_id, None)
-                if victim is req:
-                    break
-            if req.status == RequestStatus.RUNNING:
-                num_scheduled[req.req_id] = num_new
-                budget -= num_new
-                if num_spec:
-                    spec_tokens[req.req_id] = req.spec_token_ids[:num_spec]
+            self._fit_running(step, req)
 
-        skip: set[str] = set(skip_req_ids)
-        lent: dict[str, int] = {}  # running requests whose tokens a waiting one took
-        while not preempted:
-            nxt = self._next_waiting(skip)
-            if nxt is None:
-                break
-            req = nxt
-            if budget <= 0:
-                # Out of token budget: a more important request takes a less important
-                # one's tokens for this step (it keeps its blocks and runs next step).
-                lender = self._victim_for(req, skip_req_ids, num_scheduled)
-                if lender is None:
-                    break
-                num_given = num_scheduled.pop(lender.req_id)
-                budget += num_given
-                # Drafts are optional: a lender gets back only its own tokens, if any.
-                lent[lender.req_id] = num_given - len(spec_tokens.pop(lender.req_id, []))
-            if self._sibling_prefilling(req) or self._lora_slots_taken(req):
-                skip.add(req.req_id)
+    def _fit_running(self, step: _Step, req: Request) -> None:
+        """Gives one running request its tokens (and drafts) for this step, preempting the
+        newest (or least important) running requests while blocks run out."""
+        bm = self.block_manager
+        num_unseen = req.num_tokens - req.num_computed_tokens
+        num_new = min(num_unseen + len(req.spec_token_ids), step.budget)
+        num_new = min(num_new, self.config.max_model_len - req.num_computed_tokens)
+        if num_new <= 0:
+            return
+        num_spec = max(0, num_new - num_unseen)
+        lookahead = self._lookahead(req, req.num_computed_tokens, num_new)
+        while not bm.allocate_slots(req, num_new + lookahead):
+            if num_spec or lookahead:
+                # Drafts and lookahead are optional: drop them before preempting.
+                num_new, num_spec, lookahead = num_new - num_spec, 0, 0
                 continue
-            batch_full = len(num_scheduled) >= max_num_reqs
-            if batch_full or len(self.running) >= self.config.max_num_seqs:
-                # Full batch: only a more important request gets in, in a victim's seat
-                # (one of this batch's, when it is the batch that is full).
-                seat = self._victim_for(req, skip_req_ids, num_scheduled if batch_full else None)
-                if seat is None:
-                    break
-                self._preempt(seat)
-                budget += num_scheduled.pop(seat.req_id, 0)
-                spec_tokens.pop(seat.req_id, None)
-                skip.add(seat.req_id)  # not back in this step
-            while True:
-                hits, num_hit_tokens = bm.get_computed_blocks(req)
-                num_new = req.num_tokens - num_hit_tokens
-                fits = self.config.chunked_prefill or num_new <= budget
-                num_new = min(num_new, budget)
-                # Lookahead slots (for a draft model) are optional: without them if need be.
-                lookahead = self._lookahead(req, num_hit_tokens, num_new)
-                if fits and (
-                    (lookahead and bm.allocate_slots(req, num_new + lookahead, hits))
-                    or bm.allocate_slots(req, num_new, hits)
-                ):
-                    break
-                # Out of blocks (or budget): a more important request takes a victim's.
-                donor = self._victim_for(req, skip_req_ids)
-                if donor is None:
-                    num_new = 0
-                    break
-                self._preempt(donor)
-                budget += num_scheduled.pop(donor.req_id, 0)
-                spec_tokens.pop(donor.req_id, None)
-                skip.add(donor.req_id)
+            victim = self._pick_victim()
+            self._preempt(victim)
+            step.preempted = True
+            step.take_back(victim.req_id)  # a victim already given tokens gives them back
+            if victim is req:
+                break
+        if req.status == RequestStatus.RUNNING:
+            step.num_scheduled[req.req_id] = num_new
+            step.budget -= num_new
+            if num_spec:
+                step.spec_tokens[req.req_id] = req.spec_token_ids[:num_spec]
+
+    def _admit_waiting(self, step: _Step) -> None:
+        """Waiting requests join while there is budget, a seat and blocks; under
+        "priority" a more important one takes a less important one's tokens, seat or
+        blocks."""
+        while True:
+            req = self._next_waiting(step.skip)
+            if req is None:
+                break
+            if step.budget <= 0 and not self._borrow_tokens(step, req):
+                break
+            if self._sibling_prefilling(req) or self._lora_slots_taken(req):
+                step.skip.add(req.req_id)
+                continue
+            if not self._take_seat(step, req):
+                break
+            num_new, num_hit_tokens = self._allocate_waiting(step, req)
             if num_new == 0:
                 break
             self._admit(req, num_hit_tokens)
-            num_scheduled[req.req_id] = num_new
-            budget -= num_new
+            step.num_scheduled[req.req_id] = num_new
+            step.budget -= num_new
 
-        # What the borrowers left of the budget goes back to the lenders (their blocks
-        # already cover the tokens they had been given).
-        for req_id, num_lent in lent.items():
-            if budget <= 0 or len(num_scheduled) >= max_num_reqs:
+    def _borrow_tokens(self, step: _Step, req: Request) -> bool:
+        """Out of token budget: a more important request takes a less important one's
+        tokens for this step (the lender keeps its blocks and runs next step)."""
+        lender = self._victim_for(req, step.in_flight, step.num_scheduled)
+        if lender is None:
+            return False
+        num_given = step.num_scheduled.pop(lender.req_id)
+        step.budget += num_given
+        # Drafts are optional: a lender gets back only its own tokens, if any.
+        step.lent[lender.req_id] = num_given - len(step.spec_tokens.pop(lender.req_id, []))
+        return True
+
+    def _take_seat(self, step: _Step, req: Request) -> bool:
+        """Full batch: only a more important request gets in, in a victim's seat (one of
+        this batch's, when it is the batch that is full). False: no seat for `req`."""
+        batch_full = step.batch_full
+        if not batch_full and len(self.running) < self.config.max_num_seqs:
+            return True
+        seat = self._victim_for(req, step.in_flight, step.num_scheduled if batch_full else None)
+        if seat is None:
+            return False
+        self._preempt(seat)
+        step.take_back(seat.req_id)
+        step.skip.add(seat.req_id)  # not back in this step
+        return True
+
+    def _allocate_waiting(self, step: _Step, req: Request) -> tuple[int, int]:
+        """Blocks for a waiting request's first tokens after its prefix-cache hits:
+        (tokens this step, cached tokens); 0 tokens when it does not fit."""
+        bm = self.block_manager
+        while True:
+            hits, num_hit_tokens = bm.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit_tokens
+            fits = self.config.chunked_prefill or num_new <= step.budget
+            num_new = min(num_new, step.budget)
+            # Lookahead slots (for a draft model) are optional: without them if need be.
+            lookahead = self._lookahead(req, num_hit_tokens, num_new)
+            if fits and (
+                (lookahead and bm.allocate_slots(req, num_new + lookahead, hits))
+                or bm.allocate_slots(req, num_new, hits)
+            ):
+                return num_new, num_hit_tokens
+            # Out of blocks (or budget): a more important request takes a victim's.
+            donor = self._victim_for(req, step.in_flight)
+            if donor is None:
+                return 0, num_hit_tokens
+            self._preempt(donor)
+            step.take_back(donor.req_id)
+            step.skip.add(donor.req_id)
+
+    def _return_lent_tokens(self, step: _Step) -> None:
+        """What the borrowers left of the budget goes back to the lenders (their blocks
+        already cover the tokens they had been given)."""
+        for req_id, num_lent in step.lent.items():
+            if step.budget <= 0 or step.batch_full:
                 break
             lender = self.requests[req_id]
-            if num_lent and lender.status == RequestStatus.RUNNING and req_id not in num_scheduled:
-                num_scheduled[req_id] = min(num_lent, budget)
-                budget -= num_scheduled[req_id]
+            running = lender.status == RequestStatus.RUNNING
+            if num_lent and running and req_id not in step.num_scheduled:
+                step.num_scheduled[req_id] = min(num_lent, step.budget)
+                step.budget -= step.num_scheduled[req_id]
 
+    def _step_output(self, step: _Step) -> SchedulerOutput:
+        """The batch for the model runner: new requests in full, running ones as what
+        changed since the runner last saw them."""
+        bm = self.block_manager
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
         for req in self.running:
-            n = num_scheduled.get(req.req_id)
-            if n is None:
+            if req.req_id not in step.num_scheduled:
                 continue
             block_ids = bm.block_ids(req.req_id)
+            window_ids = bm.window_block_ids(req.req_id)
             if req.req_id not in self._sent_tokens:
                 new_reqs.append(
                     NewRequestData(
@@ -326,6 +384,7 @@ class Scheduler:
                         num_computed_tokens=req.num_computed_tokens,
                         num_output_tokens=req.num_output_tokens,
                         eos_token_ids=req.eos_token_ids,
+                        window_block_ids=None if window_ids is None else list(window_ids),
                         lora_name=req.lora_name,
                     )
                 )
@@ -339,16 +398,22 @@ class Scheduler:
                         num_kept_block_ids=self._sent_blocks[req.req_id],
                     )
                 )
+                if window_ids is not None:
+                    sent = self._sent_window_blocks[req.req_id]
+                    cached_reqs[-1].new_window_block_ids = window_ids[sent:]
+                    cached_reqs[-1].num_kept_window_block_ids = sent
             self._sent_tokens[req.req_id] = req.num_tokens
             self._sent_blocks[req.req_id] = len(block_ids)
+            if window_ids is not None:
+                self._sent_window_blocks[req.req_id] = len(window_ids)
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=sum(step.num_scheduled.values()),
             finished_req_ids=self._finished_since_last_step,
-            scheduled_spec_decode_tokens=spec_tokens,
+            scheduled_spec_decode_tokens=step.spec_tokens,
         )
         self._finished_since_last_step = set()
         return out
@@ -383,7 +448,7 @@ class Scheduler:
                 new_tokens.append(tok)
                 if result.logprobs is not None:
                     new_logprobs.append(result.logprobs[idx][j])
-                if req.check_stop(max_len):
+                if req.check_stop(max_len) or req.accept_grammar_token(tok):
                     break
             # Accepted drafts after a stop are dropped with their K/V.
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
@@ -414,9 +479,17 @@ class Scheduler:
         """Take the next drafts and give back the blocks past the verified tokens."""
         if result.spec_token_ids is not None:
             room = req.max_tokens - req.num_output_tokens - 1  # the last token is the target's
-            req.spec_token_ids = result.spec_token_ids[idx][: max(room, 0)]
+            drafts = result.spec_token_ids[idx][: max(room, 0)]
+            if req.grammar is not None:
+                # Drafts the grammar refuses would only be rejected: cut them here.
+                drafts = drafts[: req.grammar.validate_tokens(drafts)]
+            req.spec_token_ids = drafts
         if self.block_manager.free_tail(req, req.num_tokens):
             held = len(self.block_manager.block_ids(req.req_id))
             sent = self._sent_blocks.get(req.req_id)
             if sent is not None and sent > held:
                 self._sent_blocks[req.req_id] = held
+            window_ids = self.block_manager.window_block_ids(req.req_id)
+            sent = self._sent_window_blocks.get(req.req_id)
+            if window_ids is not None and sent is not None and sent > len(window_ids):
+                self._sent_window_blocks[req.req_id] = len(window_ids)

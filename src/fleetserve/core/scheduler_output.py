@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.core.structured import GrammarBitmask
 
 
 @dataclass
@@ -23,6 +24,8 @@ class NewRequestData:
     num_output_tokens: int = 0
     # Banned from sampling until min_tokens outputs (unless ignore_eos).
     eos_token_ids: tuple[int, ...] = ()
+    # The sliding-window layers' own blocks (a model with local and global layers).
+    window_block_ids: list[int] | None = None
     # The LoRA adapter the request's rows run with (None: the base model).
     lora_name: str | None = None
 
@@ -36,6 +39,9 @@ class CachedRequestData:
     # Set when blocks were given back since the runner last saw the request (rejected
     # draft tokens' blocks): keep this many block ids, then append new_block_ids.
     num_kept_block_ids: int | None = None
+    # The same two for the sliding-window layers' own block list (hybrid models only).
+    new_window_block_ids: list[int] | None = None
+    num_kept_window_block_ids: int | None = None
 
 
 @dataclass
@@ -49,6 +55,8 @@ class SchedulerOutput:
     # Draft tokens to verify, per request that has some: they follow the request's known
     # tokens and are counted in its num_scheduled_tokens.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Structured outputs: the token masks of the constrained requests that sample now.
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

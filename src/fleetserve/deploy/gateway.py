@@ -30,7 +30,11 @@ from typing import Any
 from fleetserve.deploy import pods
 from fleetserve.deploy.yaml_out import dump_yaml
 from fleetserve.serve.config.deploy_config import DeployConfig
-from fleetserve.serve.config.fleet_config import FleetConfig, parse_fleet_config
+from fleetserve.serve.config.fleet_config import (
+    POD_RESILIENCE_KEYS,
+    FleetConfig,
+    parse_fleet_config,
+)
 
 GATEWAY_NAME = "fleetserve-gateway"
 # What a gateway entry keeps: how to tokenize, route and survive; the replicas are remote.
@@ -72,6 +76,10 @@ def gateway_fleet_file(
         if entry.kind != "generate":
             continue
         model = {k: v for k, v in written.items() if k in _KEPT_KEYS}
+        if "resilience" in model:
+            # The pods' own engines' settings stay with the pods (the gateway refuses them).
+            kept = {k: v for k, v in model["resilience"].items() if k not in POD_RESILIENCE_KEYS}
+            model["resilience"] = kept
         remote: dict[str, Any] = {"dns": pods_dns(slugs[entry.name], namespace, port)}
         if api_key:
             # The pods take the same key as the gateway (one Secret).

@@ -172,6 +172,26 @@ def render_pool(fleet: FleetConfig, entry: ModelEntry, opts: RenderOptions) -> l
     return [Manifest(f"{slug}-{kind}.yaml", obj) for kind, obj in objects.items()]
 
 
+# A Ray-only key of a model entry -> what says the same on Kubernetes.
+_RAY_ONLY_ON_K8S = {
+    "autoscale": "KEDA scales pods: give the model `deploy: {min_replicas, max_replicas, "
+    "target_queue_depth}` (per pod; `replicas` engine processes in each)",
+    "placement": "a pod's resources come from `deploy: {cpu, memory, gpu, pool}`",
+}
+
+
+def _refuse_ray_only(index: int, entry: ModelEntry) -> None:
+    """The pods run `fleetserve serve`, which refuses `autoscale`/`placement` (Ray only):
+    shipping them in the ConfigMap would crash-loop every pod, so say so here instead."""
+    for key, instead in _RAY_ONLY_ON_K8S.items():
+        if getattr(entry, key) is not None:
+            raise ValueError(
+                f"models[{index}].{key} (model {entry.name!r}): only `fleetserve serve --ray` "
+                f"honours it, and a pod runs `fleetserve serve`; {instead}, or render the "
+                "fleet with --ray"
+            )
+
+
 def render_fleet(fleet: FleetConfig, opts: RenderOptions) -> list[Manifest]:
     for i, m in enumerate(fleet.models):
         if m.pools is not None and opts.ray is None:
@@ -182,6 +202,8 @@ def render_fleet(fleet: FleetConfig, opts: RenderOptions) -> list[Manifest]:
                 "model entry per pool) instead of `pools:`, which is for one server's "
                 "replicas, or render it with --ray (a worker group per capacity)"
             )
+        if opts.ray is None:
+            _refuse_ray_only(i, m)
     slugs = [model_slug(m.name) for m in fleet.models]
     for i, slug in enumerate(slugs):
         if slugs.index(slug) != i:

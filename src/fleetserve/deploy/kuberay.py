@@ -97,9 +97,6 @@ def ray_model_entry(index: int, entry: ModelEntry, written: dict[str, Any], slug
 
 
 def ray_fleet_file(fleet: FleetConfig, slugs: dict[str, str]) -> dict[str, Any]:
-    local_only = fleet.local_only_keys()
-    if local_only:
-        raise ValueError(f"{', '.join(local_only)}: served by the local server only, not on Ray")
     data = fleet.model_dump(mode="json", exclude_unset=True)
     models = [
         ray_model_entry(i, entry, written, slugs[entry.name])

@@ -72,6 +72,8 @@ class ParallelContext:
     pp_size: int
     tp_group: Any = field(default=None, repr=False)  # ProcessGroup | None
     pp_group: Any = field(default=None, repr=False)
+    # MoE blocks hold whole experts per TP rank, not slices (models/moe_sharding.py).
+    expert_parallel: bool = False
     stats: CommStats = field(default_factory=CommStats, repr=False, compare=False)
     # In-flight isend handles (with their tensors, which must outlive the send).
     _pending_sends: list[tuple[Any, torch.Tensor]] = field(
@@ -145,7 +147,12 @@ class ParallelContext:
 
 
 def init_distributed(
-    rank: int, tp_size: int, pp_size: int, init_method: str, backend: str
+    rank: int,
+    tp_size: int,
+    pp_size: int,
+    init_method: str,
+    backend: str,
+    expert_parallel: bool = False,
 ) -> ParallelContext:
     """Join the replica's process group and build the TP and PP subgroups.
 
@@ -163,4 +170,6 @@ def init_distributed(
         group = dist.new_group([t + stage * tp_size for stage in range(pp_size)])
         if t == tp_rank:
             pp_group = group
-    return ParallelContext(tp_rank, tp_size, pp_rank, pp_size, tp_group, pp_group)
+    return ParallelContext(
+        tp_rank, tp_size, pp_rank, pp_size, tp_group, pp_group, expert_parallel=expert_parallel
+    )

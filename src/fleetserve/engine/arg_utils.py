@@ -26,6 +26,9 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
+    # Sliding-window layers free the blocks that slid out of their window (False: keep
+    # them, the baseline of the KV-memory measurement in docs/benchmarks.md).
+    free_window_blocks: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
@@ -34,6 +37,8 @@ class EngineArgs:
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # MoE models: split whole experts across the TP ranks instead of slicing every expert.
+    expert_parallel: bool = False
     # {"method": "ngram", "num_speculative_tokens": K, ...} or {"model": PATH, ...}
     # (a dict, or its JSON text); see spec_decode/config.py.
     speculative_config: dict[str, Any] | str | None = None
@@ -70,6 +75,10 @@ class EngineArgs:
             from fleetserve.models.default_model import default_model_path
 
             path = default_model_path()
+        else:
+            from fleetserve.models.default_model import packaged_model_path
+
+            path = packaged_model_path(path) or path
         source = resolve_model(path)
         hf = source.hf_config
         max_len = self.max_model_len
@@ -98,6 +107,7 @@ class EngineArgs:
                 num_kv_blocks=self.num_kv_blocks,
                 kv_cache_memory=self.kv_cache_memory,
                 enable_prefix_caching=self.enable_prefix_caching,
+                free_window_blocks=self.free_window_blocks,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=budget,
@@ -111,6 +121,7 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 pipeline_parallel_size=self.pipeline_parallel_size,
+                expert_parallel=self.expert_parallel,
             ),
             seed=self.seed,
             device=self.device,

@@ -2,9 +2,10 @@
 
 Tokenization, validation, detokenization and stop strings happen here (OutputProcessor);
 the core process only schedules and steps. Requests go out on a ZeroMQ PUSH socket;
-outputs come back on a PULL socket read by one asyncio task, which hands each request's
-latest (cumulative) RequestOutput to that request's queue. A request's stream that is
-closed before it finishes (client gone, handler cancelled) aborts the request in the core.
+outputs come back on a PULL socket read by one asyncio task, which puts each request's
+delta (outputs.py) on that request's DeltaQueue: its reader gets the new tokens, text and
+logprobs, merged when it fell behind. A request's stream that is closed before it
+finishes (client gone, handler cancelled) aborts the request in the core.
 
 Safe to call only from the event loop thread that ran `start()`.
 """
@@ -18,18 +19,25 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from fleetserve.cloud.notices import NoticeConfig
 from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
+from fleetserve.engine.delta_stream import (
+    DeltaStream,
+    EngineDeadError,
+    ReplicaGoneError,
+)
 from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.engine.output_processor import OutputProcessor
+from fleetserve.engine.stats import EngineStats
 from fleetserve.engine.wire import (
     AbortRequests,
     AddRequest,
@@ -50,16 +58,6 @@ from fleetserve.outputs import RequestOutput
 from fleetserve.tokenizer import Tokenizer
 
 
-class EngineDeadError(RuntimeError):
-    """The core process is gone; no request can be served any more."""
-
-
-class ReplicaGoneError(EngineDeadError):
-    """This engine can no longer serve the request (its process died, it is being drained
-    or stopped), though another replica may: the fleet resumes the request elsewhere
-    (request migration, serve/resilience/migration.py)."""
-
-
 class EngineNotReadyError(RuntimeError):
     """The model is still loading."""
 
@@ -73,43 +71,13 @@ def resume_tokens(resume: RequestOutput) -> list[list[int] | None]:
     return [None if c.finished else list(c.token_ids) for c in resume.outputs]
 
 
-class RequestStream:
-    """One request's outputs in order (a slow reader skips to the newest cumulative one);
-    `close()` aborts the request in the core if it has not finished."""
+class RequestStream(DeltaStream):
+    """One request's deltas from the local engine core (a slow reader gets the merged
+    delta of what it missed); `close()` aborts the request in the core if it has not
+    finished."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, n: int) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self.n = n
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.started = False  # the first output arrived
-        self.finished = False
-        self.closed = False
-        self.lost = False  # ended by ReplicaGoneError: the request goes on elsewhere
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished or self.closed:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        # Outputs are cumulative, so a consumer that fell behind only needs the newest.
-        while not self.queue.empty() and not isinstance(item, BaseException):
-            item = self.queue.get_nowait()
-        if isinstance(item, BaseException):
-            self.lost = isinstance(item, ReplicaGoneError)
-            self.close()
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.engine._release(self)
+        super().__init__(request_id, n, engine._release)  # type: ignore[arg-type]
 
 
 class AsyncEngine:
@@ -119,7 +87,12 @@ class AsyncEngine:
         max_waiting_requests: int = 256,
         metrics: ModelMetrics | None = None,
         data_parallel_rank: int = 0,
+        *,
+        sigterm_grace_s: float = 15.0,
+        notice: NoticeConfig | None = None,
     ) -> None:
+        """`sigterm_grace_s`: how long the core serves on after a SIGTERM; `notice`: the
+        spot-notice source its core polls (a spot pool's), if any."""
         self.args = args
         self.data_parallel_rank = data_parallel_rank
         self.config, self.source = args.resolve()
@@ -134,18 +107,18 @@ class AsyncEngine:
         self.num_kv_blocks: int | None = None
         self.dead_reason: str | None = None
         self.crashed = False  # the core process exited without being asked to
-        self.stats: dict[str, float] = {}
+        self.stats: EngineStats | None = None  # after its first step
         # LoRA: the adapters the engine holds in memory (from its last outputs), and the
         # adapter of each request in flight (for the per-adapter token counts).
         self.lora_loaded: frozenset[str] = frozenset()
         self._lora_of: dict[str, str] = {}
         self._lora_metrics_obj: LoRAMetrics | None = None
         # Called with every step's stats (a data-parallel frontend tracks its replicas).
-        self.on_stats: Callable[[dict[str, float]], None] | None = None
+        self.on_stats: Callable[[EngineStats], None] | None = None
         # Called when the core says it will be taken away (SIGTERM, a spot notice).
         self.on_notice: Callable[[CoreNotice], None] | None = None
-        self.sigterm_grace_s = 15.0
-        self.notice: dict[str, Any] | None = None
+        self.sigterm_grace_s = sigterm_grace_s
+        self.notice = notice
         self._streams: dict[str, RequestStream] = {}
         self._num_unstarted = 0
         self._proc: subprocess.Popen[bytes] | None = None
@@ -181,7 +154,7 @@ class AsyncEngine:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)  # type: ignore[arg-type]
         spec = EngineSpec(
-            asdict(self.args),
+            self.args,
             in_addr,
             out_addr,
             os.getpid(),
@@ -214,8 +187,7 @@ class AsyncEngine:
 
     async def _watch_process(self) -> None:
         assert self._proc is not None
-        while self._proc.poll() is None:
-            await asyncio.sleep(0.2)
+        await _process_exit(self._proc)
         if self.dead_reason is None:
             self.crashed = True
             self._fail_all(f"the engine process exited (code {self._proc.returncode})")
@@ -225,7 +197,7 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.clear_engine_stats()  # a dead engine runs and holds nothing
         for stream in list(self._streams.values()):
-            stream.queue.put_nowait(ReplicaGoneError(reason))
+            stream.fail(ReplicaGoneError(reason))
 
     def kill(self) -> None:
         """SIGKILL the core now (a hung one cannot be asked to stop)."""
@@ -307,14 +279,13 @@ class AsyncEngine:
             outputs = [[] for _ in child_ids] if resume is None else resume_tokens(resume)
             if any(outputs):  # the prompt's logprobs were already sent
                 params = replace(params, prompt_logprobs=None)
-            wire_params = params_to_wire(params)
             group = request_id if len(child_ids) > 1 else None
             messages = [
                 self._encoder.encode(
                     AddRequest(
                         cid,
                         ids,
-                        wire_params,
+                        params_to_wire(params.for_choice(i)),
                         self.eos_token_ids,
                         priority,
                         group,
@@ -322,7 +293,7 @@ class AsyncEngine:
                         WireLoRA.of(lora_request),
                     )
                 )
-                for cid, out in zip(child_ids, outputs, strict=True)
+                for i, (cid, out) in enumerate(zip(child_ids, outputs, strict=True))
                 if out is not None
             ]
         except Exception:
@@ -371,7 +342,7 @@ class AsyncEngine:
     def abort_all(self, reason: str, error: type[EngineDeadError] = EngineDeadError) -> None:
         """Ends every open stream with `error(reason)`; closing them aborts them."""
         for stream in list(self._streams.values()):
-            stream.queue.put_nowait(error(reason))
+            stream.fail(error(reason))
 
     def _release(self, stream: RequestStream) -> None:
         """A stream was closed: forget it, and abort it in the core if it was unfinished."""
@@ -419,14 +390,14 @@ class AsyncEngine:
                     self.data_parallel_rank, msg.lora.loads, msg.lora.evictions
                 )
         if self.metrics is not None:
-            self.metrics.set_engine_stats(msg.stats, self.data_parallel_rank)
+            self.metrics.set_engine_stats(msg.stats.as_metrics(), self.data_parallel_rank)
         if self.on_stats is not None:
             self.on_stats(msg.stats)
         for req_id, reason in msg.rejected:
             parent = self.output_processor.child_to_parent.get(req_id)
             stream = self._streams.get(parent) if parent is not None else None
             if stream is not None:
-                stream.queue.put_nowait(ValueError(reason))
+                stream.fail(ValueError(reason))
         core_outputs = [w.to_core_output() for w in msg.outputs]
         if self.metrics is not None:
             self.metrics.add_generation_tokens(sum(len(o.new_token_ids) for o in core_outputs))
@@ -447,6 +418,32 @@ class AsyncEngine:
             if not stream.started:
                 stream.started = True
                 self._num_unstarted -= 1
-            if out.finished and self.metrics is not None:
+            if self.metrics is not None:
                 self.metrics.observe_finished(out)
-            stream.queue.put_nowait(out)
+            stream.deltas.put(out)
+
+
+async def _process_exit(proc: subprocess.Popen[bytes]) -> None:
+    """Returns once `proc` has exited: at once on Linux (its pidfd turns readable when it
+    dies, so a SIGKILLed engine is noticed in milliseconds), else by polling every 50 ms."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # not Linux >= 5.3, or the process is gone already
+        fd = None
+    if fd is not None:
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[None] = loop.create_future()
+
+        def on_exit() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(fd, on_exit)
+        try:
+            if proc.poll() is None:
+                await exited
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+    while proc.poll() is None:  # reaps it; after the pidfd said so, returns at once
+        await asyncio.sleep(0.05)

@@ -5,29 +5,26 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from fleetserve.config import EngineConfig
+from fleetserve.config import EngineConfig, sliding_window_of
 from fleetserve.core.block_manager import BlockManager
+from fleetserve.core.hybrid_blocks import HybridBlockManager
 from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.request import Request, RequestStatus
 from fleetserve.core.scheduler import Scheduler
 from fleetserve.core.scheduler_output import EngineCoreOutput, SchedulerOutput
+from fleetserve.engine.stats import EngineStats, SpecDecodeStats
 from fleetserve.executor.base import Executor, ModelOutputFuture
 from fleetserve.lora.cache import AdapterCache
 from fleetserve.models.loader import ModelSource
+from fleetserve.structured.engine import StructuredOutputs
 
 
-def spec_decode_stats(sched: Scheduler) -> dict[str, float]:
+def spec_decode_stats(sched: Scheduler) -> SpecDecodeStats:
     """Totals since start, and the two ratios: accepted / proposed draft tokens, and
     tokens emitted per verification (accepted drafts + the target's own token)."""
-    verifications, drafts = sched.num_spec_verifications, sched.num_draft_tokens
-    accepted = sched.num_accepted_tokens
-    return {
-        "spec_decode_num_drafts": verifications,
-        "spec_decode_num_draft_tokens": drafts,
-        "spec_decode_num_accepted_tokens": accepted,
-        "spec_decode_acceptance_rate": accepted / drafts if drafts else 0.0,
-        "spec_decode_mean_accepted_length": 1 + accepted / verifications if verifications else 0.0,
-    }
+    return SpecDecodeStats.of(
+        sched.num_spec_verifications, sched.num_draft_tokens, sched.num_accepted_tokens
+    )
 
 
 def make_executor(config: EngineConfig, source: ModelSource) -> Executor:
@@ -40,16 +37,38 @@ def make_executor(config: EngineConfig, source: ModelSource) -> Executor:
     return UniprocExecutor(config, source)
 
 
+def make_block_manager(config: EngineConfig, num_blocks: int) -> BlockManager:
+    """One pool for every layer, its blocks released past the window when every layer
+    has one (Mistral); for local and global layers (Gemma 3) a second pool for the local
+    ones (core/hybrid_blocks.py)."""
+    cache, mcfg = config.cache, config.model
+    window = sliding_window_of(mcfg)
+    num_sliding = cache.resolve_sliding_blocks(mcfg, config.scheduler, num_blocks)
+    if window is not None and num_sliding:
+        return HybridBlockManager(
+            num_blocks,
+            num_sliding,
+            cache.block_size,
+            window if cache.free_window_blocks else None,
+            cache.enable_prefix_caching,
+        )
+    all_windowed = window is not None and cache.free_window_blocks
+    return BlockManager(
+        num_blocks,
+        cache.block_size,
+        cache.enable_prefix_caching,
+        window if all_windowed else None,
+    )
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.config = config
         self.executor = make_executor(config, source)
-        self.block_manager = BlockManager(
-            self.executor.num_blocks,
-            config.cache.block_size,
-            config.cache.enable_prefix_caching,
-        )
+        self.block_manager = make_block_manager(config, self.executor.num_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        # Grammar matchers and step masks, built on the first constrained request.
+        self.structured = StructuredOutputs(config, source)
         self.last_step_seconds = 0.0
         self.num_steps = 0
         # Pipeline parallelism: submitted steps not yet taken back, oldest first.
@@ -70,6 +89,8 @@ class EngineCore:
         bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if request.sampling_params.structured_outputs is not None:
+            request.grammar = self.structured.matcher_for(request)
         lora = request.lora_request
         if lora is not None:
             if self.lora is None:
@@ -139,6 +160,7 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty and not sched_out.finished_req_ids:
             return []
+        sched_out.grammar_bitmask = self.structured.start_masks(sched_out, self.scheduler)
         result = self.executor.execute_model(sched_out)
         outputs = self.scheduler.update_from_output(sched_out, result)
         self.last_step_seconds = time.perf_counter() - t0
@@ -157,6 +179,7 @@ class EngineCore:
             cap = -(-(sched.num_running + sched.num_waiting) // depth)
             sched_out = sched.schedule(self._in_flight_req_ids, max(1, cap))
             if not sched_out.is_empty or sched_out.finished_req_ids:
+                sched_out.grammar_bitmask = self.structured.start_masks(sched_out, sched)
                 future = self.executor.execute_model_async(sched_out)
                 self._in_flight.append((sched_out, future))
                 self._in_flight_req_ids.update(sched_out.num_scheduled_tokens)
@@ -172,24 +195,29 @@ class EngineCore:
         self.num_steps += 1
         return outputs
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> EngineStats:
         bm = self.block_manager
-        stats = {
-            "num_requests_running": self.scheduler.num_running,
-            "num_requests_waiting": self.scheduler.num_waiting,
-            "kv_cache_usage_perc": bm.usage,
-            "prefix_cache_hit_rate": bm.hit_rate,
-            "prefix_cache_queries": bm.num_queried_tokens,
-            "prefix_cache_hits": bm.num_hit_tokens,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "last_step_seconds": self.last_step_seconds,
-            "num_steps": self.num_steps,
-        }
-        if self.config.speculative is not None:
-            stats.update(spec_decode_stats(self.scheduler))
-        return stats
+        masks = self.structured.stats()
+        return EngineStats(
+            num_requests_running=self.scheduler.num_running,
+            num_requests_waiting=self.scheduler.num_waiting,
+            kv_cache_usage_perc=bm.usage,
+            prefix_cache_hit_rate=bm.hit_rate,
+            prefix_cache_queries=bm.num_queried_tokens,
+            prefix_cache_hits=bm.num_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            last_step_seconds=self.last_step_seconds,
+            num_steps=self.num_steps,
+            spec_decode=(
+                spec_decode_stats(self.scheduler) if self.config.speculative is not None else None
+            ),
+            structured_mask_steps=int(masks.get("structured_mask_steps", 0)),
+            structured_mask_rows=int(masks.get("structured_mask_rows", 0)),
+            structured_mask_seconds=masks.get("structured_mask_seconds", 0.0),
+        )
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         if self.lora is not None:
             self.lora.shutdown()
         self.executor.shutdown()

@@ -22,10 +22,11 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
+from fleetserve.cloud.notices import NoticeConfig, NoticeThread, PreemptionNotice, make_watcher
 from fleetserve.core.request import Request
 from fleetserve.engine.wire import (
     AbortRequests,
@@ -42,6 +43,11 @@ from fleetserve.engine.wire import (
     output_to_wire,
     params_from_wire,
 )
+
+if TYPE_CHECKING:
+    import zmq
+
+    from fleetserve.engine.core import EngineCore
 
 # How long an idle core waits on input before checking that its parent is still alive.
 _IDLE_POLL_MS = 500
@@ -108,16 +114,13 @@ class _Notices:
 _NOTICES = _Notices(15.0)
 
 
-def _start_notice_watcher(config: dict[str, Any] | None) -> Any:
+def _start_notice_watcher(cfg: NoticeConfig | None) -> NoticeThread | None:
     """Polls the cloud's metadata endpoint for a spot notice (None: no watcher)."""
-    if config is None:
+    if cfg is None:
         return None
-    from fleetserve.cloud.notices import NoticeConfig, NoticeThread, make_watcher
 
-    cfg = NoticeConfig(**config)
-
-    def on_notice(n: Any) -> None:
-        _NOTICES.add(CoreNotice(n.provider, n.deadline, n.detail))
+    def on_notice(n: PreemptionNotice) -> None:
+        _NOTICES.add(CoreNotice(n.provider, n.deadline, n.detail, n.event_id))
 
     thread = NoticeThread(make_watcher(cfg), on_notice, cfg.poll_interval_s)
     thread.start()
@@ -127,7 +130,6 @@ def _start_notice_watcher(config: dict[str, Any] | None) -> Any:
 def run_core(spec: EngineSpec) -> int:
     import zmq
 
-    from fleetserve.engine.arg_utils import EngineArgs
     from fleetserve.engine.core import EngineCore
 
     ctx = zmq.Context()
@@ -138,8 +140,9 @@ def run_core(spec: EngineSpec) -> int:
     in_sock.setsockopt(zmq.LINGER, 0)
     in_sock.connect(spec.input_address)
     encoder = msgspec.msgpack.Encoder()
+    decoder: msgspec.msgpack.Decoder[CoreInput]
     decoder = msgspec.msgpack.Decoder(CoreInput)  # type: ignore[arg-type]
-    core = None
+    core: EngineCore | None = None
     watcher = None
     _NOTICES.sigterm_grace_s = spec.sigterm_grace_s
     try:
@@ -148,7 +151,7 @@ def run_core(spec: EngineSpec) -> int:
             step_delay_s = debug_step_delay_s(
                 os.environ.get(DEBUG_STEP_DELAY_ENV), spec.data_parallel_rank
             )
-            config, source = EngineArgs(**spec.engine_args).resolve()
+            config, source = spec.engine_args.resolve()
             core = EngineCore(config, source)
         except Exception as e:
             out_sock.send(encoder.encode(CoreFailure(f"engine failed to load: {e}")))
@@ -180,11 +183,11 @@ def run_core(spec: EngineSpec) -> int:
 
 
 def _loop(
-    core: Any,
-    in_sock: Any,
-    out_sock: Any,
-    encoder: Any,
-    decoder: Any,
+    core: EngineCore,
+    in_sock: zmq.Socket[bytes],
+    out_sock: zmq.Socket[bytes],
+    encoder: msgspec.msgpack.Encoder,
+    decoder: msgspec.msgpack.Decoder[CoreInput],
     ppid: int,
     step_delay_s: float = 0.0,
 ) -> None:
@@ -222,20 +225,21 @@ def _loop(
         stats = core.stats()
         if step_delay_s and core.num_steps != num_steps:
             time.sleep(step_delay_s)
-            stats["last_step_seconds"] += step_delay_s
+            slower = stats.last_step_seconds + step_delay_s
+            stats = msgspec.structs.replace(stats, last_step_seconds=slower)
         wire = [output_to_wire(o) for o in outputs]
         rejected.extend(core.take_rejected())
         out_sock.send(encoder.encode(CoreOutputs(wire, stats, rejected, lora_state(core))))
 
 
-def lora_state(core: Any) -> WireLoRAState | None:
+def lora_state(core: EngineCore) -> WireLoRAState | None:
     cache = core.lora
     if cache is None:
         return None
     return WireLoRAState(list(cache.loaded), cache.stats.loads, cache.stats.evictions)
 
 
-def _handle(core: Any, msg: CoreInput, rejected: list[tuple[str, str]]) -> None:
+def _handle(core: EngineCore, msg: CoreInput, rejected: list[tuple[str, str]]) -> None:
     if isinstance(msg, AddRequest):
         try:
             core.add_request(

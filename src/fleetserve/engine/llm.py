@@ -10,7 +10,7 @@ from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.llm_engine import LLMEngine, PromptType
-from fleetserve.outputs import RequestOutput
+from fleetserve.outputs import OutputFold, RequestOutput
 from fleetserve.tokenizer import Tokenizer
 
 
@@ -95,6 +95,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        # The engine yields deltas; each request's are folded into its whole answer.
+        folds = {rid: OutputFold(rid, self.engine.num_choices(rid)) for rid in ids}
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(ids) > 1:
@@ -104,8 +106,10 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
+                    acc = folds[out.request_id]
+                    acc.add(out)
                     if out.finished:
-                        results[out.request_id] = out
+                        results[out.request_id] = acc.output()
                         if bar is not None:
                             bar.update(1)
         except BaseException:

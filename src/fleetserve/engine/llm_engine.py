@@ -15,6 +15,7 @@ from fleetserve.core.sampling_params import SamplingParams, is_valid_unicode
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.core import EngineCore
 from fleetserve.engine.output_processor import OutputProcessor
+from fleetserve.engine.stats import EngineStats
 from fleetserve.outputs import RequestOutput
 from fleetserve.tokenizer import Tokenizer
 
@@ -39,6 +40,8 @@ class PromptRules:
                 raise ValueError("prompt must not be empty")
             if not is_valid_unicode(prompt):
                 raise ValueError("prompt holds text that is not valid Unicode (a lone surrogate)")
+            # Longer than max_model_len tokens could hold: refused without tokenizing it.
+            self.tokenizer.check_length(prompt, self.max_model_len)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -73,6 +76,10 @@ class PromptRules:
             )
         if params.stop_token_ids and any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if params.structured_outputs is not None:
+            from fleetserve.structured.grammars import check
+
+            check(params.structured_outputs)
 
 
 class LLMEngine:
@@ -120,12 +127,12 @@ class LLMEngine:
             params.max_tokens = self.max_model_len - len(ids)
         child_ids = self.output_processor.add_request(request_id, text, ids, params)
         try:
-            for cid in child_ids:
+            for i, cid in enumerate(child_ids):
                 self.core.add_request(
                     Request(
                         cid,
                         ids,
-                        params,
+                        params.for_choice(i),
                         eos_token_ids=self.eos_token_ids,
                         priority=priority,
                         arrival_time=arrival_time,
@@ -147,14 +154,20 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished() or self.core.has_unfinished_requests()
 
+    def num_choices(self, request_id: str) -> int:
+        """The request's n (its choices); 0 once it is over."""
+        return len(self.output_processor.child_ids(request_id))
+
     def step(self) -> list[RequestOutput]:
+        """One engine step; each touched request's delta (outputs.py): what is new since
+        its previous one. Fold them (OutputFold) for the whole answer."""
         core_outputs = self.core.step()
         outputs, to_stop = self.output_processor.process(core_outputs)
         if to_stop:
             self.core.stop_requests(to_stop)
         return outputs
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> EngineStats:
         return self.core.stats()
 
     def shutdown(self) -> None:

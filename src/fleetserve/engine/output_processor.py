@@ -3,6 +3,11 @@
 Detokenizes incrementally, finds stop strings (which the core cannot see) and holds
 back text that may be the start of a stop string, so that the visible text only ever
 grows by appending. One user request with n > 1 fans out to n core requests.
+
+Each step gives each touched request one delta (outputs.py): the new token ids, text and
+logprobs of the choices that changed. Nothing of a request is kept whole here: a choice
+keeps its detokenizer, counts and the few characters held back for stop strings, so a
+step costs what it adds, however long the answer has grown.
 """
 
 from __future__ import annotations
@@ -23,10 +28,26 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 @dataclass
 class _Child:
+    """One choice's state. The text is not kept whole: only `pending`, decoded text held
+    back because it may be the start of a stop string (or, once a stop string may end the
+    choice, what is searched for one); everything before it was sent."""
+
     index: int
     detok: IncrementalDetokenizer
-    output: CompletionOutput
-    full_text: str = ""
+    num_tokens: int = 0
+    pending: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
+    # This step's delta, built by _update_child and taken by _take_delta.
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: list[str] = field(default_factory=list)
+    new_logprobs: list[dict[int, float]] | None = None
+    ended_now: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -38,16 +59,19 @@ class _ParentState:
     children: dict[str, _Child]
     arrival_time: float
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
     first_token_time: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
-        return all(c.output.finish_reason is not None for c in self.children.values())
+        return all(c.finished for c in self.children.values())
 
 
 class OutputProcessor:
+    """Owned by one engine client; `process` returns each touched request's delta."""
+
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.parents: dict[str, _ParentState] = {}
@@ -63,9 +87,10 @@ class OutputProcessor:
     ) -> list[str]:
         """Registers a request; returns the core request ids of its n children.
 
-        `resume` is the request's last output as its client saw it on a replica that was
-        lost: the children start from it (tokens, logprobs, text, finished ones stay
-        finished), so the outputs continue it without repeating or dropping a token."""
+        `resume` is the request's whole output so far (cumulative: an OutputFold's) as its
+        client saw it on a replica that was lost: the children go on from it (finished
+        ones stay finished), so the deltas continue it without repeating or dropping a
+        token."""
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if resume is not None and len(resume.outputs) != params.n:
@@ -77,14 +102,8 @@ class OutputProcessor:
                 self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens
             )
             if resume is None:
-                out = CompletionOutput(
-                    index=i,
-                    text="",
-                    token_ids=[],
-                    logprobs=[] if params.logprobs is not None else None,
-                    cumulative_logprob=0.0 if params.logprobs is not None else None,
-                )
-                children[cid] = _Child(i, detok, out)
+                lp = 0.0 if params.logprobs is not None else None
+                children[cid] = _Child(i, detok, cumulative_logprob=lp)
             else:
                 children[cid] = _resumed_child(i, detok, resume.outputs[i])
             self.child_to_parent[cid] = request_id
@@ -98,9 +117,8 @@ class OutputProcessor:
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
         if resume is not None:
-            state.prompt_logprobs = (
-                list(resume.prompt_logprobs) if resume.prompt_logprobs is not None else None
-            )
+            # The reader has the prompt's logprobs already (or never asked for them).
+            state.prompt_logprobs, state.prompt_logprobs_sent = None, True
             state.num_cached_tokens = resume.num_cached_tokens
             state.metrics = dict(resume.metrics)
             if any(c.token_ids for c in resume.outputs):
@@ -116,17 +134,18 @@ class OutputProcessor:
         return bool(self.parents)
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        """Forgets the request; its last delta ends every unfinished choice with "abort"."""
         st = self.parents.pop(request_id, None)
         if st is None:
             return None
         for cid, child in st.children.items():
             self.child_to_parent.pop(cid, None)
-            if child.output.finish_reason is None:
-                child.output.finish_reason = "abort"
-        return self._make_output(st)
+            if child.finish_reason is None:
+                child.finish_reason, child.ended_now = "abort", True
+        return self._take_delta(st)
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the updated request outputs and the core ids to stop (stop strings)."""
+        """Returns the touched requests' deltas and the core ids to stop (stop strings)."""
         touched: dict[str, _ParentState] = {}
         to_stop: list[str] = []
         now = time.monotonic()
@@ -136,7 +155,7 @@ class OutputProcessor:
                 continue
             st = self.parents[pid]
             child = st.children[eo.req_id]
-            if child.output.finish_reason is not None:
+            if child.finished:
                 continue
             touched[pid] = st
             st.num_cached_tokens = max(st.num_cached_tokens, eo.num_cached_tokens)
@@ -152,13 +171,12 @@ class OutputProcessor:
                 to_stop.append(eo.req_id)
         results = []
         for pid, st in touched.items():
-            results.append(self._make_output(st))
             if st.finished:
                 st.metrics["e2e_latency"] = now - st.arrival_time
-                results[-1].metrics = dict(st.metrics)
                 del self.parents[pid]
                 for cid in st.children:
                     self.child_to_parent.pop(cid, None)
+            results.append(self._take_delta(st))
         return results, to_stop
 
     def _update_child(self, params: SamplingParams, child: _Child, eo: EngineCoreOutput) -> bool:
@@ -184,47 +202,73 @@ class OutputProcessor:
     def _update_child_tokens(
         self, params: SamplingParams, child: _Child, eo: EngineCoreOutput
     ) -> bool:
-        out = child.output
-        prev_len = len(child.full_text)
-        out.token_ids.extend(eo.new_token_ids)
-        if eo.new_logprobs is not None and out.logprobs is not None:
+        child.num_tokens += len(eo.new_token_ids)
+        child.new_token_ids.extend(eo.new_token_ids)
+        if eo.new_logprobs is not None and child.cumulative_logprob is not None:
+            if child.new_logprobs is None:
+                child.new_logprobs = []
             for tok, lp in zip(eo.new_token_ids, eo.new_logprobs, strict=False):
-                out.logprobs.append(lp)
-                if out.cumulative_logprob is not None:
-                    out.cumulative_logprob += lp.get(tok, 0.0)
-        child.full_text += child.detok.add_tokens(eo.new_token_ids)
+                child.new_logprobs.append(lp)
+                child.cumulative_logprob += lp.get(tok, 0.0)
+        # `text`: what this child has decoded and not sent yet. A stop string that the new
+        # tokens complete starts in it: text before it was sent only when no suffix of it
+        # could begin a stop string (_held_back), so no stop string starts there.
+        text = child.pending + child.detok.add_tokens(eo.new_token_ids)
         if eo.finish_reason is not None:
-            # A sequence cut mid-character still owes its last bytes.
-            child.full_text += child.detok.flush()
+            text += child.detok.flush()  # a sequence cut mid-character owes its last bytes
         stops = params.stop_strings
         stopped = False
-        if stops and len(out.token_ids) >= params.min_tokens:
-            window = max(0, prev_len - max(len(s) for s in stops) + 1)
-            hit = _find_first(child.full_text, stops, window)
+        if stops and child.num_tokens >= params.min_tokens:
+            hit = _find_first(text, stops, 0)
             if hit is not None:
                 pos, s = hit
-                end = pos + len(s) if params.include_stop_str_in_output else pos
-                child.full_text = child.full_text[:end]
-                out.finish_reason, out.stop_reason = "stop", s
+                text = text[: pos + len(s) if params.include_stop_str_in_output else pos]
+                child.finish_reason, child.stop_reason = "stop", s
                 stopped = True
         if not stopped and eo.finish_reason is not None:
-            out.finish_reason, out.stop_reason = eo.finish_reason, eo.stop_reason
-        if out.finish_reason is not None or not stops:
-            out.text = child.full_text
-        else:
-            out.text = child.full_text[: len(child.full_text) - _held_back(child.full_text, stops)]
+            child.finish_reason, child.stop_reason = eo.finish_reason, eo.stop_reason
+        keep = 0 if child.finished or not stops else _held_back(text, stops)
+        if len(text) > keep:
+            child.new_text.append(text[: len(text) - keep])
+        child.pending = text[len(text) - keep :] if keep else ""
+        child.ended_now = child.finished
         return stopped
 
-    def _make_output(self, st: _ParentState) -> RequestOutput:
+    def _take_delta(self, st: _ParentState) -> RequestOutput:
+        """What is new for the reader since the request's previous delta; resets it."""
+        outputs = []
+        for c in st.children.values():
+            if not (c.new_token_ids or c.new_text or c.ended_now):
+                continue
+            text = c.new_text[0] if len(c.new_text) == 1 else "".join(c.new_text)
+            outputs.append(
+                CompletionOutput(
+                    c.index,
+                    text,
+                    c.new_token_ids,
+                    c.finish_reason if c.ended_now else None,
+                    c.stop_reason if c.ended_now else None,
+                    c.new_logprobs,
+                    c.cumulative_logprob,
+                )  # fmt: skip
+            )
+            c.new_token_ids, c.new_text, c.new_logprobs, c.ended_now = [], [], None, False
+        prompt_logprobs = None
+        if not st.prompt_logprobs_sent and st.prompt_logprobs is not None:
+            # Once, when the prompt is prefilled (the first token, or the end).
+            complete = len(st.prompt_logprobs) >= len(st.prompt_token_ids)
+            if complete or st.first_token_time is not None or st.finished:
+                prompt_logprobs, st.prompt_logprobs_sent = st.prompt_logprobs, True
+                st.prompt_logprobs = None  # the reader owns that list now
         return RequestOutput(
             request_id=st.request_id,
             prompt=st.prompt,
             prompt_token_ids=st.prompt_token_ids,
-            outputs=[_snapshot(c.output) for c in st.children.values()],
+            outputs=outputs,
             finished=st.finished,
-            prompt_logprobs=st.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=st.num_cached_tokens,
-            metrics=dict(st.metrics),
+            metrics=dict(st.metrics) if st.finished else {},
         )
 
 
@@ -249,19 +293,14 @@ def _held_back(text: str, stops: list[str]) -> int:
 
 
 def _resumed_child(index: int, detok: IncrementalDetokenizer, seen: CompletionOutput) -> _Child:
-    """A child that continues `seen`: its detokenizer replays the tokens one at a time, as
-    they were first decoded, so the text it goes on from (held-back stop-string prefixes
-    included) is the text the first replica had."""
-    full_text = "".join(detok.add_tokens([t]) for t in seen.token_ids)
+    """A child that continues `seen` (cumulative): its detokenizer replays the tokens one
+    at a time, as they were first decoded, so the text it goes on from (held-back
+    stop-string prefixes included) is the text the first replica had."""
+    child = _Child(index, detok, num_tokens=len(seen.token_ids),
+                   cumulative_logprob=seen.cumulative_logprob)  # fmt: skip
     if seen.finish_reason is not None:
-        full_text = seen.text
-    return _Child(index, detok, _snapshot(seen), full_text)
-
-
-def _snapshot(out: CompletionOutput) -> CompletionOutput:
-    """A copy the caller may keep while the engine goes on appending."""
-    return replace(
-        out,
-        token_ids=list(out.token_ids),
-        logprobs=list(out.logprobs) if out.logprobs is not None else None,
-    )
+        child.finish_reason, child.stop_reason = seen.finish_reason, seen.stop_reason
+        return child
+    full_text = "".join(detok.add_tokens([t]) for t in seen.token_ids)
+    child.pending = full_text[len(seen.text) :]
+    return child

@@ -11,31 +11,40 @@ own field list (core/sampling_params.SAMPLING_FIELDS), so no field list is copie
 from __future__ import annotations
 
 import typing
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
+from fleetserve.cloud.notices import NoticeConfig
 from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SAMPLING_FIELDS, SamplingParams
 from fleetserve.core.scheduler_output import EngineCoreOutput
+from fleetserve.engine.arg_utils import EngineArgs
+from fleetserve.engine.stats import EngineStats
 
 _HINTS = typing.get_type_hints(SamplingParams)
 
 # Array-like: a field is a position, so both sides must run the same fleetserve version
 # (they do: the core process is spawned from the frontend's interpreter).
-WireSamplingParams = msgspec.defstruct(
-    "WireSamplingParams",
-    [(name, _HINTS[name]) for name in SAMPLING_FIELDS],
-    array_like=True,
-    module=__name__,
-)
+if TYPE_CHECKING:
+
+    class WireSamplingParams(msgspec.Struct, array_like=True):
+        """SamplingParams' SAMPLING_FIELDS as a struct (built below, at import)."""
+
+else:
+    WireSamplingParams = msgspec.defstruct(
+        "WireSamplingParams",
+        [(name, _HINTS[name]) for name in SAMPLING_FIELDS],
+        array_like=True,
+        module=__name__,
+    )
 
 
-def params_to_wire(p: SamplingParams) -> Any:
+def params_to_wire(p: SamplingParams) -> WireSamplingParams:
     return WireSamplingParams(**{name: getattr(p, name) for name in SAMPLING_FIELDS})
 
 
-def params_from_wire(w: Any) -> SamplingParams:
+def params_from_wire(w: WireSamplingParams) -> SamplingParams:
     return SamplingParams(**{name: getattr(w, name) for name in SAMPLING_FIELDS})
 
 
@@ -66,7 +75,7 @@ class WireLoRAState(msgspec.Struct, array_like=True):
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
     req_id: str
     prompt_token_ids: list[int]
-    params: WireSamplingParams  # type: ignore[valid-type]
+    params: WireSamplingParams
     eos_token_ids: list[int]
     # Lower runs first under the "priority" scheduling policy (the fleet's class priority
     # and the request's own priority folded into one number, see serve/admission/sla.py).
@@ -134,7 +143,7 @@ class CoreReady(msgspec.Struct, tag="ready", array_like=True):
 
 class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
     outputs: list[WireOutput]
-    stats: dict[str, float]
+    stats: EngineStats
     # Requests the core refused (req_id, reason); their ids are unknown to the core.
     rejected: list[tuple[str, str]] = []
     # Engines with LoRA on: their adapters (None: LoRA off).
@@ -152,6 +161,9 @@ class CoreNotice(msgspec.Struct, tag="notice", array_like=True):
     source: str
     deadline: float
     detail: str = ""
+    # The cloud's id of the event where it has one (Azure's EventId: what
+    # cloud/notices.py's acknowledge() sends back to let the eviction go ahead).
+    event_id: str | None = None
 
 
 CoreMessage = CoreReady | CoreOutputs | CoreFailure | CoreNotice
@@ -160,7 +172,7 @@ CoreMessage = CoreReady | CoreOutputs | CoreFailure | CoreNotice
 class EngineSpec(msgspec.Struct):
     """What the frontend tells a new core process (JSON on its command line)."""
 
-    engine_args: dict[str, Any]
+    engine_args: EngineArgs
     input_address: str
     output_address: str
     parent_pid: int
@@ -168,5 +180,5 @@ class EngineSpec(msgspec.Struct):
     # After SIGTERM the core keeps serving for this long while the frontend moves its
     # requests elsewhere, then exits by itself (a second SIGTERM ends it at once).
     sigterm_grace_s: float = 15.0
-    # A cloud's spot notice source ({provider, url, poll_interval_s}; cloud/notices.py).
-    notice: dict[str, Any] | None = None
+    # A cloud's spot notice source (a spot pool's `notice:`), polled in the core process.
+    notice: NoticeConfig | None = None

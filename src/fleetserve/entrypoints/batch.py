@@ -205,7 +205,7 @@ def _engine_steps(registry: Any) -> int:
     """Steps the generate engines ran (from their latest stats): fewer for the same lines
     means fuller batches, a figure that does not move with the machine's load."""
     replicas = [r for s in registry if s.kind == "generate" for r in s.replica_set]
-    return sum(int(r.stats.get("num_steps", 0)) for r in replicas)
+    return sum(r.stats.num_steps if r.stats is not None else 0 for r in replicas)
 
 
 class _Progress:

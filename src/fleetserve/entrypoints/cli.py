@@ -28,6 +28,12 @@ _BENCH = {
     "batch": ("fleetserve.bench.batch", "`batch run` against the offline LLM.generate ceiling"),
     "chaos": ("fleetserve.bench.chaos", "replicas killed under streaming load: lost, latency"),
     "kernels": ("fleetserve.bench.quant_kernels", "quantized GEMM GFLOP/s, float vs int8 x"),
+    "moe": (
+        "fleetserve.bench.moe",
+        "one MoE layer's step against the dense MLP of equal active size",
+    ),
+    "stream-cpu": ("fleetserve.bench.stream_cpu", "the server's CPU per streamed token vs length"),
+    "kv-window": ("fleetserve.bench.kv_window", "one long conversation's K/V, window freed or not"),
     "lora": ("fleetserve.bench.lora", "16 streams over 8 LoRA adapters vs base; cold-adapter TTFT"),
 }
 _DEPLOY = {
@@ -56,7 +62,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         sub,
         "bench",
         "benchmarks (offline | serve | sla | embed | spec | latency | perplexity | batch | chaos "
-        "| kernels | lora)",
+        "| kernels | moe | stream-cpu | kv-window | lora)",
         _BENCH,
         argv,
     )

@@ -31,6 +31,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     g.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="MoE models: each tensor-parallel rank holds whole experts (num_experts / tp) "
+        "instead of a slice of every expert",
+    )
+    g.add_argument(
         "--speculative-config",
         default=None,
         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
@@ -85,6 +91,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        expert_parallel=args.expert_parallel,
         speculative_config=args.speculative_config,
         quantization=args.quantization,
         int8_activations=args.int8_activations,

@@ -41,15 +41,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompt = args.prompt
     engine.add_request("0", prompt, params)  # type: ignore[arg-type]
-    printed = 0
     t1 = time.perf_counter()
     num_tokens = 0
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.outputs[0].text
-            print(text[printed:], end="", flush=True)
-            printed = len(text)
-            num_tokens = len(out.outputs[0].token_ids)
+        for out in engine.step():  # deltas: the new text and tokens of each step
+            for c in out.outputs:
+                print(c.text, end="", flush=True)
+                num_tokens += len(c.token_ids)
     gen_s = time.perf_counter() - t1
     print()
     print(

@@ -30,7 +30,7 @@ _SOURCES = [
     Path(__file__).with_name(n)
     for n in (
         "paged_attention.c", "fused_ops.c", "gemm.c", "quant_gemm.c", "quant_panel.c",
-        "quant_dot.c", "quant_dot_simd.c", "quant_avx2.c", "decode_step.c", "lora.c",
+        "quant_dot.c", "quant_dot_simd.c", "quant_avx2.c", "decode_step.c", "moe.c", "lora.c",
     )
 ]  # fmt: skip
 # Included by the sources: part of the cache key, not compiled on their own.
@@ -119,7 +119,7 @@ def load() -> ctypes.CDLL | None:
         p, ctypes.c_int64, p, p, p,  # q, its row stride, k_cache, v_cache, out
         ctypes.c_int, i64p, i64p, i64p, i64p, ctypes.c_int64,  # seqs, starts, lens, tables
         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # heads, kv heads, hd, bs
-        ctypes.c_float, ctypes.c_int,  # scale, threads
+        ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int,  # scale, window, cap, threads
     ]  # fmt: skip
     lib.paged_attention.restype = ctypes.c_int
     i64, i32, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -282,8 +282,13 @@ def paged_attention(
     block_tables: torch.Tensor,
     block_size: int,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Attend the given sequences' query rows of ``q`` into the same rows of ``out``.
+
+    ``sliding_window`` W: a query at position p sees keys p - W + 1 .. p only (blocks
+    wholly before them are never read); ``softcap`` c: scores become c * tanh(s / c).
 
     q/out: [num_tokens, num_heads, head_dim] (q's tokens may be strided, e.g. a slice of
     the fused qkv output, each token's heads contiguous); k_cache: [num_blocks,
@@ -333,6 +338,8 @@ def paged_attention(
         q.shape[2],
         block_size,
         scale,
+        sliding_window or 0,
+        softcap or 0.0,
         torch.get_num_threads(),
     )
     if rc != 0:

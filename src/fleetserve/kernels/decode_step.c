@@ -48,7 +48,8 @@ void attend_tile_dispatch(const float *q, int64_t q_stride, const float *k_cache
                           const float *v_cache, float *out, const int64_t *table,
                           int64_t q_start, int64_t q_len, int64_t seq_len, int64_t r0,
                           int64_t r1, int h0, int h1, int num_heads, int num_kv_heads,
-                          int head_dim, int block_size, float scale, float *scores);
+                          int head_dim, int block_size, float scale, int window,
+                          float softcap, float *scores);
 
 /* The plan: mirrored field for field by kernels/decode_step.py (ctypes). */
 enum { W_QUANT = 0, W_PACKED = 1 };
@@ -145,7 +146,7 @@ static void attend_item(const ds_plan *p, const ds_layer *L, float *qkv, int64_t
     }
     attend_tile_dispatch(qkv, ldq, L->k_cache, L->v_cache, attn, tables + i * max_blocks, i, 1,
                          seq_lens[i], 0, 1, h0, h1, p->num_heads, p->num_kv_heads, hd,
-                         p->block_size, p->scale, scores);
+                         p->block_size, p->scale, 0, 0.f, scores);
 }
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) {

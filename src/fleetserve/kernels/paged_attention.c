@@ -13,7 +13,10 @@
  * Either way one kv head's part of a block is contiguous (block_size * head_dim floats).
  * Sequence i owns query rows q_starts[i] .. q_starts[i] + q_lens[i]; its cache holds
  * seq_lens[i] tokens, the last q_lens[i] of which are these queries (causal: row j sees
- * keys 0 .. seq_lens[i] - q_lens[i] + j).
+ * keys 0 .. seq_lens[i] - q_lens[i] + j). With a sliding window W > 0 a row at position p
+ * sees only keys p - W + 1 .. p (transformers' `kv > q - W`): blocks wholly before that
+ * are never read, so their table entries may name blocks given to someone else. A
+ * softcap c > 0 bounds each scaled score as c * tanh(s / c) (Gemma 2's logit softcap).
  *
  * One work item is (sequence, kv head, tile of query rows). The num_heads / num_kv_heads
  * query heads that share a kv head are handled together, so each key and value row is
@@ -201,7 +204,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, float *out,
     const int64_t *table, int64_t q_start, int64_t q_len, int64_t seq_len, int64_t r0,
     int64_t r1, int h0, int h1, int num_heads, int num_kv_heads, const int head_dim,
-    int block_size, float scale, float *scores) {
+    int block_size, float scale, int window, float softcap, float *scores) {
     const int group = num_heads / num_kv_heads;
     const int heads = (h1 - h0) * group; /* query heads handled here */
     const int64_t span = (int64_t)block_size * head_dim;
@@ -209,11 +212,15 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int64_t row_stride = (int64_t)num_heads * head_dim;
     for (int64_t r = r0; r < r1; r++) {
         const int64_t n_keys = ctx + r + 1;
+        /* Keys [k_lo, n_keys) are attended; the walk starts at k_lo's block, whose
+         * leading keys [t_lo, k_lo) get probability 0. */
+        const int64_t k_lo = window > 0 && n_keys > window ? n_keys - window : 0;
+        const int64_t t_lo = k_lo / block_size * block_size;
         const float *qr = q + (q_start + r) * q_stride + (int64_t)h0 * group * head_dim;
         float *orow = out + (q_start + r) * row_stride + (int64_t)h0 * group * head_dim;
         /* Pass 1: scores[h * n_keys + t] = scale * q_h . k_t, a block of keys at a time
          * (a kv head's keys stay in L1 across the query heads that share it). */
-        for (int64_t t0 = 0; t0 < n_keys; t0 += block_size) {
+        for (int64_t t0 = t_lo; t0 < n_keys; t0 += block_size) {
             const int nk = (int)(t0 + block_size < n_keys ? block_size : n_keys - t0);
             const float *kb = block_heads(k_cache, table, t0, n_keys, h0, h1, num_kv_heads,
                                           block_size, head_dim);
@@ -225,21 +232,24 @@ static inline __attribute__((always_inline)) void attend_tile(
         /* Softmax per head. */
         for (int h = 0; h < heads; h++) {
             float *s = scores + h * n_keys;
-            float m = s[0];
-            for (int64_t t = 1; t < n_keys; t++) m = s[t] > m ? s[t] : m;
+            if (softcap > 0.f)
+                for (int64_t t = k_lo; t < n_keys; t++) s[t] = softcap * tanhf(s[t] / softcap);
+            for (int64_t t = t_lo; t < k_lo; t++) s[t] = 0.f;
+            float m = s[k_lo];
+            for (int64_t t = k_lo + 1; t < n_keys; t++) m = s[t] > m ? s[t] : m;
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < n_keys; t++) {
+            for (int64_t t = k_lo; t < n_keys; t++) {
                 s[t] = expf(s[t] - m);
                 sum += s[t];
             }
             const float inv = 1.f / sum;
 #pragma omp simd
-            for (int64_t t = 0; t < n_keys; t++) s[t] *= inv;
+            for (int64_t t = k_lo; t < n_keys; t++) s[t] *= inv;
             memset(orow + h * head_dim, 0, sizeof(float) * head_dim);
         }
         /* Pass 2: out_h = sum_t p_h[t] * v_t, a block at a time. */
-        for (int64_t t0 = 0; t0 < n_keys; t0 += block_size) {
+        for (int64_t t0 = t_lo; t0 < n_keys; t0 += block_size) {
             const int nk = (int)(t0 + block_size < n_keys ? block_size : n_keys - t0);
             const float *vb = block_heads(v_cache, table, t0, n_keys, h0, h1, num_kv_heads,
                                           block_size, head_dim);
@@ -256,10 +266,11 @@ __attribute__((noinline)) void attend_tile_dispatch(const float *q, int64_t q_st
                                  float *out, const int64_t *table, int64_t q_start,
                                  int64_t q_len, int64_t seq_len, int64_t r0, int64_t r1,
                                  int h0, int h1, int num_heads, int num_kv_heads, int head_dim,
-                                 int block_size, float scale, float *scores) {
+                                 int block_size, float scale, int window, float softcap,
+                                 float *scores) {
 #define ATTEND(HD)                                                                          \
     attend_tile(q, q_stride, k_cache, v_cache, out, table, q_start, q_len, seq_len, r0, r1, h0, h1,   \
-                num_heads, num_kv_heads, HD, block_size, scale, scores)
+                num_heads, num_kv_heads, HD, block_size, scale, window, softcap, scores)
     switch (head_dim) {
         case 64: ATTEND(64); break;
         case 128: ATTEND(128); break;
@@ -273,7 +284,7 @@ int paged_attention(const float *q, int64_t q_stride, const float *k_cache, cons
                     int num_seqs, const int64_t *q_starts, const int64_t *q_lens,
                     const int64_t *seq_lens, const int64_t *tables, int64_t max_blocks,
                     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                    int num_threads) {
+                    int window, float softcap, int num_threads) {
     /* Work items, numbered through a prefix sum: a decode (one query row) is one item
      * over all kv heads; a longer query is one item per (tile of rows, kv head). */
     int64_t *item_start = malloc(sizeof(int64_t) * (num_seqs + 1));
@@ -309,7 +320,8 @@ int paged_attention(const float *q, int64_t q_stride, const float *k_cache, cons
             }
             attend_tile_dispatch(q, q_stride, k_cache, v_cache, out, tables + (int64_t)seq * max_blocks,
                                  q_starts[seq], q_lens[seq], seq_lens[seq], r0, r1, h0, h1,
-                                 num_heads, num_kv_heads, head_dim, block_size, scale, scores);
+                                 num_heads, num_kv_heads, head_dim, block_size, scale, window,
+                                 softcap, scores);
         }
         free(scores);
     }

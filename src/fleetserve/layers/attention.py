@@ -6,6 +6,12 @@ blocks in place (fleetserve/kernels; there the key cache is d-major within a blo
 reference backend is plain torch (SDPA), which runs on CPU and GPU alike: it gathers
 each request's blocks and attends decodes in padded groups; prefill chunks without
 cached context attend only to themselves through SDPA's causal path.
+
+A layer with a ``sliding_window`` W (Mistral, Gemma's local layers) lets a query at
+position p see keys p - W + 1 .. p only, as transformers does; when the engine keeps a
+separate block table for such layers (local and global layers in one model), their
+metadata is the forward context's ``sliding`` part. ``softcap`` c bounds each scaled
+score as c * tanh(s / c).
 """
 
 from __future__ import annotations
@@ -18,12 +24,22 @@ from fleetserve.kernels import cpu as cpu_kernels
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.softcap = softcap
         # Bound by the model runner: [num_blocks, num_kv_heads, block_size, head_dim].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -31,6 +47,8 @@ class Attention(torch.nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         meta = get_forward_context()
+        if self.sliding_window is not None and meta.sliding is not None:
+            meta = meta.sliding
         k_cache, v_cache = self.k_cache, self.v_cache
         assert k_cache is not None and v_cache is not None, "KV cache not bound"
         if meta.cpu_kernels:
@@ -44,7 +62,7 @@ class Attention(torch.nn.Module):
             out = torch.empty(q.shape, dtype=q.dtype)
             cpu_kernels.paged_attention(
                 q, k_cache, v_cache, out, p.q_starts, p.q_lens, p.seq_lens,
-                p.block_tables, meta.block_size, self.scale,
+                p.block_tables, meta.block_size, self.scale, self.sliding_window, self.softcap,
             )  # fmt: skip
             return out
         k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
@@ -56,7 +74,7 @@ class Attention(torch.nn.Module):
         qsl = meta.query_start_loc
         for i in range(nd, len(meta.seq_lens)):
             start, end = qsl[i], qsl[i + 1]
-            if meta.context_lens[i] == 0:
+            if meta.context_lens[i] == 0 and self.sliding_window is None and not self.softcap:
                 # No cached context: the chunk attends only to itself. (4-D inputs:
                 # on the CPU, 3-D ones fall to SDPA's slow math path.)
                 qi = q[start:end].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
@@ -88,7 +106,12 @@ class Attention(torch.nn.Module):
             qd = q[g.start : g.end].view(rows, self.num_kv_heads, group, self.head_dim)
             kd = self._gather(self.k_cache, g.block_table)
             vd = self._gather(self.v_cache, g.block_table)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.kv_mask, scale=self.scale)
+            mask = g.kv_mask
+            if self.sliding_window is not None:
+                lens = mask.sum(-1, keepdim=True)  # [rows, 1, 1, 1]
+                keys = torch.arange(mask.shape[-1], device=q.device)
+                mask = mask & (keys > lens - 1 - self.sliding_window)
+            od = self._sdpa(qd, kd, vd, mask)
             out[g.start : g.end] = od.reshape(rows, self.num_heads, self.head_dim)
 
     def _prefill_torch(
@@ -104,11 +127,29 @@ class Attention(torch.nn.Module):
         ki = self._gather(self.k_cache, table[None])[0, :, :seq_len]  # [kvh, seq_len, hd]
         vi = self._gather(self.v_cache, table[None])[0, :, :seq_len]
         # Query row j sits at position ctx + j and sees keys 0..ctx + j.
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= (
-            ctx + torch.arange(q_len, device=q.device)[:, None]
-        )
-        oi = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1)[None], ki[None], vi[None], attn_mask=mask,
-            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # fmt: skip
+        keys = torch.arange(seq_len, device=q.device)[None, :]
+        q_pos = ctx + torch.arange(q_len, device=q.device)[:, None]
+        mask = keys <= q_pos
+        if self.sliding_window is not None:
+            mask = mask & (keys > q_pos - self.sliding_window)
+        oi = self._sdpa(q[start:end].transpose(0, 1)[None], ki[None], vi[None], mask)
         out[start:end] = oi[0].transpose(0, 1)
+
+    def _sdpa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """SDPA over [..., heads, len, hd] with kv heads shared by query heads, or, with
+        a softcap (which SDPA has no place for), the same math written out."""
+        gqa = self.num_heads != self.num_kv_heads and q.shape[-3] != k.shape[-3]
+        if not self.softcap:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa
+            )
+        if gqa:
+            rep = q.shape[-3] // k.shape[-3]
+            k = k.repeat_interleave(rep, dim=-3)
+            v = v.repeat_interleave(rep, dim=-3)
+        s = (q @ k.transpose(-1, -2)) * self.scale
+        s = self.softcap * torch.tanh(s / self.softcap)
+        s = s.masked_fill(~mask, float("-inf"))
+        return torch.softmax(s, dim=-1) @ v

@@ -9,6 +9,7 @@ batch, nor on whether it was preempted and recomputed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,9 +52,28 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits
 
 
+def apply_token_bitmask(logits: torch.Tensor, logit_rows: list[int], bias: Any) -> None:
+    """Structured outputs: adds each row of `bias` (float32 numpy, 0 for an allowed token,
+    -inf for a forbidden one; core/structured.bitmask_bias) to its row of `logit_rows`, in
+    place. Tokens past the mask's vocabulary (a padded LM head) are forbidden too."""
+    if not logit_rows:
+        return
+    vocab = logits.shape[1]
+    add = torch.from_numpy(bias)
+    if add.shape[1] < vocab:
+        add = torch.nn.functional.pad(add, (0, vocab - add.shape[1]), value=float("-inf"))
+    add = add[:, :vocab]
+    if logit_rows == list(range(logits.shape[0])):
+        logits.add_(add)
+        return
+    idx = torch.tensor(logit_rows, dtype=torch.long)
+    logits[idx] += add
+
+
 def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Before min_tokens outputs, EOS and stop_token_ids cannot be sampled (vLLM's rule):
-    merely not stopping on them would leave them inside the output."""
+    merely not stopping on them would leave them inside the output. A row a grammar has
+    already cut down to those tokens keeps them: the grammar wins over min_tokens."""
     for i, row in enumerate(rows):
         sp = row.params
         if len(row.output_token_ids) >= sp.min_tokens:
@@ -62,7 +82,11 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
         if not sp.ignore_eos:
             banned.update(row.eos_token_ids)
         if banned:
-            logits[i, sorted(banned)] = float("-inf")
+            ids = sorted(banned)
+            kept = logits[i].clone()
+            kept[ids] = float("-inf")
+            if sp.structured_outputs is None or bool(torch.isfinite(kept).any()):
+                logits[i] = kept
     return logits
 
 
@@ -141,5 +165,6 @@ def top_logprobs(row_logprobs: torch.Tensor, token_id: int, n: int) -> dict[int,
     if n > 0:
         vals, ids = row_logprobs.topk(n)
         for t, v in zip(ids.tolist(), vals.tolist(), strict=True):
-            lps.setdefault(t, v)
+            if v != float("-inf"):  # a token a grammar forbids is no alternative
+                lps.setdefault(t, v)
     return lps

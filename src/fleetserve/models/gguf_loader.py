@@ -25,6 +25,9 @@ _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 
 # llama.cpp's converter interleaves the two rotary halves of each q/k head only for these
@@ -48,22 +51,44 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    # Mixture of experts: the router, experts stacked [num_experts, rows, cols] (named as
+    # models/moe.py reads them), and Qwen2-MoE's shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# Gemma 3 (llama.cpp's gemma3 arch) names its four norms differently: its ffn_norm is
+# the norm *before* the MLP.
+_GEMMA3_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Architectures whose norms scale by (1 + w) in HF: llama.cpp's converter stores 1 + w.
+_NORM_SHIFTED_ARCHITECTURES = {"gemma3"}
 # Tensors HF models have no place for; llama3-style rope scaling baked into `rope_freqs` is
 # not reconstructed (transformers' GGUF loader drops it as well).
 _IGNORED_NAMES = {"rope_freqs"}
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unmapped."""
+    block_names = _GEMMA3_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
     base, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
     if base in _TOP_LEVEL_NAMES:
         return f"{_TOP_LEVEL_NAMES[base]}.{suffix}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block_names:
+        return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{suffix}"
     return None
 
 
@@ -88,13 +113,14 @@ class GGUFWeights:
     ) -> None:
         self._tensors: dict[str, GGUFTensorInfo] = {}  # HF name -> GGUF tensor
         for tensor in tensors:
-            hf_name = hf_tensor_name(tensor.name)
+            hf_name = hf_tensor_name(tensor.name, arch)
             if hf_name is None:
                 if tensor.name.rpartition(".")[0] not in _IGNORED_NAMES:
                     logger.warning("ignoring GGUF tensor %s: no HF counterpart", tensor.name)
                 continue
             self._tensors[hf_name] = tensor
         self._permuted = arch in _PERMUTED_ARCHITECTURES
+        self._norm_shifted = arch in _NORM_SHIFTED_ARCHITECTURES
         self._num_heads = num_heads
         self._num_kv_heads = num_kv_heads
 
@@ -119,6 +145,10 @@ class GGUFWeights:
     def get_tensor(self, name: str) -> torch.Tensor:
         tensor = self._tensor(name)
         out = _dequantize(tensor, tensor.data)
+        if out.dim() == 1 and name.endswith("shared_expert_gate.weight"):
+            out = out.view(1, -1)  # llama.cpp stores the [1, hidden] gate as a vector
+        if self._norm_shifted and name.endswith("norm.weight"):
+            out = out - 1.0  # back to HF's w (the model adds the 1 again)
         heads = self._heads_to_unpermute(name)
         return out if heads is None else unpermute_rotary(out, heads)
 
@@ -180,15 +210,41 @@ def gguf_hf_config(meta: dict[str, Any], tensor_names: set[str], vocab_rows: int
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
+    num_experts = int(get("expert_count", 0))
+    if arch == "llama" and num_experts:
+        hf_arch, model_type = "MixtralForCausalLM", "mixtral"  # llama.cpp's Mixtral
+    gating = get("expert_gating_func")
+    if num_experts and gating not in (None, 1):  # 1: softmax (ggml's LLAMA_EXPERT_GATING_FUNC)
+        raise ValueError(
+            f"GGUF {arch} experts gated by function {gating} are not supported (softmax only)"
+        )
+    layers = int(get("block_count"))
     rope_scaling = None
     if get("rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    return {
+    extra: dict[str, Any] = {}
+    if arch == "gemma3":
+        head_dim = int(get("attention.key_length", hidden // heads))
+        # As llama.cpp: local layers use base 10000 and every 6th layer is global; the
+        # 27B (62 layers) scales queries by hidden / heads, the others by head_dim.
+        extra = {
+            "sliding_window": int(get("attention.sliding_window")),
+            "sliding_window_pattern": int(get("attention.sliding_window_pattern", 6)),
+            "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+            "rope_local_base_freq": 10000.0,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "final_logit_softcapping": get("final_logit_softcapping"),
+        }
+    elif get("attention.sliding_window") is not None:
+        raise ValueError(
+            f"GGUF architecture {arch!r} with {arch}.attention.sliding_window is not supported"
+        )
+    return extra | {
         "architectures": [hf_arch],
         "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": int(get("feed_forward_length") or get("expert_feed_forward_length")),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
         "head_dim": int(get("attention.key_length", hidden // heads)),
@@ -203,6 +259,26 @@ def gguf_hf_config(meta: dict[str, Any], tensor_names: set[str], vocab_rows: int
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",  # dequantized
         "hidden_act": "silu",
+        **_moe_fields(arch, get, num_experts),
+    }
+
+
+def _moe_fields(arch: str, get: Any, num_experts: int) -> dict[str, Any]:
+    """config.json's MoE fields from llama.cpp's expert metadata (none for dense models)."""
+    if not num_experts:
+        return {}
+    fields = {"num_experts_per_tok": int(get("expert_used_count"))}
+    if arch == "llama":  # Mixtral: every expert as wide as feed_forward_length
+        return {**fields, "num_local_experts": num_experts}
+    # llama.cpp's defaults when the file does not say: Qwen3-MoE renormalises the top-k
+    # weights, Qwen2-MoE does not.
+    norm = get("expert_weights_norm")
+    return {
+        **fields,
+        "num_experts": num_experts,
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length", 0)),
+        "norm_topk_prob": bool(arch == "qwen3moe" if norm is None else norm),
     }
 
 
@@ -258,6 +334,27 @@ def _convert_tokenizer(gguf_path: str, chat_template: str | None, out_dir: str) 
         json.dump(special, f, indent=2, ensure_ascii=False)
 
 
+def check_tensor_types(path: str, tensors: list[GGUFTensorInfo]) -> None:
+    """ValueError naming the first tensor stored in a GGML type that cannot be read
+    (neither a kernel's block format nor one gguf-py dequantizes)."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import _type_traits
+
+    readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits}
+    for t in tensors:
+        try:
+            qtype = GGMLQuantizationType(t.qtype)
+        except ValueError:
+            raise ValueError(
+                f"{path}: tensor {t.name} has unknown GGML type id {t.qtype}"
+            ) from None
+        if qtype not in readable:
+            raise ValueError(
+                f"{path}: tensor {t.name} is stored as {qtype.name}, which fleetserve cannot "
+                f"read; supported: {sorted(q.name for q in readable)}"
+            )
+
+
 def resolve_gguf(path: str) -> ModelSource:
     path = os.path.abspath(path)
     meta, tensors = read_gguf(path)
@@ -266,7 +363,9 @@ def resolve_gguf(path: str) -> ModelSource:
         raise ValueError(f"{path} has no token_embd.weight tensor; not a language model GGUF")
     if "tokenizer.ggml.model" not in meta:
         raise ValueError(f"{path} carries no tokenizer (no tokenizer.ggml.model field)")
-    names = {n for t in tensors if (n := hf_tensor_name(t.name)) is not None}
+    arch = meta.get("general.architecture", "")
+    check_tensor_types(path, tensors)
+    names = {n for t in tensors if (n := hf_tensor_name(t.name, arch)) is not None}
     hf_config = gguf_hf_config(meta, names, vocab_rows=embed.shape[0])
     weights = GGUFWeights(
         tensors,

@@ -28,7 +28,7 @@ from fleetserve.models.llama_decode import run_decode
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, window: int | None = None) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -44,7 +44,9 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rope = rope
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -76,10 +78,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rope)
+        self.self_attn = LlamaAttention(cfg, rope, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
@@ -105,9 +107,9 @@ class LlamaModel(nn.Module):
             cfg.head_dim, cfg.max_model_len + 1, cfg.rope_theta, cfg.rope_scaling
         )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(cfg, rope) for _ in range(cfg.num_hidden_layers)]
-        )
+        # Mistral's window (every layer) or Qwen2/3's upper layers' (config.layer_windows).
+        windows = cfg.layer_windows or (None,) * cfg.num_hidden_layers
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, rope, w) for w in windows])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # The whole step in one C call when its rows are all decodes (llama_decode.py);
         # bound by the model runner once the caches are (None: modules only).
@@ -138,6 +140,9 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
+    # Whether models/llama_decode.py's C step computes this model (subclasses say no).
+    decode_step_capable = True
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -168,6 +173,16 @@ class LlamaForCausalLM(nn.Module):
         pack_linears(self)
         if self.lm_head is None:  # tied: this stage holds the embedding (sharding.py)
             self.packed_tied_head = cpu_kernels.PackedWeight(self.model.embed_tokens.weight)
+
+    def rebuild_rope(self, device: torch.device) -> None:
+        """The rotary tables (buffers, left on the meta device) built for real."""
+        cfg = self.config
+        with torch.device(device):
+            rope = RotaryEmbedding(
+                cfg.head_dim, cfg.max_model_len + 1, cfg.rope_theta, cfg.rope_scaling
+            )
+        for layer in self.decoder_layers():
+            layer.self_attn.rope = rope
 
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
         return [cast(LlamaDecoderLayer, layer) for layer in self.model.layers]

@@ -46,6 +46,8 @@ def build_decode_plan(model: LlamaForCausalLM) -> DecodePlan | None:
     cfg = model.config
     if (
         cfg.dtype != torch.float32
+        or cfg.moe is not None  # MoE blocks run on the module path (kernels/moe.py)
+        or any(cfg.layer_windows)  # the C step attends without a window (yet)
         or cfg.head_dim % 2
         or not isinstance(model.logits_gather, torch.nn.Identity)
     ):

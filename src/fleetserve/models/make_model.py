@@ -17,7 +17,16 @@ from typing import Any
 
 import torch
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
 SIZES = ("tiny", "bench")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -50,6 +59,33 @@ _SIZES: dict[str, dict[str, Any]] = {
     ),
 }
 _TOKENIZER_VOCAB = {"tiny": 640, "bench": 2048}
+
+# Mixture-of-experts fields per (arch, size). The bench Mixtral's active MLP (top-2 of 8
+# experts of 1024) matches the dense bench model's intermediate_size of 2048.
+_MOE_FIELDS: dict[tuple[str, str], dict[str, Any]] = {
+    ("mixtral", "tiny"): dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+    ("mixtral", "bench"): dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=1024),
+    ("qwen2_moe", "tiny"): dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=96,
+        norm_topk_prob=False,
+    ),
+    ("qwen2_moe", "bench"): dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=1024,
+        norm_topk_prob=False,
+    ),
+    ("qwen3_moe", "tiny"): dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+    ),
+    ("qwen3_moe", "bench"): dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=1024, norm_topk_prob=True
+    ),
+}
 
 _SUBJECTS = [
     "the cat",
@@ -161,16 +197,43 @@ def _save_tokenizer(tok: Any, out_dir: str) -> None:
 
 
 def _hf_config(arch: str, fields: dict[str, Any]) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     cls = {
         "llama": LlamaConfig,
         "mistral": MistralConfig,
         "qwen2": Qwen2Config,
         "qwen3": Qwen3Config,
+        "mixtral": MixtralConfig,
+        "qwen2_moe": Qwen2MoeConfig,
+        "qwen3_moe": Qwen3MoeConfig,
+        "gemma3": Gemma3TextConfig,
     }
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         fields.setdefault("sliding_window", None)
+    if arch == "gemma3":
+        # Gemma 3's shape in small: local layers with a short window between global
+        # ones (every 2nd here, every 6th in the real models), two RoPE bases.
+        n = fields["num_hidden_layers"]
+        fields.setdefault("sliding_window", 16)
+        fields.setdefault(
+            "layer_types",
+            ["full_attention" if (i + 1) % 2 == 0 else "sliding_attention" for i in range(n)],
+        )
+        fields.setdefault("query_pre_attn_scalar", fields["head_dim"])
+        fields["rope_theta"] = fields.get("rope_theta_global", 1_000_000.0)
+        fields.pop("rope_theta_global", None)
+        fields.setdefault("rope_local_base_freq", 10_000.0)
+        fields.setdefault("architectures", ["Gemma3ForCausalLM"])
     return cls[arch](**fields)
 
 
@@ -198,8 +261,8 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
         elif name == "lm_head.weight":
             param.copy_(4.0 / math.sqrt(param.shape[1]) * torch.randn(param.shape, generator=gen))
         else:
-            # Linear [out_features, in_features]
-            param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1]))
+            # Linear [out_features, in_features], or stacked experts [E, out, in]
+            param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1]))
 
 
 def make_model(
@@ -225,6 +288,7 @@ def make_model(
     tok = train_tokenizer(_TOKENIZER_VOCAB[size], seed=0)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     fields: dict[str, Any] = dict(_SIZES[size])
+    fields.update(_MOE_FIELDS.get((arch, size), {}))
     # Pad to a multiple of 64, as real checkpoints do, so rows past the tokenizer exist.
     fields.setdefault("vocab_size", 64 * math.ceil(tok.get_vocab_size() / 64))
     fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]

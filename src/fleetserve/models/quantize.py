@@ -30,6 +30,7 @@ from fleetserve.layers.quant_linear import QuantEmbedding, QuantLinear
 from fleetserve.models.gguf_loader import GGUFWeights
 from fleetserve.models.llama import LlamaForCausalLM
 from fleetserve.models.loader import ModelSource
+from fleetserve.models.moe import ROUTERS, SparseMoeBlock
 
 QUANTIZATIONS = ("none", "gguf", "int8")
 
@@ -173,6 +174,8 @@ def quantize_int8(model: nn.Module, int8_activations: bool = False) -> int:
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
+            if isinstance(parent, SparseMoeBlock) and name in ROUTERS:
+                continue  # tiny, and a rounding error there would swap a token's experts
             if isinstance(child, Linear) and child.in_features % 32 == 0:
                 q = QuantLinear(
                     [_quant_weight(QType.Q8_0, quantize_q8_0(child.weight), int8_activations)],

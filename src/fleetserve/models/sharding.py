@@ -26,11 +26,18 @@ from fleetserve.layers.linear import Linear
 from fleetserve.layers.parallel import LogitsGather, RowParallelLinear, VocabParallelEmbedding
 from fleetserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from fleetserve.models.loader import ModelSource
+from fleetserve.models.moe import MoeForCausalLM, SparseMoeBlock
+from fleetserve.models.moe_sharding import check_moe_parallel, load_moe_shards, shard_moe_block
 
 
 def check_parallel_config(cfg: ModelConfig, parallel: ParallelConfig) -> None:
     """Raise ValueError when the model cannot be split this way."""
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if cfg.architecture == "Gemma3ForCausalLM" and tp * pp > 1:
+        raise ValueError(
+            "Gemma3ForCausalLM runs in one process: tensor/pipeline parallelism of its "
+            "layers is not supported yet (use tensor_parallel_size=1, pipeline_parallel_size=1)"
+        )
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     if heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={heads}")
@@ -39,7 +46,9 @@ def check_parallel_config(cfg: ModelConfig, parallel: ParallelConfig) -> None:
             f"tensor_parallel_size={tp} must divide num_key_value_heads={kv} or be a "
             "multiple of it (KV heads are then replicated)"
         )
-    if cfg.intermediate_size % tp:
+    check_moe_parallel(cfg, parallel)
+    dense = cfg.moe is None or len(cfg.moe.sparse_layers) < cfg.num_hidden_layers
+    if dense and cfg.intermediate_size % tp:
         raise ValueError(
             f"tensor_parallel_size={tp} must divide intermediate_size={cfg.intermediate_size}"
         )
@@ -69,7 +78,12 @@ def shard_model(model: LlamaForCausalLM, ctx: ParallelContext) -> None:
         attn.q_size, attn.kv_size = num_heads * hd, num_kv_heads * hd
         attn.qkv_proj = Linear(hidden, attn.q_size + 2 * attn.kv_size, bias=cfg.attention_bias)
         attn.o_proj = RowParallelLinear(attn.q_size, hidden, ctx)
-        attn.attn = Attention(num_heads, num_kv_heads, hd, attn.attn.scale)
+        attn.attn = Attention(
+            num_heads, num_kv_heads, hd, attn.attn.scale, attn.attn.sliding_window
+        )
+        if isinstance(layer.mlp, SparseMoeBlock):
+            shard_moe_block(layer.mlp, cfg, ctx)
+            continue
         mlp = layer.mlp
         mlp.intermediate_size = inter
         mlp.gate_up_proj = Linear(hidden, 2 * inter, bias=False)
@@ -137,7 +151,10 @@ def _pieces(name: str, model: LlamaForCausalLM, ctx: ParallelContext) -> list[_P
 def load_shards(model: LlamaForCausalLM, source: ModelSource, ctx: ParallelContext) -> None:
     """Fill every parameter of a sharded model, reading only its slice of each tensor."""
     dtype = model.config.dtype
+    moe_done = load_moe_shards(model, source, ctx) if isinstance(model, MoeForCausalLM) else set()
     for name, param in model.named_parameters():
+        if name in moe_done:
+            continue
         pieces = _pieces(name, model, ctx) or [(name, -1, 0, 0, 0)]
         param.data.zero_()  # vocab padding rows stay zero
         for src, dim, start, end, offset in pieces:

@@ -17,6 +17,7 @@ autoscaler reads can grow past its target before the ingress holds requests back
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import replace
@@ -41,6 +42,7 @@ from fleetserve.serve.config.fleet_config import (
     FleetConfig,
     ModelEntry,
     PlacementConfig,
+    PoolConfig,
     load_fleet_config,
     parse_fleet_config,
 )
@@ -127,15 +129,17 @@ def ingress_actor_options(fleet: FleetConfig) -> dict[str, Any]:
     return opts
 
 
+def _notice(pool: PoolConfig) -> dict[str, Any] | None:
+    """A spot pool's cloud notice config, for its replicas' engines to watch."""
+    return dataclasses.asdict(pool.notice) if pool.notice is not None else None
+
+
 def build_app(
     config: str | dict[str, Any] | FleetConfig, options: IngressOptions | None = None
 ) -> Application:
     """The fleet (a fleet YAML path, its parsed dict, or a FleetConfig) as a Serve
     application; ValueError naming the key for a bad file, before anything starts."""
     fleet = _fleet(config)
-    local_only = fleet.local_only_keys()
-    if local_only:
-        raise ValueError(f"{', '.join(local_only)}: served by the local server only")
     handles: dict[str, Any] = {}
     pool_handles: dict[str, dict[str, Any]] = {}  # model -> pool -> its deployment
     max_ongoing: dict[str, int] = {}
@@ -152,7 +156,7 @@ def build_app(
                 pool_handles[entry.name] = {
                     pool.name: serve.deployment(**pool_options(entry, pool, opts, STATS_PERIOD_S))(
                         GenerateReplica
-                    ).bind(entry.name, args, entry.resilience)
+                    ).bind(entry.name, args, entry.resilience, _notice(pool))
                     for pool in served_pools(entry)
                 }
                 continue

@@ -46,7 +46,7 @@ from fleetserve.entrypoints.openai.serving_common import (
 )
 from fleetserve.entrypoints.openai.serving_completion import completion_body, completion_inputs
 from fleetserve.entrypoints.openai.serving_embedding import create_embedding
-from fleetserve.outputs import RequestOutput
+from fleetserve.outputs import OutputFold, RequestOutput
 from fleetserve.serve.config.fleet_config import FleetConfig
 from fleetserve.serve.microbatch.batcher import MicroBatchConfig
 
@@ -135,7 +135,7 @@ def line_model(fleet: FleetConfig, endpoint: str) -> LineModel:
         kind,
         listing,
         embed_model=entry.model or MINILM_NAME,
-        batching=MicroBatchConfig(**entry.batching.model_dump()) if entry.batching else None,
+        batching=entry.batching,
     )
 
 
@@ -265,10 +265,13 @@ class GenerateLines:
     def _step_until_done(self) -> dict[str, RequestOutput]:
         engine = self.llm.engine
         finals: dict[str, RequestOutput] = {}
+        folds: dict[str, OutputFold] = {}
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            for out in engine.step():  # deltas, folded per request into its whole answer
+                rid = out.request_id
+                folds.setdefault(rid, OutputFold(rid)).add(out)
                 if out.finished:
-                    finals[out.request_id] = out
+                    finals[rid] = folds.pop(rid).output()
         return finals
 
     def close(self) -> None:

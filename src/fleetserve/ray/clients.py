@@ -10,7 +10,7 @@ times `max_ongoing_requests` (one replica's worth when none is known yet, so tha
 first request reaches Serve and wakes a scaled-to-zero deployment). Serve's router (ours,
 router.py) then picks the replica, and the engine's priority scheduler orders what it holds.
 
-Each sent engine request is a `MigratingStream` (serve/resilience/migration.py) over its calls: when
+Each sent engine request is a `FleetStream` (serve/request_state.py) over its calls: when
 the replica running it is lost (its actor, node or engine process died, Serve stopped it;
 streams.py), the client is its `Resubmitter` and calls the deployment again with
 `resume=` the last output its reader got and `avoid=` the replicas the request was lost
@@ -37,12 +37,13 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from fleetserve.config import model_root
 from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import EngineDeadError, ReplicaGoneError
 from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.metrics import ModelMetrics
-from fleetserve.outputs import RequestOutput
+from fleetserve.outputs import OutputFold, RequestOutput
 from fleetserve.ray import router_state
 from fleetserve.ray.pool_deployments import PoolChoice, PoolRoute
 from fleetserve.ray.router_state import num_known_replicas
@@ -51,8 +52,9 @@ from fleetserve.serve.admission.admit import Admission
 from fleetserve.serve.admission.sla import Entry, ServiceClass, engine_priority
 from fleetserve.serve.config.fleet_config import FleetConfig, ModelEntry
 from fleetserve.serve.contracts import ReplicaStreamLike
+from fleetserve.serve.request_state import FleetStream, RequestState
 from fleetserve.serve.resilience.hedging import hedge_for
-from fleetserve.serve.resilience.migration import MigratingStream, migration_reason
+from fleetserve.serve.resilience.migration import migration_reason
 from fleetserve.serve.services.adapters import AdapterTable
 from fleetserve.tokenizer import Tokenizer
 
@@ -72,7 +74,7 @@ log = logging.getLogger("fleetserve.ray")
 
 # How often a request that lost its replica looks for Serve to list another one.
 _REPLICA_POLL_S = 0.2
-# The replica index a MigratingStream is given for a call: Serve's router places a call
+# The replica index a FleetStream is given for a call: Serve's router places a call
 # after it is made, so the client learns the replica later (RayStream.replica_index).
 _UNPLACED = -1
 
@@ -82,7 +84,7 @@ _Placed = tuple[str, int]  # (deployment, replica index)
 
 @dataclass
 class _Call:
-    """What sending an engine request (again) needs: MigratingStream's `context`."""
+    """What sending an engine request (again) needs: FleetStream's `context`."""
 
     item: _Item
     service_class: ServiceClass
@@ -120,6 +122,7 @@ class RayGenerateClient:
         """`handle`: the model's deployment; for a model with `pools`, None, and `pools`
         holds each pool's deployment by pool name."""
         self.name = entry.name
+        self.tool_parser = entry.tool_parser
         self._handles: dict[str, DeploymentHandle] = {}  # deployment name -> handle
         routes: list[PoolRoute] = []
         capacity_of = {p.name: p.capacity for p in entry.pools or []}
@@ -181,7 +184,10 @@ class RayGenerateClient:
 
     def card(self) -> dict[str, Any]:
         return {
-            "root": self.config.model_path,
+            # What vLLM gives (clients load a tokenizer from it): the model's folder, or
+            # for a single .gguf file the served name; the file itself is model_path.
+            "root": model_root(self.config.model_path, self.name),
+            "model_path": self.config.model_path,
             "max_model_len": self.max_model_len,
             "replicas": self._num_known_replicas(),
         }
@@ -232,7 +238,7 @@ class RayGenerateClient:
         priority: int = 0,
         *,
         lora_name: str | None = None,
-    ) -> list[MigratingStream]:
+    ) -> list[FleetStream]:
         """As GenerateService.admit: validate, queue by class, return the streams once
         dispatched. Cancelling the wait takes the request out of the queue.
 
@@ -281,10 +287,10 @@ class RayGenerateClient:
         self.num_in_flight_streams -= num_streams
         self._dispatch()
 
-    def _send(self, entry: Entry[_Pending]) -> list[MigratingStream]:
+    def _send(self, entry: Entry[_Pending]) -> list[FleetStream]:
         pending = entry.payload
         cls = entry.service_class
-        streams: list[MigratingStream] = []
+        streams: list[FleetStream] = []
         try:
             for item in pending.items:
                 call = _Call(item, cls, engine_priority(cls, entry.priority))
@@ -292,12 +298,20 @@ class RayGenerateClient:
                 observer = RequestObserver(
                     self.metrics, cls.name, pending.arrival, self._unstarted, self._release_one
                 )
-                stream = MigratingStream(
-                    self,
+                state = RequestState(
                     item.request_id,
                     item.params.n,
-                    inner,
+                    cls.name,
+                    call.priority,
+                    pending.arrival,
+                    OutputFold(item.request_id, item.params.n),
                     _UNPLACED,
+                    queue_deadline=None if entry.deadline == float("inf") else entry.deadline,
+                )
+                stream = FleetStream(
+                    state,
+                    inner,
+                    self,
                     observer=observer,
                     migration_limit=self.resilience.migration_limit,
                     hedge=hedge_for(cls.hedge_after_s, self.hedge, self.metrics),
@@ -359,7 +373,7 @@ class RayGenerateClient:
 
     # ------------------------------------------------------------- migration
     async def resubmit(
-        self, stream: MigratingStream, exclude: set[int]
+        self, stream: FleetStream, exclude: set[int]
     ) -> tuple[ReplicaStreamLike, int]:
         """Resubmitter (serve/resilience/migration.py): calls the deployment again for `stream`'s
         request, going on from the output its reader got last, never on a replica it was
@@ -371,14 +385,10 @@ class RayGenerateClient:
         if isinstance(old, RayStream) and old.replica_index is not None:
             call.lost_on.add((old.deployment, old.replica_index))
         await self._wait_for_replica(call)
-        last = stream.last
-        done = last is not None and any(c.token_ids for c in last.outputs)
-        inner = self._call(call, resume=last if done else None)
+        inner = self._call(call, resume=stream.state.resume_from())
         return inner, _UNPLACED
 
-    async def hedge(
-        self, stream: MigratingStream, exclude: set[int]
-    ) -> tuple[ReplicaStreamLike, int]:
+    async def hedge(self, stream: FleetStream, exclude: set[int]) -> tuple[ReplicaStreamLike, int]:
         """CopyMaker (serve/resilience/hedging.py): calls the deployment again for `stream`'s request,
         from its start, never on the replica its first call went to (the copy's `avoid`:
         the two calls never meet in one engine, where they would share a request id).
@@ -393,7 +403,23 @@ class RayGenerateClient:
         also = frozenset({(first.deployment, index)})
         if self.pools.pick(call.service_class.name, lambda d: call.avoid(d, also)) is None:
             raise EngineDeadError(f"no other replica of {self.name!r} for a hedged copy")
-        return self._call(call, also=also), _UNPLACED
+        # The copy takes a seat of the in-flight budget for as long as both calls run:
+        # the race ends when one of them ends (the loser is closed at once).
+        if self.num_in_flight_streams >= self.capacity:
+            raise EngineDeadError(f"no room in {self.name!r}'s in-flight budget for a copy")
+        copy = self._call(call, also=also)
+        self.num_in_flight_streams += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._release(1)
+
+        first.on_end.append(release)
+        copy.on_end.append(release)
+        return copy, _UNPLACED
 
     async def _wait_for_replica(self, call: _Call) -> None:
         """Returns once Serve's routers list a replica the request may go to, one it was
@@ -413,7 +439,7 @@ class RayGenerateClient:
                 )
             await asyncio.sleep(min(left, _REPLICA_POLL_S))
 
-    def on_migrated(self, stream: MigratingStream, error: ReplicaGoneError) -> None:
+    def on_migrated(self, stream: FleetStream, error: ReplicaGoneError) -> None:
         old = stream.inner
         index = old.replica_index if isinstance(old, RayStream) else None
         log.info("%s: request %s moves off replica %s (%s)", self.name, stream.request_id,

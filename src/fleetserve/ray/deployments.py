@@ -22,11 +22,18 @@ from typing import Any
 
 import numpy as np
 
+from fleetserve.cloud.notices import NoticeConfig
 from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
-from fleetserve.engine.async_engine import AsyncEngine, EngineDeadError, ReplicaGoneError
+from fleetserve.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    ReplicaGoneError,
+)
+from fleetserve.engine.delta_stream import ReplicaRefusedError
 from fleetserve.engine.embedding import MINILM_NAME
+from fleetserve.engine.stats import EngineStats
 from fleetserve.outputs import RequestOutput
 from fleetserve.ray.health import EngineWatch
 from fleetserve.ray.wire import RemoteError
@@ -57,17 +64,27 @@ def lost_as_gone(e: Exception, replica: Any) -> Exception:
 
 class GenerateReplica:
     """One engine. `args` are the model entry's EngineArgs (num_threads: the replica's);
-    `resilience` its hang timeout and SIGTERM grace."""
+    `resilience` its hang timeout and SIGTERM grace; `notice` its spot pool's cloud notice
+    config (the engine process polls its own node's metadata endpoint, as on the local
+    server; a notice drains the replica through EngineWatch)."""
 
     async def __init__(  # type: ignore[misc]
-        self, model_name: str, args: EngineArgs, resilience: ResilienceConfig | None = None
+        self,
+        model_name: str,
+        args: EngineArgs,
+        resilience: ResilienceConfig | None = None,
+        notice: dict[str, Any] | None = None,
     ) -> None:
         self.model_name = model_name
         resilience = resilience or ResilienceConfig()
         if args.num_threads is None:
             args = replace(args, num_threads=1)
-        engine = AsyncEngine(args, _ENGINE_MAX_WAITING)
-        engine.sigterm_grace_s = resilience.sigterm_grace_s
+        engine = AsyncEngine(
+            args,
+            _ENGINE_MAX_WAITING,
+            sigterm_grace_s=resilience.sigterm_grace_s,
+            notice=NoticeConfig(**notice) if notice is not None else None,
+        )
         self.replica = LocalReplica(0, engine, max_num_seqs=engine.config.scheduler.max_num_seqs)
         self.watch = EngineWatch(model_name, self.replica, resilience)
         await self.replica.start()
@@ -87,13 +104,14 @@ class GenerateReplica:
         avoid: Sequence[int] = (),
         lora: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput | RemoteError]:
-        """The request's outputs (cumulative, the newest when the reader fell behind); a
-        refusal or failure is one RemoteError and the end. `resume`: the request's last
-        output the ingress saw from a replica it lost; the request goes on from there
+        """The request's deltas (what is new since the previous yield; merged when the
+        ingress fell behind), as the engine hands them: nothing is folded or diffed here.
+        A refusal or failure is one RemoteError and the end. `resume`: the request's
+        whole output so far as the ingress saw it on a replica it lost; it goes on from there
         (request migration). `num_new_tokens` and `avoid` are for the ingress's router
         only. Cancelling the call (the client left) aborts the request."""
         if self.watch.draining:
-            yield RemoteError.of(ReplicaGoneError("the replica is draining"))
+            yield RemoteError.of(ReplicaRefusedError("the replica is draining"))
             return
         try:
             stream = self.replica.submit(
@@ -113,27 +131,28 @@ class GenerateReplica:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         r = self.replica
+        stats = r.stats or EngineStats()
         return {
             "step_latency_s": r.step_latency_s,
             "num_outstanding_requests": r.num_outstanding_requests,
             "num_outstanding_tokens": r.num_outstanding_tokens,
             "num_requests_waiting": r.queue_depth,
-            "prefix_cache_queries": r.stats.get("prefix_cache_queries", 0.0),
-            "prefix_cache_hits": r.stats.get("prefix_cache_hits", 0.0),
-            "kv_cache_usage_perc": r.stats.get("kv_cache_usage_perc", 0.0),
-            "num_requests_running": r.stats.get("num_requests_running", 0.0),
+            "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
+            "kv_cache_usage_perc": stats.kv_cache_usage_perc,
+            "num_requests_running": float(stats.num_requests_running),
             "draining": self.watch.draining,
         }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        stats = self.replica.stats
-        running = float(stats.get("num_requests_running", 0.0))
+        stats = self.replica.stats or EngineStats()
+        running = float(stats.num_requests_running)
         # Sent to the engine but not yet scheduled there, plus the scheduler's own queue.
         waiting = float(max(self.replica.num_outstanding_requests - running, 0.0))
         return {
             "num_running": running,
             "num_waiting": waiting,
-            "kv_cache_usage": float(stats.get("kv_cache_usage_perc", 0.0)),
+            "kv_cache_usage": stats.kv_cache_usage_perc,
         }
 
     def check_health(self) -> None:
@@ -149,7 +168,7 @@ class GenerateReplica:
             "core_pid": self.replica.engine.core_pid,
             "num_routed": self.replica.num_routed,
             "num_requests": self.replica.num_outstanding_requests,
-            "stats": dict(self.replica.stats),
+            "stats": (self.replica.stats or EngineStats()).as_metrics(),
         }
 
     async def __del__(self) -> None:
@@ -168,9 +187,11 @@ class MicroBatchReplica:
                 entry["name"], entry.get("model") or MINILM_NAME, batching=batching
             )
         else:
+            limits = {k: entry[k] for k in ("timeout_s", "memory_limit_mb") if entry.get(k)}
             self.service = CustomService(
-                entry["name"], entry["handler"], options=entry["options"], batching=batching
-            )
+                entry["name"], entry["handler"], options=entry["options"], batching=batching,
+                **limits,
+            )  # fmt: skip
         await self.service.start()
 
     async def dimension(self) -> int:

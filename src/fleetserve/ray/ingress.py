@@ -132,6 +132,8 @@ class FleetIngress:
         pool_handles = pool_handles or {}
         generate: list[tuple[str, str, str]] = []
         for entry in config.models:
+            # The batch sizes of embed/custom models are their replicas' (not exported here).
+            metrics.model(entry.name).declare(entry.kind, config.classes, batches=False)
             pools = pool_handles.get(entry.name)
             handle = None if pools is not None else handles[entry.name]
             if entry.kind == "generate":

@@ -8,6 +8,10 @@ router from what it routes (a request's prompt and max tokens count against its 
 from `on_request_routed` until `on_request_completed`), as the local server's LocalReplica
 keeps them; the step latency comes from the replica's own `record_routing_stats`. Each
 Serve replica gets a stable small index on first sight (policies and metrics use ints).
+A request counts against the replica the policy picks from the moment it is picked (a
+reservation, moved if Serve sends the call elsewhere, dropped if it never sends it), not
+only from `on_request_routed`: a burst chosen before Serve reports the first routes would
+otherwise all see the same loads and go to one replica.
 
 The policy's pick is the first rank; the other replicas follow, least loaded first, as the
 fallback ranks Serve tries when the pick is at its `max_ongoing_requests`.
@@ -22,6 +26,7 @@ Serve tries again after a backoff, until a new replica is up).
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +46,9 @@ from fleetserve.serve.routing.policies import make_policy
 # Engine requests whose replica the router remembers (the newest; a request is looked up
 # only while it streams, so an old entry is never needed).
 _PLACEMENTS_KEPT = 10_000
+# A pick Serve never routed (the caller left, the call failed before it was sent) stops
+# counting against its replica after this long.
+_RESERVATION_S = 10.0
 
 
 @dataclass
@@ -112,6 +120,9 @@ class FleetRequestRouter(RequestRouter):
         # engine request id -> index of the replica it was last routed to. Written on the
         # router's thread, read (`placement`) on the ingress's: single dict operations.
         self._placed: dict[str, int] = {}
+        # engine request id -> (replica picked, tokens counted, time.monotonic()) until
+        # Serve says where the call went (on_request_routed).
+        self._reserved: dict[str, tuple[ReplicaID, int, float]] = {}
         router_state.ROUTERS[self._deployment_id.name] = self
 
     def _view(self, replica: RunningReplica) -> ReplicaLoadView:
@@ -154,13 +165,38 @@ class FleetRequestRouter(RequestRouter):
         if route is None:
             return [[v.replica for v in sorted(views, key=load_key)]]
         chosen = self.policy.choose(route, views)
+        self._reserve(route, chosen)
         rest = sorted((v for v in views if v is not chosen), key=load_key)
         return [[chosen.replica], [v.replica for v in rest]] if rest else [[chosen.replica]]
+
+    def _count(self, replica_id: ReplicaID, num_requests: int, num_tokens: int) -> None:
+        view = self._views.get(replica_id)
+        if view is not None:
+            view.num_outstanding_requests += num_requests
+            view.num_outstanding_tokens += num_tokens
+
+    def _unreserve(self, req_id: str) -> None:
+        held = self._reserved.pop(req_id, None)
+        if held is not None:
+            self._count(held[0], -1, -held[1])
+
+    def _reserve(self, route: RouteRequest, chosen: ReplicaLoadView) -> None:
+        """Count the request against its pick now (a retry of the same call replaces its
+        earlier pick); picks never routed expire."""
+        now = time.monotonic()
+        for req_id in [k for k, v in self._reserved.items() if now - v[2] > _RESERVATION_S]:
+            self._unreserve(req_id)
+        self._unreserve(route.req_id)
+        replica_id = chosen.replica.replica_id
+        self._reserved[route.req_id] = (replica_id, route.num_tokens, now)
+        self._count(replica_id, 1, route.num_tokens)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
         route = route_of(pending_request)
+        if route is not None:
+            self._unreserve(route.req_id)  # counted below where it actually went
         view = self._views.get(replica_id)
         if route is None or view is None:
             return

@@ -1,15 +1,21 @@
 """`fleetserve serve --ray`: the fleet as a Ray Serve application, until Ctrl-C / SIGTERM.
 
 Joins the cluster at --ray-address (`auto`: the one this machine belongs to), or starts a
-local Ray. Serve's HTTP proxy listens on --host/--port. On the signal the application is
-deleted (Serve drains its replicas) and a Ray started here is shut down; exit code 0.
+local Ray. Serve's HTTP proxy listens on --host/--port. On the signal, in order and within
+--drain-timeout (plus a few seconds for the cluster itself): the application is deleted
+(Serve drains its replicas; past the drain timeout the rest is cut short), then a Ray
+started here is shut down (its processes with it: no Serve shutdown first, nothing left to
+talk to a cluster that is going away); a joined cluster is left running. Exit code 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import sys
 import threading
+import time
 from typing import Any
 
 from fleetserve.serve.config.fleet_config import FleetConfig
@@ -56,13 +62,34 @@ def run_on_ray(args: argparse.Namespace, fleet: FleetConfig, api_key: str | None
         )
         while not stop.wait(0.5):
             pass
-        print("fleetserve: shutting down the Ray Serve application", flush=True)
-        serve.delete(APP_NAME)
-        if started_here:
-            serve.shutdown()
+        _delete_app(args.drain_timeout)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         if started_here:
+            started = time.monotonic()
             ray.shutdown()
-    return 0
+            print(f"fleetserve: Ray stopped in {time.monotonic() - started:.1f} s", flush=True)
+    # Everything is stopped; the interpreter's teardown of Ray's and torch's modules took
+    # another ~10 s on a loaded machine, past the drain timeout. Skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _delete_app(drain_timeout_s: float) -> None:
+    """Delete the application and wait (at most the drain timeout) until Serve has
+    drained and removed it."""
+    from ray import serve
+
+    print("fleetserve: shutting down the Ray Serve application", flush=True)
+    started = time.monotonic()
+    serve.delete(APP_NAME, _blocking=False)
+    while time.monotonic() - started < drain_timeout_s:
+        if APP_NAME not in serve.status().applications:
+            print(f"fleetserve: application deleted in {time.monotonic() - started:.1f} s",
+                  flush=True)  # fmt: skip
+            return
+        time.sleep(0.2)
+    print(f"fleetserve: the application was not gone after the drain timeout "
+          f"({drain_timeout_s:g} s); stopping anyway", flush=True)  # fmt: skip

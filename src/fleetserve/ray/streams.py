@@ -4,8 +4,8 @@ observer that measures and seats a request across all its calls (`RequestObserve
 A call that ends because its replica is lost ends with ReplicaGoneError: the replica's
 actor or its node died or is unreachable (Ray's RayActorError, ActorDiedError,
 ActorUnavailableError, NodeDiedError), or the replica says so itself (its engine process
-died, Serve is stopping it: RemoteError kind "gone"). The request's MigratingStream
-(serve/resilience/migration.py) answers that by resuming it on another replica (clients.py). Any
+died, Serve is stopping it: RemoteError kind "gone"). The request's FleetStream
+(serve/request_state.py) answers that by resuming it on another replica (clients.py). Any
 other failure ends it with the error the handlers map to HTTP, as before.
 """
 
@@ -24,6 +24,7 @@ from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
 from fleetserve.ray.wire import RemoteError
 from fleetserve.serve.admission.admit import ClassObserver
+from fleetserve.serve.request_state import RequestState
 
 
 def replica_lost(e: BaseException) -> bool:
@@ -40,7 +41,8 @@ def short(e: BaseException) -> str:
 
 
 class RayStream:
-    """One call's outputs (`ReplicaStreamLike`) from a replica of `deployment`.
+    """One call's deltas (`ReplicaStreamLike`) from a replica of `deployment`, as the
+    replica yields them.
     `placement` tells which replica Serve's router sent the call to (the router's index;
     None before it is routed)."""
 
@@ -58,6 +60,7 @@ class RayStream:
         self._index: int | None = None
         self._done = False
         self.lost = False  # ended by ReplicaGoneError: the request may go on elsewhere
+        self.on_end: list[Callable[[], None]] = []  # each called once, when the call ends
 
     @property
     def replica_index(self) -> int | None:
@@ -103,6 +106,8 @@ class RayStream:
         if not self._done:
             self._done = True
             _ = self.replica_index  # fixed now (see replica_index)
+            for callback in self.on_end:
+                callback()
 
     def close(self) -> None:
         """Aborts the request in its replica if it has not finished."""
@@ -116,8 +121,9 @@ class RayStream:
 class RequestObserver(ClassObserver):
     """A request's latencies by class (ClassObserver), across every replica it ran on;
     also what a local engine would count itself (tokens, finish reasons: the replicas'
-    engines report no metrics to the ingress), once, from the output its reader got last.
-    `release` gives its seat in the ingress back when it ends."""
+    engines report no metrics to the ingress): finish reasons as deltas end choices, tokens
+    once, from its state's fold when it finishes. `release` gives its seat in the ingress
+    back when it ends."""
 
     def __init__(
         self,
@@ -130,12 +136,14 @@ class RequestObserver(ClassObserver):
         super().__init__(metrics, class_name, arrival, unstarted)
         self.release = release
 
-    def on_output(self, out: RequestOutput) -> None:
-        super().on_output(out)
-        if out.finished and self.metrics is not None:
-            self.metrics.add_prompt_tokens(len(out.prompt_token_ids))
-            self.metrics.add_generation_tokens(sum(len(c.token_ids) for c in out.outputs))
-            self.metrics.observe_finished(out)
+    def on_output(self, delta: RequestOutput, state: RequestState) -> None:
+        super().on_output(delta, state)
+        if self.metrics is None:
+            return
+        self.metrics.observe_finished(delta)
+        if delta.finished:
+            self.metrics.add_prompt_tokens(len(state.fold.prompt_token_ids))
+            self.metrics.add_generation_tokens(state.fold.num_generated)
 
     def on_end(self) -> None:
         super().on_end()

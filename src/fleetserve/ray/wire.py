@@ -15,6 +15,7 @@ from fleetserve.engine.async_engine import (
     EngineOverloadedError,
     ReplicaGoneError,
 )
+from fleetserve.engine.delta_stream import ReplicaRefusedError
 from fleetserve.serve.microbatch.batcher import (
     MicroBatchItemError,
     MicroBatchOverloadedError,
@@ -22,7 +23,9 @@ from fleetserve.serve.microbatch.batcher import (
 )
 from fleetserve.serve.microbatch.services import ServiceNotReadyError
 
-ErrorKind = Literal["value", "not_ready", "overloaded", "stopped", "gone", "dead", "internal"]
+ErrorKind = Literal[
+    "value", "not_ready", "overloaded", "stopped", "refused", "gone", "dead", "internal"
+]
 
 _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (MicroBatchOverloadedError, "overloaded"),
@@ -30,6 +33,7 @@ _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (ServiceNotReadyError, "not_ready"),
     (EngineNotReadyError, "not_ready"),
     (EngineOverloadedError, "overloaded"),
+    (ReplicaRefusedError, "refused"),  # before its base classes
     (ReplicaGoneError, "gone"),  # before its base class: the request may move on
     (EngineDeadError, "dead"),
     (ValueError, "value"),
@@ -62,6 +66,7 @@ class RemoteError:
                 "not_ready": ServiceNotReadyError,
                 "overloaded": MicroBatchOverloadedError,
                 "stopped": MicroBatchStoppedError,
+                "refused": MicroBatchStoppedError,
                 "gone": MicroBatchStoppedError,
                 "dead": MicroBatchStoppedError,
                 "internal": RuntimeError,
@@ -72,6 +77,7 @@ class RemoteError:
             "not_ready": EngineNotReadyError,
             "overloaded": EngineOverloadedError,
             "stopped": EngineDeadError,
+            "refused": ReplicaRefusedError,
             "gone": ReplicaGoneError,
             "dead": EngineDeadError,
             "internal": EngineDeadError,

@@ -4,13 +4,17 @@ routing policy, and the replica itself (one engine client, whatever runs it)."""
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.engine.stats import EngineStats
 from fleetserve.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from fleetserve.serve.request_state import RequestState
 
 
 @dataclass(frozen=True)
@@ -60,8 +64,9 @@ class ReplicaLoad(Protocol):
 
 
 class ReplicaStreamLike(Protocol):
-    """One request's outputs from a replica, in order, each the newest cumulative state
-    (a slow reader skips to the newest); `close()` aborts it if it has not finished."""
+    """One request's deltas from one replica (one call: the engine client's DeltaStream,
+    a Ray call's RayStream), in order; a slow reader gets the merged delta of what it
+    missed. `close()` aborts it if it has not finished."""
 
     request_id: str
     n: int
@@ -74,9 +79,11 @@ class ReplicaStreamLike(Protocol):
 
 
 class StreamObserver(Protocol):
-    """Told of a request's outputs (its service measures latencies by class with it)."""
+    """Told of a request's deltas, with its state (the fold of what its reader got so
+    far, replicas, migrations: serve/request_state.py); its service measures latencies
+    by class with it."""
 
-    def on_output(self, out: RequestOutput) -> None: ...
+    def on_output(self, delta: RequestOutput, state: RequestState) -> None: ...
 
     def on_end(self) -> None:
         """The request ended (finished, failed or closed); called once."""
@@ -123,8 +130,8 @@ class Replica(ReplicaLoad, Protocol):
         ...
 
     @property
-    def stats(self) -> Mapping[str, float]:
-        """Its engine's latest stats (num_requests_running, kv_cache_usage_perc, ...)."""
+    def stats(self) -> EngineStats | None:
+        """Its engine's latest stats (None: none reported yet)."""
         ...
 
     @property
@@ -165,12 +172,12 @@ class Replica(ReplicaLoad, Protocol):
         priority: int,
         num_prompt_tokens: int,
         level: int = 0,
-        observer: StreamObserver | None = None,
         resume: RequestOutput | None = None,
         lora_request: LoRARequest | None = None,
     ) -> ReplicaStreamLike:
-        """`resume`: the request's last output seen on a lost replica; the request goes
-        on from it here (request migration, serve/resilience/migration.py).
+        """`resume`: the request's whole output so far (folded) as its reader got it on a
+        lost replica; the request goes on from it here (request migration,
+        serve/resilience/migration.py).
         `lora_request`: the LoRA adapter it runs with (None: the base model)."""
         ...
 

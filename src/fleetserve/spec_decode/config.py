@@ -89,15 +89,3 @@ class SpeculativeConfig:
             prompt_lookup_min=lo,
             model=value.get("model"),
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "method": self.method,
-            "num_speculative_tokens": self.num_speculative_tokens,
-        }
-        if self.method == "ngram":
-            out["prompt_lookup_max"] = self.prompt_lookup_max
-            out["prompt_lookup_min"] = self.prompt_lookup_min
-        else:
-            out["model"] = self.model
-        return out

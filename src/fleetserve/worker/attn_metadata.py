@@ -72,9 +72,9 @@ def build_attention_metadata(
                 )
             )
         for i in range(nd, len(block_tables)):
-            has_ctx = ctx_lens[i] > 0
-            table = torch.tensor(block_tables[i], dtype=torch.long, device=dev) if has_ctx else None
-            prefill_tables.append(table)
+            # Without context SDPA's causal path needs no table, but a sliding-window or
+            # softcapped layer attends every chunk through it.
+            prefill_tables.append(torch.tensor(block_tables[i], dtype=torch.long, device=dev))
     meta = AttentionMetadata(
         slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
         slot_offsets=pos_t % bs,

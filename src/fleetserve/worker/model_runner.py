@@ -14,9 +14,10 @@ import torch
 from fleetserve.config import EngineConfig
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from fleetserve.core.structured import GrammarBitmask
 from fleetserve.distributed.parallel_state import ParallelContext
 from fleetserve.forward_context import set_forward_context
-from fleetserve.layers.sampler import Sampler, SamplingRow, top_logprobs
+from fleetserve.layers.sampler import Sampler, SamplingRow, apply_token_bitmask, top_logprobs
 from fleetserve.lora.context import set_lora_rows
 from fleetserve.lora.slots import LoRASlots
 from fleetserve.models.loader import ModelSource
@@ -45,6 +46,8 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_ids: tuple[int, ...] = ()
+    # The sliding-window layers' own blocks (a model with local and global layers).
+    window_block_ids: list[int] | None = None
     lora_name: str | None = None
     # The distribution the pending drafts were drawn from ([k, vocab]; None: a point mass).
     draft_probs: torch.Tensor | None = field(default=None, repr=False)
@@ -79,8 +82,18 @@ class ModelRunner:
             raise ValueError(
                 "attention_backend='cpu' needs a float32 model on the CPU and a C compiler"
             )
+        # A model with local and global layers: the local ones' own pool (0: none).
+        self.num_sliding_blocks = config.cache.resolve_sliding_blocks(
+            mcfg, config.scheduler, num_blocks
+        )
         self.kv_caches = bind_kv_caches(
-            self.model, num_blocks, self.block_size, mcfg.dtype, self.device, self.use_cpu_kernel
+            self.model,
+            num_blocks,
+            self.block_size,
+            mcfg.dtype,
+            self.device,
+            self.use_cpu_kernel,
+            self.num_sliding_blocks,
         )
         self.sampler = Sampler(config.seed)
         pack_for_cpu(self.model, self.use_cpu_kernel)
@@ -119,6 +132,9 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 eos_token_ids=new.eos_token_ids,
+                window_block_ids=None
+                if new.window_block_ids is None
+                else list(new.window_block_ids),
                 lora_name=new.lora_name,
             )
         for cached in so.scheduled_cached_reqs:
@@ -127,6 +143,10 @@ class ModelRunner:
             if cached.num_kept_block_ids is not None:
                 del st.block_ids[cached.num_kept_block_ids :]
             st.block_ids.extend(cached.new_block_ids)
+            if st.window_block_ids is not None:
+                if cached.num_kept_window_block_ids is not None:
+                    del st.window_block_ids[cached.num_kept_window_block_ids :]
+                st.window_block_ids.extend(cached.new_window_block_ids or [])
             st.num_computed_tokens = cached.num_computed_tokens
 
     # ---------------------------------------------------------------- execute
@@ -166,6 +186,18 @@ class ModelRunner:
             self.use_cpu_kernel,
             DECODE_GROUP_SIZE,
         )
+        if self.num_sliding_blocks:
+            # The sliding-window layers' slots and tables (same positions).
+            meta.sliding, _ = build_attention_metadata(
+                [s.window_block_ids or [] for s in ordered],
+                ctx_lens,
+                q_lens,
+                len(decodes),
+                self.block_size,
+                self.device,
+                self.use_cpu_kernel,
+                DECODE_GROUP_SIZE,
+            )
         dev = self.device
         x = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pp = self.parallel
@@ -186,7 +218,9 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
         qsl = meta.query_start_loc
-        sampled, lp_by_req = self._sample(ordered, qsl, meta.seq_lens, spec, hidden)
+        sampled, lp_by_req = self._sample(
+            ordered, qsl, meta.seq_lens, spec, hidden, so.grammar_bitmask
+        )
         prompt_lps = self._prompt_logprobs(ordered, qsl, ctx_lens, hidden)
         req_ids = list(sched)
         want_logprobs = any(s.params.logprobs is not None for s in ordered)
@@ -205,10 +239,13 @@ class ModelRunner:
         seq_lens: list[int],
         spec: dict[str, list[int]],
         hidden: torch.Tensor,
+        grammar: GrammarBitmask | None = None,
     ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, float]]]]:
         """Tokens (and logprobs) of each request whose step reaches its end: sampled from
         its last row, or, with drafts, verified against the rows of the pending token and
-        of each draft (row j predicts the token after draft j)."""
+        of each draft (row j predicts the token after draft j). A constrained request's
+        rows lose the tokens its grammar forbids first (so logprobs are those of the
+        allowed tokens, as in vLLM)."""
         plain: list[tuple[int, RequestState]] = []
         verify: list[tuple[int, RequestState, list[int]]] = []
         for i, s in enumerate(ordered):
@@ -226,6 +263,21 @@ class ModelRunner:
         if not rows:
             return sampled, lps_out
         logits = self.model.compute_logits(hidden[rows])
+        if grammar is not None:
+            logit_rows: list[int] = []
+            mask_rows: list[int] = []
+            for j, (_, s) in enumerate(plain):
+                if s.req_id in grammar.rows:
+                    logit_rows.append(j)
+                    mask_rows.append(grammar.rows[s.req_id])
+            base = len(plain)
+            for _, s, d in verify:
+                if s.req_id in grammar.rows:
+                    first = grammar.rows[s.req_id]
+                    logit_rows.extend(range(base, base + len(d) + 1))
+                    mask_rows.extend(range(first, first + len(d) + 1))
+                base += len(d) + 1
+            apply_token_bitmask(logits, logit_rows, grammar.wait()[mask_rows])
         if plain:
             tokens, lps = self.sampler(logits[: len(plain)], [s.sampling_row() for _, s in plain])
             for j, (_, s) in enumerate(plain):

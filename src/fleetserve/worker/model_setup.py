@@ -12,6 +12,8 @@ from fleetserve.kernels import cpu as cpu_kernels
 from fleetserve.models.llama import LlamaForCausalLM
 from fleetserve.models.llama_decode import build_decode_plan
 from fleetserve.models.loader import ModelSource
+from fleetserve.models.moe import MoeForCausalLM
+from fleetserve.models.moe_quant import keep_gguf_experts_quantized
 from fleetserve.models.quantize import keep_gguf_quantized, quantize_int8
 from fleetserve.models.registry import model_class
 from fleetserve.models.sharding import load_shards, shard_model
@@ -36,14 +38,11 @@ def load_model(
     consumed = set()
     if quantization == "gguf":
         consumed = keep_gguf_quantized(model, source, int8_activations)
+        if isinstance(model, MoeForCausalLM):
+            consumed |= keep_gguf_experts_quantized(model, source, int8_activations)
     model = model.to_empty(device=device).to(mcfg.dtype)
     # Buffers (rotary tables) were on meta: rebuild them for real.
-    with torch.device(device):
-        fresh_rope = type(model.decoder_layers()[0].self_attn.rope)(
-            mcfg.head_dim, mcfg.max_model_len + 1, mcfg.rope_theta, mcfg.rope_scaling
-        )
-    for layer in model.decoder_layers():
-        layer.self_attn.rope = fresh_rope
+    model.rebuild_rope(device)
     if parallel is None:
         model.load_weights(source.iter_tensors(mcfg.dtype, skip=consumed))
     else:
@@ -60,11 +59,15 @@ def bind_kv_caches(
     dtype: torch.dtype,
     device: torch.device,
     use_cpu_kernel: bool,
+    num_sliding_blocks: int = 0,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Allocate each attention layer's K/V cache and bind it to the layer."""
+    """Allocate each attention layer's K/V cache and bind it to the layer; with
+    `num_sliding_blocks`, the sliding-window layers' caches hold that many blocks (their
+    own pool, core/hybrid_blocks.py)."""
     caches: list[tuple[torch.Tensor, torch.Tensor]] = []
     for attn in model.attention_layers():
-        shape = (num_blocks, attn.num_kv_heads, block_size, attn.head_dim)
+        n = num_sliding_blocks if num_sliding_blocks and attn.sliding_window else num_blocks
+        shape = (n, attn.num_kv_heads, block_size, attn.head_dim)
         if use_cpu_kernel:
             # The kernels' layout (keys d-major within a block), on huge pages where
             # the OS allows: decodes stream the cache every step. Zeroed now, so its
@@ -95,6 +98,7 @@ def use_cpu_kernel(mcfg: ModelConfig, device: torch.device, attention_backend: s
 def bind_decode_plan(model: LlamaForCausalLM, cpu_kernel: bool, enabled: bool) -> bool:
     """Give the model its C decode step (models/llama_decode.py) where it applies; call
     after `bind_kv_caches` and `pack_for_cpu`. Returns whether it did."""
+    enabled = enabled and model.decode_step_capable
     model.model.decode_plan = build_decode_plan(model) if cpu_kernel and enabled else None
     return model.model.decode_plan is not None
 

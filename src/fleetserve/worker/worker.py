@@ -98,7 +98,12 @@ def _run(init: WorkerInit, conn: Connection) -> None:
         torch.cuda.set_device(config.device)
     par = config.parallel
     ctx = init_distributed(
-        init.rank, par.tensor_parallel_size, par.pipeline_parallel_size, init.init_method, backend
+        init.rank,
+        par.tensor_parallel_size,
+        par.pipeline_parallel_size,
+        init.init_method,
+        backend,
+        par.expert_parallel,
     )
     source = resolve_model(config.model_path)
     runner = ModelRunner(config, source, init.num_blocks, parallel=ctx)

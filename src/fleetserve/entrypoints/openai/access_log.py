@@ -3,8 +3,9 @@ request's id in the `X-Request-Id` response header.
 
 The middleware owns what the HTTP exchange alone tells: the id, status and timings (at the
 ASGI level, so a streamed response is timed to its last byte). Handlers attach what only
-they know (model, class, response id, the request's streams: replicas, migrations, token
-counts, first token) to the `AccessRecord` they find with `access_record(request)`.
+they know (model, class, response id, the states of the request's engine requests:
+replicas, migrations, token counts, first token, error; serve/request_state.py) to the
+`AccessRecord` they find with `access_record(request)`.
 
     {"time": "2026-12-03T17:42:25.120Z", "request_id": "9f0c...", "method": "POST",
      "path": "/v1/chat/completions", "status": 200, "model": "tiny", "class": "interactive",
@@ -20,13 +21,12 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import IO, Any, Protocol, runtime_checkable
+from typing import IO, Any
 
-from fleetserve.outputs import RequestOutput
-from fleetserve.serve.contracts import ReplicaStreamLike
+from fleetserve.serve.request_state import RequestState
 
 REQUEST_ID_HEADER = "X-Request-Id"
 ACCESS_LOG_MODES = ("json", "off")
@@ -37,47 +37,6 @@ logger = logging.getLogger("fleetserve.access")
 _SANE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=/-]{0,127}")
 _CLIENT_CLOSED = 499
 _MAX_ERROR_CHARS = 300
-
-
-@runtime_checkable
-class PlacedStream(Protocol):
-    """A stream that knows where it ran (serve/resilience/migration.py's MigratingStream)."""
-
-    replicas_used: list[int]
-    migrations: int
-
-
-class WatchedStream:
-    """Passes a replica stream's outputs through, noting when the first token came, the
-    last output and the error it ended with (if any)."""
-
-    def __init__(self, inner: ReplicaStreamLike, clock: Callable[[], float]) -> None:
-        self.inner = inner
-        self.request_id = inner.request_id
-        self.n = inner.n
-        self._clock = clock
-        self.first_token_at: float | None = None
-        self.last: RequestOutput | None = None
-        self.error: Exception | None = None
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        try:
-            out = await self.inner.__anext__()
-        except StopAsyncIteration:
-            raise
-        except Exception as e:
-            self.error = e
-            raise
-        if self.first_token_at is None and any(c.token_ids for c in out.outputs):
-            self.first_token_at = self._clock()
-        self.last = out
-        return out
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 @dataclass
@@ -94,20 +53,18 @@ class AccessRecord:
     route: str | None = None  # the matched route's path template (a bounded label)
     response_id: str | None = None
     prompt_tokens: int | None = None  # given by handlers without streams (embeddings)
-    streams: list[WatchedStream] = field(default_factory=list)
+    metadata: dict[str, str] | None = None  # the request body's `metadata` (OpenAI's)
+    states: list[RequestState] = field(default_factory=list)
     status_of: Callable[[Exception], int] | None = None
 
-    def watch(
-        self, streams: Sequence[ReplicaStreamLike], status_of: Callable[[Exception], int]
-    ) -> list[ReplicaStreamLike]:
-        """Wraps the request's streams so the line can tell replicas, tokens and TTFT;
-        `status_of` maps the error a stream ends with to the status it stands for."""
+    def watch(self, states: Sequence[RequestState], status_of: Callable[[Exception], int]) -> None:
+        """The request's engine requests, whose states tell the line replicas, tokens,
+        TTFT and errors; `status_of` maps the error a stream ends with to its status."""
         self.status_of = status_of
-        self.streams = [WatchedStream(s, time.monotonic) for s in streams]
-        return list(self.streams)
+        self.states = list(states)
 
     def stream_error(self) -> Exception | None:
-        return next((s.error for s in self.streams if s.error is not None), None)
+        return next((s.error for s in self.states if s.error is not None), None)
 
     def fields(self, status: int, end: float, client_gone: bool) -> dict[str, Any]:
         line: dict[str, Any] = {
@@ -121,26 +78,23 @@ class AccessRecord:
         }
         if self.response_id is not None:
             line["response_id"] = self.response_id
-        if self.streams:
+        if self.states:
             replicas: list[int] = []
-            migrations = 0
-            for s in self.streams:
-                if isinstance(s.inner, PlacedStream):
-                    # On Ray the router picks inside Serve: the stream knows no index (< 0).
-                    replicas.extend(
-                        i for i in s.inner.replicas_used if i >= 0 and i not in replicas
-                    )
-                    migrations += s.inner.migrations
+            for s in self.states:
+                # On Ray the router picks inside Serve: the state knows no index (< 0).
+                replicas.extend(i for i in s.replicas_used if i >= 0 and i not in replicas)
             line["replicas"] = replicas
-            line["migrations"] = migrations
-            finals = [s.last for s in self.streams if s.last is not None]
-            if finals:
-                line["prompt_tokens"] = sum(len(f.prompt_token_ids) for f in finals)
-                line["completion_tokens"] = sum(len(c.token_ids) for f in finals for c in f.outputs)
-            firsts = [s.first_token_at for s in self.streams if s.first_token_at is not None]
+            line["migrations"] = sum(s.migrations for s in self.states)
+            started = [s.fold for s in self.states if s.num_outputs]
+            if started:
+                line["prompt_tokens"] = sum(len(f.prompt_token_ids) for f in started)
+                line["completion_tokens"] = sum(f.num_generated for f in started)
+            firsts = [s.first_token_at for s in self.states if s.first_token_at is not None]
             line["ttft_s"] = round(min(firsts) - self.start, 6) if firsts else None
         elif self.prompt_tokens is not None:
             line["prompt_tokens"] = self.prompt_tokens
+        if self.metadata:
+            line["metadata"] = self.metadata
         line["duration_s"] = round(end - self.start, 6)
         error = self.stream_error()
         if error is not None:
@@ -175,6 +129,13 @@ def note_model(request: Any, model: str, class_name: str | None = None) -> None:
         record.model, record.class_name = model, class_name
         route = request.scope.get("route")  # set by the router that matched the request
         record.route = getattr(route, "path", None)
+
+
+def note_metadata(request: Any, metadata: dict[str, str] | None) -> None:
+    """The request's `metadata` (OpenAI's field), written into its access line."""
+    record = access_record(request)
+    if record is not None and metadata:
+        record.metadata = dict(metadata)
 
 
 def note_prompt_tokens(request: Any, num_tokens: int) -> None:

@@ -173,6 +173,13 @@ def unavailable(state: ServerState) -> str | None:
         return "the server is shutting down"
     if registry.dead_reason is not None:
         return registry.dead_reason
+    unhealthy = [
+        f"model {s.name!r} is unhealthy: {why}"
+        for s in registry
+        if (why := getattr(s, "unhealthy_reason", None)) is not None
+    ]
+    if unhealthy:  # a custom model's handler stuck in a call, or restarting
+        return "; ".join(unhealthy)
     if not registry.is_ready:
         return "loading: " + ", ".join(s.name for s in registry if not s.is_ready)
     return None
@@ -206,9 +213,11 @@ def _add_health_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    app.add_api_route("/health", health, methods=["GET", "HEAD"])
-    app.add_api_route("/live", live, methods=["GET", "HEAD"])
-    app.add_api_route("/ready", ready, methods=["GET", "HEAD"])
+    for path, probe in (("/health", health), ("/live", live), ("/ready", ready)):
+        app.add_api_route(path, probe, methods=["GET"])
+        # HEAD answers too, but is not published: one route of two methods would give
+        # /openapi.json the same operationId twice.
+        app.add_api_route(path, probe, methods=["HEAD"], include_in_schema=False)
     app.add_api_route("/metrics", metrics, methods=["GET"])
 
 
@@ -226,6 +235,14 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
             if owner.dead_reason is None:
                 cards.append(card)
         return JSONResponse({"object": "list", "data": cards})
+
+    async def model_card(name: str) -> Response:
+        # client.models.retrieve(name): the card /v1/models lists, or 404.
+        registry = ctx.registry
+        for card in registry.cards():
+            if card["id"] == name and registry.services[name].dead_reason is None:
+                return JSONResponse(card)
+        raise APIError(404, f"the model {name!r} does not exist", "model", "model_not_found")
 
     async def completions(request: Request) -> Response:
         return await create_completion(ctx, request)
@@ -250,6 +267,7 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse(await unless_disconnected(request, run_predict(service, body)))
 
     app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/models/{name:path}", model_card, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
     app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])

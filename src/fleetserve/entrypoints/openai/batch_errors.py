@@ -8,6 +8,7 @@ from fleetserve.serve.microbatch.batcher import (
     MicroBatchOverloadedError,
     MicroBatchStoppedError,
 )
+from fleetserve.serve.microbatch.isolated import HandlerTimeoutError
 from fleetserve.serve.microbatch.services import ServiceNotReadyError
 
 RETRY_AFTER_S = 1
@@ -26,6 +27,8 @@ def batch_api_error(e: Exception, field: str) -> APIError:
         return APIError(503, str(e), code="loading", headers=retry)
     if isinstance(e, MicroBatchStoppedError):
         return APIError(503, str(e), code="unavailable", headers=retry)
+    if isinstance(e, HandlerTimeoutError):
+        return APIError(504, f"{where}: {e}", code="timeout")
     if isinstance(e, ValueError):
         # The model (or the user's handler) refused this item: the client's to fix.
         param = f"{field}.{index}" if index is not None else field

@@ -21,6 +21,7 @@ from typing import Any
 
 from fleetserve.batch.lines import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, BatchLine
 from fleetserve.batch.runner import LineAnswer, LineRetry
+from fleetserve.cpu_work import run_cpu
 from fleetserve.entrypoints.openai.errors import APIError, error_body
 from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from fleetserve.entrypoints.openai.protocol_embed import EmbeddingRequest
@@ -32,6 +33,7 @@ from fleetserve.entrypoints.openai.serving_common import (
     engine_error,
     new_id,
     parse,
+    tokenize_large,
 )
 from fleetserve.entrypoints.openai.serving_completion import completion_body, completion_inputs
 from fleetserve.entrypoints.openai.serving_embedding import create_embedding
@@ -74,13 +76,16 @@ class FleetLineExecutor:
         if line.url == CHAT_URL:
             chat = parse(ChatCompletionRequest, line.body)
             ctx = self.server.generate_model(chat.model)
-            prompt, base = chat_inputs(ctx, chat)
+            self._check_tier(ctx, chat.service_tier)
+            prompt, base = await run_cpu(chat_inputs, ctx, chat)
             (final,) = await self._generate(ctx, request_id, [prompt], base, chat.priority)
             return chat_completion_body(ctx, chat, request_id, final)
         if line.url == COMPLETIONS_URL:
             cmpl = parse(CompletionRequest, line.body)
             ctx = self.server.generate_model(cmpl.model)
+            self._check_tier(ctx, cmpl.service_tier)
             prompts, base = completion_inputs(cmpl)
+            prompts = await tokenize_large(ctx, prompts)
             finals = await self._generate(ctx, request_id, prompts, base, cmpl.priority)
             return completion_body(ctx, cmpl, request_id, finals)
         assert line.url == EMBEDDINGS_URL, line.url  # lines.parse_line admits no other
@@ -88,6 +93,18 @@ class FleetLineExecutor:
         service = self.server.model(emb.model, "embed")
         assert isinstance(service, EmbedService)
         return await create_embedding(service, emb)
+
+    @staticmethod
+    def _check_tier(ctx: ModelContext, service_tier: str | None) -> None:
+        """A line's service_tier is checked as over HTTP (a class the model lacks: 400),
+        though the line still runs in the batch class: batch work never takes the seats
+        of interactive traffic."""
+        if service_tier in (None, "auto", "default"):
+            return
+        try:
+            ctx.engine.queue.resolve(service_tier)
+        except ValueError as e:
+            raise APIError(400, str(e), "service_tier") from None
 
     async def _generate(
         self, ctx: ModelContext, request_id: str, prompts: list[Any], base: Any, priority: int

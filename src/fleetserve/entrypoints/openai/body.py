@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
+from fleetserve import cpu_work
 from fleetserve.core.sampling_params import is_valid_unicode
 from fleetserve.entrypoints.openai.errors import APIError
 
@@ -28,14 +29,27 @@ def check_json_media_type(request: Request) -> None:
     cross-site without a CORS preflight; refusing them keeps any web page a user visits
     from driving a local server."""
     declared = request.headers.get("content-type", "")
-    media_type = declared.split(";", 1)[0].strip().lower()
-    if media_type != JSON_MEDIA_TYPE:
-        shown = repr(declared[:80]) if declared else "none"
+    media_type, *params = (part.strip() for part in declared.split(";"))
+    shown = repr(declared[:80]) if declared else "none"
+    if media_type.lower() != JSON_MEDIA_TYPE:
         raise APIError(
             415,
             f"Content-Type must be {JSON_MEDIA_TYPE} (got {shown})",
             code="unsupported_media_type",
         )
+    for param in params:
+        key, _, value = param.partition("=")
+        # JSON is UTF-8 (RFC 8259): a body declared in another charset would be misread.
+        if key.strip().lower() == "charset" and value.strip().strip('"').lower() not in (
+            "utf-8",
+            "utf8",
+        ):
+            raise APIError(
+                415,
+                f"a JSON body must be UTF-8: charset={value.strip()[:40]!r} is not supported "
+                f"(got {shown})",
+                code="unsupported_media_type",
+            )
 
 
 async def read_json(request: Request, max_bytes: int, timeout_s: float) -> dict[str, Any]:
@@ -47,6 +61,13 @@ async def read_json(request: Request, max_bytes: int, timeout_s: float) -> dict[
     """
     check_json_media_type(request)
     raw = await read_bytes(request, max_bytes, timeout_s)
+    if len(raw) > cpu_work.SMALL:  # a large body is parsed off the event loop
+        return await cpu_work.run_cpu(parse_json_object, raw)
+    return parse_json_object(raw)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """`raw` as a JSON object whose every string is valid Unicode; APIError 400 if not."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as e:

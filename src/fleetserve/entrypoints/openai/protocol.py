@@ -3,7 +3,8 @@
 Models are strict: a string where a number belongs is a 400, not a silent coercion, and
 NaN/infinity are refused; a whole-number float (`"n": 1.0`) counts as the integer, as in
 OpenAI's own server. A field fleetserve does not implement (`tools`, `response_format`,
-`logit_bias`, ...) is refused by name, never accepted and ignored. Range checks live in
+`logit_bias`, ...) is refused by name, never accepted and ignored; fields the OpenAI SDK
+itself writes back (a previous message's `refusal`, `audio`, ... as null) are accepted. Range checks live in
 `SamplingParams.validate` (one place for the offline and the online API); the caps that
 only the server has are checked here.
 """
@@ -17,9 +18,17 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator
 
 from fleetserve.core.sampling_params import MAX_LOGPROBS, SAMPLING_FIELDS, SamplingParams
+from fleetserve.core.structured import StructuredOutputsParams
+from fleetserve.entrypoints.openai.protocol_tools import (
+    ResponseFormat,
+    StructuredOutputsBody,
+    ToolCall,
+    ToolChoice,
+    ToolDefinition,
+)
 
 MAX_N = 32  # completions per request; each one is a sequence in the batch
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap for the legacy completions API
@@ -61,7 +70,9 @@ def _api_type(tp: Any) -> Any:
 # same names, types and defaults, so a new sampling field reaches the API, the wire and the
 # engine from its one definition. Only the server's own caps are added here. `max_tokens`,
 # `logprobs` and `prompt_logprobs` differ per endpoint and are declared by each request.
-_PER_ENDPOINT = ("max_tokens", "logprobs", "prompt_logprobs")
+# `structured_outputs` has its own body model (protocol_tools.StructuredOutputsBody),
+# compiled by structured.py into the engine's StructuredOutputsParams.
+_PER_ENDPOINT = ("max_tokens", "logprobs", "prompt_logprobs", "structured_outputs")
 BODY_SAMPLING_FIELDS = tuple(f for f in SAMPLING_FIELDS if f not in _PER_ENDPOINT)
 _CAPS: dict[str, dict[str, Any]] = {
     "n": {"ge": 1, "le": MAX_N},
@@ -93,9 +104,25 @@ class _SamplingFields(_SamplingBase):  # type: ignore[misc,valid-type]
     priority: Int = Field(default=0, ge=-(2**31), le=2**31 - 1)
     # The SLA class (also the X-Fleetserve-Class header); "auto"/"default": the default.
     service_tier: str | None = None
+    # vLLM's constraint field: json (a schema), regex, choice, grammar (Lark / GBNF).
+    structured_outputs: StructuredOutputsBody | None = None
+    # Never stored (store: true is refused); metadata goes to the access log.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _no_storing(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("fleetserve does not store completions; send store: false or omit it")
+        return v
 
     def sampling_params(
-        self, max_tokens: Int | None, logprobs: Int | None, prompt_logprobs: Int | None = None
+        self,
+        max_tokens: Int | None,
+        logprobs: Int | None,
+        prompt_logprobs: Int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
         return SamplingParams(
@@ -103,6 +130,7 @@ class _SamplingFields(_SamplingBase):  # type: ignore[misc,valid-type]
             max_tokens=max_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured_outputs,
         )
 
     @property
@@ -124,17 +152,66 @@ class TextPart(_Strict):
     text: str
 
 
+_MEDIA_PARTS = {
+    "image_url": "image",
+    "input_image": "image",
+    "image": "image",
+    "input_audio": "audio",
+    "file": "file",
+    "video_url": "video",
+}
+
+
+def _text_parts(value: Any) -> Any:
+    """A content part list: text parts only; an image (or audio, file) part is refused by
+    what it is, not as a type error."""
+    if not isinstance(value, list):
+        return value
+    for i, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _MEDIA_PARTS:
+            raise ValueError(
+                f"part {i} is {_MEDIA_PARTS[kind]} input, which this model does not support "
+                "(it reads text only)"
+            )
+    return value
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts)] = None
     name: str | None = None
+    # An assistant turn's calls, and a tool turn's answer to one of them.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    # What the OpenAI SDK writes into a message it returned (message.model_dump()):
+    # accepted when empty.
+    refusal: None = None
+    function_call: None = None
+    audio: None = None
+    annotations: list[Any] | None = None
+    reasoning_content: None = None
+
+    @field_validator("annotations")
+    @classmethod
+    def _empty(cls, v: list[Any] | None) -> list[Any] | None:
+        if v:
+            raise ValueError("annotations are not read back; send an empty list or null")
+        return v
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        out: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -143,3 +220,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None

@@ -24,6 +24,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from fleetserve.engine.stats import EngineStats
 from fleetserve.entrypoints.openai.body import ClientGone, read_bytes
 from fleetserve.entrypoints.openai.errors import APIError, from_value_error
 from fleetserve.entrypoints.openai.serving_common import (
@@ -32,9 +33,7 @@ from fleetserve.entrypoints.openai.serving_common import (
     engine_error,
     unless_disconnected,
 )
-from fleetserve.outputs import RequestOutput
 from fleetserve.serve.admission.sla import split_engine_priority
-from fleetserve.serve.contracts import ReplicaStreamLike
 from fleetserve.serve.remote.wire import (
     FRAMES,
     GENERATE_PATH,
@@ -47,6 +46,7 @@ from fleetserve.serve.remote.wire import (
     check_resume,
     params_from_http,
 )
+from fleetserve.serve.request_state import FleetStream
 from fleetserve.serve.services.generate import GenerateService
 
 
@@ -89,7 +89,7 @@ def replica_router(ctx: ServingContext) -> APIRouter:
             raise
         except Exception as e:
             raise engine_error(e) from None
-        return FramesResponse(streams[0], params.n, req.resume)
+        return FramesResponse(streams[0])
 
     @router.get(LOAD_PATH)
     async def load(model: str | None = None) -> Response:
@@ -123,8 +123,8 @@ class FramesResponse(SSEResponse):
     """The request's frames; however the response ends (finished, failed, the gateway
     gone even before the first frame), the request is closed: aborted if unfinished."""
 
-    def __init__(self, stream: ReplicaStreamLike, n: int, resume: RequestOutput | None) -> None:
-        super().__init__(frames(stream, n, resume), media_type=FRAMES)
+    def __init__(self, stream: FleetStream) -> None:
+        super().__init__(frames(stream), media_type=FRAMES)
         self.stream = stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -134,10 +134,9 @@ class FramesResponse(SSEResponse):
             self.stream.close()
 
 
-async def frames(
-    stream: ReplicaStreamLike, n: int, resume: RequestOutput | None
-) -> AsyncIterator[bytes]:
-    writer = FrameWriter(n, resume)
+async def frames(stream: FleetStream) -> AsyncIterator[bytes]:
+    """The request's deltas, each in one frame as it is (a delta in, a delta out)."""
+    writer = FrameWriter()
     try:
         async for out in stream:
             yield writer.output(out)
@@ -154,11 +153,11 @@ async def frames(
 def load_report(service: GenerateService, ctx: ServingContext) -> LoadReport:
     members = list(service.replica_set)
     live = service.replica_set.live
-    stats = [r.stats for r in live]
+    stats = [r.stats or EngineStats() for r in live]
     latencies = [s for s in (r.step_latency_s for r in live) if s is not None]
     capacities = [c for c in (r.kv_capacity_tokens for r in live) if c]
-    queries = sum(s.get("prefix_cache_queries", 0.0) for s in stats)
-    hits = sum(s.get("prefix_cache_hits", 0.0) for s in stats)
+    queries = sum(s.prefix_cache_queries for s in stats)
+    hits = sum(s.prefix_cache_hits for s in stats)
     left = None
     if ctx.draining and ctx.drain_deadline is not None:
         left = max(0.0, ctx.drain_deadline - time.monotonic())
@@ -173,14 +172,14 @@ def load_report(service: GenerateService, ctx: ServingContext) -> LoadReport:
         + sum(r.num_outstanding_requests for r in members),
         num_outstanding_tokens=sum(r.num_outstanding_tokens for r in members),
         queue_depth=sum(service.waiting_by_class().values()),
-        num_requests_running=int(sum(s.get("num_requests_running", 0.0) for s in stats)),
+        num_requests_running=sum(s.num_requests_running for s in stats),
         kv_cache_usage_perc=(
-            sum(s.get("kv_cache_usage_perc", 0.0) for s in stats) / len(stats) if stats else 0.0
+            sum(s.kv_cache_usage_perc for s in stats) / len(stats) if stats else 0.0
         ),
         kv_capacity_tokens=min(capacities) if capacities else None,
         # Its seats: a batch per live replica (the rest waits in its class queue).
         max_num_seqs=service.config.scheduler.max_num_seqs * max(1, len(live)),
         step_latency_s=sum(latencies) / len(latencies) if latencies else None,
-        num_steps=int(sum(s.get("num_steps", 0.0) for s in stats)),
+        num_steps=sum(s.num_steps for s in stats),
         prefix_cache_hit_rate=hits / queries if queries else 0.0,
     )

@@ -42,6 +42,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", default=None, help="model name clients send")
     g.add_argument(
+        "--tool-parser",
+        default=None,
+        choices=["hermes", "qwen", "llama3_json", "mistral", "json"],
+        help="how tool calls are read from the model's output (default: by its chat template)",
+    )
+    g.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' (default: $FLEETSERVE_API_KEY)",
@@ -148,8 +154,8 @@ _MODEL_FLAGS = (
     "dtype", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
     "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching", "scheduling_policy",
     "seed", "device", "num_threads", "attention_backend", "tensor_parallel_size",
-    "pipeline_parallel_size", "migration_limit", "replace_failed", "hang_timeout",
-    "sigterm_grace",
+    "pipeline_parallel_size", "expert_parallel", "migration_limit", "replace_failed",
+    "hang_timeout", "sigterm_grace", "tool_parser",
 )  # fmt: skip
 
 
@@ -184,6 +190,7 @@ def fleet_from_args(args: argparse.Namespace) -> FleetConfig:
         args.routing,
         args.max_waiting_requests,
         resilience,
+        tool_parser=args.tool_parser,
     )
 
 

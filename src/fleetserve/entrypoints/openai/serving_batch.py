@@ -67,7 +67,7 @@ def batch_router(
 ) -> APIRouter:
     """`executor_factory()` is called as each batch starts running, after the app's own
     start-up, so it may hand out an engine that the app creates in its lifespan."""
-    jobs = BatchJobs(store, executor_factory, concurrency)
+    jobs = BatchJobs(store, executor_factory, concurrency, max_body_bytes)
     routes = _BatchRoutes(store, jobs, max_file_bytes, max_body_bytes, read_timeout_s)
     router = APIRouter(lifespan=_lifespan(jobs))
     router.batch_jobs = jobs  # type: ignore[attr-defined]  # for the lead's drain and tests

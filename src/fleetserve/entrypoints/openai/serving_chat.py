@@ -10,6 +10,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.cpu_work import run_cpu
+from fleetserve.entrypoints.openai.access_log import note_metadata
 from fleetserve.entrypoints.openai.errors import APIError, from_value_error
 from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest
 from fleetserve.entrypoints.openai.serving_common import (
@@ -34,13 +36,32 @@ from fleetserve.entrypoints.openai.serving_common import (
     unless_disconnected,
     usage,
 )
+from fleetserve.entrypoints.openai.structured import (
+    combined,
+    from_response_format,
+    from_structured_outputs,
+)
+from fleetserve.entrypoints.openai.tools import (
+    ChoiceDeltas,
+    ToolPlan,
+    message_and_reason,
+    plan_tools,
+    template_messages,
+    template_renders_tools,
+)
 from fleetserve.outputs import CompletionOutput, RequestOutput
+from fleetserve.serve.request_state import FleetStream
 
 
 def _prompt_ids(ctx: ModelContext, req: ChatCompletionRequest) -> list[int]:
-    messages = [m.as_template_dict() for m in req.messages]
+    tok = ctx.engine.tokenizer
+    renders = template_renders_tools(tok.chat_template)
+    messages = template_messages([m.as_template_dict() for m in req.messages], req.tools, renders)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and renders else None
     try:
-        ids = ctx.engine.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+        ids = tok.apply_chat_template(
+            messages, req.add_generation_prompt, tools, max_model_len=ctx.engine.max_model_len
+        )
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
     except Exception as e:  # jinja2 errors: the template refused these messages
@@ -52,6 +73,17 @@ def _prompt_ids(ctx: ModelContext, req: ChatCompletionRequest) -> list[int]:
     return ids
 
 
+def tool_plan(ctx: ModelContext, req: ChatCompletionRequest) -> ToolPlan | None:
+    """The request's tool mode (None: no tools); 400s for bad tools or tool_choice."""
+    return plan_tools(
+        req.tools,
+        req.tool_choice,
+        req.parallel_tool_calls,
+        ctx.tool_parser,
+        ctx.engine.tokenizer.chat_template,
+    )
+
+
 def chat_inputs(
     ctx: ModelContext, req: ChatCompletionRequest
 ) -> tuple[dict[str, list[int]], SamplingParams]:
@@ -61,10 +93,18 @@ def chat_inputs(
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens or req.max_tokens
+    plan = tool_plan(ctx, req)
+    constraint = combined(
+        ("response_format", from_response_format(req.response_format)),
+        ("structured_outputs", from_structured_outputs(req.structured_outputs)),
+        ("tool_choice", plan.structured if plan is not None else None),
+    )
     try:
-        base = req.sampling_params(max_tokens, logprobs)
+        base = req.sampling_params(max_tokens, logprobs, structured_outputs=constraint)
     except ValueError as e:
         raise from_value_error(e) from None
+    if plan is not None and plan.parser is not None and plan.parser.needs_special_tokens:
+        base.skip_special_tokens = False
     return {"prompt_token_ids": _prompt_ids(ctx, req)}, base
 
 
@@ -72,16 +112,23 @@ def chat_completion_body(
     ctx: ModelContext, req: ChatCompletionRequest, request_id: str, final: RequestOutput
 ) -> dict[str, Any]:
     """The non-streaming response body for a finished request."""
-    choices = [
-        {
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": _logprobs(ctx, req, c, 0) if req.logprobs else None,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-        for c in final.outputs
-    ]
+    plan = tool_plan(ctx, req)
+    choices = []
+    for c in final.outputs:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        reason = c.finish_reason
+        if plan is not None:
+            message, reason = message_and_reason(plan, c.text, c.finish_reason)
+        message.setdefault("refusal", None)
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": _logprobs(ctx, req, c) if req.logprobs else None,
+                "finish_reason": reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
     num_completion = sum(len(c.token_ids) for c in final.outputs)
     return {
         "id": request_id,
@@ -98,7 +145,9 @@ async def create_chat_completion(server: ServingContext, request: Request) -> Re
     ctx = server.generate_model(req.model)
     class_name = service_class(request, req.service_tier)
     note_request(request, ctx, class_name)
-    prompt, base = chat_inputs(ctx, req)
+    note_metadata(request, req.metadata)
+    # The template and the tokenizer take time in proportion to the messages: off the loop.
+    prompt, base = await run_cpu(chat_inputs, ctx, req)
     request_id = new_id("chatcmpl")
     streams = await admit(
         request, ctx, request_id, [prompt], lambda: copy.copy(base), req.priority, class_name
@@ -110,7 +159,7 @@ async def create_chat_completion(server: ServingContext, request: Request) -> Re
 
 
 async def _stream(
-    ctx: ModelContext, req: ChatCompletionRequest, request_id: str, streams: list[Any]
+    ctx: ModelContext, req: ChatCompletionRequest, request_id: str, streams: list[FleetStream]
 ) -> AsyncIterator[str]:
     created = now()
     extra = {"usage": None} if req.include_usage else {}
@@ -127,32 +176,34 @@ async def _stream(
         }
         return sse(body)
 
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    last: RequestOutput | None = None
+    # Per choice: the deltas to send (content, or tool calls); the role rides with a
+    # choice's first chunk, as vLLM sends it, so a client timing the first chunk measures
+    # the real time to first token.
+    deltas = [ChoiceDeltas(tool_plan(ctx, req)) for _ in range(req.n)]
+    started: set[int] = set()
     try:
-        for i in range(req.n):
-            role = {"role": "assistant", "content": ""}
-            yield chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}])
         async for _, out in merged(streams):
-            last = out
-            for c in out.outputs:
-                start_text, start_tok = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-                delta = c.text[start_text:]
-                if delta or len(c.token_ids) > start_tok or c.finish_reason is not None:
-                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-                    choice = {
-                        "index": c.index,
-                        "delta": {"content": delta} if delta else {},
-                        "logprobs": _logprobs(ctx, req, c, start_tok) if req.logprobs else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                    if c.finish_reason is not None:
-                        choice["stop_reason"] = c.stop_reason
-                    yield chunk([choice])
-        if req.include_usage and last is not None:
-            num_completion = sum(len(c.token_ids) for c in last.outputs)
-            yield chunk([], {"usage": usage(len(last.prompt_token_ids), num_completion)})
+            for c in out.outputs:  # the choices this delta changed: their new text and tokens
+                finished = c.finish_reason is not None
+                delta = deltas[c.index].add(c.text, finished)
+                if not (delta or (req.logprobs and c.token_ids) or finished):
+                    continue
+                if c.index not in started:
+                    started.add(c.index)
+                    delta = {"role": "assistant", "content": "", **delta}
+                choice = {
+                    "index": c.index,
+                    "delta": delta,
+                    "logprobs": _logprobs(ctx, req, c) if req.logprobs else None,
+                    "finish_reason": deltas[c.index].finish_reason(c.finish_reason),
+                }
+                if c.finish_reason is not None:
+                    choice["stop_reason"] = c.stop_reason
+                yield chunk([choice])
+        (state,) = (s.state for s in streams)
+        if req.include_usage and state.num_outputs:
+            u = usage(len(state.fold.prompt_token_ids), state.fold.num_generated)
+            yield chunk([], {"usage": u})
     except Exception as e:
         yield sse_error(e)
     finally:
@@ -161,17 +212,16 @@ async def _stream(
     yield SSE_DONE
 
 
-def _logprobs(
-    ctx: ModelContext, req: ChatCompletionRequest, c: CompletionOutput, start_tok: int
-) -> dict[str, Any]:
+def _logprobs(ctx: ModelContext, req: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any]:
+    """The logprobs of `c`'s tokens (a delta's new ones, or a whole answer's)."""
     k = req.top_logprobs or 0
 
     def entry(tid: int, lp: float) -> dict[str, Any]:
         text = token_text(ctx.engine, tid)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": lp, "bytes": list(ctx.engine.tokenizer.token_bytes(tid))}
 
     content = []
-    for tid, lps in zip(c.token_ids[start_tok:], (c.logprobs or [])[start_tok:], strict=False):
+    for tid, lps in zip(c.token_ids, c.logprobs or [], strict=False):
         item = entry(tid, finite(lps.get(tid)))
         item["top_logprobs"] = [entry(t, lp) for t, lp in top_entries(lps, k)]
         content.append(item)

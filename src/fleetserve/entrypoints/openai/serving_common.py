@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -13,10 +13,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import anyio
+import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from fleetserve import cpu_work
+from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import (
     EngineDeadError,
     EngineNotReadyError,
@@ -33,7 +36,7 @@ from fleetserve.entrypoints.openai.errors import (
 from fleetserve.outputs import RequestOutput
 from fleetserve.serve.admission.admit import ShedError
 from fleetserve.serve.admission.sla import ClassQueue
-from fleetserve.serve.contracts import ReplicaStreamLike
+from fleetserve.serve.request_state import FleetStream
 from fleetserve.serve.services.adapters import UnknownAdapterError
 from fleetserve.serve.services.service_registry import (
     ModelService,
@@ -61,6 +64,9 @@ class GenerateFrontend(Protocol):
     tokenizer: Tokenizer
 
     @property
+    def max_model_len(self) -> int: ...
+
+    @property
     def queue(self) -> ClassQueue[Any]:
         """Its SLA class queue (which classes it has, how many wait in each)."""
         ...
@@ -69,12 +75,12 @@ class GenerateFrontend(Protocol):
         self,
         request_id: str,
         prompts: list[Any],
-        params_for: Callable[[], Any],
+        params_for: Callable[[], SamplingParams],
         class_name: str | None = None,
         priority: int = 0,
         *,
         lora_name: str | None = None,
-    ) -> Sequence[ReplicaStreamLike]: ...
+    ) -> Sequence[FleetStream]: ...
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,8 @@ class ModelContext:
 
     engine: GenerateFrontend
     served_model_name: str
+    # The fleet file's `tool_parser:` for the model (None: by its chat template).
+    tool_parser: str | None = None
     # The LoRA adapter the request names as its model (None: the base model).
     lora_name: str | None = None
 
@@ -108,9 +116,10 @@ class ServingContext:
     def generate_model(self, name: str | None) -> ModelContext:
         service = self.model(name, "generate")
         assert isinstance(service, GenerateFrontend)
+        tool_parser = getattr(service, "tool_parser", None)
         if name is not None and name != service.name:  # one of its LoRA adapters
-            return ModelContext(service, name, name)
-        return ModelContext(service, service.name)
+            return ModelContext(service, name, tool_parser, name)
+        return ModelContext(service, service.name, tool_parser)
 
 
 def service_class(request: Request, service_tier: str | None) -> str | None:
@@ -146,6 +155,27 @@ def shorten(text: str, limit: int = 200) -> str:
 
 async def read_body(ctx: ServingContext, request: Request) -> dict[str, Any]:
     return await read_json(request, ctx.max_body_bytes, ctx.read_timeout_s)
+
+
+def _tokenize(ctx: ModelContext, prompt: str) -> dict[str, Any]:
+    ctx.engine.tokenizer.check_length(prompt, ctx.engine.max_model_len)
+    return {"prompt": prompt, "prompt_token_ids": ctx.engine.tokenizer.encode(prompt)}
+
+
+async def tokenize_large(ctx: ModelContext, prompts: list[Any]) -> list[Any]:
+    """Each large text prompt tokenized on the CPU pool (off the event loop), in the
+    engine's prompt form {"prompt", "prompt_token_ids"}; a small one is left for admission
+    to tokenize (quicker than the hop). 400 for a prompt that cannot fit, before any of it
+    is tokenized."""
+    out = []
+    for prompt in prompts:
+        if isinstance(prompt, str) and len(prompt) > cpu_work.SMALL:
+            try:
+                prompt = await cpu_work.run_cpu(_tokenize, ctx, prompt)
+            except ValueError as e:
+                raise from_value_error(e) from None
+        out.append(prompt)
+    return out
 
 
 def new_id(prefix: str) -> str:
@@ -200,13 +230,13 @@ async def admit(
     ctx: ModelContext,
     request_id: str,
     prompts: list[Any],
-    params_for: Any,
+    params_for: Callable[[], SamplingParams],
     priority: int,
     class_name: str | None,
-) -> list[ReplicaStreamLike]:
+) -> list[FleetStream]:
     """Queues the request (one engine request per prompt, all or none) in its class and
     returns its streams once it is on a replica; a client that leaves meanwhile leaves
-    the queue (ClientGone)."""
+    the queue (ClientGone). The access log reads the streams' states."""
     try:
         streams = await unless_disconnected(
             request,
@@ -222,18 +252,19 @@ async def admit(
     if record is None:
         return list(streams)
     record.response_id = request_id
-    return record.watch(streams, error_status)
+    record.watch([s.state for s in streams], error_status)
+    return list(streams)
 
 
-async def merged(streams: Sequence[ReplicaStreamLike]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several streams as they come, tagged with the stream's index."""
+async def merged(streams: Sequence[FleetStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Deltas of several streams as they come, tagged with the stream's index."""
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, s: ReplicaStreamLike) -> None:
+    async def pump(i: int, s: FleetStream) -> None:
         try:
             async for out in s:
                 queue.put_nowait((i, out))
@@ -259,18 +290,18 @@ async def merged(streams: Sequence[ReplicaStreamLike]) -> AsyncIterator[tuple[in
             s.close()
 
 
-async def collect(streams: Sequence[ReplicaStreamLike]) -> list[RequestOutput]:
-    finals: list[RequestOutput | None] = [None] * len(streams)
+async def collect(streams: Sequence[FleetStream]) -> list[RequestOutput]:
+    """Each stream's whole answer (its state's fold of the deltas), once all have ended."""
     try:
-        async for i, out in merged(streams):
-            finals[i] = out
+        async for _ in merged(streams):
+            pass
     except Exception as e:
         raise engine_error(e) from None
     finally:
         for s in streams:
             s.close()
-    assert all(f is not None for f in finals)
-    return finals  # type: ignore[return-value]
+    assert all(s.state.num_outputs for s in streams)
+    return [s.state.fold.output() for s in streams]
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -316,8 +347,13 @@ class SSEResponse(StreamingResponse):
             tg.cancel_scope.cancel()
 
 
+# One encoder for every chunk: msgspec's is several times cheaper per chunk than
+# json.dumps (the most CPU a streamed token costs the server); UTF-8, no ASCII escapes.
+_JSON = msgspec.json.Encoder()
+
+
 def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {_JSON.encode(data).decode()}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -340,7 +376,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def token_text(engine: GenerateFrontend, token_id: int) -> str:
-    return engine.tokenizer.decode([token_id], skip_special_tokens=False)
+    """One token's text as logprobs show it (decoded once per tokenizer and token)."""
+    return _token_text(engine.tokenizer, token_id)
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 # JSON has no -Infinity; OpenAI reports impossible tokens with this floor instead.

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.entrypoints.openai.access_log import note_metadata
 from fleetserve.entrypoints.openai.errors import APIError, from_value_error
 from fleetserve.entrypoints.openai.protocol import MAX_N, CompletionRequest
 from fleetserve.entrypoints.openai.serving_common import (
@@ -30,11 +31,14 @@ from fleetserve.entrypoints.openai.serving_common import (
     sse,
     sse_error,
     token_text,
+    tokenize_large,
     top_entries,
     unless_disconnected,
     usage,
 )
+from fleetserve.entrypoints.openai.structured import from_structured_outputs
 from fleetserve.outputs import CompletionOutput, Logprobs, RequestOutput
+from fleetserve.serve.request_state import FleetStream
 
 
 def _prompts(prompt: Any) -> list[Any]:
@@ -61,8 +65,9 @@ def completion_inputs(req: CompletionRequest) -> tuple[list[Any], SamplingParams
     if len(prompts) * req.n > MAX_N:
         raise APIError(400, f"len(prompt) * n must be at most {MAX_N}", "prompt")
     echo_lps = req.logprobs if req.echo and req.logprobs is not None else None
+    constraint = from_structured_outputs(req.structured_outputs)
     try:
-        base = req.sampling_params(req.max_tokens, req.logprobs, echo_lps)
+        base = req.sampling_params(req.max_tokens, req.logprobs, echo_lps, constraint)
     except ValueError as e:
         raise from_value_error(e) from None
     return prompts, base
@@ -73,7 +78,9 @@ async def create_completion(server: ServingContext, request: Request) -> Respons
     ctx = server.generate_model(req.model)
     class_name = service_class(request, req.service_tier)
     note_request(request, ctx, class_name)
+    note_metadata(request, req.metadata)
     prompts, base = completion_inputs(req)
+    prompts = await tokenize_large(ctx, prompts)
     request_id = new_id("cmpl")
     streams = await admit(
         request, ctx, request_id, prompts, lambda: copy.copy(base), req.priority, class_name
@@ -97,7 +104,7 @@ def completion_body(
             num_completion += len(c.token_ids)
             logprobs = None
             if req.logprobs is not None:
-                logprobs = _logprobs(ctx, req, out, c, 0, 0, include_prompt=req.echo)
+                logprobs = _logprobs(ctx, req, out, c, 0, include_prompt=req.echo)
             choices.append(
                 {
                     "index": i * req.n + c.index,
@@ -118,37 +125,32 @@ def completion_body(
 
 
 async def _stream(
-    ctx: ModelContext, req: CompletionRequest, request_id: str, streams: list[Any]
+    ctx: ModelContext, req: CompletionRequest, request_id: str, streams: list[FleetStream]
 ) -> AsyncIterator[str]:
     created = now()
-    # Per choice: characters and tokens already sent (echo sends the prompt first).
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
+    # Per choice: characters already sent (after the echoed prompt) and tokens generated.
+    sent_chars: dict[int, int] = {}
     num_prompt: dict[int, int] = {}
     num_completion: dict[int, int] = {}
     extra = {"usage": None} if req.include_usage else {}
     try:
         async for i, out in merged(streams):
             num_prompt[i] = len(out.prompt_token_ids)
-            for c in out.outputs:
+            for c in out.outputs:  # the choices this delta changed: their new text and tokens
                 index = i * req.n + c.index
-                first = index not in sent_text
+                first = index not in sent_chars
                 prefix = _prompt_text(ctx, out) if first and req.echo else ""
-                delta = prefix + c.text[sent_text.get(index, 0) :]
-                start_tok = sent_tokens.get(index, 0)
-                if not delta and len(c.token_ids) == start_tok and c.finish_reason is None:
-                    continue
                 logprobs = None
                 if req.logprobs is not None:
                     echoed = len(_prompt_text(ctx, out)) if req.echo and not first else 0
-                    offset = echoed + sent_text.get(index, 0)
-                    logprobs = _logprobs(ctx, req, out, c, start_tok, offset, first and req.echo)
-                sent_text[index] = len(c.text)
-                sent_tokens[index] = len(c.token_ids)
-                num_completion[index] = len(c.token_ids)
+                    offset = echoed + sent_chars.get(index, 0)
+                    prompt_lps = streams[i].state.fold.prompt_logprobs
+                    logprobs = _logprobs(ctx, req, out, c, offset, first and req.echo, prompt_lps)
+                sent_chars[index] = sent_chars.get(index, 0) + len(c.text)
+                num_completion[index] = num_completion.get(index, 0) + len(c.token_ids)
                 choice = {
                     "index": index,
-                    "text": delta,
+                    "text": prefix + c.text,
                     "logprobs": logprobs,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
@@ -189,11 +191,12 @@ def _logprobs(
     req: CompletionRequest,
     out: RequestOutput,
     c: CompletionOutput,
-    start_tok: int,
     text_offset: int,
     include_prompt: bool,
+    prompt_logprobs: list[Logprobs | None] | None = None,
 ) -> dict[str, Any]:
-    """OpenAI's completions logprobs for output tokens [start_tok:], plus the prompt's on echo."""
+    """OpenAI's completions logprobs for `c`'s tokens (a delta's new ones, or a whole
+    answer's), plus the prompt's on echo (`prompt_logprobs`, default `out`'s)."""
     k = req.logprobs or 0
     tokens: list[str] = []
     token_lps: list[float | None] = []
@@ -213,10 +216,10 @@ def _logprobs(
         pos += len(text)
 
     if include_prompt:
-        plps = out.prompt_logprobs or []
+        plps = (prompt_logprobs if prompt_logprobs is not None else out.prompt_logprobs) or []
         for j, tid in enumerate(out.prompt_token_ids):
             add(tid, plps[j] if j < len(plps) else None)
-    for tid, lps in zip(c.token_ids[start_tok:], (c.logprobs or [])[start_tok:], strict=False):
+    for tid, lps in zip(c.token_ids, c.logprobs or [], strict=False):
         add(tid, lps)
     return {
         "tokens": tokens,

@@ -12,15 +12,17 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import EngineOverloadedError
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from fleetserve.serve.request_state import FleetStream, RequestState
 from fleetserve.serve.admission.sla import ClassQueue, Entry, QueueFullError, ServiceClass
-from fleetserve.serve.contracts import ReplicaStreamLike
 
 
 class ShedError(EngineOverloadedError):
@@ -52,7 +54,7 @@ class PreparedPrompt:
     prompt: dict[str, Any]  # {"prompt_token_ids": [...], "prompt": text?}
     params: SamplingParams
     num_prompt_tokens: int
-    # The output it goes on from (a gateway moved it here from a lost replica).
+    # The whole output it goes on from (a gateway moved it here from a lost replica).
     resume: RequestOutput | None = None
     # The LoRA adapter it runs with (None: the base model); kept when it moves.
     lora: LoRARequest | None = None
@@ -63,7 +65,7 @@ class Pending:
     """A request in its class queue; `future` gets its streams once it is sent."""
 
     items: list[PreparedPrompt]
-    future: asyncio.Future[list[ReplicaStreamLike]]
+    future: asyncio.Future[list[FleetStream]]
     arrival: float  # time.monotonic()
     num_seqs: int = field(init=False)  # the seats it needs on a replica
 
@@ -87,13 +89,13 @@ class ClassObserver:
         self.first: float | None = None
         unstarted[class_name] += 1
 
-    def on_output(self, out: RequestOutput) -> None:
+    def on_output(self, delta: RequestOutput, state: RequestState) -> None:
         now = time.monotonic()
         if self.first is None:
             self.first = now
             self.unstarted[self.class_name] -= 1
-        if out.finished and self.metrics is not None:
-            num_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+        if delta.finished and self.metrics is not None:
+            num_tokens = state.fold.max_choice_tokens()
             ttft = self.first - self.arrival
             self.metrics.observe_latency(self.class_name, ttft, now - self.arrival, num_tokens)
 

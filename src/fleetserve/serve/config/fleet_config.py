@@ -67,10 +67,12 @@ from pydantic import (
     model_validator,
 )
 
+from fleetserve.cloud.notices import NoticeConfig
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.lora.config import parse_lora_modules
 from fleetserve.serve.admission.sla import ServiceClass
 from fleetserve.serve.config.deploy_config import DeployConfig
+from fleetserve.serve.microbatch.batcher import MicroBatchConfig
 from fleetserve.serve.routing.policies import POLICY_NAMES
 
 ModelKind = Literal["generate", "embed", "custom"]
@@ -101,14 +103,6 @@ def _engine_fields_model() -> type[BaseModel]:
 EngineFields = _engine_fields_model()
 
 
-class MicroBatchConfig(_Strict):
-    """serve/microbatch/batcher.py's MicroBatchConfig, checked here with the key's path."""
-
-    max_batch_size: int = Field(default=32, ge=1, le=4096)
-    batch_wait_timeout_s: float = Field(default=0.01, ge=0.0, le=3600.0)
-    max_waiting: int = Field(default=4096, ge=1)
-
-
 class ClassConfig(_Strict):
     """`oversubscribe`: how many batches (`max_num_seqs`) of this class's and more important
     sequences a replica takes; above 1 the surplus waits in the engine's own queue and
@@ -122,22 +116,6 @@ class ClassConfig(_Strict):
     oversubscribe: float = Field(default=1.0, ge=1.0, le=64.0)
     # "spot": routed to spot replicas only (work that can wait out a preemption, e.g. batch).
     capacity: Literal["any", "spot"] = "any"
-
-
-class NoticeConfig(_Strict):
-    """Where a spot replica learns it is about to be preempted (cloud/notices.py polls it).
-    `url` None is the provider's documented metadata endpoint; set it to point elsewhere
-    (a proxy, or a local stand-in in tests)."""
-
-    provider: Literal["aws", "gcp", "azure"]
-    url: str | None = None
-    poll_interval_s: float = Field(default=1.0, gt=0.0, le=60.0)
-
-    @model_validator(mode="after")
-    def _check(self) -> NoticeConfig:
-        if self.url is not None and not re.match(r"^https?://[^\s/]+", self.url):
-            raise ValueError(f"url {self.url!r}: expected http://host[:port]/path")
-        return self
 
 
 class PoolConfig(_Strict):
@@ -242,6 +220,11 @@ class ResilienceConfig(_Strict):
     sigterm_grace_s: float = Field(default=15.0, gt=0.0, le=3600.0)
 
 
+# What a pod does with its own engines (SIGTERM grace, replacing a dead one): a `remote:`
+# model's gateway has no engine to apply them to, so it refuses them.
+POD_RESILIENCE_KEYS = ("sigterm_grace_s", "replace_failed")
+
+
 class RemoteConfig(_Strict):
     """A gateway's generate model served by other fleetserve servers (pods): `urls`, or a
     `dns` name (host:port, e.g. a headless Service) whose addresses are re-resolved every
@@ -271,6 +254,9 @@ class RemoteConfig(_Strict):
         return self
 
 
+ToolParserName = Literal["hermes", "qwen", "llama3_json", "mistral", "json"]
+
+
 class ModelEntry(_Strict):
     name: str
     kind: ModelKind = "generate"
@@ -281,6 +267,10 @@ class ModelEntry(_Strict):
     batching: MicroBatchConfig | None = None
     handler: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
+    # A custom handler's process (serve/microbatch/isolated.py): a call past timeout_s is
+    # ended (504) and the process restarted; memory_limit_mb caps its heap.
+    timeout_s: float | None = Field(default=None, gt=0.0, le=86_400.0)
+    memory_limit_mb: int | None = Field(default=None, ge=16)
     deploy: DeployConfig | None = None  # read by `fleetserve deploy k8s` only
     autoscale: AutoscaleConfig | None = None
     placement: PlacementConfig | None = None
@@ -289,6 +279,9 @@ class ModelEntry(_Strict):
     # Served by other fleetserve servers; `model` and `engine` still describe the model
     # (the gateway tokenizes and validates), and should match the pods'.
     remote: RemoteConfig | None = None
+    # How tool calls are read from this model's output (generate models); by default
+    # what its chat template implies (entrypoints/openai/tool_parsers).
+    tool_parser: ToolParserName | None = None
     # LoRA adapters of a generate model, name -> PEFT folder; each is served under its
     # name (implies the engine's enable_lora; engine: max_loras etc. size the slots).
     adapters: dict[str, str] | None = None
@@ -344,6 +337,13 @@ class ModelEntry(_Strict):
                      if k in self.model_fields_set]  # fmt: skip
             if given:
                 raise ValueError(f"remote lists the replicas; leave out {', '.join(given)}")
+            pod_only = [f"resilience.{k}" for k in POD_RESILIENCE_KEYS
+                        if k in self.resilience.model_fields_set]  # fmt: skip
+            if pod_only:
+                raise ValueError(
+                    f"{', '.join(pod_only)}: a remote model's pods stop and replace their own "
+                    "engines; set it in the pods' fleet file, not the gateway's"
+                )
         if self.autoscale is not None and "replicas" in self.model_fields_set:
             raise ValueError("give replicas or autoscale, not both (autoscale starts at min)")
         if not _NAME.match(self.name):
@@ -353,8 +353,14 @@ class ModelEntry(_Strict):
                 raise ValueError("a custom model needs handler: 'package.module:ClassName'")
         elif self.handler is not None or self.options:
             raise ValueError(f"handler and options are for kind 'custom', not {self.kind!r}")
+        else:
+            limits = [k for k in ("timeout_s", "memory_limit_mb") if getattr(self, k) is not None]
+            if limits:
+                raise ValueError(f"{', '.join(limits)}: for kind 'custom', not {self.kind!r}")
         if self.kind == "generate" and self.batching is not None:
             raise ValueError("batching is for embed and custom models (generate batches itself)")
+        if self.kind != "generate" and self.tool_parser is not None:
+            raise ValueError(f"tool_parser is for generate models, not {self.kind!r}")
         if self.kind != "generate" and self.adapters:
             raise ValueError(f"adapters is for generate models, not {self.kind!r}")
         if self.kind != "generate" and self.engine is not None:
@@ -438,16 +444,6 @@ class FleetConfig(_Strict):
                 )
         return self
 
-    def local_only_keys(self) -> list[str]:
-        """The keys `fleetserve serve --ray` does not honour, where this fleet sets them:
-        spot notices (their watcher runs beside the local server's replica processes)."""
-        return [
-            f"models[{i}].pools[{j}].notice"
-            for i, m in enumerate(self.models)
-            for j, p in enumerate(m.pools or [])
-            if p.notice is not None
-        ]
-
     def ray_only_keys(self) -> list[str]:
         """The keys only `fleetserve serve --ray` honours, where this fleet sets them."""
         return [
@@ -495,6 +491,9 @@ def _path(data: dict[str, Any], loc: tuple[int | str, ...]) -> str:
     return out or "(top level)"
 
 
+_EXTRA_KEY = "Extra inputs are not permitted"
+
+
 def parse_fleet_config(data: Any, source: str = "fleet config") -> FleetConfig:
     """A FleetConfig from parsed YAML/JSON; ValueError naming every bad key's path."""
     if not isinstance(data, dict):
@@ -505,6 +504,8 @@ def parse_fleet_config(data: Any, source: str = "fleet config") -> FleetConfig:
         lines = []
         for err in e.errors():
             msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "unexpected_keyword_argument":
+                msg = _EXTRA_KEY  # a dataclass section's unknown key reads as a model's does
             lines.append(f"{_path(data, tuple(err['loc']))}: {msg}")
         raise ValueError(f"{source}: " + "; ".join(lines)) from None
 
@@ -530,6 +531,7 @@ def single_model_fleet(
     max_waiting: int,
     resilience: dict[str, Any] | None = None,
     oversubscribe: float = 1.0,
+    tool_parser: str | None = None,
 ) -> FleetConfig:
     """`fleetserve serve` without --config: one generate model, one class (`default`),
     the engine exactly as its flags say (fcfs unless --scheduling-policy priority).
@@ -539,6 +541,8 @@ def single_model_fleet(
     entry = {"name": name, "model": model, "replicas": replicas, "routing": routing}
     if resilience is not None:
         entry["resilience"] = resilience
+    if tool_parser is not None:
+        entry["tool_parser"] = tool_parser
     return parse_fleet_config(
         {
             "models": [{**entry, "engine": fields}],

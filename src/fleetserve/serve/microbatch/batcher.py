@@ -23,9 +23,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Annotated, ClassVar, Generic, TypeVar
+
+from annotated_types import Ge, Le
+from pydantic import Strict
 
 T = TypeVar("T")
+MAX_BATCH_SIZE = 4096
 R = TypeVar("R")
 
 logger = logging.getLogger(__name__)
@@ -59,13 +63,20 @@ class MicroBatchItemError(Exception):
 
 @dataclass(frozen=True)
 class MicroBatchConfig:
-    max_batch_size: int = 32
-    batch_wait_timeout_s: float = 0.01
-    max_waiting: int = 4096
+    """A batch runs at `max_batch_size` items or `batch_wait_timeout_s` after its first;
+    `max_waiting` items may wait. The fleet file's `batching:` section is this class
+    (pydantic reads the annotations, so an error names its key), as is direct use."""
+
+    __pydantic_config__: ClassVar[dict[str, str]] = {"extra": "forbid"}
+
+    max_batch_size: Annotated[int, Strict(), Ge(1), Le(MAX_BATCH_SIZE)] = 32
+    batch_wait_timeout_s: Annotated[float, Strict(), Ge(0.0), Le(3600.0)] = 0.01
+    max_waiting: Annotated[int, Strict(), Ge(1)] = 4096
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_batch_size, bool) or self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        size = self.max_batch_size
+        if isinstance(size, bool) or not 1 <= size <= MAX_BATCH_SIZE:
+            raise ValueError(f"max_batch_size must be in [1, {MAX_BATCH_SIZE}], got {size}")
         if not 0 <= self.batch_wait_timeout_s <= 3600:
             raise ValueError(
                 f"batch_wait_timeout_s must be in [0, 3600], got {self.batch_wait_timeout_s}"

@@ -1,14 +1,15 @@
 """User models behind `kind: custom`: a class named "package.module:ClassName" in the config.
 
-Contract for the class: ``__init__(**options)`` loads whatever it needs (it runs once, on a
-worker thread), and ``__call__(instances: list[dict]) -> list[dict]`` answers a batch, one
-prediction per instance, in order. Its calls run one at a time on the batcher's thread.
+Contract for the class: ``__init__(**options)`` loads whatever it needs (it runs once), and
+``__call__(instances: list[dict]) -> list[dict]`` answers a batch, one prediction per
+instance, in order. It runs in a process of its own (isolated.py), one call at a time.
 
 How a handler fails one instance: raise (the batch is then re-run one instance at a time,
 so only the instance that fails alone fails), or put an ``Exception`` in that instance's
 slot. A ``ValueError`` means the instance was bad (HTTP 400); any other exception, or a
 prediction that breaks the contract (wrong count, not a JSON object), is the handler's
-fault (HTTP 500). The server never goes down for it.
+fault (HTTP 500). The server never goes down for it: not for sys.exit, KeyboardInterrupt,
+a hang (ended at the model's timeout_s: HTTP 504) or the death of the handler's process.
 """
 
 from __future__ import annotations

@@ -15,20 +15,19 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import numpy as np
 
 from fleetserve.engine.embedding import EmbeddingModel, EmbeddingResult
 from fleetserve.serve.microbatch.batcher import MicroBatchConfig, MicroBatcher, MicroBatchError
 from fleetserve.serve.microbatch.custom import (
-    CustomModel,
     Instance,
     Prediction,
-    load_handler,
     parse_handler_spec,
     validate_instances,
 )
+from fleetserve.serve.microbatch.isolated import DEFAULT_TIMEOUT_S, HandlerProcess
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -37,25 +36,6 @@ OnBatch = Callable[[int, float], None]
 
 class ServiceNotReadyError(MicroBatchError):
     """The model is still loading (or failed to load): HTTP 503."""
-
-
-class BatchService(Protocol):
-    """What the fleet registry and the server need of an embed or custom model service."""
-
-    name: str
-
-    @property
-    def kind(self) -> str: ...  # "embed" | "custom"
-
-    @property
-    def is_ready(self) -> bool: ...
-
-    @property
-    def num_waiting(self) -> int: ...
-
-    async def start(self, timeout_s: float = 600.0) -> None: ...
-
-    async def shutdown(self, timeout_s: float | None = None) -> None: ...
 
 
 class MicroBatchModelBase:
@@ -227,18 +207,42 @@ class CustomService(_MicroBatchService[Instance, Prediction]):
         options: dict[str, Any] | None = None,
         batching: MicroBatchConfig | None = None,
         on_batch: OnBatch | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        memory_limit_mb: int | None = None,
     ) -> None:
         parse_handler_spec(handler)  # a malformed spec fails here, before anything loads
         super().__init__(name, batching or MicroBatchConfig(), on_batch)
         self.handler = handler
         self.options = dict(options or {})
-        self._model: CustomModel | None = None
+        # The handler runs in a process of its own (serve/microbatch/isolated.py).
+        self._model = HandlerProcess(name, handler, self.options, timeout_s, memory_limit_mb)
 
     @property
-    def model(self) -> CustomModel:
-        if self._model is None:
-            raise self.not_ready("is not loaded yet")
+    def model(self) -> HandlerProcess:
         return self._model
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        """Why a loaded model cannot serve now (its handler's process restarting, or a
+        call stuck past half its timeout); None when it can."""
+        return self._model.unhealthy_reason if self._loaded else None
+
+    @property
+    def is_ready(self) -> bool:
+        return super().is_ready and self.unhealthy_reason is None
+
+    def card(self) -> dict[str, Any]:
+        return {**super().card(), "timeout_s": self._model.timeout_s}
+
+    async def shutdown(self, timeout_s: float | None = None) -> None:
+        try:
+            await super().shutdown(timeout_s)
+        finally:
+            await asyncio.to_thread(self._model.stop)
+
+    def abort_all(self, reason: str) -> None:
+        super().abort_all(reason)
+        self._model.stop()
 
     async def predict(self, instances: Sequence[Instance]) -> list[Prediction]:
         """One prediction per instance; each instance is one batcher item."""
@@ -246,7 +250,7 @@ class CustomService(_MicroBatchService[Instance, Prediction]):
         return await self.batcher.submit_many(validate_instances(instances))
 
     def _load(self) -> None:
-        self._model = load_handler(self.handler, self.options)
+        self._model.start()
 
     def _run_batch(self, items: list[Instance]) -> list[Prediction | Exception]:
         return self.model(items)

@@ -36,6 +36,7 @@ from fleetserve.engine.async_engine import (
     EngineNotReadyError,
     ReplicaGoneError,
 )
+from fleetserve.engine.stats import EngineStats
 from fleetserve.engine.wire import CoreNotice
 from fleetserve.outputs import RequestOutput
 from fleetserve.serve.remote.stream import RemoteStream, error_code, error_message
@@ -81,7 +82,7 @@ class RemoteEngine:
         # The pod does not report its adapters: the gateway's replica counts those it
         # sent there (LocalReplica.lora_names).
         self.lora_loaded: frozenset[str] = frozenset()
-        self.on_stats: Callable[[dict[str, float]], None] | None = None
+        self.on_stats: Callable[[EngineStats], None] | None = None
         self.on_notice: Callable[[Any], None] | None = None
         self.report: LoadReport | None = None
         self._pod_steps = 0
@@ -180,18 +181,18 @@ class RemoteEngine:
         self._pod_steps = report.num_steps
         if report.step_latency_s is not None:
             self._step_latency_s = report.step_latency_s
-        stats = {
-            "num_requests_running": float(report.num_requests_running),
-            "num_requests_waiting": float(report.queue_depth),
-            "kv_cache_usage_perc": report.kv_cache_usage_perc,
+        stats = EngineStats(
+            num_requests_running=report.num_requests_running,
+            num_requests_waiting=report.queue_depth,
+            kv_cache_usage_perc=report.kv_cache_usage_perc,
             # Steps count once the pod has a step latency (its replicas' EWMA, which
             # stands in for a latest step): a made-up 0 s would make its peers stragglers.
-            "num_steps": float(self._num_steps if self._step_latency_s is not None else 0),
-            "last_step_seconds": self._step_latency_s or 0.0,
+            num_steps=self._num_steps if self._step_latency_s is not None else 0,
+            last_step_seconds=self._step_latency_s or 0.0,
             # The pod's hit rate as one query (the service pools hits over queries).
-            "prefix_cache_queries": 1.0,
-            "prefix_cache_hits": report.prefix_cache_hit_rate,
-        }
+            prefix_cache_queries=1.0,
+            prefix_cache_hits=report.prefix_cache_hit_rate,
+        )
         if self.on_stats is not None:
             self.on_stats(stats)
 
@@ -207,7 +208,7 @@ class RemoteEngine:
         if self.dead_reason is None:
             self.dead_reason = reason
         for stream in list(self._streams.values()):
-            stream.queue.put_nowait(ReplicaGoneError(reason))
+            stream.fail(ReplicaGoneError(reason))
 
     def kill(self) -> None:
         """A pod cannot be killed from here: its requests move and it is let go."""
@@ -253,7 +254,7 @@ class RemoteEngine:
             )  # fmt: skip
         )
         stream = RemoteStream(self._release, request_id, params.n)
-        reader = FrameReader(request_id, text, ids, params.n, resume)
+        reader = FrameReader(request_id, text, ids)
         self._streams[request_id] = stream
         stream.task = asyncio.create_task(self._run(stream, body, reader))
         return stream
@@ -265,28 +266,24 @@ class RemoteEngine:
             async with self._client.stream("POST", GENERATE_PATH, content=body,
                                            headers=headers) as resp:  # fmt: skip
                 if resp.status_code != 200:
-                    stream.queue.put_nowait(self._refusal(resp.status_code, await resp.aread()))
+                    stream.fail(self._refusal(resp.status_code, await resp.aread()))
                     return
                 async for chunk in resp.aiter_bytes():
                     for frame in reader.feed(chunk):
                         if isinstance(frame, ErrorFrame):
-                            stream.queue.put_nowait(self._frame_error(frame))
+                            stream.fail(self._frame_error(frame))
                             return
-                        out = reader.apply(frame)
+                        out = reader.delta(frame)
                         stream.started = True
-                        stream.queue.put_nowait(out)
+                        stream.deltas.put(out)
                         if out.finished:
                             return
-            stream.queue.put_nowait(
-                ReplicaGoneError(f"the pod at {self.url} ended the stream unfinished")
-            )
+            stream.fail(ReplicaGoneError(f"the pod at {self.url} ended the stream unfinished"))
         except httpx.HTTPError as e:
             self._reachable = False  # until the next poll says otherwise
-            stream.queue.put_nowait(
-                ReplicaGoneError(f"lost the pod at {self.url}: {type(e).__name__}: {e}")
-            )
+            stream.fail(ReplicaGoneError(f"lost the pod at {self.url}: {type(e).__name__}: {e}"))
         except (msgspec.DecodeError, ValueError) as e:
-            stream.queue.put_nowait(ReplicaGoneError(f"a bad frame from {self.url}: {e}"))
+            stream.fail(ReplicaGoneError(f"a bad frame from {self.url}: {e}"))
 
     def _refusal(self, status: int, raw: bytes) -> Exception:
         message = error_message(raw)
@@ -312,7 +309,7 @@ class RemoteEngine:
 
     def abort_all(self, reason: str) -> None:
         for stream in list(self._streams.values()):
-            stream.queue.put_nowait(EngineDeadError(reason))
+            stream.fail(EngineDeadError(reason))
 
     def _release(self, stream: RemoteStream) -> None:
         self._streams.pop(stream.request_id, None)

@@ -8,42 +8,17 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from fleetserve.outputs import RequestOutput
+from fleetserve.engine.delta_stream import DeltaStream
 
 
-class RemoteStream:
-    """One request's outputs from a pod; same iteration and `close()` as RequestStream.
-    Closing it before it finishes closes its HTTP stream, which aborts it on the pod."""
+class RemoteStream(DeltaStream):
+    """One request's deltas from a pod (as the pod's frames carry them); same iteration,
+    `fail` and `close()` as the local engine's RequestStream. Closing it before it
+    finishes closes its HTTP stream, which aborts it on the pod."""
 
     def __init__(self, release: Callable[[RemoteStream], None], request_id: str, n: int) -> None:
-        self._release = release
-        self.request_id = request_id
-        self.n = n
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.started = False
-        self.finished = False
-        self.closed = False
+        super().__init__(request_id, n, release)  # type: ignore[arg-type]
         self.task: asyncio.Task[None] | None = None
-
-    def __aiter__(self) -> RemoteStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished or self.closed:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        while not self.queue.empty() and not isinstance(item, BaseException):
-            item = self.queue.get_nowait()  # cumulative: only the newest matters
-        if isinstance(item, BaseException):
-            self.close()
-            raise item
-        self.finished = item.finished
-        return item
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._release(self)
 
 
 def error_body(raw: bytes) -> dict[str, Any]:

@@ -6,11 +6,11 @@
 
 The work is already tokenized (the gateway tokenizes once); `resume` is the request's last
 output the gateway's reader got from a replica that was lost (request migration), so the
-pod goes on from there. Outputs travel as deltas, as everywhere else in fleetserve: each
-frame holds what is new since the previous frame (both ends start from `resume`), and
-`FrameReader` rebuilds the cumulative RequestOutputs the serve layer reads. This relies on
-the OutputProcessor's promise that a request's tokens, text and logprobs only ever grow.
-Frames are msgpack because logprobs may be -inf, which JSON cannot carry.
+pod goes on from there. Outputs travel as deltas, as everywhere else in fleetserve: the
+pod's engine yields deltas, `FrameWriter` puts each in a frame as it is, and the gateway's
+`FrameReader` turns each frame back into the delta the serve layer reads; nothing is
+folded or diffed on the way. Frames are msgpack because logprobs may be -inf, which JSON
+cannot carry.
 """
 
 from __future__ import annotations
@@ -65,11 +65,13 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ChoiceDelta(msgspec.Struct, omit_defaults=True):
+    """One choice's delta (outputs.py): what is new since the request's last frame."""
+
     index: int
-    token_ids: list[int]  # new since the last frame
-    text: str = ""  # new since the last frame
-    logprobs: list[Logprobs] | None = None  # new since the last frame
-    finish_reason: str | None = None
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None  # set in the one frame that ends the choice
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
 
@@ -78,7 +80,7 @@ class OutputFrame(msgspec.Struct, tag="output", omit_defaults=True):
     choices: list[ChoiceDelta]
     finished: bool = False
     num_cached_tokens: int = 0
-    prompt_logprobs: list[Logprobs | None] | None = None  # once, in the first frame
+    prompt_logprobs: list[Logprobs | None] | None = None  # once, in the frame that has them
     metrics: dict[str, float] = {}
 
 
@@ -140,45 +142,32 @@ def check_resume(
         raise ValueError("resume: every output has finished; nothing is left to generate")
 
 
-def _sent(resume: RequestOutput | None, n: int) -> list[CompletionOutput]:
-    if resume is not None:
-        return [_copy(c) for c in resume.outputs]
-    return [CompletionOutput(i, "", [], logprobs=None) for i in range(n)]
-
-
-def _copy(c: CompletionOutput) -> CompletionOutput:
-    logprobs = None if c.logprobs is None else list(c.logprobs)
-    return CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason,
-                            c.stop_reason, logprobs, c.cumulative_logprob)  # fmt: skip
-
-
 def frame_bytes(frame: Frame, encoder: msgspec.msgpack.Encoder) -> bytes:
     body = encoder.encode(frame)
     return _LEN.pack(len(body)) + body
 
 
 class FrameWriter:
-    """The pod's side: cumulative RequestOutputs in, delta frames out."""
+    """The pod's side: the request's deltas in, frames out."""
 
-    def __init__(self, n: int, resume: RequestOutput | None) -> None:
+    def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
-        self._lens = [(len(c.token_ids), len(c.text)) for c in _sent(resume, n)]
-        self._sent_prompt_logprobs = resume is not None and resume.prompt_logprobs is not None
 
     def output(self, out: RequestOutput) -> bytes:
-        choices = []
-        for c in out.outputs:
-            num_tokens, num_chars = self._lens[c.index]
-            logprobs = None if c.logprobs is None else c.logprobs[num_tokens:]
-            choices.append(ChoiceDelta(c.index, c.token_ids[num_tokens:], c.text[num_chars:],
-                                       logprobs, c.finish_reason, c.stop_reason,
-                                       c.cumulative_logprob))  # fmt: skip
-            self._lens[c.index] = (len(c.token_ids), len(c.text))
-        prompt_logprobs = None
-        if out.prompt_logprobs is not None and not self._sent_prompt_logprobs:
-            prompt_logprobs, self._sent_prompt_logprobs = out.prompt_logprobs, True
-        frame = OutputFrame(choices, out.finished, out.num_cached_tokens, prompt_logprobs,
-                            dict(out.metrics))  # fmt: skip
+        choices = [
+            ChoiceDelta(
+                c.index,
+                c.token_ids,
+                c.text,
+                c.logprobs,
+                c.finish_reason,
+                c.stop_reason,
+                c.cumulative_logprob,
+            )  # fmt: skip
+            for c in out.outputs
+        ]
+        frame = OutputFrame(choices, out.finished, out.num_cached_tokens, out.prompt_logprobs,
+                            out.metrics)  # fmt: skip
         return frame_bytes(frame, self._encoder)
 
     def error(self, frame: ErrorFrame) -> bytes:
@@ -186,24 +175,13 @@ class FrameWriter:
 
 
 class FrameReader:
-    """The gateway's side: bytes in, frames out (`feed`), and each OutputFrame applied to
-    the request's state gives its new cumulative RequestOutput (`apply`)."""
+    """The gateway's side: bytes in, frames out (`feed`), and each OutputFrame as the
+    delta it carries (`delta`)."""
 
-    def __init__(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_ids: list[int],
-        n: int,
-        resume: RequestOutput | None,
-    ) -> None:
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int]) -> None:
         self._decoder = msgspec.msgpack.Decoder(Frame)  # type: ignore[arg-type]
         self._buf = bytearray()
-        self._state = _sent(resume, n)
-        self._head = RequestOutput(request_id, prompt, prompt_ids, [])
-        if resume is not None:
-            self._head.prompt_logprobs = resume.prompt_logprobs
-            self._head.num_cached_tokens = resume.num_cached_tokens
+        self._request_id, self._prompt, self._prompt_ids = request_id, prompt, prompt_ids
 
     def feed(self, data: bytes) -> list[Frame]:
         """The frames `data` completes; msgspec.DecodeError / ValueError on a bad stream."""
@@ -219,21 +197,19 @@ class FrameReader:
             del self._buf[: _LEN.size + size]
         return frames
 
-    def apply(self, frame: OutputFrame) -> RequestOutput:
-        for d in frame.choices:
-            c = self._state[d.index]
-            c.token_ids.extend(d.token_ids)
-            c.text += d.text
-            if d.logprobs is not None:
-                c.logprobs = (c.logprobs or []) + d.logprobs
-            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
-            c.cumulative_logprob = d.cumulative_logprob
-        head = self._head
-        if frame.prompt_logprobs is not None:
-            head.prompt_logprobs = frame.prompt_logprobs
-        head.num_cached_tokens = frame.num_cached_tokens
-        # A new object each time: the reader keeps the last one (migration's `resume`).
-        return RequestOutput(head.request_id, head.prompt, head.prompt_token_ids,
-                             [_copy(c) for c in self._state], frame.finished,
-                             head.prompt_logprobs, head.num_cached_tokens,
-                             dict(frame.metrics))  # fmt: skip
+    def delta(self, frame: OutputFrame) -> RequestOutput:
+        choices = [
+            CompletionOutput(
+                d.index,
+                d.text,
+                d.token_ids,
+                d.finish_reason,
+                d.stop_reason,
+                d.logprobs,
+                d.cumulative_logprob,
+            )  # fmt: skip
+            for d in frame.choices
+        ]
+        return RequestOutput(self._request_id, self._prompt, self._prompt_ids, choices,
+                             frame.finished, frame.prompt_logprobs, frame.num_cached_tokens,
+                             frame.metrics)  # fmt: skip

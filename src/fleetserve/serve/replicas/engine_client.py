@@ -4,31 +4,19 @@ replica's load accounting, seats, drain and eviction are written once against th
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from fleetserve.config import EngineConfig
 from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.engine.delta_stream import DeltaStream
+from fleetserve.engine.stats import EngineStats
 from fleetserve.outputs import RequestOutput
 
-
-class EngineStream(Protocol):
-    """One request's cumulative outputs (a slow reader skips to the newest); an exception
-    put on `queue` ends it with that error (ReplicaGoneError: it goes on elsewhere)."""
-
-    request_id: str
-    n: int
-    queue: asyncio.Queue[Any]
-    finished: bool
-    closed: bool
-
-    def __aiter__(self) -> EngineStream: ...
-
-    async def __anext__(self) -> RequestOutput: ...
-
-    def close(self) -> None: ...
+# One request's deltas from an engine client: both clients hand out a DeltaStream (the
+# local engine's RequestStream, a pod's RemoteStream).
+EngineStream = DeltaStream
 
 
 class EngineClient(Protocol):
@@ -41,7 +29,7 @@ class EngineClient(Protocol):
     crashed: bool
     # The LoRA adapters its engine holds in memory (as it last reported them).
     lora_loaded: frozenset[str]
-    on_stats: Callable[[dict[str, float]], None] | None
+    on_stats: Callable[[EngineStats], None] | None
     on_notice: Callable[[Any], None] | None
 
     @property

@@ -4,9 +4,10 @@ and the model service read. serve/remote/replica.py's RemoteReplica is the same 
 another engine client (serve/replicas/engine_client.py): a fleetserve server reached over HTTP.
 
 The replica owns those figures and changes them only through its own methods, all called
-on the event loop thread: `submit` adds a request's work, its `ReplicaStream` retires the
-work as outputs arrive (the first output means the prompt is prefilled; each generated
-token is one fewer to go) and settles the rest when the request ends, and every stats
+on the event loop thread: `submit` adds a request's work and listens to the request's
+engine stream (its `_Work`), which retires the work as deltas arrive (the first delta
+means the prompt is prefilled; each generated token is one fewer to go) and settles the
+rest when the request ends, and every stats
 message of the core (one per engine step) updates the step-latency EWMA. It also counts
 the sequences it holds per class level, which is how the model service knows whether a
 request of some class may be sent to it now (`has_room`).
@@ -24,9 +25,9 @@ from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import ReplicaGoneError
 from fleetserve.engine.llm_engine import PromptType
+from fleetserve.engine.stats import EngineStats
 from fleetserve.engine.wire import CoreNotice
 from fleetserve.outputs import RequestOutput
-from fleetserve.serve.contracts import StreamObserver
 from fleetserve.serve.replicas.engine_client import EngineClient, EngineStream
 
 
@@ -47,6 +48,9 @@ class LocalReplica:
         warmup_steps: int = 8,
         max_num_seqs: int = 64,
         oversubscribe: Mapping[int, float] | None = None,
+        *,
+        pool: str = "default",
+        capacity: str = "on_demand",
     ) -> None:
         if not 0.0 < ewma_alpha <= 1.0:
             raise ValueError(f"ewma_alpha must be in (0, 1], got {ewma_alpha}")
@@ -58,8 +62,8 @@ class LocalReplica:
         self.index = index
         self.engine = engine
         # The pool it belongs to and that pool's capacity (serve/replicas/pool_plan.py).
-        self.pool = "default"
-        self.capacity = "on_demand"
+        self.pool = pool
+        self.capacity = capacity
         self.ewma_alpha = ewma_alpha
         self.warmup_steps = warmup_steps
         self.max_num_seqs = max_num_seqs
@@ -76,7 +80,7 @@ class LocalReplica:
         self.on_finish: Callable[[Any], None] | None = None
         self._step_latency_ewma: float | None = None
         self.num_steps = 0
-        self.stats: dict[str, float] = {}
+        self.stats: EngineStats | None = None  # its engine's, after its first step
         # Called after each stats update (the data-parallel engine republishes gauges).
         self.on_stats: Callable[[Any], None] | None = None
         # Called with (replica, notice) when its engine says it will be taken away.
@@ -84,7 +88,7 @@ class LocalReplica:
         self.notice: CoreNotice | None = None
         engine.on_stats = self._update_stats
         engine.on_notice = self._on_notice
-        self._streams: dict[str, ReplicaStream] = {}
+        self._work: dict[str, _Work] = {}
         # When its engine last made progress (a step that ran) or, if it was idle, got
         # work: a replica that holds work and makes none for long is hung.
         self.last_progress = time.monotonic()
@@ -109,26 +113,27 @@ class LocalReplica:
         deadline = time.monotonic() + timeout_s
         if migrate:
             step_s = self.step_latency_s or self._step_latency_ewma or 0.05
-            for stream in list(self._streams.values()):
-                if stream.num_ungenerated * step_s > timeout_s:
-                    self._evict(stream, "the replica is being drained")
+            for work in list(self._work.values()):
+                if work.num_ungenerated * step_s > timeout_s:
+                    self._evict(work, "the replica is being drained")
         while self.num_outstanding_requests > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         clean = self.num_outstanding_requests == 0 and not self._num_evicted
         if migrate:
-            for stream in list(self._streams.values()):
-                self._evict(stream, "the replica was drained")
+            for work in list(self._work.values()):
+                self._evict(work, "the replica was drained")
         return clean
 
-    def _evict(self, stream: ReplicaStream, reason: str) -> None:
-        if not stream.inner.finished and not stream.inner.closed:
+    def _evict(self, work: _Work, reason: str) -> None:
+        stream = work.stream
+        if not stream.finished and not stream.closed:
             self._num_evicted += 1
-            stream.inner.queue.put_nowait(ReplicaGoneError(reason))
+            stream.fail(ReplicaGoneError(reason))
 
     def evict_all(self, reason: str) -> None:
         """Hands every request it holds over to the other replicas (ReplicaGoneError)."""
-        for stream in list(self._streams.values()):
-            self._evict(stream, reason)
+        for work in list(self._work.values()):
+            self._evict(work, reason)
 
     async def stop(self, kill: bool = False) -> None:
         """Hands its open requests over (ReplicaGoneError) and shuts its engine process
@@ -201,19 +206,21 @@ class LocalReplica:
     @property
     def queue_depth(self) -> int:
         """Requests waiting in the core's scheduler at its last step."""
-        return int(self.stats.get("num_requests_waiting", 0))
+        return self.stats.num_requests_waiting if self.stats is not None else 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        queries = self.stats.get("prefix_cache_queries", 0.0)
-        return self.stats.get("prefix_cache_hits", 0.0) / queries if queries else 0.0
+        stats = self.stats
+        if stats is None or not stats.prefix_cache_queries:
+            return 0.0
+        return stats.prefix_cache_hits / stats.prefix_cache_queries
 
-    def _update_stats(self, stats: dict[str, float]) -> None:
+    def _update_stats(self, stats: EngineStats) -> None:
         self.stats = stats
-        num_steps = int(stats.get("num_steps", 0))
+        num_steps = stats.num_steps
         if num_steps > self.num_steps:  # stats also come after steps that ran nothing
             self.last_progress = time.monotonic()
-            latest = stats.get("last_step_seconds", 0.0)
+            latest = stats.last_step_seconds
             prev = self._step_latency_ewma
             a = self.ewma_alpha
             self._step_latency_ewma = latest if prev is None else a * latest + (1 - a) * prev
@@ -229,17 +236,18 @@ class LocalReplica:
         priority: int,
         num_prompt_tokens: int,
         level: int = 0,
-        observer: StreamObserver | None = None,
         resume: RequestOutput | None = None,
         lora_request: LoRARequest | None = None,
-    ) -> ReplicaStream:
-        """Hands the request to this replica's engine (raising what `add_request` raises).
-        `priority` is the engine's (class and request folded, serve/admission/sla.py); `level` the
-        class's, for `has_room`; `resume` the output it goes on from (migration)."""
+    ) -> EngineStream:
+        """Hands the request to this replica's engine (raising what `add_request` raises)
+        and returns its engine stream, whose deltas retire its work here as they are read.
+        `priority` is the engine's (class and request folded, serve/admission/sla.py);
+        `level` the class's, for `has_room`; `resume` the output it goes on from;
+        `lora_request` the adapter it runs with (None: the base model)."""
         if lora_request is None:
-            inner = self.engine.add_request(request_id, prompt, params, priority, resume)
+            stream = self.engine.add_request(request_id, prompt, params, priority, resume)
         else:
-            inner = self.engine.add_request(
+            stream = self.engine.add_request(
                 request_id, prompt, params, priority, resume, lora_request=lora_request
             )
             self._routed_loras.add(lora_request.lora_name)
@@ -253,10 +261,9 @@ class LocalReplica:
         self.num_outstanding_tokens += num_prompt + num_new_tokens - num_done
         self.num_routed += 1
         self._seqs_by_level[level] += params.n
-        stream = ReplicaStream(
-            self, inner, num_prompt, num_new_tokens - num_done, level, observer, num_done
-        )
-        self._streams[request_id] = stream
+        work = _Work(self, stream, num_prompt, num_new_tokens - num_done, level)
+        stream.listener = work
+        self._work[request_id] = work
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -265,9 +272,9 @@ class LocalReplica:
     def _retire(self, num_tokens: int) -> None:
         self.num_outstanding_tokens -= num_tokens
 
-    def _finish(self, stream: ReplicaStream, num_tokens_left: int) -> None:
-        self._streams.pop(stream.request_id, None)
-        level, num_seqs = stream.level, stream.n
+    def _finish(self, work: _Work, num_tokens_left: int) -> None:
+        self._work.pop(work.stream.request_id, None)
+        level, num_seqs = work.level, work.stream.n
         self.num_outstanding_tokens -= num_tokens_left
         self.num_outstanding_requests -= 1
         self._seqs_by_level[level] -= num_seqs
@@ -277,73 +284,34 @@ class LocalReplica:
             self.on_finish(self)
 
 
-class ReplicaStream:
-    """A replica's RequestStream that retires the request's outstanding work on its
-    replica as outputs arrive; same iteration and `close()` as RequestStream."""
+class _Work:
+    """One request's outstanding work on a replica: listens to its engine stream
+    (engine/delta_stream.StreamListener) and retires the work as deltas are read."""
 
     def __init__(
         self,
         replica: LocalReplica,
-        inner: EngineStream,
+        stream: EngineStream,
         num_prompt_tokens: int,
         num_new: int,
-        level: int = 0,
-        observer: StreamObserver | None = None,
-        num_generated: int = 0,
+        level: int,
     ) -> None:
         self.replica = replica
+        self.stream = stream
         self.level = level
-        self.observer = observer
-        self.inner = inner
-        self.request_id = inner.request_id
-        self.n = inner.n
         self._num_unprefilled = num_prompt_tokens
-        self._num_ungenerated = num_new
-        self._num_generated = num_generated
+        self.num_ungenerated = num_new  # tokens it may still generate (max_tokens times n)
         self._settled = False
 
-    def __aiter__(self) -> ReplicaStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        try:
-            out = await self.inner.__anext__()
-        except Exception:  # StopAsyncIteration included: the request is over either way
-            self._settle()
-            raise
-        self._observe(out)
-        return out
-
-    def _observe(self, out: RequestOutput) -> None:
+    def on_delta(self, delta: RequestOutput) -> None:
         if self._settled:
             return
-        if self.observer is not None:
-            self.observer.on_output(out)
-        # Outputs are cumulative (a slow reader may skip some), so count from the total.
-        num_generated = sum(len(c.token_ids) for c in out.outputs)
-        new = min(max(num_generated - self._num_generated, 0), self._num_ungenerated)
-        self._num_generated = num_generated
+        new = min(sum(len(c.token_ids) for c in delta.outputs), self.num_ungenerated)
         self.replica._retire(self._num_unprefilled + new)
         self._num_unprefilled = 0
-        self._num_ungenerated -= new
-        if out.finished:
-            self._settle()
+        self.num_ungenerated -= new
 
-    def _settle(self) -> None:
+    def on_end(self) -> None:
         if not self._settled:
             self._settled = True
-            if self.observer is not None:
-                self.observer.on_end()
-            self.replica._finish(self, self._num_unprefilled + self._num_ungenerated)
-
-    @property
-    def num_ungenerated(self) -> int:
-        """Tokens it may still generate (max_tokens times n, less those it has)."""
-        return self._num_ungenerated
-
-    def close(self) -> None:
-        self.inner.close()
-        self._settle()
-
-    def __getattr__(self, name: str) -> Any:  # started, finished, closed, queue, ...
-        return getattr(self.inner, name)
+            self.replica._finish(self, self._num_unprefilled + self.num_ungenerated)

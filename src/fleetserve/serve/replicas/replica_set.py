@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
-from typing import Any
 
+from fleetserve.serve.config.fleet_config import PoolConfig
 from fleetserve.serve.contracts import Replica
 
 
@@ -20,7 +20,7 @@ class ReplicaSet:
     """`factory(index, pool)` makes a replica of a pool (serve/replicas/pool_plan.py's PoolConfig; None:
     the model's default pool)."""
 
-    def __init__(self, factory: Callable[[int, Any], Replica]) -> None:
+    def __init__(self, factory: Callable[[int, PoolConfig | None], Replica]) -> None:
         self._factory = factory
         self.members: list[Replica] = []
         self._next_index = 0
@@ -43,7 +43,7 @@ class ReplicaSet:
                 return r
         raise KeyError(f"no replica {index}; replicas: {[r.index for r in self.members]}")
 
-    def create(self, pool: Any = None) -> Replica:
+    def create(self, pool: PoolConfig | None = None) -> Replica:
         """A new member, not started (it is not healthy, so nothing is routed to it yet)."""
         replica = self._factory(self._next_index, pool)
         self._next_index += 1
@@ -51,17 +51,7 @@ class ReplicaSet:
         self.members.append(replica)
         return replica
 
-    async def start_all(self, timeout_s: float = 600.0) -> None:
-        """Starts every member in parallel; any failure fails the whole start."""
-        results = await asyncio.gather(
-            *(r.start(timeout_s) for r in self.members), return_exceptions=True
-        )
-        for r, res in zip(self.members, results, strict=True):
-            if isinstance(res, BaseException):
-                raise RuntimeError(f"replica {r.index}: {res}") from res
-        self._changed()
-
-    async def add(self, timeout_s: float = 600.0, pool: Any = None) -> Replica:
+    async def add(self, timeout_s: float = 600.0, pool: PoolConfig | None = None) -> Replica:
         """Starts one more replica while the others serve; it takes requests once loaded.
         If it fails to start it is removed again and the error is raised."""
         replica = self.create(pool)

@@ -6,7 +6,7 @@ sees one of them only.
 The race is written once, here, for every transport: a `Hedge` carries the delay and the
 service's `CopyMaker`, which knows its replicas (the local service's router picks another
 replica at once; the Ray ingress calls its deployment again, never on the replica the
-first call went to: ray/clients.py). A MigratingStream (serve/resilience/migration.py) runs the race
+first call went to: ray/clients.py). A FleetStream (serve/request_state.py) runs the race
 for its first output only; after that it is an ordinary stream, moved if its replica is
 lost.
 """
@@ -23,12 +23,12 @@ from fleetserve.outputs import RequestOutput
 from fleetserve.serve.contracts import ReplicaStreamLike
 
 if TYPE_CHECKING:
-    from fleetserve.serve.resilience.migration import MigratingStream
+    from fleetserve.serve.request_state import FleetStream
 
 
 class CopyMaker(Protocol):
     async def __call__(
-        self, stream: MigratingStream, exclude: set[int]
+        self, stream: FleetStream, exclude: set[int]
     ) -> tuple[ReplicaStreamLike, int]:
         """A copy of `stream`'s request, from its start, on a replica that is not one of
         `exclude` nor the one its first call went to; (the copy's stream, its replica
@@ -51,10 +51,10 @@ class Hedge:
             raise ValueError(f"hedge_after_s must be > 0, got {self.after_s}")
 
 
-async def first_output(stream: MigratingStream, hedge: Hedge) -> RequestOutput:
+async def first_output(stream: FleetStream, hedge: Hedge) -> RequestOutput:
     """`stream`'s first output: from its current call, or, if that has none within
     `hedge.after_s`, from whichever of it and a copy answers first. The loser is aborted;
-    if the copy wins, `stream` goes on with it (its `inner`, `replica_index`). A call that
+    if the copy wins, `stream` goes on with it (its `inner`, its state's replica). A call that
     fails does not win while the other may still answer; if both fail, the first call's
     error is raised (a lost replica's ReplicaGoneError: the stream then moves it)."""
     first = asyncio.ensure_future(stream.inner.__anext__())
@@ -65,9 +65,10 @@ async def first_output(stream: MigratingStream, hedge: Hedge) -> RequestOutput:
         raise
     if done:
         return first.result()
-    stream.hedged = True
+    state = stream.state
+    state.hedged = True
     try:
-        copy, copy_index = await hedge.make_copy(stream, {stream.replica_index})
+        copy, copy_index = await hedge.make_copy(stream, {state.replica_index})
     except EngineDeadError:
         return await first  # no replica for a copy: the first call alone
     except BaseException:
@@ -89,8 +90,8 @@ async def first_output(stream: MigratingStream, hedge: Hedge) -> RequestOutput:
     winner = answered[0] if answered else first
     if winner is second:
         loser, loser_stream = first, stream.inner
-        stream.inner, stream.replica_index = copy, copy_index
-        stream.replicas_used.append(copy_index)
+        stream.inner = copy
+        state.moved_to(copy_index)
     else:
         loser, loser_stream = second, copy
     loser.cancel()

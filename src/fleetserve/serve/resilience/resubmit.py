@@ -29,7 +29,8 @@ from fleetserve.serve.admission.admit import PreparedPrompt
 from fleetserve.serve.admission.sla import ServiceClass
 from fleetserve.serve.config.fleet_config import ResilienceConfig
 from fleetserve.serve.contracts import Replica, ReplicaStreamLike, RouteRequest
-from fleetserve.serve.resilience.migration import MigratingStream, migration_reason
+from fleetserve.serve.request_state import FleetStream
+from fleetserve.serve.resilience.migration import migration_reason
 from fleetserve.serve.routing.router import NoHealthyReplicaError, Router
 
 log = logging.getLogger("fleetserve.serve")
@@ -40,7 +41,7 @@ Narrow = Callable[[list[Replica]], list[Replica]]
 
 @dataclass(frozen=True)
 class SentRequest:
-    """What sending an engine request again needs: its MigratingStream's `context`."""
+    """What sending an engine request again needs: its FleetStream's `context`."""
 
     item: PreparedPrompt
     service_class: ServiceClass
@@ -81,14 +82,14 @@ class RouterResubmitter:
         self._changed.set()
 
     async def resubmit(
-        self, stream: MigratingStream, exclude: set[int]
+        self, stream: FleetStream, exclude: set[int]
     ) -> tuple[ReplicaStreamLike, int]:
         """Puts `stream`'s request on a live replica not in `exclude`, going on from the
         output its reader last got; waits up to migration_wait_s for one to be up."""
         sent: SentRequest = stream.context
         item, cls = sent.item, sent.service_class
-        last = stream.last
-        done = [] if last is None else [t for c in last.outputs for t in c.token_ids]
+        last = stream.state.resume_from()
+        done = [] if last is None else stream.state.fold.tokens_so_far()
         route = RouteRequest(
             item.request_id,
             tuple(item.prompt["prompt_token_ids"]) + tuple(done),
@@ -125,7 +126,7 @@ class RouterResubmitter:
                     sent.priority,
                     item.num_prompt_tokens,
                     level=cls.priority,
-                    resume=last if done else None,
+                    resume=last,
                     lora_request=item.lora,
                 )
             except (EngineDeadError, EngineNotReadyError, EngineOverloadedError):
@@ -133,8 +134,8 @@ class RouterResubmitter:
                 continue
             return inner, replica.index
 
-    def on_migrated(self, stream: MigratingStream, error: ReplicaGoneError) -> None:
+    def on_migrated(self, stream: FleetStream, error: ReplicaGoneError) -> None:
         log.info("%s: request %s moves off replica %d (%s)", self.name, stream.request_id,
-                 stream.replica_index, error)  # fmt: skip
+                 stream.state.replica_index, error)  # fmt: skip
         if self.metrics is not None:
             self.metrics.add_migration(migration_reason(error))

@@ -11,8 +11,9 @@ requests fills the queue and the batch, and an `interactive` request still goes 
 engine at once and takes a batch request's seat on the next step. A request still queued
 past its class's `max_queue_time_s` is shed (503) before it costs any compute.
 
-Once sent, each engine request is a `MigratingStream` (serve/resilience/migration.py): the service
-keeps its prompt and the output its reader last got, and when its replica is lost (died,
+Once sent, each engine request is a `FleetStream` over its `RequestState`
+(serve/request_state.py): the service keeps its prompt and the fold of the deltas its
+reader got, and when its replica is lost (died,
 drained, hung, stopped) its RouterResubmitter (serve/resilience/resubmit.py) resumes it on another
 one. The model's gauges pool its replicas' stats (serve/telemetry/pooled_stats.py). Its Supervisor (serve/replicas/supervisor.py)
 removes dead and hung replicas and drains those given a preemption notice; its
@@ -31,12 +32,12 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
+from fleetserve.config import model_root
 from fleetserve.core.sampling_params import SamplingParams
-from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -44,20 +45,23 @@ from fleetserve.engine.async_engine import (
 )
 from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.metrics import ModelMetrics
-from fleetserve.outputs import RequestOutput
+from fleetserve.outputs import OutputFold, RequestOutput
 from fleetserve.serve.admission.admit import Admission, ClassObserver, Pending, PreparedPrompt
 from fleetserve.serve.admission.replica_wait import NoReplicaWait
 from fleetserve.serve.admission.sla import Entry, ServiceClass, engine_priority, oversubscription
-from fleetserve.serve.config.fleet_config import PoolConfig, RemoteConfig, ResilienceConfig
-from fleetserve.serve.contracts import Replica, ReplicaStreamLike, RouteRequest
+from fleetserve.serve.config.fleet_config import (
+    ModelEntry,
+    PoolConfig,
+)
+from fleetserve.serve.contracts import Replica, RouteRequest
 from fleetserve.serve.remote.targets import RemoteTargets
 from fleetserve.serve.replicas.local import LocalReplica
 from fleetserve.serve.replicas.pool_plan import PoolController, prefer_spot
 from fleetserve.serve.replicas.provision import LocalProvisioner
 from fleetserve.serve.replicas.replica_set import ReplicaSet
 from fleetserve.serve.replicas.supervisor import SUPERVISE_INTERVAL_S, Supervisor
+from fleetserve.serve.request_state import FleetStream, RequestState
 from fleetserve.serve.resilience.hedging import hedge_for
-from fleetserve.serve.resilience.migration import MigratingStream
 from fleetserve.serve.resilience.resubmit import Narrow, RouterResubmitter, SentRequest
 from fleetserve.serve.routing.policies import make_policy
 from fleetserve.serve.routing.router import NoHealthyReplicaError, Router
@@ -76,33 +80,28 @@ class GenerateService:
 
     def __init__(
         self,
-        name: str,
-        args: EngineArgs,
-        num_replicas: int,
+        entry: ModelEntry,
         classes: Mapping[str, ServiceClass],
         default_class: str,
         *,
-        routing: str = "least_loaded",
+        spot_only_classes: frozenset[str] = frozenset(),
         metrics: ModelMetrics | None = None,
+        capacity_check: Callable[[PoolConfig], bool] | None = None,
         imbalance_tokens: int = 2048,
         straggler_factor: float = 2.0,
-        resilience: ResilienceConfig | None = None,
-        pools: Sequence[PoolConfig] | None = None,
-        spot_only_classes: frozenset[str] = frozenset(),
-        capacity_check: Callable[[PoolConfig], bool] | None = None,
-        remote: RemoteConfig | None = None,
     ) -> None:
-        if num_replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {num_replicas}")
+        """The model `entry` of a fleet whose classes are `classes` (requests that name
+        none go to `default_class`; `spot_only_classes` run on spot replicas only).
+        `capacity_check(pool)` says whether a pool's capacity can be had now (tests)."""
+        if entry.kind != "generate":
+            raise ValueError(f"GenerateService serves generate models, not {entry.kind!r}")
+        name, args, routing = entry.name, entry.engine_args(), entry.routing
         self.name = name
-        self.resilience = resilience or ResilienceConfig()
+        self.tool_parser = entry.tool_parser
+        self.resilience = entry.resilience
         # Served by other fleetserve servers (pods) over HTTP: serve/remote/targets.py.
-        self.remote = RemoteTargets(remote) if remote is not None else None
-        if self.remote is not None:
-            pools = [self.remote.pool()]
-        self.pools = list(pools) if pools else [
-            PoolConfig(name="default", capacity="on_demand", replicas=num_replicas)
-        ]  # fmt: skip
+        self.remote = RemoteTargets(entry.remote) if entry.remote is not None else None
+        self.pools = [self.remote.pool()] if self.remote is not None else entry.replica_plan()
         self.has_spot = any(p.is_spot for p in self.pools)
         self.spot_only_classes = spot_only_classes
         # The thread budget (given, or every CPU) is split between the replicas, as the
@@ -168,16 +167,22 @@ class GenerateService:
             remote = self.remote.new_replica(index, self.replica_set, self.name, self.config)
             remote.on_stats, remote.on_notice = self._publish_stats, self.supervisor.on_notice
             return remote  # type: ignore[no-any-return]
-        engine = AsyncEngine(self._replica_args, _ENGINE_MAX_WAITING, self.metrics, index)
-        engine.sigterm_grace_s = self.resilience.sigterm_grace_s
-        engine.notice = pool.notice.model_dump() if pool.notice is not None else None
+        engine = AsyncEngine(
+            self._replica_args,
+            _ENGINE_MAX_WAITING,
+            self.metrics,
+            index,
+            sigterm_grace_s=self.resilience.sigterm_grace_s,
+            notice=pool.notice,
+        )
         replica = LocalReplica(
             index,
             engine,
             max_num_seqs=self.config.scheduler.max_num_seqs,
             oversubscribe=oversubscription(self.queue.classes),
+            pool=pool.name,
+            capacity=pool.capacity,
         )
-        replica.pool, replica.capacity = pool.name, pool.capacity
         replica.on_stats = self._publish_stats
         replica.on_notice = self.supervisor.on_notice
         return replica
@@ -215,7 +220,10 @@ class GenerateService:
 
     def card(self) -> dict[str, Any]:
         return {
-            "root": self.config.model_path,
+            # What vLLM gives (clients load a tokenizer from it): the model's folder, or
+            # for a single .gguf file the served name; the file itself is model_path.
+            "root": model_root(self.config.model_path, self.name),
+            "model_path": self.config.model_path,
             "max_model_len": self.max_model_len,
             "replicas": len(self.replica_set.live),
         }
@@ -295,7 +303,7 @@ class GenerateService:
         priority: int = 0,
         resume: RequestOutput | None = None,
         lora_name: str | None = None,
-    ) -> list[ReplicaStreamLike]:
+    ) -> list[FleetStream]:
         """Validates every prompt (ValueError naming the field), queues the request in its
         class and returns its streams once it is sent to a replica: one per prompt, all on
         their way. Raises ShedError (queue full / waited too long), EngineNotReadyError,
@@ -376,7 +384,7 @@ class GenerateService:
     def _send(self, entry: Entry[Pending], no_room: set[int]) -> None:
         pending = entry.payload
         cls = entry.service_class
-        streams: list[ReplicaStreamLike] = []
+        streams: list[FleetStream] = []
         try:
             for item in pending.items:
                 route = RouteRequest(
@@ -407,18 +415,16 @@ class GenerateService:
                 except BaseException:
                     observer.on_end()  # it never started
                     raise
-                stream = MigratingStream(
-                    self.resubmitter,
-                    item.request_id,
-                    item.params.n,
+                state = request_state(item, entry, replica.index)
+                stream = FleetStream(
+                    state,
                     inner,
-                    replica.index,
+                    self.resubmitter,
                     observer=observer,
                     migration_limit=self.resilience.migration_limit,
                     hedge=hedge_for(cls.hedge_after_s, self.resubmitter.resubmit, self.metrics),
-                    context=SentRequest(item, cls, engine_priority(cls, entry.priority)),
+                    context=SentRequest(item, cls, state.priority),
                 )
-                stream.last = item.resume  # what its reader has: a move goes on from there
                 streams.append(stream)
         except Exception as e:
             for s in streams:
@@ -477,3 +483,20 @@ class GenerateService:
 
     def _publish_stats(self, replica: Replica) -> None:
         publish_pooled_stats(self.metrics, self.replica_set.live)
+
+
+def request_state(item: PreparedPrompt, entry: Entry[Pending], replica_index: int) -> RequestState:
+    """A sent engine request's state; its fold starts from `item.resume` (a request a
+    gateway moved here: what its reader has, which a move here goes on from)."""
+    cls = entry.service_class
+    params = item.params
+    return RequestState(
+        item.request_id,
+        params.n,
+        cls.name,
+        engine_priority(cls, entry.priority),
+        entry.payload.arrival,
+        OutputFold(item.request_id, params.n, start=item.resume),
+        replica_index,
+        queue_deadline=None if entry.deadline == float("inf") else entry.deadline,
+    )

@@ -81,23 +81,17 @@ class WrongKindError(ValueError):
 
 def _build_generate(entry: ModelEntry, fleet: FleetConfig, metrics: ModelMetrics) -> ModelService:
     return GenerateService(
-        entry.name,
-        entry.engine_args(),
-        entry.replicas,
+        entry,
         fleet.service_classes(),
         fleet.default_class_name,
-        routing=entry.routing,
-        metrics=metrics,
-        resilience=entry.resilience,
-        pools=entry.replica_plan(),
         spot_only_classes=fleet.spot_only_classes(),
-        remote=entry.remote,
+        metrics=metrics,
     )
 
 
 def _batching(entry: ModelEntry) -> MicroBatchConfig:
     b = entry.batching
-    return MicroBatchConfig() if b is None else MicroBatchConfig(**b.model_dump())
+    return MicroBatchConfig() if b is None else b
 
 
 def _build_embed(entry: ModelEntry, fleet: FleetConfig, metrics: ModelMetrics) -> ModelService:
@@ -117,7 +111,16 @@ def _build_custom(entry: ModelEntry, fleet: FleetConfig, metrics: ModelMetrics) 
         options=entry.options,
         batching=_batching(entry),
         on_batch=metrics.observe_batch,
+        **_handler_limits(entry),
     )
+
+
+def _handler_limits(entry: ModelEntry) -> dict[str, Any]:
+    """A custom model's timeout_s and memory_limit_mb, where the fleet file sets them."""
+    limits: dict[str, Any] = {"memory_limit_mb": entry.memory_limit_mb}
+    if entry.timeout_s is not None:
+        limits["timeout_s"] = entry.timeout_s
+    return limits
 
 
 _BUILDERS: dict[str, ServiceBuilder] = {
@@ -232,8 +235,10 @@ def build_registry(fleet: FleetConfig, metrics: ServerMetrics) -> Registry:
                 f"models[{fleet.models.index(entry)}] ({entry.name}): kind {entry.kind!r} "
                 "is not available in this build"
             )
+        model_metrics = metrics.model(entry.name)
+        model_metrics.declare(entry.kind, fleet.classes)
         try:
-            services.append(builder(entry, fleet, metrics.model(entry.name)))
+            services.append(builder(entry, fleet, model_metrics))
         except (OSError, ValueError) as e:
             raise ValueError(f"model {entry.name!r}: {e}") from e
     return Registry(services)

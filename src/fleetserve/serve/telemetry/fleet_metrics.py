@@ -12,6 +12,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from fleetserve.engine.stats import EngineStats
 from fleetserve.serve.services.generate import GenerateService
 
 _LABELS = ["model_name", "replica"]
@@ -80,17 +81,18 @@ class FleetCollector(Collector):
         for service in services:
             slow = {r.index for r in service.router.stragglers()}
             for r in service.replica_set:
+                stats = r.stats or EngineStats()
                 labels = [service.name, str(r.index)]
                 latency.add_metric(labels, r.step_latency_s or 0.0)
                 tokens.add_metric(labels, r.num_outstanding_tokens)
                 requests.add_metric(labels, r.num_outstanding_requests)
                 waiting.add_metric(labels, r.queue_depth)
-                running.add_metric(labels, r.stats.get("num_requests_running", 0.0))
+                running.add_metric(labels, stats.num_requests_running)
                 hit_rate.add_metric(labels, r.prefix_cache_hit_rate)
                 healthy.add_metric(labels, 1.0 if r.healthy else 0.0)
                 straggler.add_metric(labels, 1.0 if r.index in slow else 0.0)
                 routed.add_metric(labels, r.num_routed)
-                queried.add_metric(labels, r.stats.get("prefix_cache_queries", 0.0))
-                hits.add_metric(labels, r.stats.get("prefix_cache_hits", 0.0))
+                queried.add_metric(labels, stats.prefix_cache_queries)
+                hits.add_metric(labels, stats.prefix_cache_hits)
         yield from (latency, tokens, requests, waiting, running, hit_rate, healthy, straggler)
         yield from (routed, queried, hits)

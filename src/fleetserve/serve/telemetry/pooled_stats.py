@@ -12,7 +12,7 @@ from fleetserve.serve.contracts import Replica
 
 def publish_pooled_stats(metrics: ModelMetrics | None, live: Iterable[Replica]) -> None:
     """Sets the model-level gauges from the replicas that have reported (none: unchanged)."""
-    stats = [r.stats for r in live if r.stats]
+    stats = [r.stats.as_metrics() for r in live if r.stats is not None]
     if metrics is not None and stats:
         metrics.set_engine_stats(pooled_stats(stats), replica=None)
 

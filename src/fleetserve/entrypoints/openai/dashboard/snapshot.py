@@ -90,7 +90,7 @@ def _model(service: ServiceView, now: Totals, rates: Window, lat: Window) -> dic
     view: dict[str, Any] = {
         "name": name,
         "kind": service.kind,
-        "state": "dead" if dead is not None else "ready" if service.is_ready else "loading",
+        "state": _state(service, dead),
         "dead_reason": dead,
         "requests_total": now.total(_REQUESTS, model_name=name),
         "errors_total": _errors(now.select(_REQUESTS, {"model_name": name})),
@@ -227,3 +227,11 @@ def _r(x: float | None) -> float | None:
     if x is None or not math.isfinite(x):
         return None
     return float(f"{x:.6g}")
+
+
+def _state(service: ServiceView, dead: str | None) -> str:
+    if dead is not None:
+        return "dead"
+    if getattr(service, "unhealthy_reason", None) is not None:
+        return "unhealthy"  # a custom model's handler stuck in a call, or restarting
+    return "ready" if service.is_ready else "loading"

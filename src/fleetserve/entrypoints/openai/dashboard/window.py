@@ -16,10 +16,8 @@ from dataclasses import dataclass
 
 from prometheus_client.registry import CollectorRegistry
 
+
 # One sample: its name (e.g. "fleetserve:prompt_tokens_total") and sorted labels.
-SampleKey = tuple[str, tuple[tuple[str, str], ...]]
-
-
 @dataclass(frozen=True)
 class Totals:
     """Every sample of a registry at one moment, indexed by sample name."""
