@@ -205,7 +205,7 @@ def test_chunked_prefill_prefix_cache_preemption_spec_decode_and_n(
     if method == "draft":
         assert core.scheduler.num_accepted_tokens > 0
     stats = core.stats()
-    assert stats["structured_mask_rows"] > stats["structured_mask_steps"] > 0
+    assert stats.structured_mask_rows > stats.structured_mask_steps > 0
 
 
 def test_every_token_is_one_the_grammar_allows(tiny_llama: str) -> None:

@@ -82,15 +82,15 @@ def run_once(engine: Any, streams: int, max_tokens: int, constrained: bool) -> d
         outs = engine.step()
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         sched = engine.core.scheduler
-        num_tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+        num_tokens += sum(len(c.token_ids) for o in outs for c in o.outputs)  # deltas
         # Decode steps with every stream still in: all have their first token.
         if decoding == streams and sched.num_running == streams:
             step_times.append(dt)
             cpu_times.append(dc)
         decoding = sched.num_running if not sched.num_waiting else 0
     stats1 = engine.stats()
-    mask_steps = stats1.get("structured_mask_steps", 0) - stats0.get("structured_mask_steps", 0)
-    mask_s = stats1.get("structured_mask_seconds", 0) - stats0.get("structured_mask_seconds", 0)
+    mask_steps = stats1.structured_mask_steps - stats0.structured_mask_steps
+    mask_s = stats1.structured_mask_seconds - stats0.structured_mask_seconds
     step = statistics.mean(step_times) if step_times else float("nan")
     return {
         "step_ms": 1e3 * step,
