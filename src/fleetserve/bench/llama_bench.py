@@ -104,6 +104,12 @@ def run_llama_bench(
 ) -> LlamaBenchResult:
     """Runs `cmd` (from llama_bench_command); ValueError with its stderr's tail on failure."""
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+    if proc.returncode < 0:
+        raise ValueError(
+            f"llama-bench was killed by signal {-proc.returncode}; SIGILL/SIGSEGV at start is "
+            "seen where the CPU flags AMX but the VM refuses it: rebuild with -DGGML_NATIVE=OFF "
+            "and the AVX-512 options on, AMX off (docs/benchmarks.md)"
+        )
     if proc.returncode != 0:
         raise ValueError(f"llama-bench exited {proc.returncode}: {proc.stderr.strip()[-600:]}")
     return parse_llama_bench(proc.stdout)
