@@ -6,10 +6,12 @@ the median of ``--repeats`` runs after one warm-up. Every engine flag passes thr
 (``--quantization``, ``--num-threads``, ...); ``--max-num-seqs`` defaults to 1 here, so
 the KV cache is sized for the one stream.
 
-``--compare llamacpp`` runs llama-cpp-python on the same GGUF file, prompt token ids and
-thread count in the same invocation, under the interpreter given by
-``--llamacpp-python`` (a separate environment: fleetserve does not depend on it), and
-reports the ratio and how many greedy tokens the two agree on before they part.
+``--compare llamacpp`` runs two peers on the same GGUF file and thread count in the same
+invocation: llama.cpp's own C++ ``llama-bench`` (tg N and pp ``--pp-tokens``, binary given
+by ``--llama-bench``; bench/llama_bench.py), for which fleetserve also times a prefill of
+``--pp-tokens`` random token ids; then llama-cpp-python on the same prompt token ids, under
+the interpreter given by ``--llamacpp-python`` (a separate environment: fleetserve depends
+on neither), with how many greedy tokens the two agree on before they part.
 """
 
 from __future__ import annotations
@@ -17,11 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import time
 from typing import Any
 
-from fleetserve.bench.llamacpp import add_llamacpp_args, require_gguf, run_job
+from fleetserve.bench.llama_bench import (
+    add_llama_bench_args,
+    find_llama_bench,
+    llama_bench_command,
+    run_llama_bench,
+)
+from fleetserve.bench.llamacpp import add_llamacpp_args, peer_env, require_gguf, run_job
 from fleetserve.entrypoints.engine_args_cli import add_engine_args, engine_args_from
 
 SYSTEM = "You are a storyteller."
@@ -35,6 +44,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-tokens", type=int, default=256, help="greedy tokens per run")
     p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
     add_llamacpp_args(p)
+    add_llama_bench_args(p)
     p.add_argument(
         "--llamacpp-threads", type=int, default=None, help="default: --num-threads, else 2"
     )
@@ -69,7 +79,7 @@ def run_fleetserve(args: argparse.Namespace) -> dict[str, Any]:
 
     engine_args = engine_args_from(args)
     if engine_args.max_model_len is None:
-        engine_args.max_model_len = 64 + args.num_tokens
+        engine_args.max_model_len = max(64 + args.num_tokens, 16 + args.pp_tokens)
     if engine_args.num_threads is not None:
         torch.set_num_threads(engine_args.num_threads)
     engine = LLMEngine(engine_args)
@@ -103,6 +113,7 @@ def run_fleetserve(args: argparse.Namespace) -> dict[str, Any]:
             }
         )
     config = engine.config
+    pp = _time_prefill(engine, args) if args.compare == "llamacpp" else None
     engine.shutdown()
     return {
         "engine": "fleetserve",
@@ -115,6 +126,50 @@ def run_fleetserve(args: argparse.Namespace) -> dict[str, Any]:
         "rss_after_load_mib": rss,
         "runs": runs[1:],
         **_summary(runs[1:], args.num_tokens),
+        **({"pp_tok_s": pp} if pp is not None else {}),
+    }
+
+
+def _time_prefill(engine: Any, args: argparse.Namespace) -> float:
+    """Prompt tokens/s of a --pp-tokens prefill (+ one sampled token), the median of
+    --repeats runs: llama-bench's pp test on fleetserve's side. Fresh random ids each run,
+    so the prefix cache never serves one."""
+    from fleetserve.core.sampling_params import SamplingParams
+
+    vocab = engine.config.model.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times = []
+    for i in range(args.repeats):
+        rng = random.Random(i)
+        ids = [rng.randrange(4, vocab) for _ in range(args.pp_tokens)]
+        t0 = time.perf_counter()
+        engine.add_request(f"pp-{i}", {"prompt_token_ids": ids}, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        times.append(time.perf_counter() - t0)
+    return args.pp_tokens / statistics.median(times)
+
+
+def run_llama_bench_row(args: argparse.Namespace, fs: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's C++ llama-bench: tg --num-tokens and pp --pp-tokens, same file and threads."""
+    threads = args.llamacpp_threads or args.num_threads or 2
+    cmd = llama_bench_command(
+        find_llama_bench(args.llama_bench),
+        fs["model"],
+        threads,
+        n_gen=args.num_tokens,
+        n_prompt=args.pp_tokens,
+        repeats=args.repeats,
+    )
+    print("$", " ".join(cmd), flush=True)
+    r = run_llama_bench(cmd, peer_env())
+    return {
+        "engine": f"llama.cpp llama-bench {r.build}",
+        "num_threads": r.threads,
+        "decode_tok_s": r.tg_tok_s,
+        "decode_tok_s_stddev": r.tg_stddev,
+        "pp_tok_s": r.pp_tok_s,
+        "pp_tok_s_stddev": r.pp_stddev,
     }
 
 
@@ -152,8 +207,12 @@ def _agree(a: list[int], b: list[int]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.num_tokens < 2 or args.repeats < 1:
-        raise ValueError("--num-tokens must be >= 2 and --repeats >= 1")
+    if args.num_tokens < 2 or args.repeats < 1 or args.pp_tokens < 1:
+        raise ValueError("--num-tokens must be >= 2, --repeats >= 1 and --pp-tokens >= 1")
+    if args.compare == "llamacpp":  # refuse before the fleetserve run, not after it
+        if args.model:
+            require_gguf(args.model)
+        find_llama_bench(args.llama_bench)
     load = os.getloadavg()[0]
     fs = run_fleetserve(args)
     results: dict[str, Any] = {"load_avg_1m": load, "num_tokens": args.num_tokens}
@@ -167,6 +226,21 @@ def run(args: argparse.Namespace) -> int:
         f"RSS after load {fs['rss_after_load_mib']:.0f} MiB"
     )
     if args.compare == "llamacpp":
+        require_gguf(fs["model"])
+        print(f"fleetserve prompt processing: pp{args.pp_tokens} {fs['pp_tok_s']:.1f} tok/s")
+        cpp = run_llama_bench_row(args, fs)
+        results["llama_bench"] = cpp
+        results["decode_speedup_vs_llama_bench"] = fs["decode_tok_s"] / cpp["decode_tok_s"]
+        results["pp_speedup_vs_llama_bench"] = fs["pp_tok_s"] / cpp["pp_tok_s"]
+        print(
+            f"{cpp['engine']} ({cpp['num_threads']} threads): tg{args.num_tokens} "
+            f"{cpp['decode_tok_s']:.1f} +- {cpp['decode_tok_s_stddev']:.1f} tok/s, "
+            f"pp{args.pp_tokens} {cpp['pp_tok_s']:.1f} +- {cpp['pp_tok_s_stddev']:.1f} tok/s"
+        )
+        print(
+            f"fleetserve / llama-bench: decode {results['decode_speedup_vs_llama_bench']:.2f}x, "
+            f"prompt processing {results['pp_speedup_vs_llama_bench']:.2f}x"
+        )
         lc = run_llamacpp(args, fs)
         results["llamacpp"] = lc
         agree = _agree(fs["token_ids"], lc["token_ids"])

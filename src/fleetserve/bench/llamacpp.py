@@ -43,8 +43,10 @@ def run_job(python: str, job: dict[str, Any]) -> dict[str, Any]:
     )
     if proc.returncode != 0:
         raise ValueError(
-            f"llama.cpp run failed under --llamacpp-python={python} "
-            f"(is llama-cpp-python installed there?): {proc.stderr.strip()[-600:]}"
+            f"llama.cpp run failed under --llamacpp-python={python} (exit code "
+            f"{proc.returncode}; a negative one is the signal that ended it, e.g. -11 where a "
+            "-DGGML_NATIVE=ON build uses AMX a VM refuses; is llama-cpp-python installed "
+            f"there?): {proc.stderr.strip()[-600:]}"
         )
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result

@@ -2,7 +2,9 @@
 
 With ``--compare hf`` the same workload runs through HF transformers ``generate`` in the
 same process right after (batches of 16, left padding), and the ratio is printed along
-with how many requests produced identical greedy tokens.
+with how many requests produced identical greedy tokens. ``--compare vllm`` does the same
+with vLLM's CPU build in its own interpreter, at vLLM's default dtype unless
+``--vllm-dtype`` forces one (bench/offline_vllm.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import resource
 import time
 from typing import Any
 
+from fleetserve.bench.offline_vllm import add_vllm_args, check_vllm_args, run_vllm_offline
 from fleetserve.bench.workloads import (
     BenchRequest,
     default_workload,
@@ -31,8 +34,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compare", choices=["hf"], default=None)
+    p.add_argument("--compare", choices=["hf", "vllm"], default=None)
     p.add_argument("--hf-batch-size", type=int, default=16)
+    add_vllm_args(p)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -57,6 +61,11 @@ def bench_model_path() -> str:
     return path
 
 
+def _max_model_len(args: argparse.Namespace, reqs: list[BenchRequest]) -> int:
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in reqs)
+    return int(args.max_model_len or longest + 16)
+
+
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -69,7 +78,7 @@ def run_fleetserve(
     from fleetserve import LLM, SamplingParams
 
     torch.set_num_threads(args.num_threads)
-    max_len = args.max_model_len or max(len(r.prompt_token_ids) + r.output_len for r in reqs) + 16
+    max_len = _max_model_len(args, reqs)
     t0 = time.perf_counter()
     llm = LLM(
         model=model,
@@ -211,7 +220,31 @@ def _print(r: dict[str, Any]) -> None:
     )
 
 
+def _compare_vllm(
+    model: str,
+    reqs: list[BenchRequest],
+    args: argparse.Namespace,
+    ours: dict[str, Any],
+    results: dict[str, Any],
+) -> None:
+    res = run_vllm_offline(model, reqs, args, _max_model_len(args, reqs))
+    peer = _figures(f"vllm {res['version']} {res['dtype']}", reqs, res["wall_s"], res["outputs"])
+    peer.update(startup_s=res["startup_s"], dtype=res["dtype"])
+    _print(peer)
+    results["runs"].append(peer)
+    same = sum(a == b for a, b in zip(ours["outputs"], peer["outputs"], strict=True))
+    ratio = ours["output_tok_per_s"] / peer["output_tok_per_s"]
+    results["speedup_vs_vllm"] = ratio
+    results["identical_greedy_outputs_vllm"] = same
+    print(
+        f"fleetserve / vLLM ({res['dtype']}) output tok/s: {ratio:.2f}x; identical greedy "
+        f"outputs: {same}/{len(reqs)}",
+        flush=True,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
+    check_vllm_args(args)
     model = args.model or bench_model_path()
     if args.workload == "default":
         reqs = default_workload(args.num_prompts, args.seed)
@@ -251,6 +284,8 @@ def run(args: argparse.Namespace) -> int:
             f"{same}/{len(reqs)}",
             flush=True,
         )
+    if args.compare == "vllm":
+        _compare_vllm(model, reqs, args, ours, results)
     if args.json:
         for r in results["runs"]:
             r.pop("outputs", None)

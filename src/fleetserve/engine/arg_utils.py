@@ -7,6 +7,7 @@ from typing import Any
 
 from fleetserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from fleetserve.core.config import SchedulerConfig
+from fleetserve.engine.dtype_choice import announce, choose_dtype, cpu_flags
 from fleetserve.lora.config import LoRAConfig, parse_lora_modules
 from fleetserve.models.loader import ModelSource, resolve_model
 from fleetserve.models.quantize import resolve_int8_activations, resolve_quantization
@@ -18,7 +19,9 @@ DEFAULT_MAX_MODEL_LEN = 4096
 @dataclass
 class EngineArgs:
     model: str | None = None
-    dtype: str = "float32"
+    # "auto": what this CPU runs fastest for the checkpoint, said at start-up
+    # (engine/dtype_choice.py; float32 today).
+    dtype: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -84,7 +87,13 @@ class EngineArgs:
         max_len = self.max_model_len
         if max_len is None:
             max_len = min(int(hf.get("max_position_embeddings", 2048)), DEFAULT_MAX_MODEL_LEN)
-        model_cfg = ModelConfig.from_hf(hf, dtype=self.dtype, max_model_len=max_len)
+        dtype = self.dtype
+        if dtype == "auto":
+            stored = hf.get("torch_dtype") or hf.get("dtype")
+            choice = choose_dtype(stored, cpu_flags(), self.device)
+            announce(choice)
+            dtype = choice.dtype
+        model_cfg = ModelConfig.from_hf(hf, dtype=dtype, max_model_len=max_len)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         spec = SpeculativeConfig.parse(self.speculative_config)

@@ -10,7 +10,11 @@ from fleetserve.engine.arg_utils import EngineArgs
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: SmolLM2)")
-    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (what this CPU runs fastest; logged at start-up) | float32 | bfloat16 | float16",
+    )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
