@@ -156,6 +156,7 @@ def test_stop_string_inside_a_multi_token_step(tiny_llama: str) -> None:
     from fleetserve.core.scheduler_output import EngineCoreOutput
     from fleetserve.engine.output_processor import OutputProcessor
     from fleetserve.models.loader import resolve_model
+    from fleetserve.outputs import OutputFold
     from fleetserve.tokenizer import Tokenizer
 
     tok = Tokenizer.from_source(resolve_model(tiny_llama))
@@ -166,14 +167,16 @@ def test_stop_string_inside_a_multi_token_step(tiny_llama: str) -> None:
     def run(chunks: list[list[int]]) -> tuple[list[int], str, str | None, int]:
         proc = OutputProcessor(tok)
         (cid,) = proc.add_request("r", None, [5, 6], params)
-        out = None
+        whole = OutputFold("r")  # the processor hands out deltas
         for chunk in chunks:
             eo = EngineCoreOutput(cid, chunk, [lps[ids.index(t)] for t in chunk])
             results, to_stop = proc.process([eo])
-            out = results[0].outputs[0] if results else out
+            for r in results:
+                whole.add(r)
             if to_stop:
                 break
-        assert out is not None
+        assert whole.num_deltas
+        out = whole.output().outputs[0]
         return out.token_ids, out.text, out.finish_reason, len(out.logprobs or [])
 
     one_by_one = run([[t] for t in ids])

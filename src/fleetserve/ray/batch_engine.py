@@ -174,6 +174,7 @@ class _Frontend:
 
     name: str
     tokenizer: Any
+    max_model_len: int
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ class GenerateLines:
         assert model.engine_args is not None  # LineModel checks it for generate models
         self.model = model
         self.llm = LLM(**dataclasses.asdict(model.engine_args))
-        frontend = _Frontend(model.name, self.llm.get_tokenizer())
+        frontend = _Frontend(model.name, self.llm.get_tokenizer(), self.llm.engine.max_model_len)
         # chat_inputs and the *_body builders read `engine.tokenizer` and nothing else
         # of the frontend; admission is this class's own loop over the engine.
         self.ctx = ModelContext(cast(GenerateFrontend, frontend), model.name)

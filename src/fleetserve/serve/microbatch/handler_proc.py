@@ -55,7 +55,8 @@ def _slot(value: Any) -> Message:
     if isinstance(value, ValueError):
         return ("value_error", str(value))
     if isinstance(value, BaseException):
-        return ("error", _describe(value))
+        # A slot's exception fails that instance with its own message, as in-process.
+        return ("error", str(value) or type(value).__name__)
     return ("ok", value)
 
 
