@@ -59,16 +59,17 @@ demo-fleet: setup
 serve: setup
 	$(VENV)/bin/fleetserve serve
 
-# TEST_WORKERS=2 runs the tests in two pytest-xdist processes, a test module to one process
-# (tests/conftest.py groups the modules that share a server, and the Ray modules): on a quiet
-# 2-core machine the fast suite took 7 min 10 s that way. The default (0) runs them in this
-# process, one after another: the routing tests of test_data_parallel.py compare replicas'
-# step latencies, and a second worker's load can make one look like a straggler (seen twice).
-TEST_WORKERS ?= 0
+# The tests run in TEST_WORKERS processes (pytest-xdist), a test module to one process: its
+# module-scoped servers start once (tests/conftest.py groups the modules that share one, and
+# the Ray modules). TEST_WORKERS=0 runs them in this process, one after another. Tests marked
+# `alone` compare replicas' step times (the router's straggler rule), which a second worker's
+# load can upset: they run afterwards, by themselves.
+TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 test: setup system-deps
-	$(PYTEST) -m "not slow"
+	$(PYTEST) -m "not slow and not alone"
+	$(PY) -m pytest -q -p no:cacheprovider -m "alone and not slow"
 
 test-slow: setup system-deps
 	$(PYTEST) -m slow
