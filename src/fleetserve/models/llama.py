@@ -62,12 +62,14 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+class GatedMLP(nn.Module):
+    """down(silu(gate x) * up x), gate and up fused in one projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -75,6 +77,11 @@ class LlamaMLP(nn.Module):
             return self.down_proj(cpu_kernels.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaMLP(GatedMLP):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg.hidden_size, cfg.intermediate_size)
 
 
 class LlamaDecoderLayer(nn.Module):

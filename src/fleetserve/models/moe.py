@@ -17,34 +17,19 @@ import re
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fleetserve.config import ModelConfig
 from fleetserve.distributed.parallel_state import ParallelContext
-from fleetserve.forward_context import cpu_kernels_active
 from fleetserve.kernels import cpu as cpu_kernels
 from fleetserve.kernels.moe import ExpertWeights, grouped_experts, grouped_experts_torch
 from fleetserve.layers.linear import Linear
-from fleetserve.models.llama import _FUSED, LlamaForCausalLM
+from fleetserve.models.llama import _FUSED, GatedMLP, LlamaForCausalLM
 from fleetserve.moe_config import MoEConfig
 
 
-class SharedExpertMLP(nn.Module):
+class SharedExpertMLP(GatedMLP):
     """A SiLU-gated MLP whose output the block all-reduces (no reduction of its own)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if cpu_kernels_active():
-            return self.down_proj(cpu_kernels.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
 
 
 class MoEExperts(nn.Module):
