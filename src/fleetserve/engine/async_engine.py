@@ -261,17 +261,7 @@ class AsyncEngine:
             )
         text, ids = self._rules.tokenize_prompt(prompt)
         self._rules.validate(ids, params)
-        capacity = self.num_kv_blocks * self._block_size
-        room = min(self.max_model_len, capacity) - len(ids)
-        if room < 1:
-            raise ValueError(f"the prompt's {len(ids)} tokens do not fit the KV cache")
-        if params.max_tokens is None:
-            params.max_tokens = room
-        elif params.max_tokens > room:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
-                f"the KV cache capacity of {capacity} tokens"
-            )
+        self._rules.fit_kv(len(ids), params, self.num_kv_blocks * self._block_size)
         child_ids = self.output_processor.add_request(request_id, text, ids, params, resume)
         try:
             # Encoded before anything is counted: a message that cannot be encoded fails

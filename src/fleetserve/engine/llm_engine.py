@@ -61,6 +61,21 @@ class PromptRules:
             raise ValueError("prompt must be a string of valid Unicode")
         return text, list(ids)
 
+    def fit_kv(self, num_prompt: int, params: SamplingParams, capacity: int | None) -> None:
+        """Checks the prompt and max_tokens fit min(max_model_len, `capacity` tokens of KV
+        cache; None: no cache bound known) and sets max_tokens to the room left when unset."""
+        bound = self.max_model_len if capacity is None else min(self.max_model_len, capacity)
+        room = bound - num_prompt
+        if room < 1:
+            raise ValueError(f"the prompt's {num_prompt} tokens do not fit the KV cache")
+        if params.max_tokens is None:
+            params.max_tokens = room
+        elif params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} plus the prompt's {num_prompt} tokens exceeds "
+                f"the KV cache capacity of {bound} tokens"
+            )
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         vocab = self.config.model.vocab_size
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)

@@ -345,17 +345,7 @@ class GenerateService:
         text, ids = self._rules.tokenize_prompt(prompt)
         self._rules.validate(ids, params)
         capacities = [r.kv_capacity_tokens for r in self.replica_set if r.kv_capacity_tokens]
-        capacity = min(capacities, default=self.max_model_len)
-        room = min(self.max_model_len, capacity) - len(ids)
-        if room < 1:
-            raise ValueError(f"the prompt's {len(ids)} tokens do not fit the KV cache")
-        if params.max_tokens is None:
-            params.max_tokens = room
-        elif params.max_tokens > room:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
-                f"the KV cache capacity of {capacity} tokens"
-            )
+        self._rules.fit_kv(len(ids), params, min(capacities, default=None))
         routed: dict[str, Any] = {"prompt_token_ids": ids}
         if text is not None:
             routed["prompt"] = text
