@@ -371,10 +371,21 @@ def test_seeded_n_choices_differ_and_reproduce(client: openai.OpenAI) -> None:
         for ch in c.choices:
             streamed[ch.index] = streamed.get(ch.index, "") + (ch.delta.content or "")
     assert [streamed[i] for i in range(3)] == first
-    cmpl = client.completions.create(
-        model=MODEL, prompt="Once upon a time", n=3, seed=5, temperature=1.0, max_tokens=12
-    )
-    assert len({c.text for c in cmpl.choices}) > 1
+    ckw: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "n": 3,
+        "seed": 5,
+        "temperature": 1.0,
+        "max_tokens": 12,
+    }
+    cmpl = [c.text for c in client.completions.create(**ckw).choices]
+    assert len(set(cmpl)) > 1
+    streamed_text: dict[int, str] = {}
+    for c in client.completions.create(stream=True, **ckw):
+        for ch in c.choices:
+            streamed_text[ch.index] = streamed_text.get(ch.index, "") + ch.text
+    assert [streamed_text[i] for i in range(3)] == cmpl
 
 
 def test_role_comes_with_the_first_token(client: openai.OpenAI) -> None:
