@@ -242,6 +242,8 @@ def test_no_end_within_max_tokens_is_length(client: openai.OpenAI) -> None:
             "cannot be combined",
         ),
         ({"store": True}, "store", "does not store"),
+        ({"reasoning_effort": "low"}, "reasoning_effort", "does not reason"),
+        ({"modalities": ["text", "audio"]}, "modalities", "text only"),
     ],
 )
 def test_bad_constraints_are_clear_400s(
@@ -422,6 +424,21 @@ def test_models_retrieve_and_root(client: openai.OpenAI) -> None:
 
 def test_store_false_metadata_and_image_parts(client: openai.OpenAI) -> None:
     resp = chat(client, messages=ASK, store=False, metadata={"team": "qa"}, max_tokens=4)
+    assert resp.choices[0].message.content is not None
+    # OpenAI fields this server cannot honour pass when null or empty; hints pass as they are.
+    nulls = {
+        "modalities": ["text"],
+        "audio": None,
+        "prediction": None,
+        "reasoning_effort": None,
+        "verbosity": None,
+        "web_search_options": None,
+        "functions": [],
+        "function_call": None,
+        "prompt_cache_key": "session-7",
+        "safety_identifier": "user-hash",
+    }
+    resp = chat(client, messages=ASK, max_tokens=4, extra_body=nulls)
     assert resp.choices[0].message.content is not None
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     with pytest.raises(openai.BadRequestError) as e:
