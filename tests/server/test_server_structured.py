@@ -195,6 +195,23 @@ def test_structured_outputs_regex_and_choice_on_chat_and_completions(
         extra_body={"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}},
     )
     assert resp.choices[0].text in ("yes", "no")
+    # vLLM's `json` (a schema) on both endpoints.
+    item = ORDER["properties"]["items"]["items"]
+    resp = client.completions.create(
+        model=MODEL,
+        prompt="One line item of a hardware order as JSON:",
+        max_tokens=80,
+        temperature=0,
+        extra_body={"structured_outputs": {"json": item}},
+    )
+    assert resp.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(resp.choices[0].text), item)
+    resp = chat(
+        client,
+        messages=[{"role": "user", "content": "An order line item as JSON."}],
+        extra_body={"structured_outputs": {"json": item}},
+    )
+    jsonschema.validate(json.loads(resp.choices[0].message.content), item)
 
 
 def test_no_end_within_max_tokens_is_length(client: openai.OpenAI) -> None:
