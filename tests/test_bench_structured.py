@@ -46,11 +46,11 @@ def test_answers_are_checked_against_the_schema() -> None:
 
 
 def test_table_reports_the_ratio() -> None:
-    row = {"tpot_ms": 10.0, "tok_s": 100.0, "tokens_per_request": 64.0}
+    row = {"tpot_ms": 10.0, "tok_s": 100.0, "tokens_per_request": 64.0, "cpu_ms_per_token": 8.0}
     free = {**row, "valid": 0, "prefix": 0, "bad": 0}
     con = {**row, "tok_s": 95.0, "valid": 1, "prefix": 2, "bad": 0}
     text = table({("fleetserve", 16): {"free": free, "json_schema": con}})
-    assert "| fleetserve | 16 | 10.0 | 10.0 | 100.0 | 95.0 | -5.0% |" in text
+    assert "| fleetserve | 16 | 10.0 | 10.0 | 100.0 | 95.0 | -5.0% | 8.0 / 8.0 |" in text
     assert text.rstrip().endswith("| 1 / 2 / 0 |")
 
 

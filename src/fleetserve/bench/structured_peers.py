@@ -111,7 +111,9 @@ def measure(
     number per request, so no server answers from its prefix cache beyond the template)."""
     bodies = [request_body(peer.model, offset + i, kind, max_tokens) for i in range(num)]
     load = os.getloadavg()[0]
+    cpu0 = server_cpu_s(peer.server)
     results, wall = asyncio.run(_run(peer.server.url + "/v1/chat/completions", bodies, streams))
+    cpu = server_cpu_s(peer.server) - cpu0
     ok = [r for r in results if r.ok]
     tpots = [t for r in ok if (t := r.tpot_s) is not None]
     tokens = sum(r.num_output_tokens for r in ok)
@@ -123,6 +125,9 @@ def measure(
         if ok
         else float("nan"),
         "tok_s": tokens / wall,
+        # The server's CPU time (all its processes and threads) per output token: less
+        # swayed by other processes' load than wall time (spinning threads count too).
+        "cpu_ms_per_token": 1e3 * cpu / max(1, tokens),
         "tokens_per_request": tokens / max(1, len(ok)),
         "valid": checks.count("valid"),
         "prefix": checks.count("prefix"),
@@ -131,8 +136,24 @@ def measure(
     }
 
 
+def server_cpu_s(server: LocalServer) -> float:
+    """User + system CPU seconds of the server process and its descendants so far."""
+    import psutil
+
+    total = 0.0
+    for proc in [psutil.Process(server.proc.pid), *server.descendants()]:
+        try:
+            t = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
 def start_peers(args: argparse.Namespace) -> list[Peer]:
+    """Starts every server of --compare; on any failure (or Ctrl-C) stops those started."""
     peers: list[Peer] = []
+    started: list[LocalServer] = []
     try:
         for name in args.compare:
             port = free_port()
@@ -142,13 +163,14 @@ def start_peers(args: argparse.Namespace) -> list[Peer]:
                 server = _vllm(args, port)
             else:
                 server = _llamacpp(args, port)
+            started.append(server)
             print(f"{name}: starting on {server.url} (log {server.log.name})", flush=True)
             server.wait_ready(args.startup_timeout)
             model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
             peers.append(Peer(name, server, model))
     except BaseException:
-        for p in peers:
-            p.server.stop()
+        for s in started:
+            s.stop()
         raise
     return peers
 
@@ -222,7 +244,7 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = ("tpot_ms", "ttft_ms", "tok_s", "tokens_per_request", "load_1m")
+    keys = ("tpot_ms", "ttft_ms", "tok_s", "cpu_ms_per_token", "tokens_per_request", "load_1m")
     out: dict[str, Any] = {k: statistics.median(r[k] for r in runs) for k in keys}
     for k in ("valid", "prefix", "bad"):
         out[k] = sum(r[k] for r in runs)
@@ -234,9 +256,9 @@ def table(results: dict[tuple[str, int], dict[str, Any]]) -> str:
     """The markdown table of the medians: per server and stream count, free vs schema."""
     lines = [
         "| server | streams | TPOT free ms | TPOT schema ms | tok/s free | tok/s schema "
-        "| schema vs free (tok/s) | tokens/request free / schema | schema answers "
-        "valid / cut, starts { / bad |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| schema vs free (tok/s) | CPU ms/token free / schema | tokens/request free / schema "
+        "| schema answers valid / cut, starts { / bad |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (name, streams), s in results.items():
         f, c = s["free"], s["json_schema"]
@@ -244,6 +266,7 @@ def table(results: dict[tuple[str, int], dict[str, Any]]) -> str:
         lines.append(
             f"| {name} | {streams} | {f['tpot_ms']:.1f} | {c['tpot_ms']:.1f} "
             f"| {f['tok_s']:.1f} | {c['tok_s']:.1f} | {100 * ratio:+.1f}% "
+            f"| {f['cpu_ms_per_token']:.1f} / {c['cpu_ms_per_token']:.1f} "
             f"| {f['tokens_per_request']:.1f} / {c['tokens_per_request']:.1f} "
             f"| {c['valid']} / {c['prefix']} / {c['bad']} |"
         )
