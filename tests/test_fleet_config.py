@@ -91,6 +91,8 @@ def one(**model: object) -> dict[str, object]:
         ({**one(), "classes": {"a": {}}, "default_class": "b"},
          "default_class 'b' is not one of the classes (a)"),
         ([1, 2], "expected a mapping with a 'models' list"),
+        (one(tool_parser="mistrall"), "models[0].tool_parser (model 'chat'): Input should be"),
+        (one(kind="embed", tool_parser="hermes"), "tool_parser is for generate models"),
     ],
 )  # fmt: skip
 def test_errors_name_the_key(data: object, message: str) -> None:
@@ -131,3 +133,10 @@ def test_serve_refuses_a_bad_file_before_loading_anything(
     # A model flag next to --config would be ignored: refused instead.
     assert main(["serve", "--config", str(good), "--max-num-seqs", "8", "--model", "x"]) == 2
     assert "leave out --model, --max-num-seqs" in capsys.readouterr().err
+
+
+def test_tool_parser_per_model() -> None:
+    cfg = parse_fleet_config(
+        {"models": [{"name": "m", "tool_parser": "mistral"}, {"name": "n"}]}, "fleet.yaml"
+    )
+    assert [m.tool_parser for m in cfg.models] == ["mistral", None]

@@ -111,6 +111,24 @@ def test_sampling_params_travel_by_name() -> None:
         params_from_http(bad)
 
 
+def test_structured_outputs_travel_with_the_params() -> None:
+    """A request handed to a remote replica (or migrated to one) keeps its constraint."""
+    import msgspec
+
+    from fleetserve.core.structured import StructuredOutputsParams
+    from fleetserve.serve.remote.wire import HttpSamplingParams
+
+    for so in (
+        StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+        StructuredOutputsParams(choice=["yes", "no"]),
+        StructuredOutputsParams(regex="[a-z]+"),
+        StructuredOutputsParams(json_object=True),
+    ):
+        p = SamplingParams(max_tokens=9, structured_outputs=so)
+        data = msgspec.msgpack.encode(params_to_http(p))
+        assert params_from_http(msgspec.msgpack.decode(data, type=HttpSamplingParams)) == p
+
+
 def test_check_resume_names_the_field() -> None:
     params = SamplingParams(n=2, max_tokens=6)
     good = fold(delta_outputs()[:3])  # a resume is a whole answer so far

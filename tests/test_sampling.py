@@ -293,3 +293,29 @@ def test_min_tokens_bans_eos_and_stop_tokens_until_reached() -> None:
     rand = SamplingParams(temperature=1.0, min_tokens=1, stop_token_ids=[2])
     drawn, _ = Sampler(0)(logits.repeat(500, 1)[:500], [SamplingRow(rand, [0], [], eos)] * 500)
     assert not {1, 2} & set(drawn)
+
+
+def test_token_bitmask_is_added_to_the_chosen_rows() -> None:
+    """apply_token_bitmask: bias row mask_rows[j] onto logits row logit_rows[j]; tokens
+    past the mask's width (a padded LM head) forbidden; other rows untouched; the same
+    on the float32 numpy path and the torch path (bf16 logits)."""
+    import numpy as np
+
+    from fleetserve.core.structured import bitmask_bias
+    from fleetserve.layers.sampler import apply_token_bitmask
+
+    rng = np.random.default_rng(0)
+    bits = rng.integers(-(2**31), 2**31 - 1, size=(3, 2), dtype=np.int64).astype(np.int32)
+    bias = bitmask_bias(bits)  # 3 rows x 64 tokens
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(4, 70).to(dtype)  # 70 > 64: six padded tokens
+        before = logits.clone()
+        apply_token_bitmask(logits, [3, 1], bias, [2, 0])
+        want = before.float().clone()
+        want[3, :64] += torch.from_numpy(bias[2])
+        want[1, :64] += torch.from_numpy(bias[0])
+        want[[1, 3], 64:] = float("-inf")
+        assert torch.equal(logits.float(), want.to(dtype).float()), dtype
+        assert torch.equal(logits[[0, 2]], before[[0, 2]])
+        allowed = np.unpackbits(bits[2].view(np.uint8), bitorder="little").astype(bool)
+        assert torch.isfinite(logits[3, :64].float()).numpy().tolist() == allowed.tolist()

@@ -274,3 +274,18 @@ def test_tensor_parallel_keeps_the_mask(tiny_model_factory: Callable[..., str]) 
         assert token_ids(tp, PROMPTS[:2], params) == ref
     finally:
         tp.engine.shutdown()
+
+
+def test_pipeline_parallel_keeps_the_mask(tiny_model_factory: Callable[..., str]) -> None:
+    """PP=2 keeps two batches in flight (engine/core.py's _step_pipelined): a request's
+    grammar has taken its previous token before its next mask is made."""
+    model = tiny_model_factory("llama")
+    params = [greedy(WORDS), greedy(SO(json=PERSON)), greedy(max_tokens=20, ignore_eos=True)]
+    prompts = [*PROMPTS[:2], PROMPTS[2]]
+    ref = token_ids(LLM(model, max_model_len=128), prompts, params)
+    pp = LLM(model, max_model_len=128, pipeline_parallel_size=2)
+    try:
+        assert pp.engine.core.executor.max_concurrent_batches == 2
+        assert token_ids(pp, prompts, params) == ref
+    finally:
+        pp.engine.shutdown()

@@ -34,6 +34,19 @@ CASES = [
         [("get_weather", {"city": "Rome"}), ("get_time", {"city": "Rome"})],
     ),
     (
+        "mistral",
+        'Checking both.[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "days": [1, 2]}'
+        '[TOOL_CALLS]get_time[ARGS]{"city": "Rome [old] {x}"}',
+        "Checking both.",
+        [("get_weather", {"city": "Rome", "days": [1, 2]}), ("get_time", {"city": "Rome [old] {x}"})],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo"}',
+        "",
+        [("get_time", {"city": "Oslo"})],
+    ),
+    (
         "llama3_json",
         '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima"}}; '
         '{"name": "get_time", "parameters": {"city": "Lima"}}',
@@ -90,3 +103,52 @@ def test_the_template_picks_the_parser() -> None:
     assert parser_for_template("{% for t in tools %}{{ t }}{% endfor %}") == "json"
     with pytest.raises(ValueError, match="tool_parser must be one of"):
         make_parser("nope")
+
+
+def test_mistral_named_form_partial_call() -> None:
+    """A call of the newer form cut by max_tokens: the completed call is done, the cut one
+    is not (the response keeps only done calls); no name is guessed from a partial one."""
+    parser = make_parser("mistral", NAMES)
+    text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]get_ti'
+    state = parser.parse(text, final=False)
+    assert [(c.name, c.done) for c in state.calls] == [("get_weather", True), (None, False)]
+    state = parser.parse(text + 'me[ARGS]{"city": "Ro', final=True)
+    assert [(c.name, c.done) for c in state.calls] == [("get_weather", True), ("get_time", False)]
+    assert state.calls[1].arguments == '{"city": "Ro'
+    # The partial marker of a next call is held back from the content while streaming.
+    assert parser.parse("Sure[TOOL_CA", final=False).content == "Sure"
+
+
+def test_mistral_named_form_through_the_chat_layer() -> None:
+    """`tool_parser: mistral` in auto mode: the response message and the streamed deltas
+    of the newer form carry the same calls, finish_reason tool_calls."""
+    from fleetserve.entrypoints.openai.protocol_tools import ToolDefinition
+    from fleetserve.entrypoints.openai.tools import ChoiceDeltas, message_and_reason, plan_tools
+
+    tools = [
+        ToolDefinition.model_validate(
+            {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+        )
+        for n in sorted(NAMES)
+    ]
+    plan = plan_tools(tools, "auto", None, "mistral", None)
+    assert plan is not None
+    text = (
+        '[TOOL_CALLS]get_time[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_weather[ARGS]{"city": "Bergen"}'
+    )
+    message, reason = message_and_reason(plan, text, "stop")
+    assert reason == "tool_calls" and message["content"] is None
+    got = [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in message["tool_calls"]
+    ]
+    assert got == [("get_time", {"city": "Oslo"}), ("get_weather", {"city": "Bergen"})]
+    deltas = ChoiceDeltas(plan)
+    streamed: list[dict[str, str]] = []
+    for k in range(0, len(text), 5):  # pieces of 5 characters, as a detokenizer would send
+        for piece in deltas.add(text[k : k + 5], final=k + 5 >= len(text)).get("tool_calls", []):
+            if "id" in piece:
+                streamed.append({"name": piece["function"]["name"], "arguments": ""})
+            streamed[piece["index"]]["arguments"] += piece["function"]["arguments"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == got
+    assert deltas.finish_reason("stop") == "tool_calls"

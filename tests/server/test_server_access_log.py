@@ -180,3 +180,19 @@ def test_a_moved_request_names_both_replicas(ops_fleet: ServerProc) -> None:
     assert line["migrations"] == 1 and len(line["replicas"]) == 2
     assert line["replicas"][0] == int(drained[0].rpartition(":")[2])
     assert line["completion_tokens"] == 80
+
+
+def test_openai_metadata_is_written_into_the_line(ops_fleet: ServerProc) -> None:
+    """OpenAI's `metadata` (and `store: false`) are accepted; we store nothing, so the
+    metadata lives in the request's access line."""
+    body = {
+        "model": "chat-b",
+        "messages": [{"role": "user", "content": "tag me"}],
+        "max_tokens": 3,
+        "store": False,
+        "metadata": {"team": "qa", "run": "7"},
+    }
+    headers = {**AUTH, "X-Request-Id": "metadata-1"}
+    r = httpx.post(f"{ops_fleet.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    assert line_for(ops_fleet, "metadata-1")["metadata"] == {"team": "qa", "run": "7"}

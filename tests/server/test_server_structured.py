@@ -195,6 +195,23 @@ def test_structured_outputs_regex_and_choice_on_chat_and_completions(
         extra_body={"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}},
     )
     assert resp.choices[0].text in ("yes", "no")
+    # vLLM's `json` (a schema) on both endpoints.
+    item = ORDER["properties"]["items"]["items"]
+    resp = client.completions.create(
+        model=MODEL,
+        prompt="One line item of a hardware order as JSON:",
+        max_tokens=80,
+        temperature=0,
+        extra_body={"structured_outputs": {"json": item}},
+    )
+    assert resp.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(resp.choices[0].text), item)
+    resp = chat(
+        client,
+        messages=[{"role": "user", "content": "An order line item as JSON."}],
+        extra_body={"structured_outputs": {"json": item}},
+    )
+    jsonschema.validate(json.loads(resp.choices[0].message.content), item)
 
 
 def test_no_end_within_max_tokens_is_length(client: openai.OpenAI) -> None:
@@ -242,6 +259,8 @@ def test_no_end_within_max_tokens_is_length(client: openai.OpenAI) -> None:
             "cannot be combined",
         ),
         ({"store": True}, "store", "does not store"),
+        ({"reasoning_effort": "low"}, "reasoning_effort", "does not reason"),
+        ({"modalities": ["text", "audio"]}, "modalities", "text only"),
     ],
 )
 def test_bad_constraints_are_clear_400s(
@@ -371,10 +390,21 @@ def test_seeded_n_choices_differ_and_reproduce(client: openai.OpenAI) -> None:
         for ch in c.choices:
             streamed[ch.index] = streamed.get(ch.index, "") + (ch.delta.content or "")
     assert [streamed[i] for i in range(3)] == first
-    cmpl = client.completions.create(
-        model=MODEL, prompt="Once upon a time", n=3, seed=5, temperature=1.0, max_tokens=12
-    )
-    assert len({c.text for c in cmpl.choices}) > 1
+    ckw: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "n": 3,
+        "seed": 5,
+        "temperature": 1.0,
+        "max_tokens": 12,
+    }
+    cmpl = [c.text for c in client.completions.create(**ckw).choices]
+    assert len(set(cmpl)) > 1
+    streamed_text: dict[int, str] = {}
+    for c in client.completions.create(stream=True, **ckw):
+        for ch in c.choices:
+            streamed_text[ch.index] = streamed_text.get(ch.index, "") + ch.text
+    assert [streamed_text[i] for i in range(3)] == cmpl
 
 
 def test_role_comes_with_the_first_token(client: openai.OpenAI) -> None:
@@ -411,6 +441,21 @@ def test_models_retrieve_and_root(client: openai.OpenAI) -> None:
 
 def test_store_false_metadata_and_image_parts(client: openai.OpenAI) -> None:
     resp = chat(client, messages=ASK, store=False, metadata={"team": "qa"}, max_tokens=4)
+    assert resp.choices[0].message.content is not None
+    # OpenAI fields this server cannot honour pass when null or empty; hints pass as they are.
+    nulls = {
+        "modalities": ["text"],
+        "audio": None,
+        "prediction": None,
+        "reasoning_effort": None,
+        "verbosity": None,
+        "web_search_options": None,
+        "functions": [],
+        "function_call": None,
+        "prompt_cache_key": "session-7",
+        "safety_identifier": "user-hash",
+    }
+    resp = chat(client, messages=ASK, max_tokens=4, extra_body=nulls)
     assert resp.choices[0].message.content is not None
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     with pytest.raises(openai.BadRequestError) as e:

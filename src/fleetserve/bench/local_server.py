@@ -35,9 +35,9 @@ def pid_alive(pid: int) -> bool:
 
 
 class LocalServer:
-    """`cmd` (a server that binds 127.0.0.1:`port` and answers GET /ready with 200 once it
-    serves) run as a child process; its output goes to a log file. `new_session`: in a
-    session of its own, so that a Ctrl-C of the benchmark reaches the benchmark only."""
+    """`cmd` (a server that binds 127.0.0.1:`port` and answers GET `ready_path` with 200
+    once it serves) run as a child process; its output goes to a log file. `new_session`:
+    in a session of its own, so that a Ctrl-C of the benchmark reaches the benchmark only."""
 
     def __init__(
         self,
@@ -47,8 +47,10 @@ class LocalServer:
         name: str = "",
         *,
         new_session: bool = True,
+        ready_path: str = "/ready",
     ) -> None:
         self.port = port
+        self.ready_path = ready_path
         self.url = f"http://127.0.0.1:{port}"
         self.name = name or os.path.basename(cmd[0])
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 -- lives as long as the server
@@ -75,7 +77,7 @@ class LocalServer:
                     f"{self.name} exited with {self.proc.returncode}:\n{self.output()[-4000:]}"
                 )
             try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

@@ -9,7 +9,10 @@ is TPOT at 1 stream and tokens/s = streams / step time at N streams; the process
 per step (all threads: steadier than wall time on a shared machine); and the mask's own
 time per step (filled on the mask thread while the forward pass runs).
 
-    python -m fleetserve.bench.structured --streams 1 16 --rounds 3
+    fleetserve bench structured --streams 1 16 --rounds 3
+
+With `--compare fleetserve vllm llamacpp` the same comparison runs served, against the
+peers (bench/structured_peers.py).
 """
 
 from __future__ import annotations
@@ -102,13 +105,21 @@ def run_once(engine: Any, streams: int, max_tokens: int, constrained: bool) -> d
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    from fleetserve.bench.structured_peers import add_peer_args
+
     add_engine_args(parser)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=96)
-    args = parser.parse_args(argv)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    add_peer_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.compare:
+        from fleetserve.bench.structured_peers import run_peers
+
+        return run_peers(args)
     from fleetserve.engine.llm_engine import LLMEngine
 
     llm = LLMEngine(engine_args_from(args))
@@ -127,6 +138,13 @@ def main(argv: list[str] | None = None) -> None:
         summary["cpu_slowdown"] = ccon / cfree - 1.0
         print(json.dumps({f"{n}_streams": summary}), flush=True)
     llm.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_cli_args(parser)
+    run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,10 @@ _BENCH = {
     "stream-cpu": ("fleetserve.bench.stream_cpu", "the server's CPU per streamed token vs length"),
     "kv-window": ("fleetserve.bench.kv_window", "one long conversation's K/V, window freed or not"),
     "lora": ("fleetserve.bench.lora", "16 streams over 8 LoRA adapters vs base; cold-adapter TTFT"),
+    "structured": (
+        "fleetserve.bench.structured",
+        "JSON-schema requests vs free ones: step cost, or served against vLLM / llama.cpp",
+    ),
 }
 _DEPLOY = {
     "k8s": ("fleetserve.deploy.k8s", "render Kubernetes + KEDA manifests from a fleet file"),
@@ -62,7 +66,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         sub,
         "bench",
         "benchmarks (offline | serve | sla | embed | spec | latency | perplexity | batch | chaos "
-        "| kernels | moe | stream-cpu | kv-window | lora)",
+        "| kernels | moe | stream-cpu | kv-window | lora | structured)",
         _BENCH,
         argv,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from fleetserve.core.sampling_params import SamplingParams
@@ -52,22 +53,34 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits
 
 
-def apply_token_bitmask(logits: torch.Tensor, logit_rows: list[int], bias: Any) -> None:
-    """Structured outputs: adds each row of `bias` (float32 numpy, 0 for an allowed token,
-    -inf for a forbidden one; core/structured.bitmask_bias) to its row of `logit_rows`, in
-    place. Tokens past the mask's vocabulary (a padded LM head) are forbidden too."""
+def apply_token_bitmask(
+    logits: torch.Tensor, logit_rows: list[int], bias: Any, mask_rows: list[int] | None = None
+) -> None:
+    """Structured outputs: adds row `mask_rows[j]` (default j) of `bias` (float32 numpy, 0
+    for an allowed token, -inf for a forbidden one; core/structured.bitmask_bias) to row
+    `logit_rows[j]` of `logits`, in place. Tokens past the mask's vocabulary (a padded LM
+    head) are forbidden too.
+
+    Row by row in numpy, on this thread: a torch add over the whole block is an OpenMP
+    region whose barrier waits for a partner thread a busy machine has descheduled
+    (measured 0.2 ms on one thread, 1.4-6 ms on two, for 16 x 49k logits)."""
     if not logit_rows:
         return
     vocab = logits.shape[1]
-    add = torch.from_numpy(bias)
-    if add.shape[1] < vocab:
-        add = torch.nn.functional.pad(add, (0, vocab - add.shape[1]), value=float("-inf"))
-    add = add[:, :vocab]
-    if logit_rows == list(range(logits.shape[0])):
-        logits.add_(add)
+    width = min(vocab, bias.shape[1])
+    picks = list(range(len(logit_rows))) if mask_rows is None else mask_rows
+    if logits.dtype != torch.float32 or not logits.is_contiguous():
+        add = torch.from_numpy(bias[picks, :width])
+        idx = torch.tensor(logit_rows, dtype=torch.long)
+        logits[idx, :width] += add.to(logits.dtype)
+        logits[idx, width:] = float("-inf")
         return
-    idx = torch.tensor(logit_rows, dtype=torch.long)
-    logits[idx] += add
+    out = logits.numpy()
+    for r, m in zip(logit_rows, picks, strict=True):
+        row = out[r]
+        np.add(row[:width], bias[m, :width], out=row[:width])
+        if width < vocab:
+            row[width:] = -np.inf
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

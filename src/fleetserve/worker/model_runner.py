@@ -277,7 +277,7 @@ class ModelRunner:
                     logit_rows.extend(range(base, base + len(d) + 1))
                     mask_rows.extend(range(first, first + len(d) + 1))
                 base += len(d) + 1
-            apply_token_bitmask(logits, logit_rows, grammar.wait()[mask_rows])
+            apply_token_bitmask(logits, logit_rows, grammar.wait(), mask_rows)
         if plain:
             tokens, lps = self.sampler(logits[: len(plain)], [s.sampling_row() for _, s in plain])
             for j, (_, s) in enumerate(plain):

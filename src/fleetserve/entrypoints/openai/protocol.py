@@ -18,7 +18,15 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    create_model,
+    field_validator,
+)
 
 from fleetserve.core.sampling_params import MAX_LOGPROBS, SAMPLING_FIELDS, SamplingParams
 from fleetserve.core.structured import StructuredOutputsParams
@@ -214,6 +222,18 @@ class ChatMessage(_Strict):
         return out
 
 
+# field -> why a non-null value is refused
+UNSUPPORTED_CHAT_FIELDS = {
+    "audio": "audio output is not supported by this model",
+    "prediction": "predicted outputs are not supported by this server",
+    "web_search_options": "web search is not supported by this server",
+    "reasoning_effort": "reasoning_effort is for reasoning models; this model does not reason",
+    "verbosity": "verbosity is for reasoning models; this model does not reason",
+    "functions": "functions (deprecated) is not supported: send tools",
+    "function_call": "function_call (deprecated) is not supported: send tool_choice",
+}
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(default=None, ge=1, le=INT64)
@@ -224,3 +244,31 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI chat fields this server cannot honour: accepted when null or empty (clients
+    # send them so), refused by name otherwise. Hints that change no answer are accepted.
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    functions: Any = None
+    function_call: Any = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+
+    @field_validator(*UNSUPPORTED_CHAT_FIELDS)
+    @classmethod
+    def _null_only(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None or v == [] or v == {}:
+            return None
+        why = UNSUPPORTED_CHAT_FIELDS[str(info.field_name)]
+        raise ValueError(f"{why}; send null or omit it")
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, v: list[str] | None) -> list[str] | None:
+        if v and any(m != "text" for m in v):
+            raise ValueError('this model answers in text only: send modalities ["text"]')
+        return v

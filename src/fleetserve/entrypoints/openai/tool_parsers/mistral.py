@@ -1,16 +1,30 @@
-"""Mistral: [TOOL_CALLS] then a JSON array of {"name", "arguments"} objects."""
+"""Mistral's two tool-call forms, both after the [TOOL_CALLS] special token:
+
+    [TOOL_CALLS] [{"name": "f", "arguments": {...}}, ...]     tokenizers v2-v7: a JSON array
+    [TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[ARGS]{...}           v11 and later: name, then
+                                                               [ARGS] and the arguments,
+                                                               one marker per call
+    [TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS]{...}                 the same with a call id
+
+The name of the newer form is known once [ARGS] (or [CALL_ID]) follows it; its arguments
+stream as they are written, like the JSON forms'.
+"""
 
 from __future__ import annotations
 
 from fleetserve.entrypoints.openai.tool_parsers.base import (
+    CallState,
     ParseState,
     ToolParser,
     held_back,
     scan_call,
     skip_ws,
+    value_end,
 )
 
 MARKER = "[TOOL_CALLS]"
+ARGS = "[ARGS]"
+CALL_ID = "[CALL_ID]"
 
 
 def scan_array(text: str, i: int, state: ParseState) -> None:
@@ -28,6 +42,33 @@ def scan_array(text: str, i: int, state: ParseState) -> None:
             j = skip_ws(text, j + 1)
 
 
+def scan_named_calls(text: str, i: int, state: ParseState) -> None:
+    """The newer form's calls: text[i:] starts just after a [TOOL_CALLS] marker."""
+    while True:
+        args = text.find(ARGS, i)
+        if args < 0:
+            # The name (and any call id) is still being written.
+            state.calls.append(CallState(None, ""))
+            return
+        name = text[i:args]
+        cut = name.find(CALL_ID)
+        if cut >= 0:
+            name = name[:cut]
+        call = CallState(name.strip(), "")
+        state.calls.append(call)
+        j = skip_ws(text, args + len(ARGS))
+        end = value_end(text, j)
+        if end is None:
+            call.arguments = text[j:]
+            return
+        call.arguments = text[j:end]
+        call.done = True
+        k = skip_ws(text, end)
+        if not text.startswith(MARKER, k):
+            return
+        i = k + len(MARKER)
+
+
 class MistralToolParser(ToolParser):
     name = "mistral"
     needs_special_tokens = True
@@ -39,10 +80,14 @@ class MistralToolParser(ToolParser):
             return ParseState(text[: len(text) - keep])
         state = ParseState(text[:start].rstrip() if final else text[:start])
         j = skip_ws(text, start + len(MARKER))
-        if j < len(text) and text[j] == "[":
+        if j >= len(text):
+            return state
+        if text[j] == "[":
             scan_array(text, j, state)
-        elif j < len(text) and text[j] == "{":
+        elif text[j] == "{":
             call, _ = scan_call(text, j)
             if call is not None:
                 state.calls.append(call)
+        else:
+            scan_named_calls(text, j, state)
         return state
