@@ -58,7 +58,9 @@ def _lib() -> ctypes.CDLL:
     lib = cpu_kernels.load()
     if lib is None:
         raise RuntimeError("the decode step needs the CPU kernels (a C compiler)")
-    lib.decode_step.argtypes = [_p, _p, _p, _i64, _p, _p, _p, _p, _p, _i64, ctypes.c_int]
+    lib.decode_step.argtypes = [
+        _p, _p, _p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _i64, ctypes.c_int,
+    ]  # fmt: skip
     lib.decode_step.restype = ctypes.c_int
     lib.decode_step_max_rows.argtypes = []
     lib.decode_step_max_rows.restype = ctypes.c_int
@@ -110,6 +112,8 @@ class DecodePlan:
     ) -> None:
         self._lib = _lib()
         self.shape = shape
+        # Steps of up to this many rows run the decode-sized GEMM shares; larger ones
+        # the any-rows shares (both as the module path's kernels for the same rows).
         self.max_rows = int(self._lib.decode_step_max_rows())
         self._keep: list[object] = [cos, sin, final_norm]
         self._layers = (_Layer * len(layers))()
@@ -158,24 +162,29 @@ class DecodePlan:
         positions: torch.Tensor,
         slot_blocks: torch.Tensor,
         slot_offsets: torch.Tensor,
+        q_starts: torch.Tensor,
+        q_lens: torch.Tensor,
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
     ) -> torch.Tensor:
-        """The final-norm hidden states [m, hidden] of m decode rows, row i sequence i's
-        one new token. x: [m, hidden] embeddings; positions, slot_blocks, slot_offsets,
-        seq_lens: int64 [m]; block_tables: int64 [m, max_blocks] (the runner's tensors,
-        contiguous by construction)."""
+        """The final-norm hidden states [m, hidden] of the step's m rows: sequences laid
+        out back to back, sequence i owning rows q_starts[i] .. q_starts[i] + q_lens[i]
+        (decodes, prefill chunks and draft verification alike; causal inside each).
+        x: [m, hidden] embeddings; positions, slot_blocks, slot_offsets: int64 [m];
+        q_starts, q_lens, seq_lens: int64 [num_seqs]; block_tables: int64 [num_seqs,
+        max_blocks] (the runner's tensors, contiguous by construction)."""
         m = x.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.shape.hidden:
             raise ValueError(f"x must be a contiguous float32 [m, {self.shape.hidden}] tensor")
         out = torch.empty(m, self.shape.hidden)
         rc = self._lib.decode_step(
             ctypes.byref(self._plan), x.data_ptr(), out.data_ptr(), m, positions.data_ptr(),
-            slot_blocks.data_ptr(), slot_offsets.data_ptr(), seq_lens.data_ptr(),
+            slot_blocks.data_ptr(), slot_offsets.data_ptr(), q_starts.shape[0],
+            q_starts.data_ptr(), q_lens.data_ptr(), seq_lens.data_ptr(),
             block_tables.data_ptr(), block_tables.shape[1], torch.get_num_threads(),
         )  # fmt: skip
         if rc == -1:
             raise MemoryError("decode_step: could not allocate its buffers")
         if rc != 0:
-            raise ValueError(f"decode_step takes 1 to {self.max_rows} rows, got {m}")
+            raise ValueError(f"decode_step needs at least one row and one sequence, got {m}")
         return out
