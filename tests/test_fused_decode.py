@@ -45,7 +45,7 @@ class _Counted:
         self.multi_row_with_context = self.mixed = 0
         self._run = plan.run
 
-    def __call__(self, x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
         self.steps += 1
         self.rows += x.shape[0]
         q_lens, seq_lens = args[4], args[5]
@@ -222,6 +222,35 @@ def test_speculative_verification_same_tokens(
     on, off, counted = _on_and_off(llm, prompts, 20, monkeypatch)
     _assert_same(on, off)
     assert counted.multi_row_with_context > 0
+
+
+# Mistral's window on every layer (one block pool), Qwen2's on the upper layers (local
+# and global layers: the windowed ones keep their own pool, which frees blocks that
+# slide out); both with prompts and generations well past the 16-token window.
+WINDOWED = {
+    "mistral": ("mistral", {"sliding_window": 16}),
+    "qwen2_hybrid": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+    ),
+}
+
+
+@pytest.mark.parametrize("model", sorted(WINDOWED))
+def test_sliding_window_same_tokens(
+    model: str, tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    arch, overrides = WINDOWED[model]
+    llm = LLM(
+        tiny_model_factory(arch, **overrides), max_model_len=128, block_size=4,
+        num_kv_blocks=96, max_num_batched_tokens=16,
+    )  # fmt: skip
+    assert any(a.sliding_window for a in _runner(llm).model.attention_layers())
+    assert (_runner(llm).num_sliding_blocks > 0) == (model == "qwen2_hybrid")
+    prompts = _prompts(3, 500, seed=6, step=17)  # 5, 22, 39 tokens
+    on, off, counted = _on_and_off(llm, prompts, 30, monkeypatch)
+    _assert_same(on, off)
+    assert counted.mixed > 0
 
 
 @pytest.fixture(scope="module")

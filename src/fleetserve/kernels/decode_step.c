@@ -85,6 +85,7 @@ typedef struct {
     const float *input_norm, *post_norm, *q_norm, *k_norm; /* q/k_norm NULL: none */
     ds_linear qkv, o, gate_up, down;
     float *k_cache, *v_cache; /* kv_cache_shapes (cpu.py): keys d-major in a block */
+    int32_t window;           /* sliding window W (keys p - W + 1 .. p); 0: none */
 } ds_layer;
 
 typedef struct {
@@ -191,7 +192,7 @@ static void attend_rows(const ds_plan *p, const ds_layer *L, const float *qkv, i
     attend_tile_dispatch(qkv, ldq, L->k_cache, L->v_cache, attn, rw->tables + i * rw->max_blocks,
                          rw->q_starts[i], rw->q_lens[i], rw->seq_lens[i], r0, r1, h0, h1,
                          p->num_heads, p->num_kv_heads, p->head_dim, p->block_size, p->scale,
-                         0, 0.f, scores);
+                         L->window, 0.f, scores);
 }
 
 /* Query rows per attention item of a multi-row sequence (as paged_attention.c). */
@@ -260,15 +261,22 @@ static size_t up64(size_t floats) { return (floats + 15) / 16 * 16; }
 /* x: [m, hidden] the step's embeddings (read only); out: [m, hidden] the final norm's
  * output. positions, slot_blocks, slot_offsets [m] int64; q_starts, q_lens, seq_lens
  * [num_seqs] int64 (seq_lens: tokens in the cache after this step's writes); tables
- * [num_seqs, max_blocks] int64. Returns 0; -1: out of memory; -2: no rows. */
+ * [num_seqs, max_blocks] int64. w_slot_blocks, w_slot_offsets, w_tables (w_max_blocks
+ * wide): the same for the sliding-window layers' own pool (a model with local and
+ * global layers), or NULL: windowed layers use the ones above. Returns 0; -1: out of
+ * memory; -2: no rows. */
 int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                 const int64_t *positions, const int64_t *slot_blocks,
                 const int64_t *slot_offsets, int64_t num_seqs, const int64_t *q_starts,
                 const int64_t *q_lens, const int64_t *seq_lens, const int64_t *tables,
-                int64_t max_blocks, int threads) {
+                int64_t max_blocks, const int64_t *w_slot_blocks,
+                const int64_t *w_slot_offsets, const int64_t *w_tables, int64_t w_max_blocks,
+                int threads) {
     if (m < 1 || num_seqs < 1) return -2;
     const ds_rows rw = {m,       num_seqs, max_blocks, positions, slot_blocks, slot_offsets,
                         q_starts, q_lens,  seq_lens,   tables};
+    const ds_rows rw_window = {m,        num_seqs, w_max_blocks, positions, w_slot_blocks,
+                               w_slot_offsets, q_starts, q_lens, seq_lens, w_tables};
     const int64_t H = p->hidden, I = p->intermediate, hd = p->head_dim;
     const int64_t q_size = p->num_heads * hd, ldq = q_size + 2 * p->num_kv_heads * hd;
     const int64_t kmax = max3(H, I, q_size);
@@ -327,6 +335,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
         FOR_ROWS(wide, r, m, memcpy(res + r * H, x + r * H, (size_t)H * sizeof(float)));
         for (int l = 0; l < p->num_layers; l++) {
             const ds_layer *L = &p->layers[l];
+            const ds_rows *lr = L->window > 0 && w_tables ? &rw_window : &rw;
             FOR_ROWS(wide, r, m,
                      rms_row(l ? xs + r * H : res + r * H, l ? res + r * H : NULL, h + r * H,
                              L->input_norm, H, p->eps));
@@ -336,12 +345,12 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                 /* A sequence's rows read each other's keys: all are written first. */
 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < m; t++)
-                    prepare_heads(p, L, qkv, ldq, &rw, t, 0, p->num_kv_heads);
+                    prepare_heads(p, L, qkv, ldq, lr, t, 0, p->num_kv_heads);
             }
             int64_t seq = 0;
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < items; it++)
-                attention_item(p, L, qkv, ldq, attn, &rw, item_start, it, &seq, split,
+                attention_item(p, L, qkv, ldq, attn, lr, item_start, it, &seq, split,
                                all_decode, scores);
             if (!wide) quant_panel_xsum(attn, q_size, m, q_size, xsum);
             linear_share(&L->o, attn, q_size, xsum, &sc, xs, H, m, wide);

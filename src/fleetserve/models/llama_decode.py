@@ -3,7 +3,8 @@
 `bind_decode_plan` builds a `DecodePlan` (kernels/decode_step.py) from a loaded model
 whose caches are bound, when every piece of it is something the C step runs: projections
 kept in GGUF blocks (`QuantLinear`) or packed for the float32 GEMM (`Linear.packed`), a
-qkv bias (Qwen2) or q/k norm (Qwen3), the CPU kernels' cache layout, one process (no
+qkv bias (Qwen2) or q/k norm (Qwen3), sliding-window layers (Mistral; Qwen2/3's upper
+layers, from their own block pool), the CPU kernels' cache layout, one process (no
 tensor or pipeline parallelism). Otherwise the model keeps only its module path.
 
 `run_decode` is what `LlamaModel.forward` asks first: for any step the scheduler builds
@@ -22,7 +23,13 @@ import torch
 
 from fleetserve.forward_context import get_forward_context
 from fleetserve.kernels import cpu as cpu_kernels
-from fleetserve.kernels.decode_step import DecodePlan, LayerWeights, PlanShape, Weights
+from fleetserve.kernels.decode_step import (
+    DecodePlan,
+    LayerWeights,
+    PlanShape,
+    Weights,
+    WindowSlots,
+)
 from fleetserve.layers.linear import Linear
 from fleetserve.layers.quant_linear import QuantLinear
 
@@ -49,7 +56,6 @@ def build_decode_plan(model: LlamaForCausalLM) -> DecodePlan | None:
     if (
         cfg.dtype != torch.float32
         or cfg.moe is not None  # MoE blocks run on the module path (kernels/moe.py)
-        or any(cfg.layer_windows)  # the C step attends without a window (yet)
         or cfg.head_dim % 2
         or not isinstance(model.logits_gather, torch.nn.Identity)
     ):
@@ -85,6 +91,7 @@ def build_decode_plan(model: LlamaForCausalLM) -> DecodePlan | None:
                 down=down,
                 k_cache=k_cache,
                 v_cache=v_cache,
+                window=attn.attn.sliding_window,
             )
         )
     if not layers:
@@ -111,7 +118,12 @@ def run_decode(plan: DecodePlan, x: torch.Tensor, positions: torch.Tensor) -> to
     paged = meta.paged
     if paged is None or not meta.cpu_kernels or x.shape[0] == 0:
         return None
+    window = None
+    if meta.sliding is not None:  # the sliding-window layers' own pool
+        w = meta.sliding
+        assert w.paged is not None, "built beside `paged`, from the same lengths"
+        window = WindowSlots(w.slot_blocks, w.slot_offsets, w.paged.block_tables)
     return plan.run(
         x, positions, meta.slot_blocks, meta.slot_offsets, paged.q_starts, paged.q_lens,
-        paged.seq_lens, paged.block_tables,
+        paged.seq_lens, paged.block_tables, window,
     )  # fmt: skip
