@@ -217,6 +217,8 @@ def test_speculative_verification_same_tokens(
         else {"model": tiny_model_factory("llama", seed=7), "num_speculative_tokens": 3}
     )
     llm = LLM(path, speculative_config=spec, max_model_len=128, block_size=4, num_kv_blocks=128)
+    if method == "draft":  # the draft model's own steps run through its C step too
+        assert _runner(llm).proposer.fused_decode
     base = _prompts(3, 500, seed=4, step=3)
     prompts = [p * 3 for p in base] + _prompts(2, 500, seed=5)
     on, off, counted = _on_and_off(llm, prompts, 20, monkeypatch)
