@@ -1,4 +1,5 @@
-/* A whole decode step of a Llama-family decoder in one call, one OpenMP parallel region.
+/* A whole step of a Llama-family decoder in one call, one OpenMP parallel region: any
+ * step the scheduler builds (decodes, prefill chunks, draft verification, any rows).
  *
  * Why: on one stream a step is ~30 layers x ~10 small kernels. Called one by one from
  * Python, each costs a few microseconds of glue (module call, ctypes checks, an output
@@ -16,8 +17,8 @@
  * in each thread, so no barrier is needed to hand them over. Per layer that leaves five
  * barriers (after qkv, attention, o, gate_up, down) and no region start or end.
  *
- * Per layer, for the step's m decode rows (one query token per sequence, row i =
- * sequence i):
+ * Per layer, for an all-decode step of m <= decode_step_max_rows() rows (one query
+ * token per sequence):
  *   h = rmsnorm(res += x)                            private, every thread
  *   qkv = h @ Wqkv^T                                 split by weight rows     | barrier
  *   per (sequence, kv head): bias, q/k norm, rotary, cache write, attention  | barrier
@@ -25,6 +26,14 @@
  *   h = rmsnorm(res += x); gu = h @ Wgu^T            private; split           | barrier
  *   h = silu(gate) * up; x = h @ Wdown^T             private; split           | barrier
  * and after the last layer, out = rmsnorm(res += x).
+ *
+ * A step with a sequence of several rows (a prefill chunk, a draft under verification)
+ * first prepares every row's heads and writes its keys (split by rows | barrier), then
+ * attends by (sequence, tile of rows, kv head): a row reads the keys of the rows before
+ * it. A step of more rows than the decode-sized shares take ("wide") keeps the residual
+ * stream and GEMM inputs shared, splits the row-wise work by rows (a barrier each), and
+ * multiplies through the any-rows shares: those are what gemm_packed and quant_gemm run
+ * for such row counts, so every row is computed by the module path's code.
  */
 #include <omp.h>
 #include <stdint.h>
