@@ -1,7 +1,10 @@
-"""The decode step in C (kernels/decode_step.c) against the module path it replaces.
+"""The step in C (kernels/decode_step.c) against the module path it replaces.
 
 Every engine here is built with the fast path on (the default); the same engine then runs
-the same requests with its plan taken away, so the two runs differ in nothing else.
+the same requests with its plan taken away (and its prefix cache emptied), so the two
+runs differ in nothing else. The C step takes every step the scheduler builds: decodes,
+prefill chunks (with cached context, mixed with decodes), draft verification rows, any
+number of rows.
 The two paths run the same C row code and GEMM shares, so greedy tokens must be
 identical and the logprobs of every generated token equal to within 1e-5 nats (in
 practice bit-equal; the tolerance only allows a compiler to vectorize an inlined copy
@@ -33,16 +36,33 @@ def _runner(llm: LLM) -> Any:
 
 
 class _Counted:
-    """Wraps a plan's `run`, counting the steps (and rows) it took."""
+    """Wraps a plan's `run`, counting the steps (and rows) it took, the steps with a
+    sequence of several rows after cached context (a later prefill chunk or draft
+    verification) and those mixing one-row and longer sequences."""
 
     def __init__(self, plan: DecodePlan) -> None:
         self.plan, self.steps, self.rows = plan, 0, 0
+        self.multi_row_with_context = self.mixed = 0
         self._run = plan.run
 
-    def __call__(self, x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
         self.steps += 1
         self.rows += x.shape[0]
+        q_lens, seq_lens = args[4], args[5]
+        self.multi_row_with_context += int(((q_lens > 1) & (seq_lens > q_lens)).any())
+        self.mixed += int((q_lens == 1).any() and (q_lens > 1).any())
         return self._run(x, *args)
+
+
+class _ModuleCalls:
+    """Counts forwards of the first decoder layer: the module path running."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.calls = 0
+        _runner(llm).model.model.layers[0].register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_: object) -> None:
+        self.calls += 1
 
 
 def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[list, list]]:
@@ -52,16 +72,35 @@ def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple
 
 
 def _on_and_off(
-    llm: LLM, prompts: list[list[int]], max_tokens: int, monkeypatch: pytest.MonkeyPatch
+    llm: LLM,
+    prompts: list[list[int]],
+    max_tokens: int,
+    monkeypatch: pytest.MonkeyPatch,
+    waves: int = 1,
 ) -> tuple[list[tuple[list, list]], list[tuple[list, list]], _Counted]:
+    """The prompts generated with the C step, then without it. `waves` > 1: the prompts
+    go in that many calls one after another (later ones hit the prefix cache of earlier
+    ones). The module path must not run while the C step is on."""
     runner = _runner(llm)
     plan = runner.model.model.decode_plan
     assert runner.fused_decode and plan is not None
     counted = _Counted(plan)
     monkeypatch.setattr(plan, "run", counted)
-    on = _generate(llm, prompts, max_tokens)
+    modules = _ModuleCalls(llm)
+
+    def run() -> list[tuple[list, list]]:
+        llm.engine.core.block_manager.reset_prefix_cache()  # type: ignore[attr-defined]
+        per = -(-len(prompts) // waves)
+        out: list[tuple[list, list]] = []
+        for i in range(0, len(prompts), per):
+            out += _generate(llm, prompts[i : i + per], max_tokens)
+        return out
+
+    on = run()
+    assert modules.calls == 0, "a step left the C step"
     monkeypatch.setattr(runner.model.model, "decode_plan", None)
-    off = _generate(llm, prompts, max_tokens)
+    off = run()
+    assert modules.calls > 0
     return on, off, counted
 
 
@@ -103,8 +142,8 @@ def test_tiny_models_same_tokens(
     prompts = _prompts(4, 500)
     on, off, counted = _on_and_off(llm, prompts, 24, monkeypatch)
     _assert_same(on, off)
-    # Every decode step of the 4 (none finishes early: ignore_eos) ran in C.
-    assert counted.steps >= 23 and counted.rows == 4 * 23
+    # Every step ran in C: the prompts' rows and the 23 decodes of each of the 4.
+    assert counted.rows == sum(map(len, prompts)) + 4 * 23
 
 
 def test_env_switch_turns_it_off(
@@ -130,15 +169,90 @@ def test_int8_activations_take_the_module_path(tiny_model_factory: Callable[...,
     assert len(out.outputs[0].token_ids) == 8
 
 
-def test_too_many_rows_fall_back(
+def test_many_rows_run_in_c(
     tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """More decode rows than the GEMM shares take: the module path runs those steps."""
+    """More decode rows than the decode-sized GEMM shares take: the step's any-rows
+    shares (the quantized prefill kernel past 8 rows, as the module path's) in C.
+    Behaviour changed on purpose: such steps used to fall back to the module path."""
     llm = LLM(tiny_model_factory("llama"), quantization="int8", max_model_len=64, num_kv_blocks=128)
     n = _runner(llm).model.model.decode_plan.max_rows + 3
-    on, off, counted = _on_and_off(llm, _prompts(n, 500, seed=1, step=2), 6, monkeypatch)
+    prompts = _prompts(n, 500, seed=1, step=2)
+    on, off, counted = _on_and_off(llm, prompts, 6, monkeypatch)
     _assert_same(on, off)
-    assert counted.steps == 0  # every step had n > max_rows decode rows
+    assert counted.rows == sum(map(len, prompts)) + n * 5
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_chunked_prefill_and_prefix_hits_same_tokens(
+    quantization: str | None,
+    tiny_model_factory: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prompts of several blocks, cut into chunks that share steps with other requests'
+    decodes; a second wave whose prompts start with the first wave's (prefix-cache hits:
+    its prefill starts after cached context)."""
+    llm = LLM(
+        tiny_model_factory("qwen2"), quantization=quantization, max_model_len=160,
+        block_size=4, num_kv_blocks=256, max_num_batched_tokens=24,
+    )  # fmt: skip
+    first = _prompts(3, 500, seed=2, step=19)  # 5, 24, 43 tokens
+    second = [p + q for p, q in zip(first, _prompts(3, 500, seed=3, step=5), strict=True)]
+    on, off, counted = _on_and_off(llm, first + second, 12, monkeypatch, waves=2)
+    _assert_same(on, off)
+    assert counted.mixed > 0 and counted.multi_row_with_context > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_verification_same_tokens(
+    method: str, tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Draft verification rows (k + 1 per sequence, causal inside the draft) in C, beside
+    other sequences' decodes: the accepted tokens and their logprobs equal the module
+    path's. Repetitive prompts give the n-gram proposer something to draft."""
+    path = tiny_model_factory("llama")
+    spec: dict[str, Any] = (
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+        if method == "ngram"
+        else {"model": tiny_model_factory("llama", seed=7), "num_speculative_tokens": 3}
+    )
+    llm = LLM(path, speculative_config=spec, max_model_len=128, block_size=4, num_kv_blocks=128)
+    if method == "draft":  # the draft model's own steps run through its C step too
+        assert _runner(llm).proposer.fused_decode
+    base = _prompts(3, 500, seed=4, step=3)
+    prompts = [p * 3 for p in base] + _prompts(2, 500, seed=5)
+    on, off, counted = _on_and_off(llm, prompts, 20, monkeypatch)
+    _assert_same(on, off)
+    assert counted.multi_row_with_context > 0
+
+
+# Mistral's window on every layer (one block pool), Qwen2's on the upper layers (local
+# and global layers: the windowed ones keep their own pool, which frees blocks that
+# slide out); both with prompts and generations well past the 16-token window.
+WINDOWED = {
+    "mistral": ("mistral", {"sliding_window": 16}),
+    "qwen2_hybrid": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+    ),
+}
+
+
+@pytest.mark.parametrize("model", sorted(WINDOWED))
+def test_sliding_window_same_tokens(
+    model: str, tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    arch, overrides = WINDOWED[model]
+    llm = LLM(
+        tiny_model_factory(arch, **overrides), max_model_len=128, block_size=4,
+        num_kv_blocks=96, max_num_batched_tokens=16,
+    )  # fmt: skip
+    assert any(a.sliding_window for a in _runner(llm).model.attention_layers())
+    assert (_runner(llm).num_sliding_blocks > 0) == (model == "qwen2_hybrid")
+    prompts = _prompts(3, 500, seed=6, step=17)  # 5, 22, 39 tokens
+    on, off, counted = _on_and_off(llm, prompts, 30, monkeypatch)
+    _assert_same(on, off)
+    assert counted.mixed > 0
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +267,8 @@ def smollm2() -> Iterator[LLM]:
 def test_smollm2_gguf_same_tokens(
     smollm2: LLM, threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Q4_1 projections and a Q8_0 head; one stream, then four at once."""
+    """Q4_1 projections and a Q8_0 head; one stream, then four at once (the prompts'
+    step past the decode-sized shares: the panel formats' prefill kernel)."""
     tok = smollm2.get_tokenizer()
     texts = [
         "The capital of France is",
@@ -172,4 +287,5 @@ def test_smollm2_gguf_same_tokens(
         _assert_same(batch[0], batch[1])
     finally:
         torch.set_num_threads(prev)
-    assert one[2].steps == 31 and batch[2].rows == 4 * 31
+    # The prompt's step and its 31 decodes; the 4 prompts' rows and their decodes.
+    assert one[2].steps == 32 and batch[2].rows == sum(map(len, prompts)) + 4 * 31

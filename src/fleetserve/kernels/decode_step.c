@@ -1,4 +1,5 @@
-/* A whole decode step of a Llama-family decoder in one call, one OpenMP parallel region.
+/* A whole step of a Llama-family decoder in one call, one OpenMP parallel region: any
+ * step the scheduler builds (decodes, prefill chunks, draft verification, any rows).
  *
  * Why: on one stream a step is ~30 layers x ~10 small kernels. Called one by one from
  * Python, each costs a few microseconds of glue (module call, ctypes checks, an output
@@ -16,8 +17,8 @@
  * in each thread, so no barrier is needed to hand them over. Per layer that leaves five
  * barriers (after qkv, attention, o, gate_up, down) and no region start or end.
  *
- * Per layer, for the step's m decode rows (one query token per sequence, row i =
- * sequence i):
+ * Per layer, for an all-decode step of m <= decode_step_max_rows() rows (one query
+ * token per sequence):
  *   h = rmsnorm(res += x)                            private, every thread
  *   qkv = h @ Wqkv^T                                 split by weight rows     | barrier
  *   per (sequence, kv head): bias, q/k norm, rotary, cache write, attention  | barrier
@@ -25,6 +26,14 @@
  *   h = rmsnorm(res += x); gu = h @ Wgu^T            private; split           | barrier
  *   h = silu(gate) * up; x = h @ Wdown^T             private; split           | barrier
  * and after the last layer, out = rmsnorm(res += x).
+ *
+ * A step with a sequence of several rows (a prefill chunk, a draft under verification)
+ * first prepares every row's heads and writes its keys (split by rows | barrier), then
+ * attends by (sequence, tile of rows, kv head): a row reads the keys of the rows before
+ * it. A step of more rows than the decode-sized shares take ("wide") keeps the residual
+ * stream and GEMM inputs shared, splits the row-wise work by rows (a barrier each), and
+ * multiplies through the any-rows shares: those are what gemm_packed and quant_gemm run
+ * for such row counts, so every row is computed by the module path's code.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -37,11 +46,20 @@
 void quant_gemm_share(int qtype, const float *x, int64_t ldx, const float *xsum,
                       const uint8_t *w, int64_t row_bytes, float *out, int64_t ldo, int64_t m,
                       int64_t n, int64_t k);
+void quant_prefill_share(int qtype, const float *x, int64_t ldx, const uint8_t *w,
+                         int64_t row_bytes, float *xp, float *panel, float *row, float *out,
+                         int64_t ldo, int64_t m, int64_t n, int64_t k);
+int64_t quant_prefill_x_floats(int64_t k);
+int64_t quant_prefill_panel_floats(int64_t k);
 void quant_panel_xsum(const float *x, int64_t ldx, int64_t m, int64_t k, float *xsum);
 int quant_share_max_rows(void);
 void gemm_packed_share(const float *x, int64_t ldx, float *xp, const float *packed,
                        const float *bias, float *out, int64_t ldo, int64_t m, int64_t n,
                        int64_t k);
+void gemm_packed_rows_share(const float *x, int64_t ldx, float *xp, const float *packed,
+                            const float *bias, float *out, int64_t ldo, int64_t m, int64_t n,
+                            int64_t k);
+int64_t gemm_rows_x_floats(int64_t k);
 int gemm_share_max_rows(void);
 int64_t gemm_x_floats(int64_t m, int64_t k);
 void attend_tile_dispatch(const float *q, int64_t q_stride, const float *k_cache,
@@ -76,6 +94,7 @@ typedef struct {
     const float *input_norm, *post_norm, *q_norm, *k_norm; /* q/k_norm NULL: none */
     ds_linear qkv, o, gate_up, down;
     float *k_cache, *v_cache; /* kv_cache_shapes (cpu.py): keys d-major in a block */
+    int32_t window;           /* sliding window W (keys p - W + 1 .. p); 0: none */
 } ds_layer;
 
 typedef struct {
@@ -86,25 +105,56 @@ typedef struct {
     const ds_layer *layers;
 } ds_plan;
 
+/* The step's rows: m tokens of num_seqs sequences laid out back to back (the runner's
+ * flattened batch), sequence i owning rows q_starts[i] .. q_starts[i] + q_lens[i]. */
+typedef struct {
+    int64_t m, num_seqs, max_blocks;
+    const int64_t *positions, *slot_blocks, *slot_offsets; /* [m] */
+    const int64_t *q_starts, *q_lens, *seq_lens;           /* [num_seqs] */
+    const int64_t *tables;                                 /* [num_seqs, max_blocks] */
+} ds_rows;
+
+/* A thread's GEMM scratch: xp its private x tiles (narrow steps); xp_wide the team's
+ * shared tiles, panel and row its own decoded weights (wide steps). */
+typedef struct {
+    float *xp, *xp_wide, *panel, *row;
+} ds_scratch;
+
+/* Steps of up to this many rows run the decode-sized GEMMs (the quantized kernels switch
+ * to their prefill path past it, and the module path with them). */
 int decode_step_max_rows(void) {
     const int q = quant_share_max_rows(), g = gemm_share_max_rows();
     return q < g ? q : g;
 }
 
-/* This thread's share of out[m, n] = x @ W^T (+ bias for packed weights); xsum: x's block
- * sums when a segment is in a panel format; xp: this thread's tile buffer. Ends in the
- * team's barrier (that of the last segment's `omp for`). */
+/* This thread's share of out[m, n] = x @ W^T (+ bias for packed weights): the one place
+ * that dispatches on the weight kind. `wide` (m > decode_step_max_rows()): the kernels'
+ * any-rows shares, which the module path's kernels run for such m too; else the
+ * decode-sized ones. xsum: x's block sums for panel formats (narrow only). Ends in the
+ * team's barrier. */
 static void linear_share(const ds_linear *lin, const float *x, int64_t ldx, const float *xsum,
-                         float *xp, float *out, int64_t ldo, int64_t m) {
+                         const ds_scratch *s, float *out, int64_t ldo, int64_t m, int wide) {
     int64_t off = 0;
-    for (int s = 0; s < lin->num_segments; s++) {
-        const ds_segment *g = &lin->seg[s];
-        if (g->kind == W_PACKED) {
-            gemm_packed_share(x, ldx, xp, g->data, lin->bias ? lin->bias + off : NULL,
-                              out + off, ldo, m, g->n, lin->k);
-        } else {
-            quant_gemm_share(g->qtype, x, ldx, xsum, g->data, g->row_bytes, out + off, ldo, m,
-                             g->n, lin->k);
+    for (int i = 0; i < lin->num_segments; i++) {
+        const ds_segment *g = &lin->seg[i];
+        const float *bias = lin->bias ? lin->bias + off : NULL;
+        switch (g->kind) {
+        case W_PACKED:
+            if (wide)
+                gemm_packed_rows_share(x, ldx, s->xp_wide, g->data, bias, out + off, ldo, m,
+                                       g->n, lin->k);
+            else
+                gemm_packed_share(x, ldx, s->xp, g->data, bias, out + off, ldo, m, g->n,
+                                  lin->k);
+            break;
+        case W_QUANT:
+            if (wide)
+                quant_prefill_share(g->qtype, x, ldx, g->data, g->row_bytes, s->xp_wide,
+                                    s->panel, s->row, out + off, ldo, m, g->n, lin->k);
+            else
+                quant_gemm_share(g->qtype, x, ldx, xsum, g->data, g->row_bytes, out + off, ldo,
+                                 m, g->n, lin->k);
+            break;
         }
         off += g->n;
     }
@@ -114,17 +164,15 @@ static int quant_bias(const ds_linear *lin) {
     return lin->bias && lin->num_segments > 0 && lin->seg[0].kind == W_QUANT;
 }
 
-/* Sequence i's query heads of kv heads [h0, h1), its keys and values of those heads: bias
- * (quantized qkv), q/k norm, rotary, cache write, then attention into attn. */
-static void attend_item(const ds_plan *p, const ds_layer *L, float *qkv, int64_t ldq,
-                        float *attn, int64_t i, int h0, int h1, const int64_t *positions,
-                        const int64_t *slot_blocks, const int64_t *slot_offsets,
-                        const int64_t *seq_lens, const int64_t *tables, int64_t max_blocks,
-                        float *scores) {
+/* Row t's query heads of kv heads [h0, h1) and its keys and values of those heads: bias
+ * (quantized qkv), q/k norm, rotary, cache write. */
+static void prepare_heads(const ds_plan *p, const ds_layer *L, float *qkv, int64_t ldq,
+                          const ds_rows *rw, int64_t t, int h0, int h1) {
     const int hd = p->head_dim, group = p->num_heads / p->num_kv_heads;
     const int64_t q_size = (int64_t)p->num_heads * hd, kv_size = (int64_t)p->num_kv_heads * hd;
-    float *row = qkv + i * ldq;
-    const float *c = p->cos + positions[i] * (hd / 2), *s = p->sin + positions[i] * (hd / 2);
+    float *row = qkv + t * ldq;
+    const int64_t pos = rw->positions[t];
+    const float *c = p->cos + pos * (hd / 2), *s = p->sin + pos * (hd / 2);
     for (int h = h0; h < h1; h++) {
         float *q = row + (int64_t)h * group * hd, *k = row + q_size + (int64_t)h * hd;
         float *v = k + kv_size;
@@ -141,13 +189,76 @@ static void attend_item(const ds_plan *p, const ds_layer *L, float *qkv, int64_t
         }
         rotate_row(q, group, hd, c, s);
         rotate_row(k, 1, hd, c, s);
-        cache_write_head(k, v, L->k_cache, L->v_cache, slot_blocks[i], slot_offsets[i], h,
-                         p->num_kv_heads, hd, p->block_size);
+        cache_write_head(k, v, L->k_cache, L->v_cache, rw->slot_blocks[t], rw->slot_offsets[t],
+                         h, p->num_kv_heads, hd, p->block_size);
     }
-    attend_tile_dispatch(qkv, ldq, L->k_cache, L->v_cache, attn, tables + i * max_blocks, i, 1,
-                         seq_lens[i], 0, 1, h0, h1, p->num_heads, p->num_kv_heads, hd,
-                         p->block_size, p->scale, 0, 0.f, scores);
 }
+
+/* Rows [r0, r1) of sequence i for the query heads of kv heads [h0, h1), into attn. */
+static void attend_rows(const ds_plan *p, const ds_layer *L, const float *qkv, int64_t ldq,
+                        float *attn, const ds_rows *rw, int64_t i, int64_t r0, int64_t r1,
+                        int h0, int h1, float *scores) {
+    attend_tile_dispatch(qkv, ldq, L->k_cache, L->v_cache, attn, rw->tables + i * rw->max_blocks,
+                         rw->q_starts[i], rw->q_lens[i], rw->seq_lens[i], r0, r1, h0, h1,
+                         p->num_heads, p->num_kv_heads, p->head_dim, p->block_size, p->scale,
+                         L->window, 0.f, scores);
+}
+
+/* Query rows per attention item of a multi-row sequence (as paged_attention.c). */
+#define Q_TILE 16
+
+/* Attention work items: item_start[i] .. item_start[i + 1] are sequence i's. A one-row
+ * sequence is one item over `split` kv-head ranges' worth (split 1: all heads); a longer
+ * one is one item per (tile of Q_TILE rows, kv head). */
+static int64_t attention_items(const ds_rows *rw, int split, int num_kv_heads,
+                               int64_t *item_start) {
+    item_start[0] = 0;
+    for (int64_t i = 0; i < rw->num_seqs; i++) {
+        const int64_t q = rw->q_lens[i];
+        item_start[i + 1] =
+            item_start[i] + (q == 1 ? split : (q + Q_TILE - 1) / Q_TILE * num_kv_heads);
+    }
+    return item_start[rw->num_seqs];
+}
+
+/* One attention item: which sequence (walked forward from *seq, items arriving in
+ * increasing order within a thread), rows and kv heads. With `prepare` (every sequence
+ * one row) the row's heads are prepared first: no other item reads them. */
+static void attention_item(const ds_plan *p, const ds_layer *L, float *qkv, int64_t ldq,
+                           float *attn, const ds_rows *rw, const int64_t *item_start,
+                           int64_t item, int64_t *seq, int split, int prepare, float *scores) {
+    if (item < item_start[*seq]) *seq = 0;
+    while (item >= item_start[*seq + 1]) (*seq)++;
+    const int64_t i = *seq, local = item - item_start[i];
+    int64_t r0 = 0, r1 = 1;
+    int h0 = 0, h1 = p->num_kv_heads;
+    if (rw->q_lens[i] != 1) {
+        h0 = (int)(local % p->num_kv_heads);
+        h1 = h0 + 1;
+        r0 = local / p->num_kv_heads * Q_TILE;
+        r1 = r0 + Q_TILE < rw->q_lens[i] ? r0 + Q_TILE : rw->q_lens[i];
+    } else if (split > 1) {
+        h0 = (int)local;
+        h1 = h0 + 1;
+    }
+    if (prepare) prepare_heads(p, L, qkv, ldq, rw, rw->q_starts[i], h0, h1);
+    attend_rows(p, L, qkv, ldq, attn, rw, i, r0, r1, h0, h1, scores);
+}
+
+/* Row-wise work over the step's m rows: split over the team (`wide`, ending in its
+ * barrier) or done whole by every thread on its own copy. */
+#define FOR_ROWS(wide, r, m, ...)                                                       \
+    do {                                                                                \
+        if (wide) {                                                                     \
+            _Pragma("omp for schedule(static)") for (int64_t r = 0; r < (m); r++) {     \
+                __VA_ARGS__;                                                            \
+            }                                                                           \
+        } else {                                                                        \
+            for (int64_t r = 0; r < (m); r++) {                                         \
+                __VA_ARGS__;                                                            \
+            }                                                                           \
+        }                                                                               \
+    } while (0)
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) {
     const int64_t ab = a > b ? a : b;
@@ -157,65 +268,120 @@ static int64_t max3(int64_t a, int64_t b, int64_t c) {
 static size_t up64(size_t floats) { return (floats + 15) / 16 * 16; }
 
 /* x: [m, hidden] the step's embeddings (read only); out: [m, hidden] the final norm's
- * output. Row i is sequence i's one decode token: positions, slot_blocks, slot_offsets,
- * seq_lens [m] int64; tables [m, max_blocks] int64. Returns 0; -1: out of memory; -2: m
- * above decode_step_max_rows(). */
+ * output. positions, slot_blocks, slot_offsets [m] int64; q_starts, q_lens, seq_lens
+ * [num_seqs] int64 (seq_lens: tokens in the cache after this step's writes); tables
+ * [num_seqs, max_blocks] int64. w_slot_blocks, w_slot_offsets, w_tables (w_max_blocks
+ * wide): the same for the sliding-window layers' own pool (a model with local and
+ * global layers), or NULL: windowed layers use the ones above. Returns 0; -1: out of
+ * memory; -2: no rows. */
 int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                 const int64_t *positions, const int64_t *slot_blocks,
-                const int64_t *slot_offsets, const int64_t *seq_lens, const int64_t *tables,
-                int64_t max_blocks, int threads) {
-    if (m < 1 || m > decode_step_max_rows()) return -2;
+                const int64_t *slot_offsets, int64_t num_seqs, const int64_t *q_starts,
+                const int64_t *q_lens, const int64_t *seq_lens, const int64_t *tables,
+                int64_t max_blocks, const int64_t *w_slot_blocks,
+                const int64_t *w_slot_offsets, const int64_t *w_tables, int64_t w_max_blocks,
+                int threads) {
+    if (m < 1 || num_seqs < 1) return -2;
+    const ds_rows rw = {m,       num_seqs, max_blocks, positions, slot_blocks, slot_offsets,
+                        q_starts, q_lens,  seq_lens,   tables};
+    const ds_rows rw_window = {m,        num_seqs, w_max_blocks, positions, w_slot_blocks,
+                               w_slot_offsets, q_starts, q_lens, seq_lens, w_tables};
     const int64_t H = p->hidden, I = p->intermediate, hd = p->head_dim;
     const int64_t q_size = p->num_heads * hd, ldq = q_size + 2 * p->num_kv_heads * hd;
     const int64_t kmax = max3(H, I, q_size);
+    const int wide = m > decode_step_max_rows();
     int64_t max_len = 1;
-    for (int64_t i = 0; i < m; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+    int all_decode = 1;
+    for (int64_t i = 0; i < num_seqs; i++) {
+        max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+        all_decode &= q_lens[i] == 1;
+    }
     if (threads < 1) threads = 1;
-    /* Shared: qkv, attn, x (o and down outputs), gate_up. Private per thread: residual,
-     * GEMM input, block sums, x tiles, attention scores. */
-    const size_t shared = up64(m * ldq) + up64(m * q_size) + up64(m * H) + up64(m * 2 * I);
-    const size_t priv = up64(m * H) + up64(m * kmax) + up64(m * (kmax / 32) + 1) +
-                        up64(gemm_x_floats(m, kmax)) + up64(p->num_heads * max_len);
+    /* Few one-row sequences: an item per (sequence, kv head) keeps every thread busy. */
+    const int split = all_decode && num_seqs < threads ? p->num_kv_heads : 1;
+    int64_t *item_start = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    if (!item_start) return -1;
+    const int64_t items = attention_items(&rw, split, p->num_kv_heads, item_start);
+    /* Shared: qkv, attn, x (o and down outputs), gate_up; when wide also the residual,
+     * the GEMM input and the x tiles. Private per thread: when narrow the residual, GEMM
+     * input, block sums and x tiles; when wide a decoded panel and row; the scores. */
+    const int64_t xp_wide = gemm_rows_x_floats(kmax) > quant_prefill_x_floats(kmax)
+                                ? gemm_rows_x_floats(kmax)
+                                : quant_prefill_x_floats(kmax);
+    const size_t rows_hx = up64(m * H) + up64(m * kmax);
+    const size_t shared = up64(m * ldq) + up64(m * q_size) + up64(m * H) + up64(m * 2 * I) +
+                          (wide ? rows_hx + up64(xp_wide) : 0);
+    const size_t priv = (wide ? up64(quant_prefill_panel_floats(kmax)) + up64(kmax)
+                              : rows_hx + up64(m * (kmax / 32) + 1) +
+                                    up64(gemm_x_floats(m, kmax))) +
+                        up64(p->num_heads * max_len);
     float *buf = aligned_alloc(64, (shared + (size_t)threads * priv) * sizeof(float));
-    if (!buf) return -1;
+    if (!buf) {
+        free(item_start);
+        return -1;
+    }
     float *qkv = buf, *attn = qkv + up64(m * ldq), *xs = attn + up64(m * q_size);
-    float *gu = xs + up64(m * H);
-    const int64_t split = m < threads ? p->num_kv_heads : 1; /* attention items per row */
+    float *gu = xs + up64(m * H), *wide_res = gu + up64(m * 2 * I);
 #pragma omp parallel num_threads(threads)
     {
-        float *res = buf + shared + (size_t)omp_get_thread_num() * priv;
-        float *h = res + up64(m * H), *xsum = h + up64(m * kmax);
-        float *xp = xsum + up64(m * (kmax / 32) + 1), *scores = xp + up64(gemm_x_floats(m, kmax));
-        memcpy(res, x, (size_t)(m * H) * sizeof(float));
+        float *mine = buf + shared + (size_t)omp_get_thread_num() * priv;
+        float *res, *h, *xsum = NULL, *scores;
+        ds_scratch sc = {NULL, NULL, NULL, NULL};
+        if (wide) {
+            res = wide_res;
+            h = res + up64(m * H);
+            sc.xp_wide = h + up64(m * kmax);
+            sc.panel = mine;
+            sc.row = sc.panel + up64(quant_prefill_panel_floats(kmax));
+            scores = sc.row + up64(kmax);
+        } else {
+            res = mine;
+            h = res + up64(m * H);
+            xsum = h + up64(m * kmax);
+            sc.xp = xsum + up64(m * (kmax / 32) + 1);
+            scores = sc.xp + up64(gemm_x_floats(m, kmax));
+        }
+        FOR_ROWS(wide, r, m, memcpy(res + r * H, x + r * H, (size_t)H * sizeof(float)));
         for (int l = 0; l < p->num_layers; l++) {
             const ds_layer *L = &p->layers[l];
-            for (int64_t r = 0; r < m; r++)
-                rms_row(l ? xs + r * H : res + r * H, l ? res + r * H : NULL, h + r * H,
-                        L->input_norm, H, p->eps);
-            quant_panel_xsum(h, H, m, H, xsum);
-            linear_share(&L->qkv, h, H, xsum, xp, qkv, ldq, m);
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < m * split; it++) {
-                const int h0 = split == 1 ? 0 : (int)(it % split);
-                const int h1 = split == 1 ? p->num_kv_heads : h0 + 1;
-                attend_item(p, L, qkv, ldq, attn, it / split, h0, h1, positions, slot_blocks,
-                            slot_offsets, seq_lens, tables, max_blocks, scores);
+            const ds_rows *lr = L->window > 0 && w_tables ? &rw_window : &rw;
+            FOR_ROWS(wide, r, m,
+                     rms_row(l ? xs + r * H : res + r * H, l ? res + r * H : NULL, h + r * H,
+                             L->input_norm, H, p->eps));
+            if (!wide) quant_panel_xsum(h, H, m, H, xsum);
+            linear_share(&L->qkv, h, H, xsum, &sc, qkv, ldq, m, wide);
+            if (!all_decode) {
+                /* A sequence's rows read each other's keys: all are written first. */
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < m; t++)
+                    prepare_heads(p, L, qkv, ldq, lr, t, 0, p->num_kv_heads);
             }
-            quant_panel_xsum(attn, q_size, m, q_size, xsum);
-            linear_share(&L->o, attn, q_size, xsum, xp, xs, H, m);
-            for (int64_t r = 0; r < m; r++)
-                rms_row(xs + r * H, res + r * H, h + r * H, L->post_norm, H, p->eps);
-            quant_panel_xsum(h, H, m, H, xsum);
-            linear_share(&L->gate_up, h, H, xsum, xp, gu, 2 * I, m);
-            for (int64_t r = 0; r < m; r++)
-                silu_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I);
-            quant_panel_xsum(h, I, m, I, xsum);
-            linear_share(&L->down, h, I, xsum, xp, xs, H, m);
+            int64_t seq = 0;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < items; it++)
+                attention_item(p, L, qkv, ldq, attn, lr, item_start, it, &seq, split,
+                               all_decode, scores);
+            if (!wide) quant_panel_xsum(attn, q_size, m, q_size, xsum);
+            linear_share(&L->o, attn, q_size, xsum, &sc, xs, H, m, wide);
+            FOR_ROWS(wide, r, m,
+                     rms_row(xs + r * H, res + r * H, h + r * H, L->post_norm, H, p->eps));
+            if (!wide) quant_panel_xsum(h, H, m, H, xsum);
+            linear_share(&L->gate_up, h, H, xsum, &sc, gu, 2 * I, m, wide);
+            FOR_ROWS(wide, r, m, silu_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
+            if (!wide) quant_panel_xsum(h, I, m, I, xsum);
+            linear_share(&L->down, h, I, xsum, &sc, xs, H, m, wide);
         }
+        if (wide) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; r++)
+                rms_row(xs + r * H, res + r * H, out + r * H, p->final_norm, H, p->eps);
+        } else {
 #pragma omp master
-        for (int64_t r = 0; r < m; r++)
-            rms_row(xs + r * H, res + r * H, out + r * H, p->final_norm, H, p->eps);
+            for (int64_t r = 0; r < m; r++)
+                rms_row(xs + r * H, res + r * H, out + r * H, p->final_norm, H, p->eps);
+        }
     }
     free(buf);
+    free(item_start);
     return 0;
 }

@@ -41,7 +41,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
         ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-        ("k_cache", _p), ("v_cache", _p),
+        ("k_cache", _p), ("v_cache", _p), ("window", _i32),
     ]  # fmt: skip
 
 
@@ -58,7 +58,10 @@ def _lib() -> ctypes.CDLL:
     lib = cpu_kernels.load()
     if lib is None:
         raise RuntimeError("the decode step needs the CPU kernels (a C compiler)")
-    lib.decode_step.argtypes = [_p, _p, _p, _i64, _p, _p, _p, _p, _p, _i64, ctypes.c_int]
+    lib.decode_step.argtypes = [
+        _p, _p, _p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _i64, _p, _p, _p, _i64,
+        ctypes.c_int,
+    ]  # fmt: skip
     lib.decode_step.restype = ctypes.c_int
     lib.decode_step_max_rows.argtypes = []
     lib.decode_step_max_rows.restype = ctypes.c_int
@@ -85,6 +88,19 @@ class LayerWeights:
     down: Weights
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    # Sliding window W: keys p - W + 1 .. p only (None: every key).
+    window: int | None = None
+
+
+@dataclass(frozen=True)
+class WindowSlots:
+    """Where the sliding-window layers' keys and values go and are read from, when they
+    have their own block pool (a model with local and global layers): the runner's
+    `slot_blocks`, `slot_offsets` [m] and block tables [num_seqs, max_blocks] of it."""
+
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
+    block_tables: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -110,6 +126,8 @@ class DecodePlan:
     ) -> None:
         self._lib = _lib()
         self.shape = shape
+        # Steps of up to this many rows run the decode-sized GEMM shares; larger ones
+        # the any-rows shares (both as the module path's kernels for the same rows).
         self.max_rows = int(self._lib.decode_step_max_rows())
         self._keep: list[object] = [cos, sin, final_norm]
         self._layers = (_Layer * len(layers))()
@@ -125,6 +143,7 @@ class DecodePlan:
             self._linear(dst.down, w.down, None)
             dst.k_cache = self._ptr(w.k_cache)
             dst.v_cache = self._ptr(w.v_cache)
+            dst.window = w.window or 0
         s = shape
         self._plan = _Plan(
             len(layers), s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate,
@@ -158,24 +177,35 @@ class DecodePlan:
         positions: torch.Tensor,
         slot_blocks: torch.Tensor,
         slot_offsets: torch.Tensor,
+        q_starts: torch.Tensor,
+        q_lens: torch.Tensor,
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
+        window: WindowSlots | None = None,
     ) -> torch.Tensor:
-        """The final-norm hidden states [m, hidden] of m decode rows, row i sequence i's
-        one new token. x: [m, hidden] embeddings; positions, slot_blocks, slot_offsets,
-        seq_lens: int64 [m]; block_tables: int64 [m, max_blocks] (the runner's tensors,
-        contiguous by construction)."""
+        """The final-norm hidden states [m, hidden] of the step's m rows: sequences laid
+        out back to back, sequence i owning rows q_starts[i] .. q_starts[i] + q_lens[i]
+        (decodes, prefill chunks and draft verification alike; causal inside each).
+        x: [m, hidden] embeddings; positions, slot_blocks, slot_offsets: int64 [m];
+        q_starts, q_lens, seq_lens: int64 [num_seqs]; block_tables: int64 [num_seqs,
+        max_blocks] (the runner's tensors, contiguous by construction). window: the
+        sliding-window layers' own slots and tables (None: they use the ones above)."""
         m = x.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.shape.hidden:
             raise ValueError(f"x must be a contiguous float32 [m, {self.shape.hidden}] tensor")
         out = torch.empty(m, self.shape.hidden)
         rc = self._lib.decode_step(
             ctypes.byref(self._plan), x.data_ptr(), out.data_ptr(), m, positions.data_ptr(),
-            slot_blocks.data_ptr(), slot_offsets.data_ptr(), seq_lens.data_ptr(),
-            block_tables.data_ptr(), block_tables.shape[1], torch.get_num_threads(),
+            slot_blocks.data_ptr(), slot_offsets.data_ptr(), q_starts.shape[0],
+            q_starts.data_ptr(), q_lens.data_ptr(), seq_lens.data_ptr(),
+            block_tables.data_ptr(), block_tables.shape[1],
+            None if window is None else window.slot_blocks.data_ptr(),
+            None if window is None else window.slot_offsets.data_ptr(),
+            None if window is None else window.block_tables.data_ptr(),
+            0 if window is None else window.block_tables.shape[1], torch.get_num_threads(),
         )  # fmt: skip
         if rc == -1:
             raise MemoryError("decode_step: could not allocate its buffers")
         if rc != 0:
-            raise ValueError(f"decode_step takes 1 to {self.max_rows} rows, got {m}")
+            raise ValueError(f"decode_step needs at least one row and one sequence, got {m}")
         return out

@@ -61,21 +61,32 @@ __attribute__((noinline)) static void panels_share(const float *xp, const float 
     }
 }
 
+/* This thread's share of out = x @ W^T (+ bias) for any m, inside a parallel region: per
+ * block of rows (MC_ONE rows when m <= MC_ONE, else MC), the team packs the block's x
+ * tiles into the shared buffer xp (gemm_rows_x_floats(k) floats, 64-byte aligned), then
+ * splits the panels. Each block ends in the team's barrier. gemm_packed runs it, and so
+ * does the decode step (decode_step.c) for steps past the private shares' rows. */
+void gemm_packed_rows_share(const float *x, int64_t ldx, float *xp, const float *packed,
+                            const float *bias, float *out, int64_t ldo, int64_t m, int64_t n,
+                            int64_t k) {
+    const int64_t block = m <= MC_ONE ? MC_ONE : MC;
+    for (int64_t m0 = 0; m0 < m; m0 += block) {
+        const int64_t mc = m - m0 < block ? m - m0 : block;
+        pack_x_tiles(x, ldx, m0, mc, m, k, xp);
+        panels_share(xp, packed, bias, out + m0 * ldo, ldo, mc, n, k);
+    }
+}
+
+int64_t gemm_rows_x_floats(int64_t k) { return (int64_t)MC_ONE * k; }
+
 /* Returns 0, or -1 if the row buffer could not be allocated. */
 int gemm_packed(const float *x, int64_t ldx, const float *packed, const float *bias,
                 float *out, int64_t ldo, int64_t m, int64_t n, int64_t k, int threads) {
-    const int64_t block = m <= MC_ONE ? MC_ONE : MC;
-    const size_t xbytes = ((size_t)block * k * sizeof(float) + 63) / 64 * 64;
+    const size_t xbytes = ((size_t)gemm_rows_x_floats(k) * sizeof(float) + 63) / 64 * 64;
     float *xp = aligned_alloc(64, xbytes);
     if (!xp) return -1;
-    for (int64_t m0 = 0; m0 < m; m0 += block) {
-        const int64_t mc = m - m0 < block ? m - m0 : block;
 #pragma omp parallel num_threads(threads)
-        {
-            pack_x_tiles(x, ldx, m0, mc, m, k, xp);
-            panels_share(xp, packed, bias, out + m0 * ldo, ldo, mc, n, k);
-        }
-    }
+    gemm_packed_rows_share(x, ldx, xp, packed, bias, out, ldo, m, n, k);
     free(xp);
     return 0;
 }

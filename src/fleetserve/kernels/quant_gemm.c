@@ -283,12 +283,61 @@ static void gemm_decode(int qtype, const float *x, int64_t ldx, const uint8_t *w
     gemm_decode_share(qtype, x, ldx, w, row_bytes, out, ldo, m, n, k);
 }
 
+/* This thread's share of the prefill-sized GEMM, inside a parallel region: per block of
+ * QMC rows the team packs x's tiles into the shared xp (quant_prefill_x_floats(k)
+ * floats), then splits the panels, each decoded into this thread's `panel` ([k][NR])
+ * through its `row` (k floats) and run against the block. A thread whose buffers are
+ * NULL (out of memory) skips its panels. Each block ends in the team's barrier. */
+void quant_prefill_share(int qtype, const float *x, int64_t ldx, const uint8_t *w,
+                         int64_t row_bytes, float *xp, float *panel, float *row, float *out,
+                         int64_t ldo, int64_t m, int64_t n, int64_t k) {
+    const int64_t panels = (n + NR - 1) / NR;
+    for (int64_t m0 = 0; m0 < m; m0 += QMC) {
+        const int64_t mc = m - m0 < QMC ? m - m0 : QMC;
+        const int64_t tiles = (mc + MR - 1) / MR;
+        pack_x_tiles(x, ldx, m0, mc, m, k, xp);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t p = 0; p < panels; p++) {
+            if (!panel || !row) continue;
+            const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
+            if (quant_panel_layout(qtype)) {
+                /* NR / 16 stored panels side by side; past the last, zeros. */
+                for (int s = 0; s < NR / 16; s++) {
+                    if (p * NR + s * 16 < n) {
+                        quant_panel_decode(qtype, w, row_bytes, p * (NR / 16) + s, k,
+                                           panel + s * 16, NR);
+                    } else {
+                        for (int64_t kk = 0; kk < k; kk++)
+                            memset(panel + kk * NR + s * 16, 0, 16 * sizeof(float));
+                    }
+                }
+            } else {
+                for (int j = 0; j < NR; j++) {
+                    if (j < cols) {
+                        deq_row(qtype, w, row_bytes, p * NR + j, k, row);
+                        for (int64_t kk = 0; kk < k; kk++) panel[kk * NR + j] = row[kk];
+                    } else {
+                        for (int64_t kk = 0; kk < k; kk++) panel[kk * NR + j] = 0.f;
+                    }
+                }
+            }
+            for (int64_t t = 0; t < tiles; t++) {
+                const int rows = (int)(mc - t * MR < MR ? mc - t * MR : MR);
+                tile_rows(xp + t * k * MR, panel, k, NULL, NULL,
+                          out + (m0 + t * MR) * ldo + p * NR, ldo, rows, cols);
+            }
+        }
+    }
+}
+
+int64_t quant_prefill_x_floats(int64_t k) { return (int64_t)QMC * k; }
+int64_t quant_prefill_panel_floats(int64_t k) { return k * NR; }
+
 /* Returns 0, or -1 when a buffer could not be allocated. */
 static int gemm_prefill(int qtype, const float *x, int64_t ldx, const uint8_t *w,
                         int64_t row_bytes, float *out, int64_t ldo, int64_t m, int64_t n,
                         int64_t k, int threads) {
-    const int64_t panels = (n + NR - 1) / NR;
-    const size_t xbytes = ((size_t)QMC * k * sizeof(float) + 63) / 64 * 64;
+    const size_t xbytes = ((size_t)quant_prefill_x_floats(k) * sizeof(float) + 63) / 64 * 64;
     float *xp = aligned_alloc(64, xbytes);
     if (!xp) return -1;
     int failed = 0;
@@ -302,42 +351,7 @@ static int gemm_prefill(int qtype, const float *x, int64_t ldx, const uint8_t *w
 #pragma omp atomic write
             failed = 1;
         }
-        for (int64_t m0 = 0; m0 < m; m0 += QMC) {
-            const int64_t mc = m - m0 < QMC ? m - m0 : QMC;
-            const int64_t tiles = (mc + MR - 1) / MR;
-            pack_x_tiles(x, ldx, m0, mc, m, k, xp);
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t p = 0; p < panels; p++) {
-                if (!panel || !row) continue;
-                const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
-                if (quant_panel_layout(qtype)) {
-                    /* NR / 16 stored panels side by side; past the last, zeros. */
-                    for (int s = 0; s < NR / 16; s++) {
-                        if (p * NR + s * 16 < n) {
-                            quant_panel_decode(qtype, w, row_bytes, p * (NR / 16) + s, k,
-                                               panel + s * 16, NR);
-                        } else {
-                            for (int64_t kk = 0; kk < k; kk++)
-                                memset(panel + kk * NR + s * 16, 0, 16 * sizeof(float));
-                        }
-                    }
-                } else {
-                    for (int j = 0; j < NR; j++) {
-                        if (j < cols) {
-                            deq_row(qtype, w, row_bytes, p * NR + j, k, row);
-                            for (int64_t kk = 0; kk < k; kk++) panel[kk * NR + j] = row[kk];
-                        } else {
-                            for (int64_t kk = 0; kk < k; kk++) panel[kk * NR + j] = 0.f;
-                        }
-                    }
-                }
-                for (int64_t t = 0; t < tiles; t++) {
-                    const int rows = (int)(mc - t * MR < MR ? mc - t * MR : MR);
-                    tile_rows(xp + t * k * MR, panel, k, NULL, NULL,
-                              out + (m0 + t * MR) * ldo + p * NR, ldo, rows, cols);
-                }
-            }
-        }
+        quant_prefill_share(qtype, x, ldx, w, row_bytes, xp, panel, row, out, ldo, m, n, k);
         free(panel);
         free(row);
     }

@@ -23,6 +23,10 @@
  * decode path below never sees it. */
 _Static_assert(QDOT_MAX_ROWS >= 2 * DECODE_ROWS, "dot layout would reach quant_panel_gemm");
 #define PREFETCH 4096
+/* Rows one pass of panel_dot takes (AVX-512: 6 x 4 partial sums + 6 accumulators fit
+ * its 32 vector registers beside the decoded weights). A row's arithmetic does not
+ * depend on how many rows share its pass. */
+#define ONE_PASS_ROWS 6
 
 /* The dot layout (quant_dot.h) is panelled too: prefill decodes it here, by its own code. */
 int quant_panel_layout(int qtype) {
@@ -64,7 +68,7 @@ static inline __attribute__((always_inline)) void panel_dot(int qtype, const uin
                                                             int cols) {
     const int64_t bb = PR * (qtype == Q8_0 ? 34 : qtype == Q4_1 ? 20 : 18);
     const int64_t head = head_bytes(qtype);
-    v16f acc[DECODE_ROWS];
+    v16f acc[ONE_PASS_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = (v16f){0};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pb = panel + b * bb;
@@ -72,7 +76,7 @@ static inline __attribute__((always_inline)) void panel_dot(int qtype, const uin
         /* Weights stream from memory once per step: ask for them PREFETCH bytes ahead
          * (past the panel's end is the next panel; a prefetch never faults). */
         for (int64_t l = 0; l < bb; l += 64) __builtin_prefetch(pb + PREFETCH + l, 0, 0);
-        v16f t[DECODE_ROWS][4];
+        v16f t[ONE_PASS_ROWS][4];
         for (int r = 0; r < rows; r++)
             for (int c = 0; c < 4; c++) t[r][c] = (v16f){0};
         /* Partial sums indexed by constants only: an index computed from g (g & 1) made
@@ -118,7 +122,9 @@ static inline __attribute__((always_inline)) void panel_dot(int qtype, const uin
     case 1: panel_dot(QT, panel, nb, x, ldx, xsum, 1, out, ldo, cols); break;           \
     case 2: panel_dot(QT, panel, nb, x, ldx, xsum, 2, out, ldo, cols); break;           \
     case 3: panel_dot(QT, panel, nb, x, ldx, xsum, 3, out, ldo, cols); break;           \
-    default: panel_dot(QT, panel, nb, x, ldx, xsum, 4, out, ldo, cols); break;          \
+    case 4: panel_dot(QT, panel, nb, x, ldx, xsum, 4, out, ldo, cols); break;           \
+    case 5: panel_dot(QT, panel, nb, x, ldx, xsum, 5, out, ldo, cols); break;           \
+    default: panel_dot(QT, panel, nb, x, ldx, xsum, 6, out, ldo, cols); break;          \
     }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -165,7 +171,9 @@ __attribute__((noinline)) void quant_panel_share(
     int64_t chunk = 16384 / (PR * row_bytes);
     if (chunk < 1) chunk = 1;
     const int64_t chunks = (panels + chunk - 1) / chunk;
-    const int rows4 = DECODE_ROWS < 4 ? DECODE_ROWS : 4;
+    /* Up to ONE_PASS_ROWS rows in one pass over each panel (each decoded once);
+     * more in passes of 4 (past 6 rows the partial sums spill: 2x slower at 8). */
+    const int rows4 = DECODE_ROWS < 4 ? DECODE_ROWS : m <= ONE_PASS_ROWS ? (int)m : 4;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t p1 = (c + 1) * chunk < panels ? (c + 1) * chunk : panels;

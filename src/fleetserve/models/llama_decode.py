@@ -1,15 +1,18 @@
-"""The fast decode path of the Llama family: a step of decode rows in one C call.
+"""The fast path of the Llama family: a whole step in one C call.
 
 `bind_decode_plan` builds a `DecodePlan` (kernels/decode_step.py) from a loaded model
 whose caches are bound, when every piece of it is something the C step runs: projections
 kept in GGUF blocks (`QuantLinear`) or packed for the float32 GEMM (`Linear.packed`), a
-qkv bias (Qwen2) or q/k norm (Qwen3), the CPU kernels' cache layout, one process (no
+qkv bias (Qwen2) or q/k norm (Qwen3), sliding-window layers (Mistral; Qwen2/3's upper
+layers, from their own block pool), the CPU kernels' cache layout, one process (no
 tensor or pipeline parallelism). Otherwise the model keeps only its module path.
 
-`run_decode` is what `LlamaModel.forward` asks first: when the step's rows are all
-decodes (one new token each, some context) and few enough for the step's GEMM shares,
-it returns the final hidden states; else None and the modules run as before. Both paths
-compute the same values with the same C code (tests/test_fused_decode.py).
+`run_decode` is what `LlamaModel.forward` asks first: for any step the scheduler builds
+(decodes, prefill chunks with or without cached context, draft verification rows, any
+number of rows) it returns the final hidden states; None only without the paged
+metadata of the CPU kernels, and the modules run as before. Both paths compute the same
+values with the same C code, the GEMMs switching kernels at the same row counts
+(tests/test_fused_decode.py).
 """
 
 from __future__ import annotations
@@ -20,7 +23,13 @@ import torch
 
 from fleetserve.forward_context import get_forward_context
 from fleetserve.kernels import cpu as cpu_kernels
-from fleetserve.kernels.decode_step import DecodePlan, LayerWeights, PlanShape, Weights
+from fleetserve.kernels.decode_step import (
+    DecodePlan,
+    LayerWeights,
+    PlanShape,
+    Weights,
+    WindowSlots,
+)
 from fleetserve.layers.linear import Linear
 from fleetserve.layers.quant_linear import QuantLinear
 
@@ -47,7 +56,6 @@ def build_decode_plan(model: LlamaForCausalLM) -> DecodePlan | None:
     if (
         cfg.dtype != torch.float32
         or cfg.moe is not None  # MoE blocks run on the module path (kernels/moe.py)
-        or any(cfg.layer_windows)  # the C step attends without a window (yet)
         or cfg.head_dim % 2
         or not isinstance(model.logits_gather, torch.nn.Identity)
     ):
@@ -83,6 +91,7 @@ def build_decode_plan(model: LlamaForCausalLM) -> DecodePlan | None:
                 down=down,
                 k_cache=k_cache,
                 v_cache=v_cache,
+                window=attn.attn.sliding_window,
             )
         )
     if not layers:
@@ -104,18 +113,17 @@ def build_decode_plan(model: LlamaForCausalLM) -> DecodePlan | None:
 
 def run_decode(plan: DecodePlan, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
     """The step's final hidden states through the C step, or None when it does not apply
-    (a prefill chunk or draft verification among the rows, too many rows, no kernels)."""
+    (no paged metadata: the plain-torch backend)."""
     meta = get_forward_context()
     paged = meta.paged
-    m = x.shape[0]
-    if (
-        paged is None
-        or not meta.cpu_kernels
-        or meta.num_decodes != len(meta.seq_lens)
-        or m != meta.num_decodes
-        or not 1 <= m <= plan.max_rows
-    ):
+    if paged is None or not meta.cpu_kernels or x.shape[0] == 0:
         return None
+    window = None
+    if meta.sliding is not None:  # the sliding-window layers' own pool
+        w = meta.sliding
+        assert w.paged is not None, "built beside `paged`, from the same lengths"
+        window = WindowSlots(w.slot_blocks, w.slot_offsets, w.paged.block_tables)
     return plan.run(
-        x, positions, meta.slot_blocks, meta.slot_offsets, paged.seq_lens, paged.block_tables
-    )
+        x, positions, meta.slot_blocks, meta.slot_offsets, paged.q_starts, paged.q_lens,
+        paged.seq_lens, paged.block_tables, window,
+    )  # fmt: skip

@@ -25,7 +25,14 @@ from fleetserve.layers.sampler import SamplingRow, filter_logits
 from fleetserve.models.loader import ModelSource, resolve_model
 from fleetserve.spec_decode.base import Proposal, ProposalRequest
 from fleetserve.worker.attn_metadata import build_attention_metadata
-from fleetserve.worker.model_setup import bind_kv_caches, load_model, pack_for_cpu, use_cpu_kernel
+from fleetserve.worker.model_setup import (
+    bind_decode_plan,
+    bind_kv_caches,
+    fused_decode_enabled,
+    load_model,
+    pack_for_cpu,
+    use_cpu_kernel,
+)
 
 _FIELD = "speculative_config.model"
 
@@ -84,6 +91,11 @@ class DraftModelProposer:
             self.model, num_blocks, self.block_size, mcfg.dtype, self.device, self.use_cpu_kernel
         )
         pack_for_cpu(self.model, self.use_cpu_kernel)
+        # The draft's steps (its prompt catch-up and k one-row proposals) through the C
+        # step too, where it applies (models/llama_decode.py).
+        self.fused_decode = bind_decode_plan(
+            self.model, self.use_cpu_kernel, fused_decode_enabled()
+        )
         self.generator = torch.Generator()
         self.generator.manual_seed(config.seed + 1)
         # Per request: the tokens whose K/V the draft cache holds, position by position
