@@ -15,7 +15,7 @@ from fleetserve.kernels.quant import BLOCK_SHAPES, QType, QuantWeight, quant_emb
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 
 # Formats gguf.quants can quantize; the K-quants are built from random bytes instead.
-_QUANTIZABLE = (QType.Q8_0, QType.Q4_0, QType.Q4_1)
+_QUANTIZABLE = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)
 # Offset of each half-float scale field in a block, to keep random blocks finite.
 _HALF_FIELDS = {QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,)}
 

@@ -23,6 +23,8 @@ class QType(enum.IntEnum):
 
     Q4_0 = 2
     Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
     Q4_K = 12
     Q5_K = 13
@@ -33,6 +35,8 @@ class QType(enum.IntEnum):
 BLOCK_SHAPES = {
     QType.Q4_0: (32, 18),
     QType.Q4_1: (32, 20),
+    QType.Q5_0: (32, 22),
+    QType.Q5_1: (32, 24),
     QType.Q8_0: (32, 34),
     QType.Q4_K: (256, 144),
     QType.Q5_K: (256, 176),

@@ -11,7 +11,7 @@
 #include <immintrin.h>
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 /* Rows of x (DECODE_ROWS) times rows of W (NJ) per register tile on the decode path:
  * 16 + 8 of AVX-512's 32 vector registers; narrower targets hold a v16f in two or more

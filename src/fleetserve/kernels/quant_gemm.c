@@ -1,4 +1,4 @@
-/* out = x @ W^T (+ bias) with W kept in a GGUF block format (Q8_0, Q4_0, Q4_1, Q4_K,
+/* out = x @ W^T (+ bias) with W kept in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
  * Q5_K, Q6_K), float32 activations and outputs.
  *
  * Why: a decode step streams every weight from memory once. In float32 SmolLM2-135M is
@@ -19,6 +19,9 @@
  *   Q4_0  18 B / 32:  d, u8 qs[16] (lo nibble: 0..15,   w = d*(q - 8)
  *                     hi nibble: 16..31)
  *   Q4_1  20 B / 32:  d, m, u8 qs[16] (as Q4_0)         w = d*q + m
+ *   Q5_0  22 B / 32:  d, u32 qh (bit i: 5th bit of     w = d*(q - 16)
+ *                     weight i), qs[16] (as Q4_0)
+ *   Q5_1  24 B / 32:  d, m, qh, qs[16] (as Q5_0)       w = d*q + m
  *   Q4_K 144 B / 256: d, dmin, scales[12] (6-bit scale and min per sub-block of 32),
  *                     qs[128] (sub-blocks 2i, 2i+1: lo, hi nibbles of qs[32i..32i+31])
  *                                                       w = d*sc*q - dmin*mn
@@ -80,6 +83,29 @@ static inline __attribute__((always_inline)) void deq32(int qtype, const uint8_t
         const v16i q = ld16(p + 4);
         *w0 = i2f(q & 15) * d + m;
         *w1 = i2f(q >> 4) * d + m;
+        return;
+    }
+    case Q5_0:
+    case Q5_1: {
+        /* The 5th bit of weight i is bit i of qh (a little-endian uint32). */
+        const int has_m = qtype == Q5_1;
+        const uint8_t *p = row + sb * (has_m ? 24 : 22);
+        const v16f d = splat(h2f(p));
+        uint32_t qh;
+        memcpy(&qh, p + 2 + 2 * has_m, 4);
+        const v16i lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        const v16i h = (v16i){0} + (int32_t)qh;
+        const v16i q = ld16(p + 6 + 2 * has_m);
+        const v16i a = (q & 15) | (((h >> lanes) & 1) << 4);
+        const v16i b = (q >> 4) | (((h >> (lanes + 16)) & 1) << 4);
+        if (has_m) {
+            const v16f m = splat(h2f(p + 2));
+            *w0 = i2f(a) * d + m;
+            *w1 = i2f(b) * d + m;
+        } else {
+            *w0 = i2f(a - 16) * d;
+            *w1 = i2f(b - 16) * d;
+        }
         return;
     }
     case Q4_K:
@@ -181,6 +207,8 @@ static void dot_block(int qtype, const float *x, int64_t ldx, const uint8_t *w,
     case Q8_0: DOT_CASES(Q8_0) break;
     case Q4_0: DOT_CASES(Q4_0) break;
     case Q4_1: DOT_CASES(Q4_1) break;
+    case Q5_0: DOT_CASES(Q5_0) break;
+    case Q5_1: DOT_CASES(Q5_1) break;
     case Q4_K: DOT_CASES(Q4_K) break;
     case Q5_K: DOT_CASES(Q5_K) break;
     case Q6_K: DOT_CASES(Q6_K) break;
@@ -206,6 +234,8 @@ static void deq_row(int qtype, const uint8_t *w, int64_t row_bytes, int64_t j, i
     case Q8_0: deq_rows_t(Q8_0, w, row_bytes, j, k, dst); break;
     case Q4_0: deq_rows_t(Q4_0, w, row_bytes, j, k, dst); break;
     case Q4_1: deq_rows_t(Q4_1, w, row_bytes, j, k, dst); break;
+    case Q5_0: deq_rows_t(Q5_0, w, row_bytes, j, k, dst); break;
+    case Q5_1: deq_rows_t(Q5_1, w, row_bytes, j, k, dst); break;
     case Q4_K: deq_rows_t(Q4_K, w, row_bytes, j, k, dst); break;
     case Q5_K: deq_rows_t(Q5_K, w, row_bytes, j, k, dst); break;
     case Q6_K: deq_rows_t(Q6_K, w, row_bytes, j, k, dst); break;
@@ -215,7 +245,7 @@ static void deq_row(int qtype, const uint8_t *w, int64_t row_bytes, int64_t j, i
 /* Elements per block of each supported type, 0 for anything else. */
 int quant_block_size(int qtype) {
     switch (qtype) {
-    case Q8_0: case Q4_0: case Q4_1: return 32;
+    case Q8_0: case Q4_0: case Q4_1: case Q5_0: case Q5_1: return 32;
     case Q8_0 | QDOT: case Q4_0 | QDOT: case Q4_1 | QDOT: return 32;
     case Q4_K: case Q5_K: case Q6_K: return 256;
     default: return 0;

@@ -26,11 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleetserve.config import ModelConfig
-from fleetserve.layers.attention import Attention
 from fleetserve.layers.linear import Linear
 from fleetserve.layers.norm import RMSNorm
 from fleetserve.layers.rotary import RotaryEmbedding
-from fleetserve.models.llama import LlamaForCausalLM
+from fleetserve.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 def rope_settings(
@@ -61,36 +60,15 @@ def rope_settings(
     return out[0], out[1]
 
 
-class Gemma3Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, window: int | None) -> None:
-        super().__init__()
-        hf = cfg.hf_config
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
-        )
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.rope = rope
-        scalar = float(hf.get("query_pre_attn_scalar") or self.head_dim)
-        self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, scalar**-0.5, sliding_window=window
-        )
+class Gemma3Attention(LlamaAttention):
+    """Llama's attention with q/k norm always on, scores scaled by
+    ``query_pre_attn_scalar ** -0.5`` and o_proj biased like q/k/v."""
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
-        o = self.attn(q, k, v)  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(o.reshape(-1, self.q_size))
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, window: int | None) -> None:
+        scalar = float(cfg.hf_config.get("query_pre_attn_scalar") or cfg.head_dim)
+        super().__init__(
+            cfg, rope, window, scale=scalar**-0.5, o_proj_bias=cfg.attention_bias, qk_norm=True
+        )
 
 
 class Gemma3MLP(nn.Module):

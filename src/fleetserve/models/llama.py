@@ -28,7 +28,20 @@ from fleetserve.models.llama_decode import run_decode
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, window: int | None = None) -> None:
+    """q/k/v fused, optional per-head q/k norm, RoPE, attention, o_proj. Gemma 3's
+    attention is this one with its own score scale, o_proj bias and q/k norm always on
+    (models/gemma3.py), hence the keyword overrides."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rope: RotaryEmbedding,
+        window: int | None = None,
+        *,
+        scale: float | None = None,
+        o_proj_bias: bool = False,
+        qk_norm: bool | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -38,14 +51,18 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm:
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_proj_bias)
+        self.qk_norm = cfg.qk_norm if qk_norm is None else qk_norm
+        if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rope = rope
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.head_dim**-0.5 if scale is None else scale,
+            window,
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
