@@ -11,24 +11,54 @@
 // Rows: `rows` lists the batch rows grouped by slot; group i is rows[group_starts[i] ..
 // group_starts[i + 1]) with slot group_slots[i]. `shrunk` is scratch of
 // [num_listed_rows, num_segs * max_rank] floats.
+//
+// A and B are float32 (`half` = 0) or bfloat16 (`half` = 1, stored as uint16): a decode
+// step's LoRA work is bound by reading the slots' weights, so bf16 halves it. bf16 -> f32
+// is a 16-bit shift, which every CPU does (no AVX512-BF16 needed); x, y and the
+// accumulation stay float32.
 
 #include <stdint.h>
+#include <string.h>
 
 #define EXPAND_TILE 256
 
-static float dot(const float *a, const float *b, int64_t n) {
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static float dot_f32(const float *a, const float *b, int64_t n) {
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
     for (int64_t k = 0; k < n; k++) acc += a[k] * b[k];
     return acc;
 }
 
+static float dot_bf16(const uint16_t *a, const float *b, int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t k = 0; k < n; k++) acc += bf16_to_f32(a[k]) * b[k];
+    return acc;
+}
+
+static void axpy_f32(float *y, float s, const float *b, int64_t lo, int64_t hi) {
+#pragma omp simd
+    for (int64_t o = lo; o < hi; o++) y[o] += s * b[o];
+}
+
+static void axpy_bf16(float *y, float s, const uint16_t *b, int64_t lo, int64_t hi) {
+#pragma omp simd
+    for (int64_t o = lo; o < hi; o++) y[o] += s * bf16_to_f32(b[o]);
+}
+
 void lora_shrink_expand(
     const float *x, int64_t x_stride, float *y, int64_t y_stride, int64_t in_dim,
-    int64_t out_dim, const float *A, const float *B, const int32_t *ranks, int64_t max_rank,
+    int64_t out_dim, const void *A, const void *B, const int32_t *ranks, int64_t max_rank,
     int32_t num_segs, const int64_t *seg_starts, const int64_t *rows,
     const int64_t *group_starts, const int32_t *group_slots, int32_t num_groups,
-    float *shrunk, int32_t num_threads) {
+    float *shrunk, int32_t num_threads, int32_t half) {
     const int64_t width = (int64_t)num_segs * max_rank;
     const int64_t num_items = (int64_t)num_groups * width;
 #pragma omp parallel num_threads(num_threads)
@@ -44,9 +74,12 @@ void lora_shrink_expand(
                 for (int64_t i = r0; i < r1; i++) shrunk[i * width + c] = 0.0f;
                 continue;
             }
-            const float *a = A + ((int64_t)slot * width + c) * in_dim;
-            for (int64_t i = r0; i < r1; i++)
-                shrunk[i * width + c] = dot(a, x + rows[i] * x_stride, in_dim);
+            const int64_t off = ((int64_t)slot * width + c) * in_dim;
+            for (int64_t i = r0; i < r1; i++) {
+                const float *xr = x + rows[i] * x_stride;
+                shrunk[i * width + c] = half ? dot_bf16((const uint16_t *)A + off, xr, in_dim)
+                                             : dot_f32((const float *)A + off, xr, in_dim);
+            }
         }
         // Expand: threads split the output columns in tiles (no two write one element).
         // B is stored rank-major, so each of a row's r updates is one contiguous axpy.
@@ -60,15 +93,16 @@ void lora_shrink_expand(
                 for (int32_t grp = 0; grp < num_groups; grp++) {
                     const int32_t slot = group_slots[grp];
                     const int32_t r = ranks[(int64_t)slot * num_segs + g];
-                    const float *bt = B + (int64_t)slot * max_rank * out_dim;
+                    const int64_t bt = (int64_t)slot * max_rank * out_dim;
                     for (int64_t i = group_starts[grp]; i < group_starts[grp + 1]; i++) {
                         float *yr = y + rows[i] * y_stride;
                         const float *s = shrunk + i * width + (int64_t)g * max_rank;
                         for (int32_t k = 0; k < r; k++) {
-                            const float sk = s[k];
-                            const float *bk = bt + (int64_t)k * out_dim;
-#pragma omp simd
-                            for (int64_t o = lo; o < hi; o++) yr[o] += sk * bk[o];
+                            const int64_t bk = bt + (int64_t)k * out_dim;
+                            if (half)
+                                axpy_bf16(yr, s[k], (const uint16_t *)B + bk, lo, hi);
+                            else
+                                axpy_f32(yr, s[k], (const float *)B + bk, lo, hi);
                         }
                     }
                 }
