@@ -43,6 +43,33 @@ static float dot_bf16(const uint16_t *a, const float *b, int64_t n) {
     return acc;
 }
 
+// Four consecutive A rows (row stride n) against one x: four independent sums.
+static void dot4_f32(const float *a, const float *x, int64_t n, float out[4]) {
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t k = 0; k < n; k++) {
+        const float xk = x[k];
+        s0 += a[k] * xk;
+        s1 += a[n + k] * xk;
+        s2 += a[2 * n + k] * xk;
+        s3 += a[3 * n + k] * xk;
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+static void dot4_bf16(const uint16_t *a, const float *x, int64_t n, float out[4]) {
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t k = 0; k < n; k++) {
+        const float xk = x[k];
+        s0 += bf16_to_f32(a[k]) * xk;
+        s1 += bf16_to_f32(a[n + k]) * xk;
+        s2 += bf16_to_f32(a[2 * n + k]) * xk;
+        s3 += bf16_to_f32(a[3 * n + k]) * xk;
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
 static void axpy_f32(float *y, float s, const float *b, int64_t lo, int64_t hi) {
 #pragma omp simd
     for (int64_t o = lo; o < hi; o++) y[o] += s * b[o];
@@ -60,32 +87,48 @@ void lora_shrink_expand(
     const int64_t *group_starts, const int32_t *group_slots, int32_t num_groups,
     float *shrunk, int32_t num_threads, int32_t half) {
     const int64_t width = (int64_t)num_segs * max_rank;
-    const int64_t num_items = (int64_t)num_groups * width;
+    // One thread takes the whole width in one tile: each B row is then read in one pass.
+    const int64_t tile = num_threads > 1 ? EXPAND_TILE : out_dim;
 #pragma omp parallel num_threads(num_threads)
     {
-        // Shrink: one (group, A row) item per iteration; its rows reuse the A row.
+        // Shrink: one (group, block of 4 A rows) item per iteration; each row of the group
+        // is dotted with the 4 A rows at once (4 independent sums, x read once per block).
+        const int64_t blocks = (width + 3) / 4;
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < num_items; item++) {
-            const int64_t grp = item / width, c = item % width;
+        for (int64_t item = 0; item < (int64_t)num_groups * blocks; item++) {
+            const int64_t grp = item / blocks, c0 = (item % blocks) * 4;
             const int32_t slot = group_slots[grp];
-            const int32_t r = ranks[(int64_t)slot * num_segs + c / max_rank];
             const int64_t r0 = group_starts[grp], r1 = group_starts[grp + 1];
-            if (c % max_rank >= r) {
-                for (int64_t i = r0; i < r1; i++) shrunk[i * width + c] = 0.0f;
-                continue;
+            int64_t live[4];
+            int32_t num_live = 0;
+            for (int64_t c = c0; c < c0 + 4 && c < width; c++) {
+                const int32_t r = ranks[(int64_t)slot * num_segs + c / max_rank];
+                if (c % max_rank < r) live[num_live++] = c;
+                else
+                    for (int64_t i = r0; i < r1; i++) shrunk[i * width + c] = 0.0f;
             }
-            const int64_t off = ((int64_t)slot * width + c) * in_dim;
+            const int64_t base = (int64_t)slot * width * in_dim;
             for (int64_t i = r0; i < r1; i++) {
                 const float *xr = x + rows[i] * x_stride;
-                shrunk[i * width + c] = half ? dot_bf16((const uint16_t *)A + off, xr, in_dim)
-                                             : dot_f32((const float *)A + off, xr, in_dim);
+                float out[4];
+                if (num_live == 4 && half)
+                    dot4_bf16((const uint16_t *)A + base + c0 * in_dim, xr, in_dim, out);
+                else if (num_live == 4)
+                    dot4_f32((const float *)A + base + c0 * in_dim, xr, in_dim, out);
+                else
+                    for (int32_t j = 0; j < num_live; j++) {
+                        const int64_t off = base + live[j] * in_dim;
+                        out[j] = half ? dot_bf16((const uint16_t *)A + off, xr, in_dim)
+                                      : dot_f32((const float *)A + off, xr, in_dim);
+                    }
+                for (int32_t j = 0; j < num_live; j++) shrunk[i * width + live[j]] = out[j];
             }
         }
         // Expand: threads split the output columns in tiles (no two write one element).
         // B is stored rank-major, so each of a row's r updates is one contiguous axpy.
 #pragma omp for schedule(static)
-        for (int64_t o0 = 0; o0 < out_dim; o0 += EXPAND_TILE) {
-            const int64_t o1 = o0 + EXPAND_TILE < out_dim ? o0 + EXPAND_TILE : out_dim;
+        for (int64_t o0 = 0; o0 < out_dim; o0 += tile) {
+            const int64_t o1 = o0 + tile < out_dim ? o0 + tile : out_dim;
             for (int32_t g = 0; g < num_segs; g++) {
                 const int64_t lo = seg_starts[g] > o0 ? seg_starts[g] : o0;
                 const int64_t hi = seg_starts[g + 1] < o1 ? seg_starts[g + 1] : o1;
