@@ -18,9 +18,17 @@ def make_adapter(
     alpha: float = 16.0,
     targets: list[str] | None = None,
     use_rslora: bool = False,
+    bf16_exact: bool = True,
+    std: float = 0.3,
     **extra: Any,
 ) -> str:
-    """Save a PEFT LoRA adapter of `base_path` with random A and B to `out`."""
+    """Save a PEFT LoRA adapter of `base_path` with random A and B to `out`.
+
+    With `bf16_exact` every A and B value is a bfloat16 value (held in float32), so the
+    engine's bf16 slots (lora_dtype auto) hold them exactly and greedy tokens can be
+    compared with HF + peft token for token; the scalings the tests use (alpha / r,
+    alpha / sqrt(r)) are powers of two, which keep B * scaling exact too. Adapters with
+    arbitrary float32 values are tested separately (test_lora.py: lora_dtype)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -38,7 +46,9 @@ def make_adapter(
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.normal_(0.0, 0.3)
+                p.normal_(0.0, std)
+                if bf16_exact:
+                    p.copy_(p.to(torch.bfloat16).float())
     model.save_pretrained(str(out))
     return str(out)
 

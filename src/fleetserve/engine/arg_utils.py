@@ -58,6 +58,7 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: dict[str, str] | list[str] | None = None
+    lora_dtype: str = "auto"
 
     def resolve_lora(self) -> LoRAConfig | None:
         modules = parse_lora_modules(self.lora_modules)
@@ -70,6 +71,7 @@ class EngineArgs:
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.max_cpu_loras,
             modules=modules,
+            lora_dtype=self.lora_dtype,
         )
 
     def resolve(self) -> tuple[EngineConfig, ModelSource]:

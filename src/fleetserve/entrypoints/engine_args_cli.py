@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from fleetserve.engine.arg_utils import EngineArgs
+from fleetserve.lora.config import LORA_DTYPES
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -75,6 +76,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     lora.add_argument(
         "--max-cpu-loras", type=int, default=None, help="adapters kept loaded (default: max-loras)"
     )
+    lora.add_argument(
+        "--lora-dtype",
+        choices=LORA_DTYPES,
+        default="auto",
+        help="how adapter weights are stored (auto: bfloat16 with the C kernel, float math)",
+    )
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
@@ -104,4 +111,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
         lora_modules=args.lora_modules,
+        lora_dtype=args.lora_dtype,
     )

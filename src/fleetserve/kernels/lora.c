@@ -11,48 +11,124 @@
 // Rows: `rows` lists the batch rows grouped by slot; group i is rows[group_starts[i] ..
 // group_starts[i + 1]) with slot group_slots[i]. `shrunk` is scratch of
 // [num_listed_rows, num_segs * max_rank] floats.
+//
+// A and B are float32 (`half` = 0) or bfloat16 (`half` = 1, stored as uint16): a decode
+// step's LoRA work is bound by reading the slots' weights, so bf16 halves it. bf16 -> f32
+// is a 16-bit shift, which every CPU does (no AVX512-BF16 needed); x, y and the
+// accumulation stay float32.
 
 #include <stdint.h>
+#include <string.h>
 
 #define EXPAND_TILE 256
 
-static float dot(const float *a, const float *b, int64_t n) {
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static float dot_f32(const float *a, const float *b, int64_t n) {
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
     for (int64_t k = 0; k < n; k++) acc += a[k] * b[k];
     return acc;
 }
 
+static float dot_bf16(const uint16_t *a, const float *b, int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t k = 0; k < n; k++) acc += bf16_to_f32(a[k]) * b[k];
+    return acc;
+}
+
+// Four consecutive A rows (row stride n) against one x: four independent sums.
+static void dot4_f32(const float *a, const float *x, int64_t n, float out[4]) {
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t k = 0; k < n; k++) {
+        const float xk = x[k];
+        s0 += a[k] * xk;
+        s1 += a[n + k] * xk;
+        s2 += a[2 * n + k] * xk;
+        s3 += a[3 * n + k] * xk;
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+static void dot4_bf16(const uint16_t *a, const float *x, int64_t n, float out[4]) {
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t k = 0; k < n; k++) {
+        const float xk = x[k];
+        s0 += bf16_to_f32(a[k]) * xk;
+        s1 += bf16_to_f32(a[n + k]) * xk;
+        s2 += bf16_to_f32(a[2 * n + k]) * xk;
+        s3 += bf16_to_f32(a[3 * n + k]) * xk;
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+static void axpy_f32(float *y, float s, const float *b, int64_t lo, int64_t hi) {
+#pragma omp simd
+    for (int64_t o = lo; o < hi; o++) y[o] += s * b[o];
+}
+
+static void axpy_bf16(float *y, float s, const uint16_t *b, int64_t lo, int64_t hi) {
+#pragma omp simd
+    for (int64_t o = lo; o < hi; o++) y[o] += s * bf16_to_f32(b[o]);
+}
+
 void lora_shrink_expand(
     const float *x, int64_t x_stride, float *y, int64_t y_stride, int64_t in_dim,
-    int64_t out_dim, const float *A, const float *B, const int32_t *ranks, int64_t max_rank,
+    int64_t out_dim, const void *A, const void *B, const int32_t *ranks, int64_t max_rank,
     int32_t num_segs, const int64_t *seg_starts, const int64_t *rows,
     const int64_t *group_starts, const int32_t *group_slots, int32_t num_groups,
-    float *shrunk, int32_t num_threads) {
+    float *shrunk, int32_t num_threads, int32_t half) {
     const int64_t width = (int64_t)num_segs * max_rank;
-    const int64_t num_items = (int64_t)num_groups * width;
+    // One thread takes the whole width in one tile: each B row is then read in one pass.
+    const int64_t tile = num_threads > 1 ? EXPAND_TILE : out_dim;
 #pragma omp parallel num_threads(num_threads)
     {
-        // Shrink: one (group, A row) item per iteration; its rows reuse the A row.
+        // Shrink: one (group, block of 4 A rows) item per iteration; each row of the group
+        // is dotted with the 4 A rows at once (4 independent sums, x read once per block).
+        const int64_t blocks = (width + 3) / 4;
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < num_items; item++) {
-            const int64_t grp = item / width, c = item % width;
+        for (int64_t item = 0; item < (int64_t)num_groups * blocks; item++) {
+            const int64_t grp = item / blocks, c0 = (item % blocks) * 4;
             const int32_t slot = group_slots[grp];
-            const int32_t r = ranks[(int64_t)slot * num_segs + c / max_rank];
             const int64_t r0 = group_starts[grp], r1 = group_starts[grp + 1];
-            if (c % max_rank >= r) {
-                for (int64_t i = r0; i < r1; i++) shrunk[i * width + c] = 0.0f;
-                continue;
+            int64_t live[4];
+            int32_t num_live = 0;
+            for (int64_t c = c0; c < c0 + 4 && c < width; c++) {
+                const int32_t r = ranks[(int64_t)slot * num_segs + c / max_rank];
+                if (c % max_rank < r) live[num_live++] = c;
+                else
+                    for (int64_t i = r0; i < r1; i++) shrunk[i * width + c] = 0.0f;
             }
-            const float *a = A + ((int64_t)slot * width + c) * in_dim;
-            for (int64_t i = r0; i < r1; i++)
-                shrunk[i * width + c] = dot(a, x + rows[i] * x_stride, in_dim);
+            const int64_t base = (int64_t)slot * width * in_dim;
+            for (int64_t i = r0; i < r1; i++) {
+                const float *xr = x + rows[i] * x_stride;
+                float out[4];
+                if (num_live == 4 && half)
+                    dot4_bf16((const uint16_t *)A + base + c0 * in_dim, xr, in_dim, out);
+                else if (num_live == 4)
+                    dot4_f32((const float *)A + base + c0 * in_dim, xr, in_dim, out);
+                else
+                    for (int32_t j = 0; j < num_live; j++) {
+                        const int64_t off = base + live[j] * in_dim;
+                        out[j] = half ? dot_bf16((const uint16_t *)A + off, xr, in_dim)
+                                      : dot_f32((const float *)A + off, xr, in_dim);
+                    }
+                for (int32_t j = 0; j < num_live; j++) shrunk[i * width + live[j]] = out[j];
+            }
         }
         // Expand: threads split the output columns in tiles (no two write one element).
         // B is stored rank-major, so each of a row's r updates is one contiguous axpy.
 #pragma omp for schedule(static)
-        for (int64_t o0 = 0; o0 < out_dim; o0 += EXPAND_TILE) {
-            const int64_t o1 = o0 + EXPAND_TILE < out_dim ? o0 + EXPAND_TILE : out_dim;
+        for (int64_t o0 = 0; o0 < out_dim; o0 += tile) {
+            const int64_t o1 = o0 + tile < out_dim ? o0 + tile : out_dim;
             for (int32_t g = 0; g < num_segs; g++) {
                 const int64_t lo = seg_starts[g] > o0 ? seg_starts[g] : o0;
                 const int64_t hi = seg_starts[g + 1] < o1 ? seg_starts[g + 1] : o1;
@@ -60,15 +136,16 @@ void lora_shrink_expand(
                 for (int32_t grp = 0; grp < num_groups; grp++) {
                     const int32_t slot = group_slots[grp];
                     const int32_t r = ranks[(int64_t)slot * num_segs + g];
-                    const float *bt = B + (int64_t)slot * max_rank * out_dim;
+                    const int64_t bt = (int64_t)slot * max_rank * out_dim;
                     for (int64_t i = group_starts[grp]; i < group_starts[grp + 1]; i++) {
                         float *yr = y + rows[i] * y_stride;
                         const float *s = shrunk + i * width + (int64_t)g * max_rank;
                         for (int32_t k = 0; k < r; k++) {
-                            const float sk = s[k];
-                            const float *bk = bt + (int64_t)k * out_dim;
-#pragma omp simd
-                            for (int64_t o = lo; o < hi; o++) yr[o] += sk * bk[o];
+                            const int64_t bk = bt + (int64_t)k * out_dim;
+                            if (half)
+                                axpy_bf16(yr, s[k], (const uint16_t *)B + bk, lo, hi);
+                            else
+                                axpy_f32(yr, s[k], (const float *)B + bk, lo, hi);
                         }
                     }
                 }

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 # Ranks a slot holds at most; PEFT's own default is 8, fine-tunes rarely pass 64.
 MAX_SUPPORTED_RANK = 256
+# How the slots store A and B (vLLM's --lora-dtype): "auto" is bfloat16 where the C kernel
+# runs (a decode step's LoRA work is bound by reading the slots: bf16 halves it; the math
+# stays float32), else the model's dtype.
+LORA_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -18,8 +22,11 @@ class LoRAConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     modules: tuple[tuple[str, str], ...] = ()
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {LORA_DTYPES}, got {self.lora_dtype!r}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if not 1 <= self.max_lora_rank <= MAX_SUPPORTED_RANK:

@@ -1,8 +1,9 @@
 """The grouped shrink/expand of one LoRA module: kernels/lora.c, or the torch reference.
 
 Both take the same arguments (see kernels/lora.c for the layout): the C kernel where
-the library is built and the tensors are float32 on the CPU, torch elsewhere (and in
-tests, as the reference the kernel is checked against).
+the library is built and the activations are float32 on the CPU (the slots' A and B
+float32 or bfloat16), torch elsewhere (and in tests, as the reference the kernel is
+checked against).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _lib() -> ctypes.CDLL | None:
         return None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     lib.lora_shrink_expand.argtypes = [
-        p, i64, p, i64, i64, i64, p, p, p, i64, i32, p, p, p, p, i32, p, i32,
+        p, i64, p, i64, i64, i64, p, p, p, i64, i32, p, p, p, p, i32, p, i32, i32,
     ]  # fmt: skip
     lib.lora_shrink_expand.restype = None
     return lib
@@ -88,7 +89,13 @@ def apply_lora(
     num_segs * max_rank, in_dim], b [num_slots, max_rank, out_dim] (B transposed), ranks int32
     [num_slots, num_segs], seg_starts int64 [num_segs + 1]."""
     lib = _lib() if use_c else None
-    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
+    if (
+        lib is None
+        or x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or a.dtype not in _C_WEIGHT_DTYPES
+        or b.dtype != a.dtype
+    ):
         _apply_torch(x, y, a, b, seg_starts, groups)
         return
     assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
@@ -101,7 +108,15 @@ def apply_lora(
         seg_starts.data_ptr(), groups.rows.data_ptr(), groups.starts.data_ptr(),
         groups.slots.data_ptr(), groups.num_groups, shrunk.data_ptr(),
         _num_threads(groups.num_rows * (a.shape[1] * x.shape[1] + max_rank * y.shape[1])),
+        int(a.dtype == torch.bfloat16),
     )  # fmt: skip
+
+
+_C_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def c_kernel_available() -> bool:
+    return _lib() is not None
 
 
 # Below this many multiply-adds a call runs on one thread: a decode step's LoRA work is
@@ -127,8 +142,9 @@ def _apply_torch(
     bounds = seg_starts.tolist()
     for i, slot in enumerate(groups.slot_list):
         rows = groups.rows[groups.start_list[i] : groups.start_list[i + 1]].to(x.device)
-        shrunk = x[rows] @ a[slot].T  # [n, num_segs * max_rank]
+        a_s, b_s = a[slot].to(x.dtype), b[slot].to(x.dtype)
+        shrunk = x[rows] @ a_s.T  # [n, num_segs * max_rank]
         for g in range(len(bounds) - 1):
             s = shrunk[:, g * max_rank : (g + 1) * max_rank]
-            delta = s @ b[slot, :, bounds[g] : bounds[g + 1]]
+            delta = s @ b_s[:, bounds[g] : bounds[g + 1]]
             y[rows, bounds[g] : bounds[g + 1]] += delta.to(y.dtype)

@@ -18,7 +18,7 @@ import torch
 from fleetserve.distributed.parallel_state import ParallelContext
 from fleetserve.lora.adapter import FUSED, LoRAAdapter
 from fleetserve.lora.config import LoRAConfig
-from fleetserve.lora.kernel import RowGroups, group_rows
+from fleetserve.lora.kernel import RowGroups, c_kernel_available, group_rows
 from fleetserve.lora.layers import LoRALinear
 from fleetserve.models.llama import LlamaForCausalLM
 
@@ -60,6 +60,7 @@ class LoRASlots:
         )
         self.slot_of: dict[str, int] = {}
         self.modules: list[tuple[LoRALinear, list[_Source]]] = []
+        self.dtype = slot_dtype(lcfg.lora_dtype, model.config.dtype, device)
         for i, layer in enumerate(model.decoder_layers()):
             attn, mlp = layer.self_attn, layer.mlp
             specs = {
@@ -81,7 +82,7 @@ class LoRASlots:
                     sizes,
                     lcfg.max_loras,
                     lcfg.max_lora_rank,
-                    model.config.dtype,
+                    self.dtype,
                     device,
                 )
                 setattr(owner, fused, wrapped)
@@ -127,6 +128,20 @@ class LoRASlots:
         self.slot_of[name] = slot
         for module, sources in self.modules:
             module.set_slot(slot, [_share(adapter, src) for src in sources])
+
+
+def slot_dtype(
+    lora_dtype: str, model_dtype: torch.dtype, device: torch.device | None
+) -> torch.dtype:
+    """The dtype the slots store A and B in (see LoRAConfig.lora_dtype)."""
+    if lora_dtype == "float32":
+        return torch.float32
+    if lora_dtype == "bfloat16":
+        return torch.bfloat16
+    on_cpu = device is None or device.type == "cpu"
+    if model_dtype == torch.float32 and on_cpu and c_kernel_available():
+        return torch.bfloat16
+    return model_dtype
 
 
 def _share(adapter: LoRAAdapter, src: _Source) -> tuple[torch.Tensor, torch.Tensor] | None:
