@@ -35,9 +35,6 @@ from fleetserve.serve.routing.router import NoHealthyReplicaError, Router
 
 sys.path.insert(0, str(Path(__file__).parent / "server"))
 
-# The routing tests compare the replicas' step times (the straggler rule): a second test
-# worker's load can make one replica look slow, so `make test` runs this module by itself.
-pytestmark = pytest.mark.alone
 from server_proc import ServerProc, metric, scrape, wait_until  # noqa: E402
 
 
