@@ -61,15 +61,12 @@ serve: setup
 
 # The tests run in TEST_WORKERS processes (pytest-xdist), a test module to one process: its
 # module-scoped servers start once (tests/conftest.py groups the modules that share one, and
-# the Ray modules). TEST_WORKERS=0 runs them in this process, one after another. Tests marked
-# `alone` compare replicas' step times (the router's straggler rule), which a second worker's
-# load can upset: they run afterwards, by themselves.
+# the Ray modules). TEST_WORKERS=0 runs them in this process, one after another.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 test: setup system-deps
-	$(PYTEST) -m "not slow and not alone"
-	$(PY) -m pytest -q -p no:cacheprovider -m "alone and not slow"
+	$(PYTEST) -m "not slow"
 
 test-slow: setup system-deps
 	$(PYTEST) -m slow

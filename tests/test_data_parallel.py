@@ -35,9 +35,6 @@ from fleetserve.serve.routing.router import NoHealthyReplicaError, Router
 
 sys.path.insert(0, str(Path(__file__).parent / "server"))
 
-# The routing tests compare the replicas' step times (the straggler rule): a second test
-# worker's load can make one replica look slow, so `make test` runs this module by itself.
-pytestmark = pytest.mark.alone
 from server_proc import ServerProc, metric, scrape, wait_until  # noqa: E402
 
 
@@ -313,10 +310,16 @@ def test_debug_step_delay_format() -> None:
 # Three DP=2 servers (each one API process and two engine processes) keep the module
 # within its CPU budget. prefix_affinity routes a prompt with no full block (all the short
 # prompts below) by the least-loaded rule, so that server also runs the balance tests.
-SLOW_STEP_S = 0.1
+# The servers whose tests are not about stragglers give both replicas the same step-time
+# floor (EVEN_STEP_S): the straggler rule needs one replica's step EWMA above 2x the other's
+# and 10 ms more, which another test worker's CPU load can cause on bare tiny-model steps
+# but not on top of an equal floor. The slowed replica's delay is likewise far above noise.
+EVEN_STEP_S = 0.03
+SLOW_STEP_S = 0.2
+_EVEN = {"FLEETSERVE_DEBUG_STEP_DELAY_S": str(EVEN_STEP_S)}
 _SERVER_ARGS: dict[str, tuple[list[str], dict[str, str]]] = {
-    "round_robin": (["--routing", "round_robin", "--scheduling-policy", "priority"], {}),
-    "prefix_affinity": (["--routing", "prefix_affinity"], {}),
+    "round_robin": (["--routing", "round_robin", "--scheduling-policy", "priority"], _EVEN),
+    "prefix_affinity": (["--routing", "prefix_affinity"], _EVEN),
     # Replica 1 is slowed; after the straggler test, its death is tested too.
     "slow": (["--routing", "round_robin"], {"FLEETSERVE_DEBUG_STEP_DELAY_S": f"1:{SLOW_STEP_S}"}),
 }
