@@ -31,6 +31,7 @@ _SOURCES = [
     for n in (
         "paged_attention.c", "fused_ops.c", "gemm.c", "quant_gemm.c", "quant_panel.c",
         "quant_dot.c", "quant_dot_simd.c", "quant_avx2.c", "decode_step.c", "moe.c", "lora.c",
+        "gemm_bf16.c",
     )
 ]  # fmt: skip
 # Included by the sources: part of the cache key, not compiled on their own.
