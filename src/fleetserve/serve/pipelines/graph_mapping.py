@@ -122,7 +122,8 @@ def _interpolate(parts: list[str | Selector]) -> Template:
 
 def _string(text: str, found: list[Selector]) -> Template:
     if text.startswith("$$"):
-        return lambda scope, v=text[1:]: v
+        literal = text[1:]
+        return lambda scope: literal
     if text.startswith("$") and "{$" not in text:
         sel = parse_selector(text)
         found.append(sel)
