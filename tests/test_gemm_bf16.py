@@ -13,7 +13,9 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.bfloat16().double() @ w.double().T
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (3, 17, 96), (8, 33, 100), (2, 5, 7), (5, 9, 64), (4, 40, 128)])
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 64, 64), (3, 17, 96), (8, 33, 100), (2, 5, 7), (5, 9, 64), (4, 40, 128)]
+)
 def test_matches_torch_on_bf16_operands(m: int, n: int, k: int) -> None:
     from fleetserve.kernels.bf16 import gemm_bf16
 
