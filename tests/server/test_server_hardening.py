@@ -287,7 +287,7 @@ def test_malformed_content_length_gets_json_error(srv: ServerProc) -> None:
     [
         ("/v1/chat/completions", "prediction", {"type": "content", "content": "x"}),
         ("/v1/chat/completions", "modalities", ["text", "audio"]),
-        ("/v1/chat/completions", "web_search_options", {}),
+        ("/v1/chat/completions", "web_search_options", {"search_context_size": "low"}),
         ("/v1/completions", "logit_bias", {"42": 5}),
         ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ],

@@ -270,5 +270,5 @@ class ChatCompletionRequest(_SamplingFields):
     @classmethod
     def _text_only(cls, v: list[str] | None) -> list[str] | None:
         if v and any(m != "text" for m in v):
-            raise ValueError('this model answers in text only: send modalities ["text"]')
+            raise ValueError('audio output is not supported (text only): send modalities ["text"]')
         return v
