@@ -214,6 +214,12 @@ _VISION_PREFIXES = (
 )
 
 
+def text_model_names(names: Iterable[str]) -> dict[str, str]:
+    """The text model's tensor name -> the checkpoint's (they differ in a
+    Gemma3ForConditionalGeneration checkpoint); vision tensors left out."""
+    return {text: name for name in names if (text := _text_model_name(name)) is not None}
+
+
 def _text_model_name(name: str) -> str | None:
     """A Gemma3ForConditionalGeneration tensor's name in the text model (None: a vision
     tensor); other names unchanged."""
