@@ -103,6 +103,7 @@ typedef struct {
     const float *cos, *sin; /* [max_position, head_dim / 2] */
     const float *final_norm;
     const ds_layer *layers;
+    const void *lora; /* lora.c's lora_step for this step's adapter rows; NULL: none */
 } ds_plan;
 
 /* The step's rows: m tokens of num_seqs sequences laid out back to back (the runner's
@@ -157,6 +158,26 @@ static void linear_share(const ds_linear *lin, const float *x, int64_t ldx, cons
             break;
         }
         off += g->n;
+    }
+}
+
+/* lora.c: a step's LoRA deltas around projection `proj` (0 qkv, 1 o, 2 gate_up, 3 down)
+ * of a layer: the shrink before its GEMM share (no barrier), the expand after (barrier). */
+void lora_step_shrink(const void *step, int layer, int proj, const float *x, int64_t ldx,
+                      int64_t in_dim);
+void lora_step_expand(const void *step, int layer, int proj, float *y, int64_t ldy,
+                      int64_t out_dim);
+
+/* linear_share plus the LoRA delta of the step's adapter rows, if any. */
+static void projection_share(const ds_plan *p, int l, int proj, const ds_linear *lin,
+                             const float *x, int64_t ldx, const float *xsum,
+                             const ds_scratch *s, float *out, int64_t ldo, int64_t m, int wide) {
+    if (p->lora) lora_step_shrink(p->lora, l, proj, x, ldx, lin->k);
+    linear_share(lin, x, ldx, xsum, s, out, ldo, m, wide);
+    if (p->lora) {
+        int64_t n = 0;
+        for (int i = 0; i < lin->num_segments; i++) n += lin->seg[i].n;
+        lora_step_expand(p->lora, l, proj, out, ldo, n);
     }
 }
 
@@ -349,7 +370,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                      rms_row(l ? xs + r * H : res + r * H, l ? res + r * H : NULL, h + r * H,
                              L->input_norm, H, p->eps));
             if (!wide) quant_panel_xsum(h, H, m, H, xsum);
-            linear_share(&L->qkv, h, H, xsum, &sc, qkv, ldq, m, wide);
+            projection_share(p, l, 0, &L->qkv, h, H, xsum, &sc, qkv, ldq, m, wide);
             if (!all_decode) {
                 /* A sequence's rows read each other's keys: all are written first. */
 #pragma omp for schedule(static)
@@ -362,14 +383,14 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                 attention_item(p, L, qkv, ldq, attn, lr, item_start, it, &seq, split,
                                all_decode, scores);
             if (!wide) quant_panel_xsum(attn, q_size, m, q_size, xsum);
-            linear_share(&L->o, attn, q_size, xsum, &sc, xs, H, m, wide);
+            projection_share(p, l, 1, &L->o, attn, q_size, xsum, &sc, xs, H, m, wide);
             FOR_ROWS(wide, r, m,
                      rms_row(xs + r * H, res + r * H, h + r * H, L->post_norm, H, p->eps));
             if (!wide) quant_panel_xsum(h, H, m, H, xsum);
-            linear_share(&L->gate_up, h, H, xsum, &sc, gu, 2 * I, m, wide);
+            projection_share(p, l, 2, &L->gate_up, h, H, xsum, &sc, gu, 2 * I, m, wide);
             FOR_ROWS(wide, r, m, silu_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
             if (!wide) quant_panel_xsum(h, I, m, I, xsum);
-            linear_share(&L->down, h, I, xsum, &sc, xs, H, m, wide);
+            projection_share(p, l, 3, &L->down, h, I, xsum, &sc, xs, H, m, wide);
         }
         if (wide) {
 #pragma omp for schedule(static)

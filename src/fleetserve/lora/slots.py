@@ -88,6 +88,20 @@ class LoRASlots:
                 setattr(owner, fused, wrapped)
                 self.modules.append((wrapped, _sources(model, parallel, i, fused)))
 
+    def bind_decode_step(self, model: LlamaForCausalLM) -> bool:
+        """Let the model's C step (if it has one) apply the slots to adapter rows, instead of
+        sending such steps down the module path. Returns whether it did."""
+        from fleetserve.lora.fused import PROJECTIONS, FusedLoRA, fusable
+
+        if model.model.decode_plan is None or not all(fusable(m) for m, _ in self.modules):
+            return False
+        layers = [
+            {name: self.modules[4 * i + j][0] for j, name in enumerate(PROJECTIONS)}
+            for i in range(len(self.modules) // 4)
+        ]
+        model.model.decode_lora = FusedLoRA(layers)
+        return True
+
     # ------------------------------------------------------------- adapters
     def add(self, adapter: LoRAAdapter) -> None:
         self.remove(adapter.name)
