@@ -142,6 +142,9 @@ class GenerateReplica:
             "kv_cache_usage_perc": stats.kv_cache_usage_perc,
             "num_requests_running": float(stats.num_requests_running),
             "draining": self.watch.draining,
+            # The adapters it holds (loaded, in its CPU cache, or being loaded): the
+            # router prefers it for their requests (serve/routing/adapters.py).
+            "lora_adapters": sorted(r.lora_names),
         }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
