@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -82,6 +83,21 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-ttft", action="store_true")
     p.add_argument("--json", default=None, help="write the figures here")
+    g = p.add_argument_group("served comparison (bench/lora_peers.py)")
+    g.add_argument(
+        "--compare",
+        nargs="+",
+        choices=("fleetserve", "vllm"),
+        default=None,
+        help="serve the workload on these servers (same HF base and adapters), alternately",
+    )
+    g.add_argument("--rounds", type=int, default=3, help="alternating rounds (--compare)")
+    g.add_argument("--vllm-python", default=os.environ.get("FLEETSERVE_VLLM_PYTHON"))
+    g.add_argument("--vllm-model", default=None, help="HF folder of the base (default: the "
+                   "GGUF --model dequantized into --work-dir)")  # fmt: skip
+    g.add_argument("--vllm-dtype", default="auto", help="vLLM's dtype (auto: bf16 here)")
+    g.add_argument("--work-dir", default="/tmp/fleetserve-bench-lora")
+    g.add_argument("--startup-timeout", type=float, default=900.0)
 
 
 def _throughput(
@@ -142,8 +158,22 @@ async def _cold_ttft(eargs: Any, adapters: list[str], prompt: list[int]) -> dict
     }
 
 
+def _targets(spec: str) -> tuple[str, ...]:
+    targets = TARGETS if spec == "all" else tuple(spec.split(","))
+    bad = sorted(set(targets) - set(TARGETS))
+    if bad:
+        raise ValueError(f"--targets: unknown projections {bad}; choose from {TARGETS}")
+    return targets
+
+
 def run(args: argparse.Namespace) -> int:
     from fleetserve import LLM
+
+    if args.compare:
+        from fleetserve.bench.lora_peers import run_peers
+
+        args.target_tuple = _targets(args.targets)
+        return run_peers(args, write_random_adapter)
 
     eargs = engine_args_from(args)
     eargs = replace(
@@ -162,10 +192,7 @@ def run(args: argparse.Namespace) -> int:
         ).tolist()
         for _ in range(args.streams)
     ]
-    targets = TARGETS if args.targets == "all" else tuple(args.targets.split(","))
-    bad = sorted(set(targets) - set(TARGETS))
-    if bad:
-        raise ValueError(f"--targets: unknown projections {bad}; choose from {TARGETS}")
+    targets = _targets(args.targets)
     with tempfile.TemporaryDirectory(prefix="fleetserve-lora-bench-") as tmp:
         adapters = [
             write_random_adapter(config.model, Path(tmp) / f"a{i}", args.rank, i, targets)
