@@ -176,5 +176,24 @@ def test_adapter_requests_stay_on_one_replica_on_ray(
         # "first" is now held only by the other replica: its requests go there.
         _, grew_first = send("first", 4)
         assert len(grew_first) == 1 and grew_first != grew_second, (grew_first, grew_second)
+        # Per-adapter series at the ingress: requests and tokens it counted, loads and
+        # evictions from the replicas' routing stats (folded in at a scrape, seen at the
+        # next one).
+        from ray_cluster import scrape
+
+        def series(name: str, adapter: str) -> float:
+            pattern = rf'^fleetserve:{name}_total{{lora_name="{adapter}",model_name="tiny"}} (\S+)$'
+            m = re.search(pattern, scrape(base_url), re.M)
+            return float(m[1]) if m else 0.0
+
+        assert series("lora_requests", "second") == 6
+        assert series("lora_requests", "first") == 4
+        assert series("lora_generation_tokens", "second") == 12
+        for _ in range(20):
+            if series("lora_loads", "second") >= 1 and series("lora_evictions", "first") >= 1:
+                break
+            time.sleep(1.0)
+        assert series("lora_loads", "second") >= 1
+        assert series("lora_evictions", "first") >= 1
     finally:
         serve.delete("fleetserve")
