@@ -151,6 +151,7 @@ def test_adapter_requests_stay_on_one_replica_on_ray(
     root = Path(tmp_path_factory.mktemp("ray-lora"))
     adapters = {name: make_adapter(tiny_llama, root / name, seed) for seed, name in
                 enumerate(("first", "second"), start=1)}  # fmt: skip
+    third = make_adapter(tiny_llama, root / "third", 3)
     _, base_url = cluster
     serve.run(build_app(_fleet(tiny_llama, adapters)), name="fleetserve", route_prefix="/")
     try:
@@ -195,5 +196,23 @@ def test_adapter_requests_stay_on_one_replica_on_ray(
             time.sleep(1.0)
         assert series("lora_loads", "second") >= 1
         assert series("lora_evictions", "first") >= 1
+        # vLLM's admin routes through the Ray ingress: an adapter loaded while serving is
+        # listed with its parent, served (a replica loads it on first use), and unloaded.
+        import httpx
+
+        body = {"lora_name": "third", "lora_path": third}
+        r = httpx.post(f"{base_url}/v1/load_lora_adapter", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        cards = {m.id: m for m in c.models.list().data}
+        assert cards["third"].model_extra["parent"] == "tiny"  # type: ignore[index]
+        out = c.completions.create(model="third", prompt="third question", max_tokens=3)
+        assert out.model == "third" and out.usage is not None
+        bad = {"lora_name": "bad", "lora_path": str(root)}
+        r = httpx.post(f"{base_url}/v1/load_lora_adapter", json=bad, timeout=60)
+        assert r.status_code == 400 and "not a PEFT adapter folder" in r.text
+        r = httpx.post(f"{base_url}/v1/unload_lora_adapter", json={"lora_name": "third"})
+        assert r.status_code == 200, r.text
+        with pytest.raises(openai.NotFoundError, match="'third'"):
+            c.completions.create(model="third", prompt="third question", max_tokens=3)
     finally:
         serve.delete("fleetserve")

@@ -145,8 +145,9 @@ class RayGenerateClient:
         self.config, source = args.resolve()
         self.tokenizer = Tokenizer.from_source(source)
         self._rules = PromptRules(self.tokenizer, self.config)
-        # The model's adapters (fixed on Ray: the fleet file's `adapters:`); a call passes
-        # its request's adapter to the replica's engine.
+        # The model's adapters (the fleet file's `adapters:`, and those loaded through
+        # /v1/load_lora_adapter at this ingress); a call passes its request's adapter to the
+        # replica's engine, which loads it from its path on first use.
         self.adapters = AdapterTable(self.name, self.config, args)
         self.pools = PoolChoice(
             routes, self.config.scheduler.max_num_seqs, fleet.spot_only_classes()
