@@ -27,6 +27,7 @@ SHARED_UNITS = {
         for path in (
             "tests/server/test_server_ray.py",
             "tests/test_bench_chaos.py",
+            "tests/test_lora_ray.py",
             "tests/test_ray_autoscale.py",
             "tests/test_ray_batch.py",
             "tests/test_ray_fleet.py",

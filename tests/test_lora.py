@@ -327,3 +327,33 @@ def test_scheduler_runs_at_most_max_loras_adapters() -> None:
     assert [r.lora_name for r in out.scheduled_new_reqs] == ["a", "b", "a", None]
     sched.finish_requests(["1"], sched.requests["1"].status.FINISHED_ABORTED)
     assert set(sched.schedule().num_scheduled_tokens) == {"0", "2", "3", "4"}
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen3", "gemma3", "mixtral"])
+def test_more_architectures_match_peft(
+    arch: str, tiny_model_factory: Callable[..., str], tmp_path: Path
+) -> None:
+    """A mixed batch (two adapters and the base) on the other families the engine serves;
+    on a mixture-of-experts model adapters go on the attention projections (its MLP
+    targets are refused by name)."""
+    base = tiny_model_factory(arch)
+    moe = arch == "mixtral"
+    attn = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    paths = [
+        make_adapter(base, tmp_path / "one", 1, targets=attn if moe else None),
+        make_adapter(base, tmp_path / "two", 2, r=4, targets=["q_proj", "v_proj"]),
+    ]
+    loras = [LoRARequest("one", 1, paths[0]), None, LoRARequest("two", 2, paths[1])]
+    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=128)
+    outs = llm.generate(PROMPTS[:3], GREEDY, lora_request=loras, use_tqdm=False)
+    for p, lora, out in zip(PROMPTS, loras, outs, strict=False):
+        want = peft_greedy(base, lora.lora_path if lora else None, p, NUM_TOKENS)
+        assert out.outputs[0].token_ids == want, (arch, lora)
+    assert outs[0].outputs[0].token_ids != peft_greedy(base, None, PROMPTS[0], NUM_TOKENS)
+    if moe:
+        from fleetserve.bench.lora import write_random_adapter
+
+        cfg = llm.engine.core.config.model  # type: ignore[attr-defined]
+        mlp = write_random_adapter(cfg, tmp_path / "mlp", 4, 3, ("q_proj", "gate_proj"))
+        with pytest.raises(ValueError, match="'gate_proj'.*mixture-of-experts"):
+            load_adapter("mlp", mlp, cfg, 8)

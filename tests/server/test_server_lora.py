@@ -103,6 +103,17 @@ def test_adapter_named_as_model_matches_peft(
     assert resp.model == "a"
 
 
+def test_the_load_report_lists_the_adapters_held(server: ServerProc) -> None:
+    """What a gateway reads from this server as a pod (serve/remote/wire.py LOAD_PATH): the
+    preloaded adapter is listed, so the gateway routes its requests here."""
+    from fleetserve.serve.remote.wire import LOAD_PATH
+
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.get(f"{server.url}{LOAD_PATH}", headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    assert "a" in r.json()["lora_adapters"]
+
+
 def test_unknown_adapter_is_404_naming_it(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="nope"):
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)

@@ -3,8 +3,8 @@
 1. Throughput: `--streams` greedy streams of `--num-tokens` tokens each, once all on the
    base model and once spread round-robin over `--num-adapters` adapters (max_loras =
    num_adapters, so every adapter rides in every step); output tokens per second of the
-   whole batch (offline LLM.generate, median of `--repeats` after a warm-up), and their
-   ratio.
+   whole batch (offline LLM.generate; base and mixed runs alternate, `--repeats` of each
+   after a warm-up; medians), and the median ratio of the pairs.
 2. Cold-adapter TTFT through the server's engine path (AsyncEngine + engine-core
    process): the first token of a request on the base model, on an adapter already
    loaded, and on one that must first be read from disk (the load runs in the core's
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -82,25 +83,54 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-ttft", action="store_true")
     p.add_argument("--json", default=None, help="write the figures here")
+    g = p.add_argument_group("served comparison (bench/lora_peers.py)")
+    g.add_argument(
+        "--compare",
+        nargs="+",
+        choices=("fleetserve", "vllm"),
+        default=None,
+        help="serve the workload on these servers (same HF base and adapters), alternately",
+    )
+    g.add_argument("--rounds", type=int, default=3, help="alternating rounds (--compare)")
+    g.add_argument("--vllm-python", default=os.environ.get("FLEETSERVE_VLLM_PYTHON"))
+    g.add_argument("--vllm-model", default=None, help="HF folder of the base (default: the "
+                   "GGUF --model dequantized into --work-dir)")  # fmt: skip
+    g.add_argument("--vllm-dtype", default="auto", help="vLLM's dtype (auto: bf16 here)")
+    g.add_argument("--work-dir", default="/tmp/fleetserve-bench-lora")
+    g.add_argument("--startup-timeout", type=float, default=900.0)
 
 
 def _throughput(
     llm: Any, prompts: list[list[int]], loras: list[Any], n: int, reps: int
-) -> tuple[float, float]:
-    """(output tokens per second, CPU ms of the process per output token): medians. The
-    CPU figure moves less than the wall clock on a shared machine."""
+) -> dict[str, float]:
+    """Base and mixed runs alternated (base, mixed, base, mixed, ...) after a warm-up of
+    each, so that a shared machine's changing load hits both alike: the medians of output
+    tokens per second and of the process's CPU ms per output token (steadier than the wall
+    clock), and the median of the per-pair wall ratios."""
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     items = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(items, params, lora_request=loras, use_tqdm=False)  # warm-up (and loads)
-    rates, cpu = [], []
+    kinds = {"base": [None] * len(prompts), "mixed": loras}
+    for lr in kinds.values():
+        llm.generate(items, params, lora_request=lr, use_tqdm=False)  # warm-up (and loads)
+    rates: dict[str, list[float]] = {k: [] for k in kinds}
+    cpu: dict[str, list[float]] = {k: [] for k in kinds}
     for _ in range(reps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        outs = llm.generate(items, params, lora_request=loras, use_tqdm=False)
-        dt, dc = time.perf_counter() - t0, time.process_time() - c0
-        num = sum(len(o.outputs[0].token_ids) for o in outs)
-        rates.append(num / dt)
-        cpu.append(1000 * dc / num)
-    return statistics.median(rates), statistics.median(cpu)
+        for kind, lr in kinds.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            outs = llm.generate(items, params, lora_request=lr, use_tqdm=False)
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            num = sum(len(o.outputs[0].token_ids) for o in outs)
+            rates[kind].append(num / dt)
+            cpu[kind].append(1000 * dc / num)
+    med = statistics.median
+    return {
+        "base_tok_s": med(rates["base"]),
+        "mixed_tok_s": med(rates["mixed"]),
+        "ratio": med(m / b for m, b in zip(rates["mixed"], rates["base"], strict=True)),
+        "base_cpu_ms_per_token": med(cpu["base"]),
+        "mixed_cpu_ms_per_token": med(cpu["mixed"]),
+        "cpu_ratio": med(cpu["base"]) / med(cpu["mixed"]),
+    }
 
 
 async def _ttft(prompt: list[int], lora: LoRARequest | None, rid: str, eng: Any) -> float:
@@ -142,8 +172,22 @@ async def _cold_ttft(eargs: Any, adapters: list[str], prompt: list[int]) -> dict
     }
 
 
+def _targets(spec: str) -> tuple[str, ...]:
+    targets = TARGETS if spec == "all" else tuple(spec.split(","))
+    bad = sorted(set(targets) - set(TARGETS))
+    if bad:
+        raise ValueError(f"--targets: unknown projections {bad}; choose from {TARGETS}")
+    return targets
+
+
 def run(args: argparse.Namespace) -> int:
     from fleetserve import LLM
+
+    if args.compare:
+        from fleetserve.bench.lora_peers import run_peers
+
+        args.target_tuple = _targets(args.targets)
+        return run_peers(args, write_random_adapter)
 
     eargs = engine_args_from(args)
     eargs = replace(
@@ -162,10 +206,7 @@ def run(args: argparse.Namespace) -> int:
         ).tolist()
         for _ in range(args.streams)
     ]
-    targets = TARGETS if args.targets == "all" else tuple(args.targets.split(","))
-    bad = sorted(set(targets) - set(TARGETS))
-    if bad:
-        raise ValueError(f"--targets: unknown projections {bad}; choose from {TARGETS}")
+    targets = _targets(args.targets)
     with tempfile.TemporaryDirectory(prefix="fleetserve-lora-bench-") as tmp:
         adapters = [
             write_random_adapter(config.model, Path(tmp) / f"a{i}", args.rank, i, targets)
@@ -180,22 +221,15 @@ def run(args: argparse.Namespace) -> int:
             )
             for i in range(args.streams)
         ]
-        base, base_cpu = _throughput(
-            llm, prompts, [None] * args.streams, args.num_tokens, args.repeats
-        )
-        mixed, mixed_cpu = _throughput(llm, prompts, loras, args.num_tokens, args.repeats)
+        measured = _throughput(llm, prompts, loras, args.num_tokens, args.repeats)
         del llm
         figures: dict[str, Any] = {
             "streams": args.streams,
             "num_adapters": args.num_adapters,
             "rank": args.rank,
             "targets": list(targets),
-            "base_tok_s": base,
-            "mixed_tok_s": mixed,
-            "ratio": mixed / base,
-            "base_cpu_ms_per_token": base_cpu,
-            "mixed_cpu_ms_per_token": mixed_cpu,
-            "cpu_ratio": base_cpu / mixed_cpu,
+            **measured,
+            "load_1m": os.getloadavg()[0],
         }
         if not args.skip_ttft:
             one = replace(eargs, max_loras=1, max_cpu_loras=8)

@@ -111,6 +111,9 @@ class AsyncEngine:
         # LoRA: the adapters the engine holds in memory (from its last outputs), and the
         # adapter of each request in flight (for the per-adapter token counts).
         self.lora_loaded: frozenset[str] = frozenset()
+        # The core's running totals of adapter loads and evictions (by adapter name).
+        self.lora_loads: dict[str, int] = {}
+        self.lora_evictions: dict[str, int] = {}
         self._lora_of: dict[str, str] = {}
         self._lora_metrics_obj: LoRAMetrics | None = None
         # Called with every step's stats (a data-parallel frontend tracks its replicas).
@@ -375,6 +378,7 @@ class AsyncEngine:
         self.stats = msg.stats
         if msg.lora is not None:
             self.lora_loaded = frozenset(msg.lora.loaded)
+            self.lora_loads, self.lora_evictions = dict(msg.lora.loads), dict(msg.lora.evictions)
             if self.metrics is not None:
                 self._lora_metrics().set_engine_totals(
                     self.data_parallel_rank, msg.lora.loads, msg.lora.evictions

@@ -114,6 +114,7 @@ typedef struct {
     const float *cos, *sin; /* [max_position, head_dim / 2] */
     const float *final_norm;
     const ds_layer *layers;
+    const void *lora; /* lora.c's lora_step for this step's adapter rows; NULL: none */
     int32_t activation; /* ACT_SILU, ACT_GELU_TANH */
 } ds_plan;
 
@@ -169,6 +170,26 @@ static void linear_share(const ds_linear *lin, const float *x, int64_t ldx, cons
             break;
         }
         off += g->n;
+    }
+}
+
+/* lora.c: a step's LoRA deltas around projection `proj` (0 qkv, 1 o, 2 gate_up, 3 down)
+ * of a layer: the shrink before its GEMM share (no barrier), the expand after (barrier). */
+void lora_step_shrink(const void *step, int layer, int proj, const float *x, int64_t ldx,
+                      int64_t in_dim);
+void lora_step_expand(const void *step, int layer, int proj, float *y, int64_t ldy,
+                      int64_t out_dim);
+
+/* linear_share plus the LoRA delta of the step's adapter rows, if any. */
+static void projection_share(const ds_plan *p, int l, int proj, const ds_linear *lin,
+                             const float *x, int64_t ldx, const float *xsum,
+                             const ds_scratch *s, float *out, int64_t ldo, int64_t m, int wide) {
+    if (p->lora) lora_step_shrink(p->lora, l, proj, x, ldx, lin->k);
+    linear_share(lin, x, ldx, xsum, s, out, ldo, m, wide);
+    if (p->lora) {
+        int64_t n = 0;
+        for (int i = 0; i < lin->num_segments; i++) n += lin->seg[i].n;
+        lora_step_expand(p->lora, l, proj, out, ldo, n);
     }
 }
 
@@ -365,7 +386,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                      rms_row(l ? added + r * H : res + r * H, l ? res + r * H : NULL,
                              h + r * H, L->input_norm, H, p->eps));
             if (!wide) quant_panel_xsum(h, H, m, H, xsum);
-            linear_share(&L->qkv, h, H, xsum, &sc, qkv, ldq, m, wide);
+            projection_share(p, l, 0, &L->qkv, h, H, xsum, &sc, qkv, ldq, m, wide);
             if (!all_decode) {
                 /* A sequence's rows read each other's keys: all are written first. */
 #pragma omp for schedule(static)
@@ -378,7 +399,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                 attention_item(p, L, qkv, ldq, attn, lr, item_start, it, &seq, split,
                                all_decode, scores);
             if (!wide) quant_panel_xsum(attn, q_size, m, q_size, xsum);
-            linear_share(&L->o, attn, q_size, xsum, &sc, xs, H, m, wide);
+            projection_share(p, l, 1, &L->o, attn, q_size, xsum, &sc, xs, H, m, wide);
             if (L->attn_out_norm)
                 FOR_ROWS(wide, r, m,
                          rms_row(xs + r * H, NULL, h + r * H, L->attn_out_norm, H, p->eps);
@@ -387,7 +408,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                 FOR_ROWS(wide, r, m,
                          rms_row(xs + r * H, res + r * H, h + r * H, L->post_norm, H, p->eps));
             if (!wide) quant_panel_xsum(h, H, m, H, xsum);
-            linear_share(&L->gate_up, h, H, xsum, &sc, gu, 2 * I, m, wide);
+            projection_share(p, l, 2, &L->gate_up, h, H, xsum, &sc, gu, 2 * I, m, wide);
             if (p->activation == ACT_GELU_TANH)
                 FOR_ROWS(wide, r, m,
                          gelu_tanh_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
@@ -395,7 +416,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                 FOR_ROWS(wide, r, m,
                          silu_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
             if (!wide) quant_panel_xsum(h, I, m, I, xsum);
-            linear_share(&L->down, h, I, xsum, &sc, xs, H, m, wide);
+            projection_share(p, l, 3, &L->down, h, I, xsum, &sc, xs, H, m, wide);
             added = xs;
             if (L->mlp_out_norm) {
                 FOR_ROWS(wide, r, m,

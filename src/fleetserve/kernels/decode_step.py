@@ -52,7 +52,7 @@ class _Plan(ctypes.Structure):
         ("num_layers", _i32), ("hidden", _i32), ("num_heads", _i32), ("num_kv_heads", _i32),
         ("head_dim", _i32), ("intermediate", _i32), ("block_size", _i32),
         ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("final_norm", _p),
-        ("layers", ctypes.POINTER(_Layer)), ("activation", _i32),
+        ("layers", ctypes.POINTER(_Layer)), ("lora", _p), ("activation", _i32),
     ]  # fmt: skip
 
 
@@ -162,7 +162,7 @@ class DecodePlan:
         self._plan = _Plan(
             len(layers), s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate,
             s.block_size, s.eps, s.scale, self._ptr(cos), self._ptr(sin), self._ptr(final_norm),
-            self._layers, ACTIVATIONS[s.activation],
+            self._layers, None, ACTIVATIONS[s.activation],
         )  # fmt: skip
 
     def _ptr(self, t: torch.Tensor) -> int:
@@ -196,6 +196,7 @@ class DecodePlan:
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
         window: WindowSlots | None = None,
+        lora: int | None = None,
     ) -> torch.Tensor:
         """The final-norm hidden states [m, hidden] of the step's m rows: sequences laid
         out back to back, sequence i owning rows q_starts[i] .. q_starts[i] + q_lens[i]
@@ -203,11 +204,13 @@ class DecodePlan:
         x: [m, hidden] embeddings; positions, slot_blocks, slot_offsets: int64 [m];
         q_starts, q_lens, seq_lens: int64 [num_seqs]; block_tables: int64 [num_seqs,
         max_blocks] (the runner's tensors, contiguous by construction). window: the
-        sliding-window layers' own slots and tables (None: they use the ones above)."""
+        sliding-window layers' own slots and tables (None: they use the ones above). lora: the
+        address of the step's LoRA rows and slots (lora/fused.py), or None."""
         m = x.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.shape.hidden:
             raise ValueError(f"x must be a contiguous float32 [m, {self.shape.hidden}] tensor")
         out = torch.empty(m, self.shape.hidden)
+        self._plan.lora = lora
         rc = self._lib.decode_step(
             ctypes.byref(self._plan), x.data_ptr(), out.data_ptr(), m, positions.data_ptr(),
             slot_blocks.data_ptr(), slot_offsets.data_ptr(), q_starts.shape[0],

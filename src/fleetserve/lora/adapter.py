@@ -162,6 +162,12 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_lora_rank: int) -> 
                     f"LoRA adapter {name!r}: target module {module!r} is not one of the "
                     f"model's projections ({', '.join(TARGETS)})"
                 )
+            if cfg.moe is not None and TARGETS[module][0] in ("gate_up_proj", "down_proj"):
+                raise ValueError(
+                    f"LoRA adapter {name!r}: target module {module!r}: this mixture-of-experts "
+                    "model's MLP has no LoRA place (adapters on its attention projections "
+                    "q_proj, k_proj, v_proj, o_proj are served)"
+                )
             if layer >= cfg.num_hidden_layers:
                 raise ValueError(
                     f"LoRA adapter {name!r}: layer {layer} does not exist (the base model "

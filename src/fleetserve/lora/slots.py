@@ -60,22 +60,30 @@ class LoRASlots:
         )
         self.slot_of: dict[str, int] = {}
         self.modules: list[tuple[LoRALinear, list[_Source]]] = []
+        # Per decoder layer: its wrapped projections by fused name.
+        self.by_layer: list[dict[str, LoRALinear]] = []
         self.dtype = slot_dtype(lcfg.lora_dtype, model.config.dtype, device)
         for i, layer in enumerate(model.decoder_layers()):
             attn, mlp = layer.self_attn, layer.mlp
+            # A mixture-of-experts block has no gate_up/down: attention projections only
+            # (adapters that target the MLP are refused at load: lora/adapter.py).
+            inter = getattr(mlp, "intermediate_size", 0)  # this rank's share under TP
             specs = {
                 "qkv_proj": (attn, attn.qkv_proj, [attn.q_size, attn.kv_size, attn.kv_size]),
                 "o_proj": (attn, attn.o_proj, [model.config.hidden_size]),
-                "gate_up_proj": (mlp, mlp.gate_up_proj, [mlp.intermediate_size] * 2),
-                "down_proj": (mlp, mlp.down_proj, [model.config.hidden_size]),
+                "gate_up_proj": (mlp, getattr(mlp, "gate_up_proj", None), [inter] * 2),
+                "down_proj": (mlp, getattr(mlp, "down_proj", None), [model.config.hidden_size]),
             }
             in_features = {
                 "qkv_proj": model.config.hidden_size,
                 "o_proj": attn.q_size,
                 "gate_up_proj": model.config.hidden_size,
-                "down_proj": mlp.intermediate_size,
+                "down_proj": inter,
             }
+            wrapped_here: dict[str, LoRALinear] = {}
             for fused, (owner, base, sizes) in specs.items():
+                if base is None:
+                    continue
                 wrapped = LoRALinear(
                     base,
                     in_features[fused],
@@ -87,6 +95,20 @@ class LoRASlots:
                 )
                 setattr(owner, fused, wrapped)
                 self.modules.append((wrapped, _sources(model, parallel, i, fused)))
+                wrapped_here[fused] = wrapped
+            self.by_layer.append(wrapped_here)
+
+    def bind_decode_step(self, model: LlamaForCausalLM) -> bool:
+        """Let the model's C step (if it has one) apply the slots to adapter rows, instead of
+        sending such steps down the module path. Returns whether it did."""
+        from fleetserve.lora.fused import PROJECTIONS, FusedLoRA, fusable
+
+        if model.model.decode_plan is None or not all(fusable(m) for m, _ in self.modules):
+            return False
+        if any(set(layer) != set(PROJECTIONS) for layer in self.by_layer):
+            return False
+        model.model.decode_lora = FusedLoRA(self.by_layer)
+        return True
 
     # ------------------------------------------------------------- adapters
     def add(self, adapter: LoRAAdapter) -> None:

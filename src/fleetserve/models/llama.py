@@ -9,7 +9,7 @@ fused into one matmul each, filled from HF's separate tensors by ``load_weights`
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,9 @@ from fleetserve.layers.norm import RMSNorm
 from fleetserve.layers.rotary import RotaryEmbedding
 from fleetserve.lora.context import lora_rows
 from fleetserve.models.llama_decode import run_decode
+
+if TYPE_CHECKING:
+    from fleetserve.lora.fused import FusedLoRA
 
 
 class LlamaAttention(nn.Module):
@@ -140,11 +143,16 @@ class LlamaModel(nn.Module):
         # The whole step in one C call when its rows are all decodes (llama_decode.py);
         # bound by the model runner once the caches are (None: modules only).
         self.decode_plan: DecodePlan | None = None
+        # The LoRA slots the C step applies to adapter rows (lora/fused.py; None: a step
+        # with adapter rows takes the module path).
+        self.decode_lora: FusedLoRA | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if self.decode_plan is not None and lora_rows() is None:
-            out = run_decode(self.decode_plan, x, positions)
+        groups = lora_rows()
+        if self.decode_plan is not None and (groups is None or self.decode_lora is not None):
+            lora = None if groups is None else cast("FusedLoRA", self.decode_lora).step(groups)
+            out = run_decode(self.decode_plan, x, positions, lora)
             if out is not None:
                 return out
         residual = None

@@ -134,9 +134,12 @@ def build_decode_plan(model: LlamaForCausalLM) -> DecodePlan | None:
     return DecodePlan(shape, layers, rope.cos, rope.sin, model.model.norm.weight.detach())
 
 
-def run_decode(plan: DecodePlan, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+def run_decode(
+    plan: DecodePlan, x: torch.Tensor, positions: torch.Tensor, lora: int | None = None
+) -> torch.Tensor | None:
     """The step's final hidden states through the C step, or None when it does not apply
-    (no paged metadata: the plain-torch backend)."""
+    (no paged metadata: the plain-torch backend). lora: the step's adapter rows
+    (lora/fused.py), or None."""
     meta = get_forward_context()
     paged = meta.paged
     if paged is None or not meta.cpu_kernels or x.shape[0] == 0:
@@ -148,5 +151,5 @@ def run_decode(plan: DecodePlan, x: torch.Tensor, positions: torch.Tensor) -> to
         window = WindowSlots(w.slot_blocks, w.slot_offsets, w.paged.block_tables)
     return plan.run(
         x, positions, meta.slot_blocks, meta.slot_offsets, paged.q_starts, paged.q_lens,
-        paged.seq_lens, paged.block_tables, window,
+        paged.seq_lens, paged.block_tables, window, lora,
     )  # fmt: skip

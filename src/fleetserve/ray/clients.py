@@ -42,6 +42,7 @@ from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import EngineDeadError, ReplicaGoneError
 from fleetserve.engine.llm_engine import PromptRules, PromptType
+from fleetserve.lora.metrics import LoRAMetrics
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import OutputFold, RequestOutput
 from fleetserve.ray import router_state
@@ -136,13 +137,17 @@ class RayGenerateClient:
             raise ValueError("give a model's handle or its pools' handles, not both")
         self.deployment_name = routes[0].deployment
         self.metrics = metrics
+        # Per-adapter series (lora_name): requests and tokens counted here, the replicas'
+        # loads and evictions from their routing stats (ingress.py's collector).
+        self.lora_metrics = LoRAMetrics(metrics) if metrics is not None else None
         self.max_ongoing_requests = max_ongoing_requests
         args = entry.engine_args()
         self.config, source = args.resolve()
         self.tokenizer = Tokenizer.from_source(source)
         self._rules = PromptRules(self.tokenizer, self.config)
-        # The model's adapters (fixed on Ray: the fleet file's `adapters:`); a call passes
-        # its request's adapter to the replica's engine.
+        # The model's adapters (the fleet file's `adapters:`, and those loaded through
+        # /v1/load_lora_adapter at this ingress); a call passes its request's adapter to the
+        # replica's engine, which loads it from its path on first use.
         self.adapters = AdapterTable(self.name, self.config, args)
         self.pools = PoolChoice(
             routes, self.config.scheduler.max_num_seqs, fleet.spot_only_classes()
@@ -295,9 +300,14 @@ class RayGenerateClient:
             for item in pending.items:
                 call = _Call(item, cls, engine_priority(cls, entry.priority))
                 inner = self._call(call)
+                lora = None
+                if item.lora is not None and self.lora_metrics is not None:
+                    lora = (self.lora_metrics, item.lora.lora_name)
+                    self.lora_metrics.add_request(item.lora.lora_name, item.num_prompt_tokens)
                 observer = RequestObserver(
-                    self.metrics, cls.name, pending.arrival, self._unstarted, self._release_one
-                )
+                    self.metrics, cls.name, pending.arrival, self._unstarted, self._release_one,
+                    lora,
+                )  # fmt: skip
                 state = RequestState(
                     item.request_id,
                     item.params.n,

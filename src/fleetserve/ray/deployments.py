@@ -85,6 +85,7 @@ class GenerateReplica:
             sigterm_grace_s=resilience.sigterm_grace_s,
             notice=NoticeConfig(**notice) if notice is not None else None,
         )
+        self.engine = engine
         self.replica = LocalReplica(0, engine, max_num_seqs=engine.config.scheduler.max_num_seqs)
         self.watch = EngineWatch(model_name, self.replica, resilience)
         await self.replica.start()
@@ -142,6 +143,12 @@ class GenerateReplica:
             "kv_cache_usage_perc": stats.kv_cache_usage_perc,
             "num_requests_running": float(stats.num_requests_running),
             "draining": self.watch.draining,
+            # The adapters it holds (loaded, in its CPU cache, or being loaded): the
+            # router prefers it for their requests (serve/routing/adapters.py).
+            "lora_adapters": sorted(r.lora_names),
+            # Its engine's adapter loads and evictions so far (per-adapter metrics).
+            "lora_loads": dict(self.engine.lora_loads),
+            "lora_evictions": dict(self.engine.lora_evictions),
         }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

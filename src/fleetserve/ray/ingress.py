@@ -102,9 +102,22 @@ class RayFleetCollector(Collector):
             router = ROUTERS.get(deployment)
             if router is None:
                 continue
+            lora_metrics = next(
+                (getattr(s, "lora_metrics", None) for s in self.services if s.name == model), None
+            )
             for view in router.loads():
                 lv = [model, f"{prefix}{view.index}"]
                 stats = view.replica.routing_stats or {}
+                if lora_metrics is not None and (
+                    stats.get("lora_loads") or stats.get("lora_evictions")
+                ):
+                    # The replica's running totals -> counter increments (seen by this
+                    # scrape's next one: the counters were collected before this collector).
+                    lora_metrics.set_engine_totals(
+                        hash((prefix, view.index)),
+                        dict(stats.get("lora_loads") or {}),
+                        dict(stats.get("lora_evictions") or {}),
+                    )
                 tokens.add_metric(lv, view.num_outstanding_tokens)
                 requests.add_metric(lv, view.num_outstanding_requests)
                 waiting.add_metric(lv, float(stats.get("num_requests_waiting", 0.0)))

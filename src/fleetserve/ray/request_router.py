@@ -41,6 +41,7 @@ from ray.serve.request_router import (
 
 from fleetserve.ray import router_state
 from fleetserve.serve.contracts import RouteRequest, RoutingPolicy, load_key
+from fleetserve.serve.routing.adapters import adapter_candidates
 from fleetserve.serve.routing.policies import make_policy
 
 # Engine requests whose replica the router remembers (the newest; a request is looked up
@@ -60,11 +61,23 @@ class ReplicaLoadView:
     num_outstanding_requests: int = 0
     num_outstanding_tokens: int = 0
     healthy: bool = True
+    # Adapters of requests routed here that its stats did not list yet.
+    routed_loras: frozenset[str] = frozenset()
 
     @property
     def step_latency_s(self) -> float | None:
         value = (self.replica.routing_stats or {}).get("step_latency_s")
         return float(value) if isinstance(value, (int, float)) else None
+
+    @property
+    def lora_names(self) -> frozenset[str]:
+        """The adapters it holds (serve/routing/adapters.py): those its engine reported in
+        its last routing stats (loaded or in its CPU cache) and those this router sent
+        there since (being loaded for that request)."""
+        stats = self.replica.routing_stats or {}
+        reported = frozenset(str(n) for n in stats.get("lora_adapters") or ())
+        self.routed_loras -= reported
+        return reported | self.routed_loras
 
     @property
     def draining(self) -> bool:
@@ -86,11 +99,13 @@ def route_of(pending: PendingRequest | None) -> RouteRequest | None:
     resume = kw.get("resume")
     if resume is not None:  # a migrated request prefills its tokens so far too
         ids += tuple(t for c in resume.outputs for t in c.token_ids)
+    lora = kw.get("lora")
     return RouteRequest(
         str(kw.get("request_id", "")),
         ids,
         int(kw.get("num_new_tokens", 0)),
         int(kw.get("priority", 0)),
+        None if lora is None else str(lora.lora_name),
     )
 
 
@@ -106,11 +121,12 @@ class FleetRequestRouter(RequestRouter):
     imbalance_tokens, as for the local server's routers."""
 
     def initialize_state(self, **kwargs: Any) -> None:
+        self.imbalance_tokens = int(kwargs.get("imbalance_tokens", 2048))
         self.policy: RoutingPolicy = make_policy(
             str(kwargs.get("policy", "least_loaded")),
             block_size=int(kwargs.get("block_size", 16)),
             seed=int(kwargs.get("seed", 0)),
-            imbalance_tokens=int(kwargs.get("imbalance_tokens", 2048)),
+            imbalance_tokens=self.imbalance_tokens,
         )
         self._views: dict[ReplicaID, ReplicaLoadView] = {}
         self._next_index = itertools.count()
@@ -164,7 +180,11 @@ class FleetRequestRouter(RequestRouter):
         route = route_of(pending_request)
         if route is None:
             return [[v.replica for v in sorted(views, key=load_key)]]
-        chosen = self.policy.choose(route, views)
+        # A LoRA request prefers the replicas holding its adapter, within the load bound.
+        cands = adapter_candidates(route, views, self.imbalance_tokens)
+        chosen = self.policy.choose(route, cands)
+        if route.lora_name is not None:
+            chosen.routed_loras |= {route.lora_name}
         self._reserve(route, chosen)
         rest = sorted((v for v in views if v is not chosen), key=load_key)
         return [[chosen.replica], [v.replica for v in rest]] if rest else [[chosen.replica]]

@@ -20,6 +20,7 @@ from ray.exceptions import NodeDiedError, RayActorError, RayTaskError
 from ray.serve.handle import DeploymentResponseGenerator
 
 from fleetserve.engine.async_engine import EngineDeadError, ReplicaGoneError
+from fleetserve.lora.metrics import LoRAMetrics
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import RequestOutput
 from fleetserve.ray.wire import RemoteError
@@ -132,9 +133,11 @@ class RequestObserver(ClassObserver):
         arrival: float,
         unstarted: Counter[str],
         release: Callable[[], None],
+        lora: tuple[LoRAMetrics, str] | None = None,
     ) -> None:
         super().__init__(metrics, class_name, arrival, unstarted)
         self.release = release
+        self.lora = lora  # the per-adapter series and the request's adapter
 
     def on_output(self, delta: RequestOutput, state: RequestState) -> None:
         super().on_output(delta, state)
@@ -144,6 +147,8 @@ class RequestObserver(ClassObserver):
         if delta.finished:
             self.metrics.add_prompt_tokens(len(state.fold.prompt_token_ids))
             self.metrics.add_generation_tokens(state.fold.num_generated)
+            if self.lora is not None:
+                self.lora[0].add_generation_tokens(self.lora[1], state.fold.num_generated)
 
     def on_end(self) -> None:
         super().on_end()

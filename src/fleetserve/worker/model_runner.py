@@ -102,11 +102,13 @@ class ModelRunner:
             self.use_cpu_kernel and parallel is None,
             fused_decode_enabled(),
         )
-        # LoRA: the projections wrapped after the decode plan took the base modules (a
-        # step with adapter rows skips that plan: llama.py).
+        # LoRA: the projections wrapped after the decode plan took the base modules; the
+        # plan then takes the slots too (lora/fused.py), adapter rows staying in the C step.
         self.lora = (
             LoRASlots(self.model, config.lora, parallel, self.device) if config.lora else None
         )
+        if self.lora is not None and self.fused_decode:
+            self.lora.bind_decode_step(self.model)
         self.requests: dict[str, RequestState] = {}
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.proposer: Proposer | None = None

@@ -182,4 +182,5 @@ def load_report(service: GenerateService, ctx: ServingContext) -> LoadReport:
         step_latency_s=sum(latencies) / len(latencies) if latencies else None,
         num_steps=sum(s.num_steps for s in stats),
         prefix_cache_hit_rate=hits / queries if queries else 0.0,
+        lora_adapters=sorted({n for r in live for n in r.lora_names}),
     )

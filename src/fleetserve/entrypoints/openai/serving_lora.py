@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from fleetserve.entrypoints.openai.admin import admin_guard
 from fleetserve.entrypoints.openai.errors import APIError, from_value_error
 from fleetserve.entrypoints.openai.serving_common import ServingContext, parse, read_body
-from fleetserve.serve.services.adapters import UnknownAdapterError
-from fleetserve.serve.services.generate import GenerateService
+from fleetserve.serve.services.adapters import AdapterTable, UnknownAdapterError
+from fleetserve.serve.services.service_registry import ModelService
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -38,20 +38,27 @@ class UnloadLoRAAdapterRequest(BaseModel):
     model: str | None = None
 
 
+def adapter_table(service: ModelService | None) -> AdapterTable | None:
+    """A generate model's adapters (the local GenerateService's or Ray's client's), or None."""
+    table = getattr(service, "adapters", None)
+    return table if isinstance(table, AdapterTable) else None
+
+
 def lora_router(ctx: ServingContext, key_required: bool) -> APIRouter:
     router = APIRouter()
 
-    def base_model(name: str | None) -> GenerateService:
+    def base_model(name: str | None) -> tuple[ModelService, AdapterTable]:
         if name is not None:
             service = ctx.model(name, "generate")
-            if not isinstance(service, GenerateService) or not service.adapters.enabled:
+            table = adapter_table(service)
+            if table is None or not table.enabled:
                 raise APIError(400, f"the model {name!r} does not serve LoRA adapters", "model")
-            return service
+            return service, table
         with_lora = [
-            s for s in ctx.registry if isinstance(s, GenerateService) and s.adapters.enabled
+            (s, t) for s in ctx.registry if (t := adapter_table(s)) is not None and t.enabled
         ]
         if len(with_lora) != 1:
-            names = ", ".join(repr(s.name) for s in with_lora) or "none"
+            names = ", ".join(repr(s.name) for s, _ in with_lora) or "none"
             raise APIError(
                 400,
                 f"model is required: the models that serve LoRA adapters are {names}",
@@ -63,7 +70,7 @@ def lora_router(ctx: ServingContext, key_required: bool) -> APIRouter:
     async def load(request: Request) -> JSONResponse:
         admin_guard(request, key_required)
         body = parse(LoadLoRAAdapterRequest, await read_body(ctx, request))
-        service = base_model(body.model)
+        service, table = base_model(body.model)
         if ctx.registry.services.get(body.lora_name) is not None:
             raise APIError(400, f"lora_name {body.lora_name!r} is a model's name", "lora_name")
         owner = ctx.registry.adapter_owner(body.lora_name)
@@ -72,7 +79,7 @@ def lora_router(ctx: ServingContext, key_required: bool) -> APIRouter:
                 400, f"lora_name {body.lora_name!r} is an adapter of {owner.name!r}", "lora_name"
             )
         try:
-            await service.adapters.load(body.lora_name, body.lora_path)
+            await table.load(body.lora_name, body.lora_path)
         except ValueError as e:
             raise from_value_error(e) from None
         return JSONResponse(
@@ -86,10 +93,11 @@ def lora_router(ctx: ServingContext, key_required: bool) -> APIRouter:
         body = parse(UnloadLoRAAdapterRequest, await read_body(ctx, request))
         owner = ctx.registry.adapter_owner(body.lora_name)
         if body.model is not None:
-            service = base_model(body.model)
+            service, _ = base_model(body.model)
             if owner is not service:
                 owner = None
-        if not isinstance(owner, GenerateService):
+        table = adapter_table(owner)
+        if owner is None or table is None:
             raise APIError(
                 404,
                 f"the LoRA adapter {body.lora_name!r} does not exist",
@@ -97,7 +105,7 @@ def lora_router(ctx: ServingContext, key_required: bool) -> APIRouter:
                 "model_not_found",
             )
         try:
-            owner.adapters.unload(body.lora_name)
+            table.unload(body.lora_name)
         except UnknownAdapterError as e:
             raise APIError(404, str(e), "lora_name", "model_not_found") from None
         return JSONResponse(

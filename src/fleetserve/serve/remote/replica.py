@@ -79,8 +79,8 @@ class RemoteEngine:
         self.max_num_seqs: int | None = None
         self.dead_reason: str | None = None
         self.crashed = False  # a pod's exit is not this process's crash
-        # The pod does not report its adapters: the gateway's replica counts those it
-        # sent there (LocalReplica.lora_names).
+        # The adapters the pod's engines hold, from its load report (the gateway's
+        # replica adds those it sent there since: LocalReplica.lora_names).
         self.lora_loaded: frozenset[str] = frozenset()
         self.on_stats: Callable[[EngineStats], None] | None = None
         self.on_notice: Callable[[Any], None] | None = None
@@ -169,6 +169,7 @@ class RemoteEngine:
 
     def _apply(self, report: LoadReport) -> None:
         self.report = report
+        self.lora_loaded = frozenset(report.lora_adapters)
         if report.kv_capacity_tokens is not None:
             self.num_kv_blocks = report.kv_capacity_tokens // self.config.cache.block_size
         self.max_num_seqs = report.max_num_seqs

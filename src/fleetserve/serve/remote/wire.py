@@ -116,6 +116,9 @@ class LoadReport(msgspec.Struct):
     step_latency_s: float | None
     num_steps: int
     prefix_cache_hit_rate: float
+    # The LoRA adapters its engines hold (loaded or in their CPU caches): the gateway
+    # routes an adapter's requests to the pods that hold it. A pod without it: none.
+    lora_adapters: list[str] = []
 
 
 def check_resume(
