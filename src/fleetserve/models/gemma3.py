@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,9 @@ from fleetserve.layers.rotary import RotaryEmbedding
 from fleetserve.lora.context import lora_rows
 from fleetserve.models.llama import LlamaAttention, LlamaForCausalLM
 from fleetserve.models.llama_decode import run_decode
+
+if TYPE_CHECKING:
+    from fleetserve.lora.fused import FusedLoRA
 
 
 def rope_settings(
@@ -135,14 +138,18 @@ class Gemma3Model(nn.Module):
             ]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # The whole step in one C call (models/llama_decode.py), bound by the runner.
+        # The whole step in one C call (models/llama_decode.py), bound by the runner, and
+        # the LoRA slots it applies to adapter rows (lora/fused.py), as LlamaModel's.
         self.decode_plan: DecodePlan | None = None
+        self.decode_lora: FusedLoRA | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # transformers multiplies by the scale cast to the weights' dtype.
         x = self.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=torch.float32)
-        if self.decode_plan is not None and lora_rows() is None:
-            out = run_decode(self.decode_plan, x, positions)
+        groups = lora_rows()
+        if self.decode_plan is not None and (groups is None or self.decode_lora is not None):
+            lora = None if groups is None else cast("FusedLoRA", self.decode_lora).step(groups)
+            out = run_decode(self.decode_plan, x, positions, lora)
             if out is not None:
                 return out
         residual = None
