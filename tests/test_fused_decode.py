@@ -344,6 +344,22 @@ def test_gemma3_many_rows_and_prefix_hits(
     assert counted.multi_row_with_context > 0
 
 
+def test_gemma3_speculative_verification_same_tokens(
+    tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """n-gram drafts verified in C on Gemma 3 (k + 1 rows per sequence, causal inside the
+    draft, across the 16-token window), beside other sequences' decodes."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    llm = LLM(
+        tiny_model_factory("gemma3", **GEMMA["gemma3"]), speculative_config=spec,
+        max_model_len=128, block_size=4, num_kv_blocks=128,
+    )  # fmt: skip
+    prompts = [p * 3 for p in _prompts(3, 500, seed=11, step=3)] + _prompts(2, 500, seed=12)
+    on, off, counted = _on_and_off(llm, prompts, 20, monkeypatch)
+    _assert_same(on, off)
+    assert counted.multi_row_with_context > 0
+
+
 def test_gemma3_270m_gguf_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """The packaged Gemma 3 270M (Q4_K, Q5_0, Q6_K, Q8_0 blocks; head_dim 256, one kv
     head, 512-token local windows): one stream, then a batch with a prompt past the
