@@ -41,7 +41,7 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pb = panel + b * bb, *qs = pb + head;
-        for (int64_t l = 0; l < bb; l += 64) _mm_prefetch((const char *)pb + PREFETCH + l, _MM_HINT_NTA);
+        PREFETCH_WEIGHTS(pb, bb, PREFETCH);
         /* Two int32 chains per row: one of 8 dependent vpdpbusd would set the pace. */
         __m512i s0[QDOT_ROWS], s1[QDOT_ROWS];
         for (int r = 0; r < rows; r++) s0[r] = s1[r] = _mm512_setzero_si512();
@@ -98,7 +98,7 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pb = panel + b * bb, *qs = pb + head;
-        for (int64_t l = 0; l < bb; l += 64) _mm_prefetch((const char *)pb + PREFETCH + l, _MM_HINT_NTA);
+        PREFETCH_WEIGHTS(pb, bb, PREFETCH);
         __m256i s[QDOT_ROWS][2];
         for (int h = 0; h < 2; h++) {
             if (qtype == Q8_0) {

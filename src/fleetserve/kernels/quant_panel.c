@@ -75,7 +75,7 @@ static inline __attribute__((always_inline)) void panel_dot(int qtype, const uin
         const uint8_t *qs = pb + head;
         /* Weights stream from memory once per step: ask for them PREFETCH bytes ahead
          * (past the panel's end is the next panel; a prefetch never faults). */
-        for (int64_t l = 0; l < bb; l += 64) __builtin_prefetch(pb + PREFETCH + l, 0, 0);
+        PREFETCH_WEIGHTS(pb, bb, PREFETCH);
         v16f t[ONE_PASS_ROWS][4];
         for (int r = 0; r < rows; r++)
             for (int c = 0; c < 4; c++) t[r][c] = (v16f){0};
