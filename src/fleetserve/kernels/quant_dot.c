@@ -75,24 +75,30 @@ void quant_dot_panels(int fmt, const qdot_xblock *xb, int64_t m, int64_t nb, con
     }
 }
 
-/* out[m, n] = x[m, k] @ W^T with x quantized to int8 blocks first. Returns 0, or -1 when
- * the quantized rows could not be allocated. */
-int quant_dot_gemm(int fmt, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
-                   float *out, int64_t ldo, int64_t m, int64_t n, int64_t k, int threads) {
+void quant_dot_share(int fmt, const qdot_xblock *xb, const uint8_t *w, int64_t row_bytes,
+                     float *out, int64_t ldo, int64_t m, int64_t n, int64_t k) {
     const int64_t nb = k / 32, panels = (n + PR - 1) / PR;
-    qdot_xblock *xb = malloc((size_t)(m * nb + 1) * sizeof(qdot_xblock));
-    if (!xb) return -1;
-    quant_dot_quantize_x(x, ldx, m, k, xb);
-    /* ~16 KB of weights per unit of work, as quant_panel_gemm: a thread slowed by a
+    /* ~16 KB of weights per unit of work, as quant_panel_share: a thread slowed by a
      * neighbour on its core leaves the rest of the matrix to the others. */
     int64_t chunk = 16384 / (PR * row_bytes);
     if (chunk < 1) chunk = 1;
     const int64_t chunks = (panels + chunk - 1) / chunk;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t p1 = (c + 1) * chunk < panels ? (c + 1) * chunk : panels;
         quant_dot_panels(fmt, xb, m, nb, w, row_bytes, out, ldo, n, c * chunk, p1);
     }
+}
+
+/* out[m, n] = x[m, k] @ W^T with x quantized to int8 blocks first. Returns 0, or -1 when
+ * the quantized rows could not be allocated. */
+int quant_dot_gemm(int fmt, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
+                   float *out, int64_t ldo, int64_t m, int64_t n, int64_t k, int threads) {
+    qdot_xblock *xb = malloc((size_t)(m * (k / 32) + 1) * sizeof(qdot_xblock));
+    if (!xb) return -1;
+    quant_dot_quantize_x(x, ldx, m, k, xb);
+#pragma omp parallel num_threads(threads)
+    quant_dot_share(fmt, xb, w, row_bytes, out, ldo, m, n, k);
     free(xb);
     return 0;
 }

@@ -18,8 +18,9 @@
 #include <stdint.h>
 
 #define QDOT 0x100
-/* Rows of x the integer path takes (more go to the float prefill path): decode batches
- * and speculative verification. quant_gemm() checks it before its own decode bound. */
+/* Most rows of x the integer path takes (more go to the float prefill path): decode
+ * batches and speculative verification. quant_gemm() sends it the rows its decode-sized
+ * kernels take (2 * DECODE_ROWS), as the decode step does (quant_gemm_share). */
 #define QDOT_MAX_ROWS 8
 
 /* One block of 32 inputs of one row of x: x ~= d * q, s = sum(q) (for the weights'
@@ -38,6 +39,11 @@ static inline int quant_dot_layout(int fmt) {
 void quant_dot_repack(int fmt, const uint8_t *rows, int64_t n, int64_t row_bytes, uint8_t *out,
                       int threads);
 void quant_dot_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, qdot_xblock *xb);
+/* This thread's share of out[m, n] = x @ W^T from x's quantized rows xb (m * k / 32
+ * blocks): an orphaned `omp for` over chunks of panels, ending in the team's barrier
+ * inside a parallel region (the decode step; quant_dot_gemm), all of it outside one. */
+void quant_dot_share(int fmt, const qdot_xblock *xb, const uint8_t *w, int64_t row_bytes,
+                     float *out, int64_t ldo, int64_t m, int64_t n, int64_t k);
 void quant_dot_panels(int fmt, const qdot_xblock *xb, int64_t m, int64_t nb, const uint8_t *w,
                       int64_t row_bytes, float *out, int64_t ldo, int64_t n, int64_t p0,
                       int64_t p1);
@@ -49,6 +55,7 @@ void quant_dot_row(int fmt, const uint8_t *w, int64_t row_bytes, int64_t j, int6
                    float *dst);
 /* quant_dot_simd.c: one panel times `rows` (<= QDOT_ROWS) rows of x. */
 int quant_dot_rows_per_call(void);
+int quant_dot_kind(void);
 void quant_dot_panel(int qtype, const uint8_t *panel, int64_t nb, const qdot_xblock *xb,
                      int64_t ldxb, int rows, float *out, int64_t ldo, int cols);
 

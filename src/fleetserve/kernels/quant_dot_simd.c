@@ -189,6 +189,18 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
 
 int quant_dot_rows_per_call(void) { return QDOT_ROWS; }
 
+/* Which integer kernel this build runs: 2 AVX-512 VNNI, 1 AVX2, 0 plain C (where the
+ * float path is faster: models/quantize.py's default reads it). */
+int quant_dot_kind(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 2;
+#elif defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 #if QDOT_ROWS == 4
 #define ROW_CASES(QT)                                                                   \
     switch (rows) {                                                                     \
