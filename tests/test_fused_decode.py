@@ -159,11 +159,11 @@ def test_env_switch_turns_it_off(
 def test_int8_activations_run_in_c(
     arch_name: str, tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """W8A8 (int8 activations on Q8_0 weights in the dot layout): decode steps quantize
-    each GEMM input to int8 blocks once per thread and run the integer dot share, prefill
-    steps and more rows than the decode-sized shares take decode the same panels to
-    floats; both as the module path's quant_gemm for the same row counts. Behaviour
-    changed on purpose: such models used to keep the module path."""
+    """W8A8 (int8 activations on Q8_0 weights in the dot layout): every step multiplies
+    in integers, as the module path's quant_gemm does at every row count. Narrow steps
+    quantize each GEMM input once per thread; wide ones (prefill, more decode rows than
+    the decode-sized shares take) by the team, split by rows. Behaviour changed on
+    purpose: such models used to keep the module path."""
     llm = LLM(
         tiny_model_factory(arch_name), quantization="int8", int8_activations=True,
         max_model_len=128, block_size=4, num_kv_blocks=128,
@@ -266,8 +266,8 @@ def test_sliding_window_same_tokens(
     assert counted.mixed > 0
 
 
-# Float32 activations, and int8 ones (the default on AVX-512 VNNI builds: the decode
-# steps' integer dot share, the prefill steps' float panels of the same weights).
+# Float32 activations, and int8 ones (the default on AVX-512 VNNI builds: every step's
+# GEMMs on the dot layout in integers).
 @pytest.fixture(scope="module", params=[False, True], ids=["f32_act", "int8_act"])
 def smollm2(request: pytest.FixtureRequest) -> Iterator[LLM]:
     path = smollm2_path()

@@ -1,10 +1,10 @@
 """Models with int8 activations (``int8_activations=True``) against the same weights with
 float32 activations.
 
-Only decode-sized batches (up to 8 rows) take the integer path, so the prompts here are
-prefilled in chunks of 8 tokens (``max_num_batched_tokens=8``): every prompt position
-is then scored as a decode step would be, and its top-1 token compared with the float
-path's (teacher forcing, so one early difference does not decide the rest).
+The prompts here are prefilled in chunks of 8 tokens (``max_num_batched_tokens=8``):
+every prompt position is then scored as a decode step (of up to 8 rows) would be, and its
+top-1 token compared with the float path's (teacher forcing, so one early difference does
+not decide the rest). Prefill-sized steps take the same integer kernel.
 """
 
 from __future__ import annotations

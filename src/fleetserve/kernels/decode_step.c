@@ -49,6 +49,8 @@ void quant_gemm_share(int qtype, const float *x, int64_t ldx, const float *xsum,
                       int64_t ldo, int64_t m, int64_t n, int64_t k);
 void quant_prepare_x(const float *x, int64_t ldx, int64_t m, int64_t k, float *xsum,
                      void *xq);
+void quant_dot_quantize_share(const float *x, int64_t ldx, int64_t m, int64_t k,
+                              qdot_xblock *xb);
 void quant_prefill_share(int qtype, const float *x, int64_t ldx, const uint8_t *w,
                          int64_t row_bytes, float *xp, float *panel, float *row, float *out,
                          int64_t ldo, int64_t m, int64_t n, int64_t k);
@@ -116,9 +118,10 @@ typedef struct {
     const int64_t *tables;                                 /* [num_seqs, max_blocks] */
 } ds_rows;
 
-/* A thread's GEMM scratch: xp its private x tiles, xsum and xq the GEMM input's block
- * sums and int8 blocks (narrow steps; xq NULL when no weight is in the dot layout);
- * xp_wide the team's shared tiles, panel and row its own decoded weights (wide steps). */
+/* A thread's GEMM scratch: xp its private x tiles, xsum the GEMM input's block sums
+ * (narrow steps); xp_wide the team's shared tiles, panel and row its own decoded weights
+ * (wide steps); xq the GEMM input's int8 blocks, private when narrow, shared when wide
+ * (NULL when no weight is in the dot layout). */
 typedef struct {
     float *xp, *xp_wide, *panel, *row, *xsum;
     qdot_xblock *xq;
@@ -152,7 +155,8 @@ static void linear_share(const ds_linear *lin, const float *x, int64_t ldx, cons
                                   lin->k);
             break;
         case W_QUANT:
-            if (wide)
+            /* The dot layout multiplies every row count in integers (as quant_gemm). */
+            if (wide && !quant_dot_layout(g->qtype))
                 quant_prefill_share(g->qtype, x, ldx, g->data, g->row_bytes, s->xp_wide,
                                     s->panel, s->row, out + off, ldo, m, g->n, lin->k);
             else
@@ -178,10 +182,15 @@ static int plan_has_dot(const ds_plan *p) {
     return 0;
 }
 
-/* A narrow step's GEMM input x (m rows of k) prepared by this thread for its own use: the
- * block sums and, when some weight wants them, the int8 blocks. */
-static void prepare_x(const float *x, int64_t m, int64_t k, const ds_scratch *s) {
-    quant_prepare_x(x, k, m, k, s->xsum, s->xq);
+/* The GEMM input x (m rows of k) prepared for the next linear_share: when narrow, by
+ * this thread for its own use (the block sums and, when some weight wants them, the int8
+ * blocks); when wide, the int8 blocks by the team, split by rows (ending in its barrier),
+ * when some weight wants them. */
+static void prepare_x(const float *x, int64_t m, int64_t k, const ds_scratch *s, int wide) {
+    if (!wide)
+        quant_prepare_x(x, k, m, k, s->xsum, s->xq);
+    else if (s->xq)
+        quant_dot_quantize_share(x, k, m, k, s->xq);
 }
 
 static int quant_bias(const ds_linear *lin) {
@@ -314,7 +323,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
     const int64_t q_size = p->num_heads * hd, ldq = q_size + 2 * p->num_kv_heads * hd;
     const int64_t kmax = max3(H, I, q_size);
     const int wide = m > decode_step_max_rows();
-    const int dot = !wide && plan_has_dot(p);
+    const int dot = plan_has_dot(p);
     int64_t max_len = 1;
     int all_decode = 1;
     for (int64_t i = 0; i < num_seqs; i++) {
@@ -338,7 +347,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
         dot ? up64((m * (kmax / 32) * sizeof(qdot_xblock) + sizeof(float) - 1) / sizeof(float))
             : 0;
     const size_t shared = up64(m * ldq) + up64(m * q_size) + up64(m * H) + up64(m * 2 * I) +
-                          (wide ? rows_hx + up64(xp_wide) : 0);
+                          (wide ? rows_hx + up64(xp_wide) + xq_floats : 0);
     const size_t priv = (wide ? up64(quant_prefill_panel_floats(kmax)) + up64(kmax)
                               : rows_hx + up64(m * (kmax / 32) + 1) +
                                     up64(gemm_x_floats(m, kmax)) + xq_floats) +
@@ -359,6 +368,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
             res = wide_res;
             h = res + up64(m * H);
             sc.xp_wide = h + up64(m * kmax);
+            if (dot) sc.xq = (qdot_xblock *)(sc.xp_wide + up64(xp_wide));
             sc.panel = mine;
             sc.row = sc.panel + up64(quant_prefill_panel_floats(kmax));
             scores = sc.row + up64(kmax);
@@ -380,7 +390,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
             FOR_ROWS(wide, r, m,
                      rms_row(l ? xs + r * H : res + r * H, l ? res + r * H : NULL, h + r * H,
                              L->input_norm, H, p->eps));
-            if (!wide) prepare_x(h, m, H, &sc);
+            prepare_x(h, m, H, &sc, wide);
             linear_share(&L->qkv, h, H, &sc, qkv, ldq, m, wide);
             if (!all_decode) {
                 /* A sequence's rows read each other's keys: all are written first. */
@@ -393,14 +403,14 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
             for (int64_t it = 0; it < items; it++)
                 attention_item(p, L, qkv, ldq, attn, lr, item_start, it, &seq, split,
                                all_decode, scores);
-            if (!wide) prepare_x(attn, m, q_size, &sc);
+            prepare_x(attn, m, q_size, &sc, wide);
             linear_share(&L->o, attn, q_size, &sc, xs, H, m, wide);
             FOR_ROWS(wide, r, m,
                      rms_row(xs + r * H, res + r * H, h + r * H, L->post_norm, H, p->eps));
-            if (!wide) prepare_x(h, m, H, &sc);
+            prepare_x(h, m, H, &sc, wide);
             linear_share(&L->gate_up, h, H, &sc, gu, 2 * I, m, wide);
             FOR_ROWS(wide, r, m, silu_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
-            if (!wide) prepare_x(h, m, I, &sc);
+            prepare_x(h, m, I, &sc, wide);
             linear_share(&L->down, h, I, &sc, xs, H, m, wide);
         }
         if (wide) {

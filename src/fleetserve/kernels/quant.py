@@ -92,11 +92,9 @@ class QuantWeight:
     for Q4_0 / Q4_1 / Q8_0 the same bytes re-interleaved into panels of 16 rows
     (quant_panel.c), [out_features rounded up to 16, row_bytes].
 
-    ``int8_activations``: multiply decode-sized batches (up to 8 rows; 4 on builds
-    without AVX-512, as the decode step's narrow steps) with x quantized
-    to int8 per block of 32 and integer dot products (W8A8 for Q8_0; quant_dot.h), the
-    weights in that kernel's own panel layout; larger batches stay float32. Q4_0, Q4_1
-    and Q8_0 only."""
+    ``int8_activations``: multiply with x quantized to int8 per block of 32 and integer
+    dot products (W8A8 for Q8_0; quant_dot.h), at every row count, the weights in that
+    kernel's own panel layout. Q4_0, Q4_1 and Q8_0 only."""
 
     def __init__(
         self,

@@ -90,21 +90,32 @@ void quant_dot_share(int fmt, const qdot_xblock *xb, const uint8_t *w, int64_t r
     }
 }
 
-/* out[m, n] = x[m, k] @ W^T with x quantized to int8 blocks first. Returns 0, or -1 when
- * the quantized rows could not be allocated. */
+/* quant_dot_quantize_x over the team: rows split (an orphaned `omp for`, ending in the
+ * team's barrier), each row quantized by the same code as a whole call's. */
+void quant_dot_quantize_share(const float *x, int64_t ldx, int64_t m, int64_t k,
+                              qdot_xblock *xb) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++) quant_dot_quantize_x(x + r * ldx, ldx, 1, k, xb + r * (k / 32));
+}
+
+/* out[m, n] = x[m, k] @ W^T with x quantized to int8 blocks first (any m). Returns 0, or
+ * -1 when the quantized rows could not be allocated. */
 int quant_dot_gemm(int fmt, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
                    float *out, int64_t ldo, int64_t m, int64_t n, int64_t k, int threads) {
     qdot_xblock *xb = malloc((size_t)(m * (k / 32) + 1) * sizeof(qdot_xblock));
     if (!xb) return -1;
-    quant_dot_quantize_x(x, ldx, m, k, xb);
 #pragma omp parallel num_threads(threads)
-    quant_dot_share(fmt, xb, w, row_bytes, out, ldo, m, n, k);
+    {
+        quant_dot_quantize_share(x, ldx, m, k, xb);
+        quant_dot_share(fmt, xb, w, row_bytes, out, ldo, m, n, k);
+    }
     free(xb);
     return 0;
 }
 
-/* Panel p decoded to floats at dst[kk * ld + j] for its 16 rows j (the prefill path). A
- * 32-bit lane of a group holds row j's inputs 4g .. 4g + 3, one per byte. */
+/* Panel p decoded to floats at dst[kk * ld + j] for its 16 rows j (quant_panel_decode's
+ * callers; quant_gemm itself multiplies every row count in integers). A 32-bit lane of a
+ * group holds row j's inputs 4g .. 4g + 3, one per byte. */
 void quant_dot_decode(int fmt, const uint8_t *w, int64_t row_bytes, int64_t p, int64_t k,
                       float *dst, int64_t ld) {
     const int qtype = fmt & ~QDOT;

@@ -295,7 +295,7 @@ __attribute__((noinline)) static void gemm_decode_share(int qtype, const float *
 /* The decode step's entry (decode_step.c): this thread's share of out = x @ W^T for
  * m <= quant_share_max_rows() rows, the same arithmetic as quant_gemm. xsum: the block
  * sums of x, xq: x's rows quantized to int8 blocks (quant_prepare_x), each for the
- * formats that read it (panels; the dot layout). */
+ * formats that read it (panels; the dot layout, which the step sends here at any m). */
 void quant_gemm_share(int qtype, const float *x, int64_t ldx, const float *xsum,
                       const void *xq, const uint8_t *w, int64_t row_bytes, float *out,
                       int64_t ldo, int64_t m, int64_t n, int64_t k) {
@@ -411,7 +411,7 @@ int quant_gemm(int qtype, const float *x, int64_t ldx, const uint8_t *w, int64_t
     const int bs = quant_block_size(qtype);
     if (bs == 0 || k % bs) return -2;
     int rc = 0;
-    if (m <= 2 * DECODE_ROWS && quant_dot_layout(qtype)) {
+    if (quant_dot_layout(qtype)) {
         rc = quant_dot_gemm(qtype, x, ldx, w, row_bytes, out, ldo, m, n, k, threads);
     } else if (m <= 2 * DECODE_ROWS && quant_panel_layout(qtype)) {
         rc = quant_panel_gemm(qtype, x, ldx, w, row_bytes, out, ldo, m, n, k, threads);

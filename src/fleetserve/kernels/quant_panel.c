@@ -19,9 +19,8 @@
 #include "quant_dot.h"
 
 #define PR 16 /* rows per panel */
-/* quant_gemm() sends the dot layout to quant_dot_gemm() up to QDOT_MAX_ROWS rows, so the
+/* quant_gemm() sends the dot layout to quant_dot_gemm() at every row count, so the
  * decode path below never sees it. */
-_Static_assert(QDOT_MAX_ROWS >= 2 * DECODE_ROWS, "dot layout would reach quant_panel_gemm");
 #define PREFETCH 4096
 /* Rows one pass of panel_dot takes (AVX-512: 6 x 4 partial sums + 6 accumulators fit
  * its 32 vector registers beside the decoded weights). A row's arithmetic does not

@@ -12,12 +12,13 @@
 float32 with the C kernels built, else ``"none"``.
 
 ``int8_activations`` (with ``"gguf"`` or ``"int8"``): the Q4_0 / Q4_1 / Q8_0 weights are
-laid out for integer dot products, and decode-sized batches (up to 8 rows) quantize their
-input rows to int8 per block of 32 (kernels/quant_dot.h; W8A8 for ``"int8"``), in the
-module path and the C step alike. Other formats (the K-quants) and larger batches keep
-float32 activations. ``None`` (the default) turns it on for ``"gguf"`` where the kernels
-were built with AVX-512 VNNI (one stream of SmolLM2 Q4_1: the step's GEMMs take 1.7x
-less CPU, perplexity +0.09%; docs/benchmarks.md), and says so at start-up;
+laid out for integer dot products, and every matmul with them (decode, verification and
+prefill rows) quantizes its input rows to int8 per block of 32 (kernels/quant_dot.h; W8A8
+for ``"int8"``), in the module path and the C step alike. Other formats (the K-quants)
+keep float32 activations. ``None`` (the default) turns it on for ``"gguf"`` where the kernels
+were built with AVX-512 VNNI (SmolLM2 Q4_1: the decode step's GEMMs take 1.7x less
+CPU, prefill GEMMs 1.5-2.3x; perplexity 21.04 against 21.14; docs/benchmarks.md), and
+says so at start-up;
 ``FLEETSERVE_INT8_ACTIVATIONS=0`` (or ``1``) overrides that default, ``False`` keeps
 float32 activations (the reference path).
 """
