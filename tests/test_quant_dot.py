@@ -1,5 +1,5 @@
 """Integer dot products (kernels/quant_dot.h): x quantized to int8 per block of 32, then
-Q4_0 / Q4_1 / Q8_0 weights multiplied in integers, at decode and prefill row counts.
+Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights multiplied in integers, at decode and prefill row counts.
 
 The reference is float64: the gguf package's dequantized weights times x dequantized from
 the kernel's own int8 blocks (`quantize_activations`, itself checked against numpy). The
@@ -109,11 +109,16 @@ def test_extreme_values_do_not_saturate() -> None:
     k, n = 64, 16
     x = torch.full((2, k), 3.0)
     x[1] = -3.0
-    for qtype, fill in ((QType.Q4_0, 0xFF), (QType.Q4_1, 0xFF), (QType.Q8_0, 0x80)):
+    # Q5: all-31 quants (fifth bits and nibbles set), 8 products of 31 * 127 per int16
+    # lane between widenings (31,496).
+    fills = (
+        (QType.Q4_0, 0xFF, 2), (QType.Q4_1, 0xFF, 4), (QType.Q5_0, 0xFF, 2),
+        (QType.Q5_1, 0xFF, 4), (QType.Q8_0, 0x80, 2),
+    )  # fmt: skip
+    for qtype, fill, head in fills:  # head: the scale bytes left as quantized
         blocks = _blocks(qtype, n, k, seed=1)
         per_block = blocks.shape[1] // (k // 32)
         view = blocks.reshape(n, k // 32, per_block)
-        head = per_block - (32 if qtype == QType.Q8_0 else 16)
         view[:, :, head:] = fill
         w = QuantWeight(qtype, blocks, k, int8_activations=True)
         ref = _dequantized_x(x) @ _weights(blocks, qtype).T

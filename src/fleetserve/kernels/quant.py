@@ -49,7 +49,7 @@ def supported(qtype: int) -> bool:
 
 
 # Formats with an integer-dot-product kernel (quant_dot.h): int8 activations at decode.
-DOT_QTYPES = (QType.Q4_0, QType.Q4_1, QType.Q8_0)
+DOT_QTYPES = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0)
 # quant_dot.h's QDOT: the storage format id of a weight in the dot layout is its GGML
 # type id plus this flag.
 _QDOT = 0x100
@@ -94,7 +94,7 @@ class QuantWeight:
 
     ``int8_activations``: multiply with x quantized to int8 per block of 32 and integer
     dot products (W8A8 for Q8_0; quant_dot.h), at every row count, the weights in that
-    kernel's own panel layout. Q4_0, Q4_1 and Q8_0 only."""
+    kernel's own panel layout. Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 only."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-/* Integer dot products for Q4_0 / Q4_1 / Q8_0 weights (quant_dot.c, quant_dot_simd.c):
+/* Integer dot products for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights (quant_dot.c, quant_dot_simd.c):
  * each row of x is quantized per block of 32 to int8 with a float scale (as llama.cpp's
  * Q8_0 / Q8_1), and a block's 32 products are summed in int32 (AVX-512 VNNI vpdpbusd,
  * AVX2 vpmaddubsw, plain C elsewhere).
@@ -10,7 +10,10 @@
  *   Q8_0 (544 B): d[16] half | qs[8][16][4]    qs[g][r][j] = row r's int8 4g + j
  *   Q4_0 (288 B): d[16]      | qs[4][16][4]    qs[g][r][j] = row r's GGUF byte 4g + j
  *   Q4_1 (320 B): d[16] | m[16] | qs[4][16][4]   (low nibble: input 4g + j, high: 16 + 4g + j)
- * Same bytes as GGUF's blocks, reordered. Its storage format ids are the GGML type id
+ *   Q5_0 (352 B): d[16] | qh[16] | qs[4][16][4]  (qh: row r's 32 fifth bits, u32, bit
+ *                 8j + g for input 4g + j, bit 8j + 4 + g for input 16 + 4g + j)
+ *   Q5_1 (384 B): d[16] | m[16] | qh[16] | qs[4][16][4]
+ * Same bytes as GGUF's blocks, reordered (Q5's qh bits too). Its storage format ids are the GGML type id
  * plus QDOT; quant_gemm() and the decode step send every row count of such a weight
  * here: decode rows, verification rows and prefill chunks alike (at 16-512 rows the
  * integer panels ran 1.5-2.3x the float32 prefill tile on this Xeon: docs/benchmarks.md).
@@ -30,7 +33,8 @@ typedef struct {
 
 static inline int quant_dot_layout(int fmt) {
     const int base = fmt & ~QDOT;
-    return (fmt & QDOT) && (base == 2 || base == 3 || base == 8); /* Q4_0, Q4_1, Q8_0 */
+    /* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 */
+    return (fmt & QDOT) && (base == 2 || base == 3 || base == 6 || base == 7 || base == 8);
 }
 
 void quant_dot_repack(int fmt, const uint8_t *rows, int64_t n, int64_t row_bytes, uint8_t *out,
