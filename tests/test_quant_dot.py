@@ -148,3 +148,18 @@ def test_other_targets(march: str, tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("qtype", DOT_QTYPES)
+def test_a_row_does_not_depend_on_its_batch(qtype: QType) -> None:
+    """Whole tiles of 16 rows may run on AMX-INT8 (quant_dot_amx.c) and the rest on the
+    vector kernel: integer sums are exact and the scaling is the same instructions, so
+    every row of a 37-row product equals that row multiplied alone, bit for bit (what
+    keeps the decode step and the module path identical at any row count)."""
+    n, k = 40, 320
+    blocks = _blocks(qtype, n, k, seed=20 + int(qtype))
+    w = QuantWeight(qtype, blocks, k, int8_activations=True)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(5))
+    batch = quant_linear(x, w)
+    for r in range(x.shape[0]):
+        assert torch.equal(quant_linear(x[r : r + 1], w)[0], batch[r]), r

@@ -110,14 +110,21 @@ void quant_dot_panels(int fmt, const qdot_xblock *xb, int64_t m, int64_t nb, con
                       int64_t row_bytes, float *out, int64_t ldo, int64_t n, int64_t p0,
                       int64_t p1) {
     const int qtype = fmt & ~QDOT, step = quant_dot_rows_per_call();
+    /* Whole tiles of 16 rows on AMX where there is one (quant_dot_amx.c: the same
+     * results), the rest (or all) on the vector kernel. */
+    const int64_t tiles = m >= 16 && p1 > p0 && quant_dot_amx_begin() ? m / 16 : 0;
     for (int64_t p = p0; p < p1; p++) {
         const int cols = (int)(n - p * PR < PR ? n - p * PR : PR);
-        for (int64_t r0 = 0; r0 < m; r0 += step) {
+        if (tiles)
+            quant_dot_amx_panel(qtype, w + p * PR * row_bytes, nb, xb, nb, tiles, out + p * PR,
+                                ldo, cols);
+        for (int64_t r0 = 16 * tiles; r0 < m; r0 += step) {
             const int rows = (int)(m - r0 < step ? m - r0 : step);
             quant_dot_panel(qtype, w + p * PR * row_bytes, nb, xb + r0 * nb, nb, rows,
                             out + r0 * ldo + p * PR, ldo, cols);
         }
     }
+    if (tiles) quant_dot_amx_end();
 }
 
 void quant_dot_share(int fmt, const qdot_xblock *xb, const uint8_t *w, int64_t row_bytes,
