@@ -90,6 +90,21 @@ void quant_dot_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, qdo
         for (int64_t b = 0; b < nb; b++) {
             const float *v = x + r * ldx + b * 32;
             qdot_xblock *o = xb + r * nb + b;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            /* The same arithmetic in two vectors (vcvtps2dq rounds as lrintf does, in the
+             * CPU's mode): ~8x fewer instructions than GCC's scalar loop. */
+            const __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
+            const __m512 sign = _mm512_set1_ps(-0.f);
+            const float amax = _mm512_reduce_max_ps(
+                _mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
+            const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+            const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+            const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+            _mm_storeu_si128((__m128i *)o->q, _mm512_cvtepi32_epi8(qlo));
+            _mm_storeu_si128((__m128i *)(o->q + 16), _mm512_cvtepi32_epi8(qhi));
+            o->d = d;
+            o->s = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+#else
             float amax = 0.f;
             for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
             const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
@@ -101,6 +116,7 @@ void quant_dot_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, qdo
             }
             o->d = d;
             o->s = s;
+#endif
         }
     }
 }
