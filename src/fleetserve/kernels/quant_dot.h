@@ -1,7 +1,7 @@
-/* Integer dot products for Q4_0 / Q4_1 / Q8_0 weights at decode shapes (quant_dot.c,
- * quant_dot_simd.c): each row of x is quantized per block of 32 to int8 with a float
- * scale (as llama.cpp's Q8_0 / Q8_1), and a block's 32 products are summed in int32
- * (AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw, plain C elsewhere).
+/* Integer dot products for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights (quant_dot.c, quant_dot_simd.c):
+ * each row of x is quantized per block of 32 to int8 with a float scale (as llama.cpp's
+ * Q8_0 / Q8_1), and a block's 32 products are summed in int32 (AVX-512 VNNI vpdpbusd,
+ * AVX2 vpmaddubsw, plain C elsewhere).
  *
  * The weights are stored in their own layout, the "dot layout": panels of 16 output rows
  * like quant_panel.c's, but each row's bytes grouped by four consecutive inputs, so one
@@ -10,18 +10,19 @@
  *   Q8_0 (544 B): d[16] half | qs[8][16][4]    qs[g][r][j] = row r's int8 4g + j
  *   Q4_0 (288 B): d[16]      | qs[4][16][4]    qs[g][r][j] = row r's GGUF byte 4g + j
  *   Q4_1 (320 B): d[16] | m[16] | qs[4][16][4]   (low nibble: input 4g + j, high: 16 + 4g + j)
- * Same bytes as GGUF's blocks, reordered. Its storage format ids are the GGML type id
- * plus QDOT, so quant_gemm() sends them here at decode shapes and decodes them to floats
- * (quant_dot_decode) for prefill-sized batches. */
+ *   Q5_0 (352 B): d[16] | qh[16] | qs[4][16][4]  (qh: row r's 32 fifth bits, u32, bit
+ *                 8j + g for input 4g + j, bit 8j + 4 + g for input 16 + 4g + j)
+ *   Q5_1 (384 B): d[16] | m[16] | qh[16] | qs[4][16][4]
+ * Same bytes as GGUF's blocks, reordered (Q5's qh bits too). Its storage format ids are the GGML type id
+ * plus QDOT; quant_gemm() and the decode step send every row count of such a weight
+ * here: decode rows, verification rows and prefill chunks alike (at 16-512 rows the
+ * integer panels ran 1.5-2.3x the float32 prefill tile on this Xeon: docs/benchmarks.md).
+ */
 #ifndef FLEETSERVE_QUANT_DOT_H
 #define FLEETSERVE_QUANT_DOT_H
 #include <stdint.h>
 
 #define QDOT 0x100
-/* Rows of x the integer path takes (more go to the float prefill path): decode batches
- * and speculative verification. quant_gemm() checks it before its own decode bound. */
-#define QDOT_MAX_ROWS 8
-
 /* One block of 32 inputs of one row of x: x ~= d * q, s = sum(q) (for the weights'
  * offsets: Q4_0's -8, Q4_1's m, and the +128 that makes Q8_0 unsigned for vpdpbusd). */
 typedef struct {
@@ -32,12 +33,20 @@ typedef struct {
 
 static inline int quant_dot_layout(int fmt) {
     const int base = fmt & ~QDOT;
-    return (fmt & QDOT) && (base == 2 || base == 3 || base == 8); /* Q4_0, Q4_1, Q8_0 */
+    /* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 */
+    return (fmt & QDOT) && (base == 2 || base == 3 || base == 6 || base == 7 || base == 8);
 }
 
 void quant_dot_repack(int fmt, const uint8_t *rows, int64_t n, int64_t row_bytes, uint8_t *out,
                       int threads);
 void quant_dot_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, qdot_xblock *xb);
+void quant_dot_quantize_share(const float *x, int64_t ldx, int64_t m, int64_t k,
+                              qdot_xblock *xb);
+/* This thread's share of out[m, n] = x @ W^T from x's quantized rows xb (m * k / 32
+ * blocks): an orphaned `omp for` over chunks of panels, ending in the team's barrier
+ * inside a parallel region (the decode step; quant_dot_gemm), all of it outside one. */
+void quant_dot_share(int fmt, const qdot_xblock *xb, const uint8_t *w, int64_t row_bytes,
+                     float *out, int64_t ldo, int64_t m, int64_t n, int64_t k);
 void quant_dot_panels(int fmt, const qdot_xblock *xb, int64_t m, int64_t nb, const uint8_t *w,
                       int64_t row_bytes, float *out, int64_t ldo, int64_t n, int64_t p0,
                       int64_t p1);
@@ -49,6 +58,12 @@ void quant_dot_row(int fmt, const uint8_t *w, int64_t row_bytes, int64_t j, int6
                    float *dst);
 /* quant_dot_simd.c: one panel times `rows` (<= QDOT_ROWS) rows of x. */
 int quant_dot_rows_per_call(void);
+int quant_dot_kind(void);
+/* quant_dot_amx.c: tiles of 16 rows of x on AMX-INT8 (0 from begin: not here). */
+int quant_dot_amx_begin(void);
+void quant_dot_amx_end(void);
+void quant_dot_amx_panel(int qtype, const uint8_t *panel, int64_t nb, const qdot_xblock *xb,
+                         int64_t ldxb, int64_t tiles, float *out, int64_t ldo, int cols);
 void quant_dot_panel(int qtype, const uint8_t *panel, int64_t nb, const qdot_xblock *xb,
                      int64_t ldxb, int rows, float *out, int64_t ldo, int cols);
 

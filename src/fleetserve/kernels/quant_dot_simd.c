@@ -1,16 +1,18 @@
 /* One panel of 16 weight rows in the dot layout (quant_dot.h) times up to QDOT_ROWS
  * quantized rows of x, for what the build's target has:
  *   AVX-512 VNNI: vpdpbusd (u8 x s8, 4 products summed into each int32 lane) on 16 rows
- *     at once. Q4 quants are unsigned already; Q8_0's are made unsigned by +128 (an xor),
- *     taken back out as 128 * sum(q_x) per block.
+ *     at once. Q4 / Q5 quants are unsigned already (Q5's fifth bits are or-ed in at bit
+ *     4 of each byte: a shift and a mask per group, see quant_dot.h's qh); Q8_0's are
+ *     made unsigned by +128 (an xor), taken back out as 128 * sum(q_x) per block.
  *   AVX2: vpmaddubsw (u8 x s8 pairs into int16) then vpmaddwd by ones into int32, on 8
  *     rows per register. Q4: two nibble products stay under 2 * 15 * 127 per int16
- *     lane, so the 4 groups of a block (30,480 at most) sum in int16 before one widen.
+ *     lane, so the 4 groups of a block (30,480 at most) sum in int16 before one widen;
+ *     Q5 (2 * 31 * 127) widens every 2 groups (31,496 at most).
  *     Q8_0 takes |w| (128 for -128 still fits a u8) times x with w's sign, llama.cpp's
  *     trick: 2 * 128 * 127 per int16 lane, no saturation.
  *   otherwise: plain C on int32.
- * Per block: out += d_w * d_x * isum, plus d_x * sum(q_x) * m for Q4_1; Q4_0's -8 and
- * Q8_0's +128 come off isum in integers. CPUs with AVX-VNNI but no AVX-512 take the AVX2
+ * Per block: out += d_w * d_x * isum, plus d_x * sum(q_x) * m for Q4_1 / Q5_1; Q4_0's
+ * -8, Q5_0's -16 and Q8_0's +128 come off isum in integers. CPUs with AVX-VNNI but no AVX-512 take the AVX2
  * kernel: their 256-bit vpdpbusd could not be run on this project's machines. */
 #include "quant_common.h"
 #include "quant_dot.h"
@@ -19,7 +21,36 @@
 #define PREFETCH 4096
 
 static inline int64_t panel_block_bytes(int qtype) {
-    return PR * (qtype == Q8_0 ? 34 : qtype == Q4_1 ? 20 : 18);
+    switch (qtype) {
+    case Q8_0: return PR * 34;
+    case Q4_1: return PR * 20;
+    case Q5_0: return PR * 22;
+    case Q5_1: return PR * 24;
+    default: return PR * 18;
+    }
+}
+
+/* Bytes before the quants in a panel block (quant_dot.c's head_bytes). */
+static inline int64_t panel_head(int qtype) {
+    switch (qtype) {
+    case Q4_1: return 64;
+    case Q5_0: return 96;
+    case Q5_1: return 128;
+    default: return 32;
+    }
+}
+
+static inline int has_min(int qtype) { return qtype == Q4_1 || qtype == Q5_1; }
+static inline int is_q5(int qtype) { return qtype == Q5_0 || qtype == Q5_1; }
+
+/* What comes off isum per unit of sum(q_x): the quants' offset (Q4_0 8, Q5_0 16, Q8_0's
+ * +128 for the unsigned trick; 0 where a min m is added in floats instead). */
+static inline int32_t quant_offset(int qtype) {
+    switch (qtype) {
+    case Q4_0: return 8;
+    case Q5_0: return 16;
+    default: return 0;
+    }
 }
 
 static inline int32_t ld32(const int8_t *p) {
@@ -35,13 +66,14 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
                                                             int64_t nb, const qdot_xblock *xb,
                                                             int64_t ldxb, int rows, float *out,
                                                             int64_t ldo, int cols) {
-    const int64_t bb = panel_block_bytes(qtype), head = qtype == Q4_1 ? 64 : 32;
+    const int64_t bb = panel_block_bytes(qtype), head = panel_head(qtype);
     const __m512i m4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+    const __m512i bit4 = _mm512_set1_epi8(16);
     __m512 acc[QDOT_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pb = panel + b * bb, *qs = pb + head;
-        for (int64_t l = 0; l < bb; l += 64) _mm_prefetch((const char *)pb + PREFETCH + l, _MM_HINT_NTA);
+        PREFETCH_WEIGHTS(pb, bb, PREFETCH);
         /* Two int32 chains per row: one of 8 dependent vpdpbusd would set the pace. */
         __m512i s0[QDOT_ROWS], s1[QDOT_ROWS];
         for (int r = 0; r < rows; r++) s0[r] = s1[r] = _mm512_setzero_si512();
@@ -56,10 +88,16 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
                 }
             }
         } else {
+            const __m512i qh = is_q5(qtype) ? _mm512_loadu_si512(qs - 64) : _mm512_setzero_si512();
             for (int g = 0; g < 4; g++) {
                 const __m512i v = _mm512_loadu_si512(qs + g * 64);
-                const __m512i lo = _mm512_and_si512(v, m4);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                __m512i lo = _mm512_and_si512(v, m4);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                if (is_q5(qtype)) {
+                    /* Group g's fifth bits: bit 8j + g (low nibbles), 8j + 4 + g (high). */
+                    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi32(qh, 4 - g), bit4));
+                    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi32(qh, g), bit4));
+                }
                 for (int r = 0; r < rows; r++) {
                     const int8_t *q = xb[r * ldxb + b].q + 4 * g;
                     s0[r] = _mm512_dpbusd_epi32(s0[r], lo, _mm512_set1_epi32(ld32(q)));
@@ -72,10 +110,11 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
             const qdot_xblock *x = xb + r * ldxb + b;
             __m512i is = _mm512_add_epi32(s0[r], s1[r]);
             if (qtype == Q8_0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(128 * x->s));
-            if (qtype == Q4_0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(8 * x->s));
+            if (quant_offset(qtype))
+                is = _mm512_sub_epi32(is, _mm512_set1_epi32(quant_offset(qtype) * x->s));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(d, _mm512_set1_ps(x->d)),
                                      acc[r]);
-            if (qtype == Q4_1) {
+            if (has_min(qtype)) {
                 const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32)));
                 acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->d * (float)x->s), acc[r]);
             }
@@ -92,17 +131,18 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
                                                             int64_t nb, const qdot_xblock *xb,
                                                             int64_t ldxb, int rows, float *out,
                                                             int64_t ldo, int cols) {
-    const int64_t bb = panel_block_bytes(qtype), head = qtype == Q4_1 ? 64 : 32;
+    const int64_t bb = panel_block_bytes(qtype), head = panel_head(qtype);
     const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const __m256i bit4 = _mm256_set1_epi8(16);
     __m256 acc[QDOT_ROWS][2]; /* [x row][rows 0-7 | 8-15 of the panel] */
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pb = panel + b * bb, *qs = pb + head;
-        for (int64_t l = 0; l < bb; l += 64) _mm_prefetch((const char *)pb + PREFETCH + l, _MM_HINT_NTA);
+        PREFETCH_WEIGHTS(pb, bb, PREFETCH);
         __m256i s[QDOT_ROWS][2];
         for (int h = 0; h < 2; h++) {
+            for (int r = 0; r < rows; r++) s[r][h] = _mm256_setzero_si256();
             if (qtype == Q8_0) {
-                for (int r = 0; r < rows; r++) s[r][h] = _mm256_setzero_si256();
                 for (int g = 0; g < 8; g++) {
                     const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + g * 64 + h * 32));
                     const __m256i aw = _mm256_abs_epi8(w);
@@ -114,30 +154,43 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
                 }
                 continue;
             }
-            __m256i t[QDOT_ROWS]; /* int16 sums of the block's 4 groups */
-            for (int r = 0; r < rows; r++) t[r] = _mm256_setzero_si256();
-            for (int g = 0; g < 4; g++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + g * 64 + h * 32));
-                const __m256i lo = _mm256_and_si256(v, m4);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                for (int r = 0; r < rows; r++) {
-                    const int8_t *q = xb[r * ldxb + b].q + 4 * g;
-                    const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(ld32(q)));
-                    const __m256i c = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(ld32(q + 16)));
-                    t[r] = _mm256_add_epi16(t[r], _mm256_add_epi16(a, c));
+            const __m256i qh = is_q5(qtype)
+                                   ? _mm256_loadu_si256((const __m256i *)(qs - 64 + h * 32))
+                                   : _mm256_setzero_si256();
+            /* int16 sums of the block's groups: all 4 for Q4, 2 at a time for Q5. */
+            const int per_widen = is_q5(qtype) ? 2 : 4;
+            for (int g0 = 0; g0 < 4; g0 += per_widen) {
+                __m256i t[QDOT_ROWS];
+                for (int r = 0; r < rows; r++) t[r] = _mm256_setzero_si256();
+                for (int g = g0; g < g0 + per_widen; g++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + g * 64 + h * 32));
+                    __m256i lo = _mm256_and_si256(v, m4);
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    if (is_q5(qtype)) {
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi32(qh, 4 - g), bit4));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi32(qh, g), bit4));
+                    }
+                    for (int r = 0; r < rows; r++) {
+                        const int8_t *q = xb[r * ldxb + b].q + 4 * g;
+                        const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(ld32(q)));
+                        const __m256i c = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(ld32(q + 16)));
+                        t[r] = _mm256_add_epi16(t[r], _mm256_add_epi16(a, c));
+                    }
                 }
+                for (int r = 0; r < rows; r++)
+                    s[r][h] = _mm256_add_epi32(s[r][h], _mm256_madd_epi16(t[r], ones));
             }
-            for (int r = 0; r < rows; r++) s[r][h] = _mm256_madd_epi16(t[r], ones);
         }
         for (int h = 0; h < 2; h++) {
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 16 * h)));
             for (int r = 0; r < rows; r++) {
                 const qdot_xblock *x = xb + r * ldxb + b;
                 __m256i is = s[r][h];
-                if (qtype == Q4_0) is = _mm256_sub_epi32(is, _mm256_set1_epi32(8 * x->s));
+                if (quant_offset(qtype))
+                    is = _mm256_sub_epi32(is, _mm256_set1_epi32(quant_offset(qtype) * x->s));
                 acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is),
                                             _mm256_mul_ps(d, _mm256_set1_ps(x->d)), acc[r][h]);
-                if (qtype == Q4_1) {
+                if (has_min(qtype)) {
                     const __m256 m =
                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 32 + 16 * h)));
                     acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->d * (float)x->s), acc[r][h]);
@@ -160,7 +213,7 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
                                                             int64_t nb, const qdot_xblock *xb,
                                                             int64_t ldxb, int rows, float *out,
                                                             int64_t ldo, int cols) {
-    const int64_t bb = panel_block_bytes(qtype), head = qtype == Q4_1 ? 64 : 32;
+    const int64_t bb = panel_block_bytes(qtype), head = panel_head(qtype);
     float acc[QDOT_ROWS][PR] = {{0}};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pb = panel + b * bb, *qs = pb + head;
@@ -172,14 +225,19 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
                     for (int i = 0; i < 32; i++)
                         is += (int8_t)qs[(i / 4) * 64 + 4 * j + i % 4] * x->q[i];
                 } else {
+                    uint32_t qh = 0;
+                    if (is_q5(qtype)) memcpy(&qh, qs - 64 + 4 * j, 4);
                     for (int i = 0; i < 16; i++) {
-                        const uint8_t q = qs[(i / 4) * 64 + 4 * j + i % 4];
-                        is += (q & 15) * x->q[i] + (q >> 4) * x->q[i + 16];
+                        const int g = i / 4, l = i % 4;
+                        const uint8_t q = qs[g * 64 + 4 * j + l];
+                        const int lo = (q & 15) | (int)(((qh >> (8 * l + g)) & 1u) << 4);
+                        const int hi = (q >> 4) | (int)(((qh >> (8 * l + 4 + g)) & 1u) << 4);
+                        is += lo * x->q[i] + hi * x->q[i + 16];
                     }
-                    if (qtype == Q4_0) is -= 8 * x->s;
+                    is -= quant_offset(qtype) * x->s;
                 }
                 acc[r][j] += h2f(pb + 2 * j) * x->d * (float)is;
-                if (qtype == Q4_1) acc[r][j] += h2f(pb + 32 + 2 * j) * x->d * (float)x->s;
+                if (has_min(qtype)) acc[r][j] += h2f(pb + 32 + 2 * j) * x->d * (float)x->s;
             }
         }
     }
@@ -188,6 +246,18 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
 #endif
 
 int quant_dot_rows_per_call(void) { return QDOT_ROWS; }
+
+/* Which integer kernel this build runs: 2 AVX-512 VNNI, 1 AVX2, 0 plain C (where the
+ * float path is faster: models/quantize.py's default reads it). */
+int quant_dot_kind(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 2;
+#elif defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 #if QDOT_ROWS == 4
 #define ROW_CASES(QT)                                                                   \
@@ -211,5 +281,7 @@ void quant_dot_panel(int qtype, const uint8_t *panel, int64_t nb, const qdot_xbl
     case Q8_0: ROW_CASES(Q8_0) break;
     case Q4_0: ROW_CASES(Q4_0) break;
     case Q4_1: ROW_CASES(Q4_1) break;
+    case Q5_0: ROW_CASES(Q5_0) break;
+    case Q5_1: ROW_CASES(Q5_1) break;
     }
 }

@@ -42,6 +42,7 @@ void quant_panel_decode(int qtype, const uint8_t *w, int64_t row_bytes, int64_t 
                         float *dst, int64_t ld);
 void quant_panel_row(int qtype, const uint8_t *w, int64_t row_bytes, int64_t j, int64_t k,
                      float *dst);
+void quant_panel_xsum(const float *x, int64_t ldx, int64_t m, int64_t k, float *xsum);
 void quant_panel_share(int qtype, const float *x, int64_t ldx, const float *xsum,
                        const uint8_t *w, int64_t row_bytes, float *out, int64_t ldo,
                        int64_t m, int64_t n, int64_t k);
@@ -246,7 +247,8 @@ static void deq_row(int qtype, const uint8_t *w, int64_t row_bytes, int64_t j, i
 int quant_block_size(int qtype) {
     switch (qtype) {
     case Q8_0: case Q4_0: case Q4_1: case Q5_0: case Q5_1: return 32;
-    case Q8_0 | QDOT: case Q4_0 | QDOT: case Q4_1 | QDOT: return 32;
+    case Q8_0 | QDOT: case Q4_0 | QDOT: case Q4_1 | QDOT: case Q5_0 | QDOT: case Q5_1 | QDOT:
+        return 32;
     case Q4_K: case Q5_K: case Q6_K: return 256;
     default: return 0;
     }
@@ -293,15 +295,27 @@ __attribute__((noinline)) static void gemm_decode_share(int qtype, const float *
 
 /* The decode step's entry (decode_step.c): this thread's share of out = x @ W^T for
  * m <= quant_share_max_rows() rows, the same arithmetic as quant_gemm. xsum: the block
- * sums of x (quant_panel_xsum) for the panel formats, unused by the others. */
+ * sums of x, xq: x's rows quantized to int8 blocks (quant_prepare_x), each for the
+ * formats that read it (panels; the dot layout, which the step sends here at any m). */
 void quant_gemm_share(int qtype, const float *x, int64_t ldx, const float *xsum,
-                      const uint8_t *w, int64_t row_bytes, float *out, int64_t ldo, int64_t m,
-                      int64_t n, int64_t k) {
-    if (quant_panel_layout(qtype)) {
+                      const void *xq, const uint8_t *w, int64_t row_bytes, float *out,
+                      int64_t ldo, int64_t m, int64_t n, int64_t k) {
+    if (quant_dot_layout(qtype)) {
+        quant_dot_share(qtype, xq, w, row_bytes, out, ldo, m, n, k);
+    } else if (quant_panel_layout(qtype)) {
         quant_panel_share(qtype, x, ldx, xsum, w, row_bytes, out, ldo, m, n, k);
     } else {
         gemm_decode_share(qtype, x, ldx, w, row_bytes, out, ldo, m, n, k);
     }
+}
+
+/* What quant_gemm_share reads besides x, for m rows of k: the block sums into xsum
+ * (m * k / 32 floats), and with xq (m * k / 32 qdot_xblocks; NULL: not wanted) the
+ * rows quantized to int8 blocks, as quant_dot_gemm quantizes them. */
+void quant_prepare_x(const float *x, int64_t ldx, int64_t m, int64_t k, float *xsum,
+                     void *xq) {
+    quant_panel_xsum(x, ldx, m, k, xsum);
+    if (xq) quant_dot_quantize_x(x, ldx, m, k, xq);
 }
 
 int quant_share_max_rows(void) { return 2 * DECODE_ROWS; }
@@ -398,7 +412,7 @@ int quant_gemm(int qtype, const float *x, int64_t ldx, const uint8_t *w, int64_t
     const int bs = quant_block_size(qtype);
     if (bs == 0 || k % bs) return -2;
     int rc = 0;
-    if (m <= QDOT_MAX_ROWS && quant_dot_layout(qtype)) {
+    if (quant_dot_layout(qtype)) {
         rc = quant_dot_gemm(qtype, x, ldx, w, row_bytes, out, ldo, m, n, k, threads);
     } else if (m <= 2 * DECODE_ROWS && quant_panel_layout(qtype)) {
         rc = quant_panel_gemm(qtype, x, ldx, w, row_bytes, out, ldo, m, n, k, threads);

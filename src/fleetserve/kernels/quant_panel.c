@@ -19,9 +19,8 @@
 #include "quant_dot.h"
 
 #define PR 16 /* rows per panel */
-/* quant_gemm() sends the dot layout to quant_dot_gemm() up to QDOT_MAX_ROWS rows, so the
+/* quant_gemm() sends the dot layout to quant_dot_gemm() at every row count, so the
  * decode path below never sees it. */
-_Static_assert(QDOT_MAX_ROWS >= 2 * DECODE_ROWS, "dot layout would reach quant_panel_gemm");
 #define PREFETCH 4096
 /* Rows one pass of panel_dot takes (AVX-512: 6 x 4 partial sums + 6 accumulators fit
  * its 32 vector registers beside the decoded weights). A row's arithmetic does not
@@ -75,7 +74,7 @@ static inline __attribute__((always_inline)) void panel_dot(int qtype, const uin
         const uint8_t *qs = pb + head;
         /* Weights stream from memory once per step: ask for them PREFETCH bytes ahead
          * (past the panel's end is the next panel; a prefetch never faults). */
-        for (int64_t l = 0; l < bb; l += 64) __builtin_prefetch(pb + PREFETCH + l, 0, 0);
+        PREFETCH_WEIGHTS(pb, bb, PREFETCH);
         v16f t[ONE_PASS_ROWS][4];
         for (int r = 0; r < rows; r++)
             for (int c = 0; c < 4; c++) t[r][c] = (v16f){0};

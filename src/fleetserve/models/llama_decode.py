@@ -42,8 +42,6 @@ if TYPE_CHECKING:
 def _weights(layer: torch.nn.Module) -> tuple[Weights, torch.Tensor | None] | None:
     """A projection's weights as the C step takes them, and its bias; None: not runnable."""
     if isinstance(layer, QuantLinear):
-        if any(seg.int8_activations for seg in layer.segments):
-            return None  # the dot layout's integer GEMM has no per-thread share (yet)
         bias = None if layer.bias is None else layer.bias.detach()
         return list(layer.segments), bias
     if isinstance(layer, Linear) and layer.packed is not None:
