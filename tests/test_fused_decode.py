@@ -155,7 +155,7 @@ def test_env_switch_turns_it_off(
     assert _runner(llm).model.model.decode_plan is None
 
 
-@pytest.mark.parametrize("arch_name", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch_name", ["llama", "qwen2", "gemma3"])
 def test_int8_activations_run_in_c(
     arch_name: str, tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
