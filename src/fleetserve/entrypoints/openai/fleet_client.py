@@ -8,6 +8,13 @@ pipe: handler_proc.ProcFleetClient sends ("fleet", (call_id, method, args, kwarg
 parent runs `call` here on the server's event loop and answers ("fleet_reply", ...).
 A sub-call never waits longer than its parent's call may (`timeout_s`), and ends (its
 engine requests aborted) when the parent's call ends first.
+
+Scope of a client (`GatewayFleetClient.scoped`): the caller's class (each sub-call is
+admitted in it, as the parent was) and the caller's deadline (a monotonic time: every
+sub-call is bounded by what is left of it, 504 past it, its engine requests aborted). Each
+finished sub-call is recorded in `calls` (SubCall: model, method, status, ms) for the
+parent's access-log line. `FleetClient` is the typed protocol every backend keeps (this
+client, the handler process's ProcFleetClient, graphs' executor).
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 from fleetserve.entrypoints.openai.errors import APIError
 from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -31,6 +40,36 @@ from fleetserve.serve.services.service_registry import Registry
 
 METHODS = ("chat", "complete", "embed", "predict")
 log = logging.getLogger("fleetserve.access")
+T = TypeVar("T")
+
+
+class FleetClient(Protocol):
+    """What a handler (or a graph step) calls other models with: each returns the JSON body
+    the HTTP endpoint would return, as a dict, and raises an error with `status` (the HTTP
+    status the endpoint would answer) when it fails."""
+
+    async def chat(
+        self, model: str, messages: list[dict[str, Any]], **params: Any
+    ) -> dict[str, Any]: ...
+
+    async def complete(self, model: str, prompt: Any, **params: Any) -> dict[str, Any]: ...
+
+    async def embed(self, model: str, inputs: Any, **params: Any) -> dict[str, Any]: ...
+
+    async def predict(self, model: str, instances: list[dict[str, Any]]) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class SubCall:
+    """One finished sub-call, for its parent's access-log line."""
+
+    model: str
+    method: str
+    status: int  # 200, the error's status, 504 past the deadline, 499 cancelled
+    ms: float
+
+    def __str__(self) -> str:
+        return f"{self.method}({self.model}) {self.status} {self.ms:.1f}ms"
 
 
 class FleetCallError(RuntimeError):
@@ -42,9 +81,50 @@ class FleetCallError(RuntimeError):
 
 
 class GatewayFleetClient:
-    def __init__(self, registry: Registry, class_name: str | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        class_name: str | None = None,
+        deadline: float | None = None,
+    ) -> None:
         self.registry = registry
         self.class_name = class_name
+        self.deadline = deadline  # time.monotonic() past which no sub-call may run
+        self.calls: list[SubCall] = []
+
+    def scoped(self, class_name: str | None, deadline: float | None) -> GatewayFleetClient:
+        """A client for one parent request: its class, its deadline, its own `calls`."""
+        return GatewayFleetClient(self.registry, class_name, deadline)
+
+    async def _bounded(self, model: str, method: str, work: Awaitable[T]) -> T:
+        """Runs one sub-call within what is left of the deadline; records it in `calls`."""
+        start = time.monotonic()
+        status = 500
+        try:
+            if self.deadline is None:
+                result = await work
+            else:
+                remaining = self.deadline - start
+                if remaining <= 0:
+                    if asyncio.iscoroutine(work):
+                        work.close()
+                    raise TimeoutError
+                result = await asyncio.wait_for(work, remaining)
+            status = 200
+            return result
+        except TimeoutError:
+            status = 504
+            raise FleetCallError(
+                504, f"the sub-call to {model!r} ran past its parent's deadline"
+            ) from None
+        except FleetCallError as e:
+            status = e.status
+            raise
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            self.calls.append(SubCall(model, method, status, (time.monotonic() - start) * 1e3))
 
     async def call(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
         """`method` by name (what the handler process's RPC carries)."""
@@ -79,12 +159,15 @@ class GatewayFleetClient:
     ) -> dict[str, Any]:
         from fleetserve.entrypoints.openai.serving_chat import chat_completion_body, chat_inputs
 
-        service = self._service(model, "generate")
-        req = _parse(ChatCompletionRequest, {"model": model, "messages": messages, **params})
-        ctx = ModelContext(service, model)
-        prompt, base = _wrap(chat_inputs, ctx, req)
-        (final,) = await self._generate(service, [prompt], base, "chatcmpl")
-        return chat_completion_body(ctx, req, new_id("chatcmpl"), final)
+        async def run() -> dict[str, Any]:
+            service = self._service(model, "generate")
+            req = _parse(ChatCompletionRequest, {"model": model, "messages": messages, **params})
+            ctx = ModelContext(service, model)
+            prompt, base = _wrap(chat_inputs, ctx, req)
+            (final,) = await self._generate(service, [prompt], base, "chatcmpl")
+            return chat_completion_body(ctx, req, new_id("chatcmpl"), final)
+
+        return await self._bounded(model, "chat", run())
 
     async def complete(self, model: str, prompt: Any, **params: Any) -> dict[str, Any]:
         from fleetserve.entrypoints.openai.serving_completion import (
@@ -92,31 +175,40 @@ class GatewayFleetClient:
             completion_inputs,
         )
 
-        service = self._service(model, "generate")
-        req = _parse(CompletionRequest, {"model": model, "prompt": prompt, **params})
-        prompts, base = _wrap(completion_inputs, req)
-        finals = await self._generate(service, prompts, base, "cmpl")
-        return completion_body(ModelContext(service, model), req, new_id("cmpl"), finals)
+        async def run() -> dict[str, Any]:
+            service = self._service(model, "generate")
+            req = _parse(CompletionRequest, {"model": model, "prompt": prompt, **params})
+            prompts, base = _wrap(completion_inputs, req)
+            finals = await self._generate(service, prompts, base, "cmpl")
+            return completion_body(ModelContext(service, model), req, new_id("cmpl"), finals)
+
+        return await self._bounded(model, "complete", run())
 
     async def embed(self, model: str, inputs: Any, **params: Any) -> dict[str, Any]:
         from fleetserve.entrypoints.openai.serving_embedding import create_embedding
 
-        service = self._service(model, "embed")
-        req = _parse(EmbeddingRequest, {"model": model, "input": inputs, **params})
-        try:
-            return await create_embedding(service, req)
-        except APIError as e:
-            raise FleetCallError(e.status, e.message) from None
+        async def run() -> dict[str, Any]:
+            service = self._service(model, "embed")
+            req = _parse(EmbeddingRequest, {"model": model, "input": inputs, **params})
+            try:
+                return await create_embedding(service, req)
+            except APIError as e:
+                raise FleetCallError(e.status, e.message) from None
+
+        return await self._bounded(model, "embed", run())
 
     async def predict(self, model: str, instances: list[dict[str, Any]]) -> dict[str, Any]:
         from fleetserve.entrypoints.openai.protocol_embed import PredictRequest
         from fleetserve.entrypoints.openai.serving_predict import predict
 
-        service = self._service(model, "custom")
-        try:
-            return await predict(service, _parse(PredictRequest, {"instances": instances}))
-        except APIError as e:
-            raise FleetCallError(e.status, e.message) from None
+        async def run() -> dict[str, Any]:
+            service = self._service(model, "custom")
+            try:
+                return await predict(service, _parse(PredictRequest, {"instances": instances}))
+            except APIError as e:
+                raise FleetCallError(e.status, e.message) from None
+
+        return await self._bounded(model, "predict", run())
 
 
 def _copy(base: Any) -> Any:
@@ -151,29 +243,11 @@ def bind_fleet_clients(registry: Registry, loop: asyncio.AbstractEventLoop) -> N
             method: str, args: list[Any], kwargs: dict[str, Any], timeout_s: float,
             parent: str = service.name,
         ) -> dict[str, Any]:  # fmt: skip
-            start = time.monotonic()
-            outcome = "error"
+            scoped = client.scoped(None, time.monotonic() + timeout_s)
             try:
-                result = await asyncio.wait_for(client.call(method, args, kwargs), timeout_s)
-                outcome = "ok"
-                return result
-            except TimeoutError:
-                outcome = "deadline"
-                raise FleetCallError(
-                    504, f"the sub-call ran past its parent's deadline ({timeout_s:.3g} s)"
-                ) from None
-            except asyncio.CancelledError:
-                outcome = "cancelled"
-                raise
+                return await scoped.call(method, args, kwargs)
             finally:
-                callee = args[0] if args else "?"
-                log.info(
-                    "sub-call of %s: %s(%s) %s in %.1f ms",
-                    parent,
-                    method,
-                    callee,
-                    outcome,
-                    (time.monotonic() - start) * 1e3,
-                )
+                for sub in scoped.calls:
+                    log.info("sub-call of %s: %s", parent, sub)
 
         bind(call, loop)

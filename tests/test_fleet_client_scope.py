@@ -1,0 +1,119 @@
+"""GatewayFleetClient's scope: the parent's class and deadline reach each sub-call, every
+sub-call is recorded for the parent's log line, cancelling the parent cancels them. The
+services here are stand-ins that record what the client hands them (the served path is
+tests/server/test_server_fleet_client.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from fleetserve.entrypoints.openai.fleet_client import FleetCallError, GatewayFleetClient
+from fleetserve.serve.services.service_registry import Registry
+
+
+class SlowCustom:
+    kind = "custom"
+
+    def __init__(self, name: str, delay_s: float) -> None:
+        self.name, self.delay_s = name, delay_s
+        self.cancelled = asyncio.Event()
+
+    async def predict(self, instances: Any) -> list[Any]:
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return [{"echo": i} for i in instances]
+
+
+class RecordingGenerate:
+    kind = "generate"
+    name = "gen"
+
+    def __init__(self) -> None:
+        self.classes: list[str | None] = []
+
+    async def admit(self, request_id: str, prompts: Any, params_for: Any, class_name: Any,
+                    priority: int) -> Any:  # fmt: skip
+        self.classes.append(class_name)
+        raise ValueError("prompt: refused by the stand-in")
+
+
+def client(*services: Any) -> GatewayFleetClient:
+    return GatewayFleetClient(Registry(list(services)))
+
+
+def test_a_sub_call_answers_and_is_recorded() -> None:
+    scoped = client(SlowCustom("fast", 0.0)).scoped("batch", time.monotonic() + 5)
+    body = asyncio.run(scoped.predict("fast", [{"x": 1}]))
+    assert body == {"predictions": [{"echo": {"x": 1}}]}
+    (sub,) = scoped.calls
+    assert (sub.model, sub.method, sub.status) == ("fast", "predict", 200)
+    assert str(sub).startswith("predict(fast) 200 ")
+
+
+def test_a_sub_call_never_waits_past_the_parents_deadline() -> None:
+    slow = SlowCustom("slow", 30.0)
+    scoped = client(slow).scoped(None, time.monotonic() + 0.2)
+
+    async def run() -> None:
+        with pytest.raises(FleetCallError) as e:
+            await scoped.predict("slow", [{"x": 1}])
+        assert e.value.status == 504 and "deadline" in str(e.value)
+        assert slow.cancelled.is_set()  # the callee's work was ended, not left running
+
+    asyncio.run(run())
+    (sub,) = scoped.calls
+    assert sub.status == 504 and 150 < sub.ms < 5000
+
+
+def test_a_deadline_already_past_runs_nothing() -> None:
+    gen = RecordingGenerate()
+    scoped = client(gen).scoped(None, time.monotonic() - 1)
+    with pytest.raises(FleetCallError) as e:
+        asyncio.run(scoped.complete("gen", "hi"))
+    assert e.value.status == 504 and gen.classes == []
+
+
+def test_sub_calls_are_admitted_in_the_parents_class() -> None:
+    gen = RecordingGenerate()
+    scoped = client(gen).scoped("interactive", None)
+    with pytest.raises(FleetCallError):
+        asyncio.run(scoped.complete("gen", "hi", max_tokens=2))
+    assert gen.classes == ["interactive"]
+    assert [c.status for c in scoped.calls] == [400]
+
+
+def test_cancelling_the_parent_cancels_its_sub_calls() -> None:
+    slow = SlowCustom("slow", 30.0)
+    scoped = client(slow).scoped(None, None)
+
+    async def run() -> None:
+        async def handler() -> None:
+            await asyncio.gather(
+                scoped.predict("slow", [{"a": 1}]), scoped.predict("slow", [{"b": 2}])
+            )
+
+        parent = asyncio.create_task(handler())
+        await asyncio.sleep(0.05)
+        parent.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await parent
+        assert slow.cancelled.is_set()
+
+    asyncio.run(run())
+    assert [c.status for c in scoped.calls] == [499, 499]
+
+
+def test_a_sub_call_to_a_missing_model_names_the_fleet() -> None:
+    scoped = client(SlowCustom("only", 0.0)).scoped(None, None)
+    with pytest.raises(FleetCallError) as e:
+        asyncio.run(scoped.chat("nope", [{"role": "user", "content": "hi"}]))
+    assert e.value.status == 404 and "'nope' does not exist" in str(e.value)
+    assert "only" in str(e.value)
+    assert [(c.model, c.status) for c in scoped.calls] == [("nope", 404)]
