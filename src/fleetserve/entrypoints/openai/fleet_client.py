@@ -22,11 +22,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from fleetserve.entrypoints.openai.errors import APIError
+from fleetserve.entrypoints.openai.fleet_stream import stream_chunks
 from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from fleetserve.entrypoints.openai.protocol_embed import EmbeddingRequest
 from fleetserve.entrypoints.openai.serving_common import (
@@ -57,6 +58,18 @@ class FleetClient(Protocol):
     async def embed(self, model: str, inputs: Any, **params: Any) -> dict[str, Any]: ...
 
     async def predict(self, model: str, instances: list[dict[str, Any]]) -> dict[str, Any]: ...
+
+
+class StreamingFleetClient(FleetClient, Protocol):
+    """A FleetClient that also streams: the chunk dicts the endpoint would stream."""
+
+    def chat_stream(
+        self, model: str, messages: list[dict[str, Any]], **params: Any
+    ) -> AsyncIterator[dict[str, Any]]: ...
+
+    def complete_stream(
+        self, model: str, prompt: Any, **params: Any
+    ) -> AsyncIterator[dict[str, Any]]: ...
 
 
 @dataclass(frozen=True)
@@ -96,8 +109,9 @@ class GatewayFleetClient:
         """A client for one parent request: its class, its deadline, its own `calls`."""
         return GatewayFleetClient(self.registry, class_name, deadline)
 
-    async def _bounded(self, model: str, method: str, work: Awaitable[T]) -> T:
-        """Runs one sub-call within what is left of the deadline; records it in `calls`."""
+    async def _bounded(self, model: str, method: str, work: Awaitable[T], record: bool = True) -> T:
+        """Runs one sub-call (or one step of a stream: `record` False) within what is left
+        of the deadline; records it in `calls`."""
         start = time.monotonic()
         status = 500
         try:
@@ -124,7 +138,9 @@ class GatewayFleetClient:
             status = 499
             raise
         finally:
-            self.calls.append(SubCall(model, method, status, (time.monotonic() - start) * 1e3))
+            if record:
+                ms = (time.monotonic() - start) * 1e3
+                self.calls.append(SubCall(model, method, status, ms))
 
     async def call(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
         """`method` by name (what the handler process's RPC carries)."""
@@ -143,10 +159,8 @@ class GatewayFleetClient:
         return service
 
     async def _generate(self, service: Any, prompts: list[Any], base: Any, prefix: str) -> Any:
+        streams = await self._admit(service, prompts, base, prefix)
         try:
-            streams = await service.admit(
-                new_id(prefix), prompts, lambda: _copy(base), self.class_name, 0
-            )
             return await collect(streams)
         except APIError as e:
             raise FleetCallError(e.status, e.message) from None
@@ -183,6 +197,57 @@ class GatewayFleetClient:
             return completion_body(ModelContext(service, model), req, new_id("cmpl"), finals)
 
         return await self._bounded(model, "complete", run())
+
+    async def _admit(self, service: Any, prompts: list[Any], base: Any, prefix: str) -> Any:
+        try:
+            return await service.admit(
+                new_id(prefix), prompts, lambda: _copy(base), self.class_name, 0
+            )
+        except APIError as e:
+            raise FleetCallError(e.status, e.message) from None
+        except (ValueError, LookupError, RuntimeError) as e:
+            err = engine_error(e)
+            raise FleetCallError(err.status, err.message) from None
+
+    async def chat_stream(
+        self, model: str, messages: list[dict[str, Any]], **params: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The chat.completion.chunk dicts the endpoint would stream (fleet_stream.py)."""
+        from fleetserve.entrypoints.openai.serving_chat import _stream, chat_inputs
+
+        body = {"model": model, "messages": messages, **params, "stream": True}
+
+        async def open_() -> AsyncIterator[str]:
+            service = self._service(model, "generate")
+            req = _parse(ChatCompletionRequest, body)
+            ctx = ModelContext(service, model)
+            prompt, base = _wrap(chat_inputs, ctx, req)
+            request_id = new_id("chatcmpl")
+            streams = await self._admit(service, [prompt], base, "chatcmpl")
+            return _stream(ctx, req, request_id, streams)
+
+        sse = await self._bounded(model, "chat_stream", open_(), record=False)
+        async for chunk in stream_chunks(self, model, "chat_stream", sse):
+            yield chunk
+
+    async def complete_stream(
+        self, model: str, prompt: Any, **params: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The text_completion chunk dicts the endpoint would stream (fleet_stream.py)."""
+        from fleetserve.entrypoints.openai.serving_completion import _stream, completion_inputs
+
+        body = {"model": model, "prompt": prompt, **params, "stream": True}
+
+        async def open_() -> AsyncIterator[str]:
+            service = self._service(model, "generate")
+            req = _parse(CompletionRequest, body)
+            prompts, base = _wrap(completion_inputs, req)
+            streams = await self._admit(service, prompts, base, "cmpl")
+            return _stream(ModelContext(service, model), req, new_id("cmpl"), streams)
+
+        sse = await self._bounded(model, "complete_stream", open_(), record=False)
+        async for chunk in stream_chunks(self, model, "complete_stream", sse):
+            yield chunk
 
     async def embed(self, model: str, inputs: Any, **params: Any) -> dict[str, Any]:
         from fleetserve.entrypoints.openai.serving_embedding import create_embedding
