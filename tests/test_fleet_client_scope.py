@@ -11,7 +11,11 @@ from typing import Any
 
 import pytest
 
-from fleetserve.entrypoints.openai.fleet_client import FleetCallError, GatewayFleetClient
+from fleetserve.entrypoints.openai.fleet_client import (
+    FleetCallError,
+    GatewayFleetClient,
+    strictest,
+)
 from fleetserve.serve.services.service_registry import Registry
 
 
@@ -21,8 +25,10 @@ class SlowCustom:
     def __init__(self, name: str, delay_s: float) -> None:
         self.name, self.delay_s = name, delay_s
         self.cancelled = asyncio.Event()
+        self.classes: list[str | None] = []
 
-    async def predict(self, instances: Any) -> list[Any]:
+    async def predict(self, instances: Any, class_name: str | None = None) -> list[Any]:
+        self.classes.append(class_name)
         try:
             await asyncio.sleep(self.delay_s)
         except asyncio.CancelledError:
@@ -49,9 +55,11 @@ def client(*services: Any) -> GatewayFleetClient:
 
 
 def test_a_sub_call_answers_and_is_recorded() -> None:
-    scoped = client(SlowCustom("fast", 0.0)).scoped("batch", time.monotonic() + 5)
+    fast = SlowCustom("fast", 0.0)
+    scoped = client(fast).scoped("batch", time.monotonic() + 5)
     body = asyncio.run(scoped.predict("fast", [{"x": 1}]))
     assert body == {"predictions": [{"echo": {"x": 1}}]}
+    assert fast.classes == ["batch"]  # a custom callee's own sub-calls take it on
     (sub,) = scoped.calls
     assert (sub.model, sub.method, sub.status) == ("fast", "predict", 200)
     assert str(sub).startswith("predict(fast) 200 ")
@@ -117,3 +125,31 @@ def test_a_sub_call_to_a_missing_model_names_the_fleet() -> None:
     assert e.value.status == 404 and "'nope' does not exist" in str(e.value)
     assert "only" in str(e.value)
     assert [(c.model, c.status) for c in scoped.calls] == [("nope", 404)]
+
+
+class Classes:
+    """A stand-in admission: interactive goes before batch; other names are unknown."""
+
+    def resolve(self, name: str | None, priority: int) -> Any:
+        table = {None: 0, "interactive": 0, "batch": 10}
+        if name not in table:
+            raise ValueError(f"unknown class {name!r}")
+
+        class Cls:
+            pass
+
+        cls = Cls()
+        cls.priority = table[name]  # type: ignore[attr-defined]
+        return cls
+
+
+def test_a_mixed_micro_batch_takes_the_strictest_class() -> None:
+    gen = RecordingGenerate()
+    gen.admission = Classes()  # type: ignore[attr-defined]
+    registry = Registry([gen])  # type: ignore[list-item]
+    assert strictest(registry, frozenset({"batch"})) == "batch"
+    assert strictest(registry, frozenset()) is None
+    assert strictest(registry, frozenset({"batch", "interactive"})) == "interactive"
+    assert strictest(registry, frozenset({"batch", "nope"})) == "batch"
+    # The default (None) ranks as the class it resolves to, ahead of a named equal.
+    assert strictest(registry, frozenset({"batch", None})) is None

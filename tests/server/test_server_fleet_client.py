@@ -25,6 +25,10 @@ models:
     options: {{model: tiny}}
     timeout_s: 3.0
     batching: {{max_batch_size: 4, batch_wait_timeout_s: 0.01}}
+classes:
+  interactive: {{priority: 0}}
+  batch: {{priority: 10}}
+default_class: interactive
 """
 
 
@@ -42,9 +46,11 @@ def fleet(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         assert srv.stop() == 0, srv.final_output
 
 
-def predict(srv: ServerProc, instances: list[dict[str, object]]) -> httpx.Response:
+def predict(
+    srv: ServerProc, instances: list[dict[str, object]], headers: dict[str, str] | None = None
+) -> httpx.Response:
     return httpx.post(f"{srv.url}/v1/models/composer:predict", json={"instances": instances},
-                      timeout=60)  # fmt: skip
+                      timeout=60, headers=headers)  # fmt: skip
 
 
 def test_a_handler_calls_another_model_through_its_service(fleet: ServerProc) -> None:
@@ -91,3 +97,23 @@ def test_a_parent_past_its_deadline_cancels_its_sub_calls(fleet: ServerProc) -> 
     assert wait_until(sub_call_aborted, 5.0)
     # The handler was restarted and serves again.
     assert predict(fleet, [{"prompt": "The sea"}]).status_code == 200
+
+
+def test_sub_calls_are_admitted_in_the_parents_class(fleet: ServerProc) -> None:
+    ttft = "fleetserve:time_to_first_token_seconds_count"
+
+    def counts() -> tuple[float, float]:
+        values = scrape(fleet.url)
+        return (
+            metric(values, ttft, model_name="tiny", **{"class": "batch"}),
+            metric(values, ttft, model_name="tiny", **{"class": "interactive"}),
+        )
+
+    before = counts()
+    r = predict(fleet, [{"prompt": "a"}, {"prompt": "b"}], {"X-Fleetserve-Class": "batch"})
+    assert r.status_code == 200, r.text
+    # Both sub-calls were the callee's requests in the parent's class, none in the default.
+    assert wait_until(lambda: counts() == (before[0] + 2, before[1]), 5.0), counts()
+    before = counts()
+    assert predict(fleet, [{"prompt": "c"}]).status_code == 200  # no class: the default
+    assert wait_until(lambda: counts() == (before[0], before[1] + 1), 5.0), counts()

@@ -101,6 +101,8 @@ class RayEmbedClient(_RayMicroBatchClient):
 class RayCustomClient(_RayMicroBatchClient):
     kind = "custom"
 
-    async def predict(self, instances: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    async def predict(
+        self, instances: Sequence[Mapping[str, Any]], class_name: str | None = None
+    ) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = await self._call("predict", validate_instances(instances))
         return result

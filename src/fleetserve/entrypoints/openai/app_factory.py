@@ -49,6 +49,7 @@ from fleetserve.entrypoints.openai.serving_common import (
     ServingContext,
     parse,
     read_body,
+    service_class,
     unless_disconnected,
 )
 from fleetserve.entrypoints.openai.serving_completion import create_completion
@@ -265,8 +266,10 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
         body = parse(PredictRequest, await read_body(ctx, request))
         service = ctx.model(name, "custom")
         assert isinstance(service, Predictor)
+        class_name = service_class(request, None)  # its handler's sub-calls take it
         note_model(request, service.name, "")
-        return JSONResponse(await unless_disconnected(request, run_predict(service, body)))
+        work = run_predict(service, body, class_name)
+        return JSONResponse(await unless_disconnected(request, work))
 
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/models/{name:path}", model_card, methods=["GET"])

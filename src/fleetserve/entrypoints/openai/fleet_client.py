@@ -269,7 +269,8 @@ class GatewayFleetClient:
         async def run() -> dict[str, Any]:
             service = self._service(model, "custom")
             try:
-                return await predict(service, _parse(PredictRequest, {"instances": instances}))
+                body = _parse(PredictRequest, {"instances": instances})
+                return await predict(service, body, self.class_name)
             except APIError as e:
                 raise FleetCallError(e.status, e.message) from None
 
@@ -296,6 +297,24 @@ def _wrap(fn: Any, *args: Any) -> Any:
         raise FleetCallError(e.status, e.message) from None
 
 
+def strictest(registry: Registry, classes: frozenset[str | None]) -> str | None:
+    """The class a micro-batch's sub-calls take: of the classes of the requests in it, the
+    one that goes first (the lowest priority number; None is the fleet's default class).
+    One class (the usual case) is that class; a name the fleet does not know is skipped."""
+    if len(classes) <= 1:
+        return next(iter(classes), None)
+    admission = next((s.admission for s in registry if hasattr(s, "admission")), None)
+    if admission is None:
+        return None
+    ranked = []
+    for name in classes:
+        try:
+            ranked.append((admission.resolve(name, 0).priority, name is None, name))
+        except ValueError:
+            continue
+    return min(ranked)[2] if ranked else None
+
+
 def bind_fleet_clients(registry: Registry, loop: asyncio.AbstractEventLoop) -> None:
     """Gives every custom model's handler process its way to the fleet (at startup)."""
     client = GatewayFleetClient(registry)
@@ -306,9 +325,10 @@ def bind_fleet_clients(registry: Registry, loop: asyncio.AbstractEventLoop) -> N
 
         async def call(
             method: str, args: list[Any], kwargs: dict[str, Any], timeout_s: float,
-            parent: str = service.name,
+            classes: frozenset[str | None] = frozenset(), parent: str = service.name,
         ) -> dict[str, Any]:  # fmt: skip
-            scoped = client.scoped(None, time.monotonic() + timeout_s)
+            cls = strictest(registry, classes)
+            scoped = client.scoped(cls, time.monotonic() + timeout_s)
             try:
                 return await scoped.call(method, args, kwargs)
             finally:

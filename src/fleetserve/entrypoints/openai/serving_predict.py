@@ -20,13 +20,18 @@ class Predictor(Protocol):
     """What this handler needs of a custom model: CustomService here, fleetserve.ray's
     client of a Serve deployment on Ray."""
 
-    async def predict(self, instances: Sequence[Instance]) -> list[Prediction]: ...
+    async def predict(
+        self, instances: Sequence[Instance], class_name: str | None = None
+    ) -> list[Prediction]: ...
 
 
-async def predict(service: Predictor, body: PredictRequest) -> dict[str, Any]:
-    """The response body; raises APIError (400 bad instance, 503, 500 handler failure)."""
+async def predict(
+    service: Predictor, body: PredictRequest, class_name: str | None = None
+) -> dict[str, Any]:
+    """The response body; raises APIError (400 bad instance, 503, 500 handler failure).
+    `class_name`: the request's class, which the handler's sub-calls take."""
     try:
-        predictions = await service.predict(body.instances)
+        predictions = await service.predict(body.instances, class_name)
     except Exception as e:
         raise batch_api_error(e, "instances") from None
     return {"predictions": predictions}

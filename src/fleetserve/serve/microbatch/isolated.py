@@ -78,7 +78,8 @@ class HandlerProcess:
         self._starting = False
         self._stopped = False
         self._call_started: float | None = None  # time.monotonic()
-        # Sub-calls (bind_fleet): (method, args, kwargs, timeout_s) -> the response body.
+        # Sub-calls (bind_fleet): (method, args, kwargs, timeout_s, the batch's classes)
+        # -> the response body.
         self._fleet: Callable[..., Coroutine[Any, Any, dict[str, Any]]] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._send_lock = threading.Lock()
@@ -194,7 +195,9 @@ class HandlerProcess:
         return None
 
     # --------------------------------------------------------------------- calls
-    def __call__(self, instances: list[Instance]) -> list[Prediction | Exception]:
+    def __call__(
+        self, instances: list[Instance], classes: frozenset[str | None] = frozenset()
+    ) -> list[Prediction | Exception]:
         """The batcher's thread: one result (or Exception) per instance, as CustomModel
         answers; raises ValueError / HandlerError for a call that raised as a whole."""
         with self._lock:
@@ -218,7 +221,7 @@ class HandlerProcess:
                     kind, payload = conn.recv()
                     if kind != "fleet":
                         break
-                    subcalls.append(self._subcall(conn, payload, remaining))
+                    subcalls.append(self._subcall(conn, payload, remaining, classes))
             except (EOFError, OSError) as e:
                 if self._proc is not None:
                     self._proc.join(_STOP_WAIT_S)
@@ -239,7 +242,11 @@ class HandlerProcess:
         return [self._result(slot) for slot in payload]
 
     def _subcall(
-        self, conn: Connection, payload: Any, remaining_s: float
+        self,
+        conn: Connection,
+        payload: Any,
+        remaining_s: float,
+        classes: frozenset[str | None] = frozenset(),
     ) -> concurrent.futures.Future[Any]:
         """Runs one sub-call on the server's loop; its answer goes back down the pipe."""
         call_id, method, args, kwargs = payload
@@ -251,7 +258,7 @@ class HandlerProcess:
 
             coro = refuse()
         else:
-            coro = fleet(method, args, kwargs, remaining_s)
+            coro = fleet(method, args, kwargs, remaining_s, classes)
         loop = loop or asyncio.new_event_loop()
         future = asyncio.run_coroutine_threadsafe(coro, loop)
 

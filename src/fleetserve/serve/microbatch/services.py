@@ -216,6 +216,8 @@ class CustomService(_MicroBatchService[Instance, Prediction]):
         self.options = dict(options or {})
         # The handler runs in a process of its own (serve/microbatch/isolated.py).
         self._model = HandlerProcess(name, handler, self.options, timeout_s, memory_limit_mb)
+        # id(instance) -> the class of the request it came in (its sub-calls' class).
+        self._classes: dict[int, str | None] = {}
 
     def bind_fleet(self, call: Any, loop: asyncio.AbstractEventLoop) -> None:
         """Its handler's sub-calls run with `call` on `loop` (serve/microbatch/isolated.py)."""
@@ -248,13 +250,25 @@ class CustomService(_MicroBatchService[Instance, Prediction]):
         super().abort_all(reason)
         self._model.stop()
 
-    async def predict(self, instances: Sequence[Instance]) -> list[Prediction]:
-        """One prediction per instance; each instance is one batcher item."""
+    async def predict(
+        self, instances: Sequence[Instance], class_name: str | None = None
+    ) -> list[Prediction]:
+        """One prediction per instance; each instance is one batcher item. `class_name`:
+        the request's class, which its handler's sub-calls are admitted in (a micro-batch
+        mixing requests of several classes: the strictest of them, fleet_client.py)."""
         self.check_ready()
-        return await self.batcher.submit_many(validate_instances(instances))
+        items = validate_instances(instances)
+        for item in items:
+            self._classes[id(item)] = class_name
+        try:
+            return await self.batcher.submit_many(items)
+        finally:
+            for item in items:
+                self._classes.pop(id(item), None)
 
     def _load(self) -> None:
         self._model.start()
 
     def _run_batch(self, items: list[Instance]) -> list[Prediction | Exception]:
-        return self.model(items)
+        classes = frozenset(self._classes.get(id(item)) for item in items)
+        return self.model(items, classes)
