@@ -27,7 +27,9 @@ class SlowCustom:
         self.cancelled = asyncio.Event()
         self.classes: list[str | None] = []
 
-    async def predict(self, instances: Any, class_name: str | None = None) -> list[Any]:
+    async def predict(
+        self, instances: Any, class_name: str | None = None, sub_calls: Any = None
+    ) -> list[Any]:
         self.classes.append(class_name)
         try:
             await asyncio.sleep(self.delay_s)

@@ -5,6 +5,7 @@ sub-calls (the callee's engine requests end)."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,3 +118,23 @@ def test_sub_calls_are_admitted_in_the_parents_class(fleet: ServerProc) -> None:
     before = counts()
     assert predict(fleet, [{"prompt": "c"}]).status_code == 200  # no class: the default
     assert wait_until(lambda: counts() == (before[0], before[1] + 1), 5.0), counts()
+
+
+def test_the_parents_access_line_lists_its_sub_calls(fleet: ServerProc) -> None:
+    r = predict(fleet, [{"prompt": "a"}, {"prompt": "x", "model": "nope"}],
+                {"X-Request-Id": "parent-with-subcalls"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    found: list[dict[str, object]] = []
+
+    def logged() -> bool:
+        for text in fleet.output().splitlines():
+            if text.startswith("{") and "parent-with-subcalls" in text:
+                found[:] = [json.loads(text)]
+        return bool(found)
+
+    assert wait_until(logged, 10), fleet.output()[-3000:]
+    subs = found[0]["sub_calls"]
+    assert isinstance(subs, list)
+    got = sorted((s["model"], s["method"], s["status"]) for s in subs)
+    assert got == [("nope", "complete", 404), ("tiny", "complete", 200)]
+    assert all(isinstance(s["ms"], float) and s["ms"] >= 0 for s in subs)

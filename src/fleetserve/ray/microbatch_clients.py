@@ -102,7 +102,11 @@ class RayCustomClient(_RayMicroBatchClient):
     kind = "custom"
 
     async def predict(
-        self, instances: Sequence[Mapping[str, Any]], class_name: str | None = None
+        self,
+        instances: Sequence[Mapping[str, Any]],
+        class_name: str | None = None,
+        sub_calls: list[Any] | None = None,
     ) -> list[dict[str, Any]]:
+        """(On Ray the handler's sub-calls do not take the class nor show on the line yet.)"""
         result: list[dict[str, Any]] = await self._call("predict", validate_instances(instances))
         return result

@@ -55,6 +55,8 @@ class AccessRecord:
     prompt_tokens: int | None = None  # given by handlers without streams (embeddings)
     metadata: dict[str, str] | None = None  # the request body's `metadata` (OpenAI's)
     states: list[RequestState] = field(default_factory=list)
+    # A custom handler's calls to other models (fleet_client.SubCall), shown on this line.
+    sub_calls: list[Any] = field(default_factory=list)
     status_of: Callable[[Exception], int] | None = None
 
     def watch(self, states: Sequence[RequestState], status_of: Callable[[Exception], int]) -> None:
@@ -95,6 +97,11 @@ class AccessRecord:
             line["prompt_tokens"] = self.prompt_tokens
         if self.metadata:
             line["metadata"] = self.metadata
+        if self.sub_calls:
+            line["sub_calls"] = [
+                {"model": c.model, "method": c.method, "status": c.status, "ms": round(c.ms, 1)}
+                for c in self.sub_calls
+            ]
         line["duration_s"] = round(end - self.start, 6)
         error = self.stream_error()
         if error is not None:

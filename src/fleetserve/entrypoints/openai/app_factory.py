@@ -26,6 +26,7 @@ from fleetserve.batch.store import BatchStore
 from fleetserve.entrypoints.openai.access_log import (
     AccessLogMiddleware,
     AccessRecord,
+    access_record,
     note_model,
     note_prompt_tokens,
 )
@@ -268,7 +269,9 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
         assert isinstance(service, Predictor)
         class_name = service_class(request, None)  # its handler's sub-calls take it
         note_model(request, service.name, "")
-        work = run_predict(service, body, class_name)
+        record = access_record(request)  # the sub-calls go on its line
+        sub_calls = record.sub_calls if record is not None else None
+        work = run_predict(service, body, class_name, sub_calls)
         return JSONResponse(await unless_disconnected(request, work))
 
     app.add_api_route("/v1/models", models, methods=["GET"])

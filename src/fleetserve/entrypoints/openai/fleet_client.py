@@ -325,7 +325,8 @@ def bind_fleet_clients(registry: Registry, loop: asyncio.AbstractEventLoop) -> N
 
         async def call(
             method: str, args: list[Any], kwargs: dict[str, Any], timeout_s: float,
-            classes: frozenset[str | None] = frozenset(), parent: str = service.name,
+            classes: frozenset[str | None] = frozenset(),
+            sinks: list[list[Any]] | None = None, parent: str = service.name,
         ) -> dict[str, Any]:  # fmt: skip
             cls = strictest(registry, classes)
             scoped = client.scoped(cls, time.monotonic() + timeout_s)
@@ -334,5 +335,7 @@ def bind_fleet_clients(registry: Registry, loop: asyncio.AbstractEventLoop) -> N
             finally:
                 for sub in scoped.calls:
                     log.info("sub-call of %s: %s", parent, sub)
+                    for sink in sinks or ():  # each parent request's access-log line
+                        sink.append(sub)
 
         bind(call, loop)

@@ -21,17 +21,24 @@ class Predictor(Protocol):
     client of a Serve deployment on Ray."""
 
     async def predict(
-        self, instances: Sequence[Instance], class_name: str | None = None
+        self,
+        instances: Sequence[Instance],
+        class_name: str | None = None,
+        sub_calls: list[Any] | None = None,
     ) -> list[Prediction]: ...
 
 
 async def predict(
-    service: Predictor, body: PredictRequest, class_name: str | None = None
+    service: Predictor,
+    body: PredictRequest,
+    class_name: str | None = None,
+    sub_calls: list[Any] | None = None,
 ) -> dict[str, Any]:
     """The response body; raises APIError (400 bad instance, 503, 500 handler failure).
-    `class_name`: the request's class, which the handler's sub-calls take."""
+    `class_name`: the request's class, which the handler's sub-calls take; `sub_calls`:
+    where its handler's sub-calls are recorded (the request's access-log line)."""
     try:
-        predictions = await service.predict(body.instances, class_name)
+        predictions = await service.predict(body.instances, class_name, sub_calls)
     except Exception as e:
         raise batch_api_error(e, "instances") from None
     return {"predictions": predictions}

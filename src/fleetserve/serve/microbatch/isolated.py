@@ -78,8 +78,8 @@ class HandlerProcess:
         self._starting = False
         self._stopped = False
         self._call_started: float | None = None  # time.monotonic()
-        # Sub-calls (bind_fleet): (method, args, kwargs, timeout_s, the batch's classes)
-        # -> the response body.
+        # Sub-calls (bind_fleet): (method, args, kwargs, timeout_s, the batch's classes,
+        # its requests' sub-call records) -> the response body.
         self._fleet: Callable[..., Coroutine[Any, Any, dict[str, Any]]] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._send_lock = threading.Lock()
@@ -196,7 +196,10 @@ class HandlerProcess:
 
     # --------------------------------------------------------------------- calls
     def __call__(
-        self, instances: list[Instance], classes: frozenset[str | None] = frozenset()
+        self,
+        instances: list[Instance],
+        classes: frozenset[str | None] = frozenset(),
+        sinks: list[list[Any]] | None = None,
     ) -> list[Prediction | Exception]:
         """The batcher's thread: one result (or Exception) per instance, as CustomModel
         answers; raises ValueError / HandlerError for a call that raised as a whole."""
@@ -221,7 +224,7 @@ class HandlerProcess:
                     kind, payload = conn.recv()
                     if kind != "fleet":
                         break
-                    subcalls.append(self._subcall(conn, payload, remaining, classes))
+                    subcalls.append(self._subcall(conn, payload, remaining, classes, sinks))
             except (EOFError, OSError) as e:
                 if self._proc is not None:
                     self._proc.join(_STOP_WAIT_S)
@@ -247,6 +250,7 @@ class HandlerProcess:
         payload: Any,
         remaining_s: float,
         classes: frozenset[str | None] = frozenset(),
+        sinks: list[list[Any]] | None = None,
     ) -> concurrent.futures.Future[Any]:
         """Runs one sub-call on the server's loop; its answer goes back down the pipe."""
         call_id, method, args, kwargs = payload
@@ -258,7 +262,7 @@ class HandlerProcess:
 
             coro = refuse()
         else:
-            coro = fleet(method, args, kwargs, remaining_s, classes)
+            coro = fleet(method, args, kwargs, remaining_s, classes, sinks or [])
         loop = loop or asyncio.new_event_loop()
         future = asyncio.run_coroutine_threadsafe(coro, loop)
 

@@ -216,8 +216,9 @@ class CustomService(_MicroBatchService[Instance, Prediction]):
         self.options = dict(options or {})
         # The handler runs in a process of its own (serve/microbatch/isolated.py).
         self._model = HandlerProcess(name, handler, self.options, timeout_s, memory_limit_mb)
-        # id(instance) -> the class of the request it came in (its sub-calls' class).
-        self._classes: dict[int, str | None] = {}
+        # id(instance) -> the class of the request it came in (its sub-calls' class) and
+        # where that request's sub-calls are recorded (its access-log line).
+        self._scopes: dict[int, tuple[str | None, list[Any] | None]] = {}
 
     def bind_fleet(self, call: Any, loop: asyncio.AbstractEventLoop) -> None:
         """Its handler's sub-calls run with `call` on `loop` (serve/microbatch/isolated.py)."""
@@ -251,24 +252,29 @@ class CustomService(_MicroBatchService[Instance, Prediction]):
         self._model.stop()
 
     async def predict(
-        self, instances: Sequence[Instance], class_name: str | None = None
+        self,
+        instances: Sequence[Instance],
+        class_name: str | None = None,
+        sub_calls: list[Any] | None = None,
     ) -> list[Prediction]:
         """One prediction per instance; each instance is one batcher item. `class_name`:
         the request's class, which its handler's sub-calls are admitted in (a micro-batch
-        mixing requests of several classes: the strictest of them, fleet_client.py)."""
+        mixing requests of several classes: the strictest of them, fleet_client.py).
+        `sub_calls`: each sub-call of a batch holding this request is appended there."""
         self.check_ready()
         items = validate_instances(instances)
         for item in items:
-            self._classes[id(item)] = class_name
+            self._scopes[id(item)] = (class_name, sub_calls)
         try:
             return await self.batcher.submit_many(items)
         finally:
             for item in items:
-                self._classes.pop(id(item), None)
+                self._scopes.pop(id(item), None)
 
     def _load(self) -> None:
         self._model.start()
 
     def _run_batch(self, items: list[Instance]) -> list[Prediction | Exception]:
-        classes = frozenset(self._classes.get(id(item)) for item in items)
-        return self.model(items, classes)
+        scopes = [self._scopes.get(id(item), (None, None)) for item in items]
+        sinks = list({id(s): s for _, s in scopes if s is not None}.values())
+        return self.model(items, frozenset(c for c, _ in scopes), sinks)
