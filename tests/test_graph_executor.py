@@ -184,3 +184,26 @@ def test_a_graph_in_the_fleet_file_is_checked_with_its_key_path() -> None:
     with pytest.raises(ValueError, match="graph: for kind 'graph'"):
         FleetConfig.model_validate({"models": [{"name": "c", "model": "/x", "graph": {
             "nodes": {"root": {"type": "sequence", "steps": [{"model": "c"}]}}}}]})  # fmt: skip
+
+
+GRAPH_FLEET = {"models": [
+    {"name": "c", "model": "/nowhere"},
+    {"name": "g", "kind": "graph", "graph": {"nodes": {"root": {"type": "sequence",
+                                                                 "steps": [{"model": "c"}]}}}}]}  # fmt: skip
+
+
+def test_ray_refuses_a_graph_by_name() -> None:
+    pytest.importorskip("ray")
+    from fleetserve.ray.app import build_app
+
+    with pytest.raises(
+        ValueError, match=r"models\[1\]\.kind \('g'\): kind 'graph'.*not yet on Ray"
+    ):
+        build_app(FleetConfig.model_validate(GRAPH_FLEET))
+
+
+def test_kubernetes_refuses_a_graph_by_name() -> None:
+    from fleetserve.deploy.k8s import RenderOptions, render_fleet
+
+    with pytest.raises(ValueError, match=r"models\[1\]\.kind \(model 'g'\): kind 'graph'"):
+        render_fleet(FleetConfig.model_validate(GRAPH_FLEET), RenderOptions())
