@@ -74,6 +74,16 @@ models:
           steps:
             - {{model: classifier, name: a, weight: 1}}
             - {{model: classifier, name: b, weight: 1}}
+  - name: tell
+    kind: graph
+    graph:
+      nodes:
+        root:
+          type: sequence
+          steps:
+            - {{model: classifier}}
+            - {{model: tiny, input: {{prompt: "Label: {{$steps.classifier.predictions[0].label}}",
+                                     max_tokens: 5, temperature: 0.0}}}}
   - name: slow
     kind: graph
     graph:
@@ -158,6 +168,21 @@ def test_a_chat_graph_streams_its_last_step(fleet: ServerProc) -> None:
     info = (chunks[0].model_extra or {})["fleetserve"]
     assert [s["step"] for s in info["steps"]] == ["vec", "tiny"]
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_completion_graph_answers_and_streams_its_last_step(fleet: ServerProc) -> None:
+    c = client(fleet)
+    direct = c.completions.create(model="tiny", prompt="Label: odd", max_tokens=5, temperature=0.0)
+    body = {"instances": [{"text": "abc"}]}  # odd: 3 letters
+    out = c.completions.create(model="tell", prompt="", extra_body=body)
+    assert out.choices[0].text == direct.choices[0].text and out.model == "tell"
+    steps = (out.model_extra or {})["fleetserve"]["steps"]
+    assert [s["step"] for s in steps] == ["classifier", "tiny"]
+    chunks = list(c.completions.create(model="tell", prompt="", stream=True, extra_body=body))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == direct.choices[0].text
+    assert chunks[0].object == "text_completion"
+    with pytest.raises(openai.BadRequestError, match="takes a prompt; call /v1/completions"):
+        c.chat.completions.create(model="tell", messages=QUESTION, extra_body=body)  # type: ignore[arg-type]
 
 
 def test_a_switch_routes_on_the_request(fleet: ServerProc) -> None:
