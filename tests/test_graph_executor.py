@@ -117,6 +117,26 @@ def test_an_ensemble_runs_its_steps_in_parallel_and_merges_by_name() -> None:
     assert set(out) == {"e", "c"} and out["e"]["data"][0]["embedding"] == [2.0]
 
 
+def shout(request: Any, value: Any, steps: dict[str, Any]) -> dict[str, Any]:
+    """A `map:` function (test_graph_executor:shout)."""
+    return {"prompt": str(request["q"]).upper()}
+
+
+def count_keys(merged: dict[str, Any]) -> dict[str, Any]:
+    """A `merge:` function (test_graph_executor:count_keys)."""
+    return {"steps": sorted(merged)}
+
+
+def test_map_and_merge_functions_reshape_between_steps() -> None:
+    p = plan({"root": {"type": "ensemble", "merge": "test_graph_executor:count_keys", "steps": [
+        {"model": "c", "map": "test_graph_executor:shout"},
+        {"model": "p", "input": {"instances": [{"q": "$request.q"}]}}]}})  # fmt: skip
+    rec = Recorder()
+    out, _ = run(p, {"q": "hi"}, rec)
+    assert out == {"steps": ["c", "p"]}
+    assert ("complete", "c", "HI") in rec.calls
+
+
 def test_a_seeded_splitter_repeats_its_draws_and_follows_the_weights() -> None:
     nodes = {"root": {"type": "splitter", "seed": 3, "steps": [
         {"model": "c", "weight": 9}, {"model": "c2", "weight": 1}]}}  # fmt: skip

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from typing import Any
 
 from fastapi import Request
@@ -60,6 +61,11 @@ async def _run(
         raise APIError(e.status, str(e)) from None
 
 
+def _answered(info: dict[str, Any], start: float) -> None:
+    """The last step's time, once its answer is whole (the trace's last entry)."""
+    info["steps"][-1]["ms"] = round((time.monotonic() - start) * 1e3, 3)
+
+
 def _info(graph: GraphService, trace: Trace) -> dict[str, Any]:
     return {"graph": graph.name, "steps": trace.steps}
 
@@ -102,9 +108,18 @@ async def graph_generate(
         if key in raw:
             body[key] = raw[key]
     info = _info(graph, trace)
-    if chat:
-        return await _answer_chat(request, ctx, body, class_name, info)
-    return await _answer_completion(request, ctx, body, class_name, info)
+    answer = _answer_chat if chat else _answer_completion
+    try:
+        resp = await answer(request, ctx, body, class_name, info)
+    except asyncio.CancelledError:
+        graph.observe_deferred(call.step, "cancelled", None)
+        raise
+    except Exception:
+        graph.observe_deferred(call.step, "error", None)
+        raise
+    ms = info["steps"][-1]["ms"]  # set when answered whole; a stream's end is its own
+    graph.observe_deferred(call.step, "ok", None if ms is None else ms / 1e3)
+    return resp
 
 
 async def _answer_chat(
@@ -120,6 +135,7 @@ async def _answer_chat(
         chat_inputs,
     )
 
+    start = time.monotonic()
     req = parse(ChatCompletionRequest, body)
     prompt, base = await run_cpu(chat_inputs, ctx, req)
     request_id = new_id("chatcmpl")
@@ -129,6 +145,7 @@ async def _answer_chat(
     if req.stream:
         return SSEResponse(_with_info(_stream(ctx, req, request_id, streams), info))
     (final,) = await unless_disconnected(request, collect(streams))
+    _answered(info, start)
     return JSONResponse({**chat_completion_body(ctx, req, request_id, final), "fleetserve": info})
 
 
@@ -145,6 +162,7 @@ async def _answer_completion(
         completion_inputs,
     )
 
+    start = time.monotonic()
     req = parse(CompletionRequest, body)
     prompts, base = completion_inputs(req)
     prompts = await tokenize_large(ctx, prompts)
@@ -155,4 +173,5 @@ async def _answer_completion(
     if req.stream:
         return SSEResponse(_with_info(_stream(ctx, req, request_id, streams), info))
     finals = await unless_disconnected(request, collect(streams))
+    _answered(info, start)
     return JSONResponse({**completion_body(ctx, req, request_id, finals), "fleetserve": info})

@@ -63,10 +63,16 @@ class GraphService:
     def answers_generate(self) -> bool:
         return self.plan.answers_generate
 
-    def _observe(self, step: str, outcome: str, seconds: float) -> None:
+    def _observe(self, step: str, outcome: str, seconds: float | None) -> None:
         node = self._node_of[step]
         self._steps.labels(self.name, node, step, outcome).inc()
-        self._seconds.labels(self.name, node, step).observe(seconds)
+        if seconds is not None:
+            self._seconds.labels(self.name, node, step).observe(seconds)
+
+    def observe_deferred(self, step: str, outcome: str, seconds: float | None) -> None:
+        """The last step, run by the HTTP layer (seconds: None for a stream, whose end
+        the step does not see)."""
+        self._observe(step, outcome, seconds)
 
     async def run(
         self, client: FleetClient, request: Any, defer_last: bool = False
