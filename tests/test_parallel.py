@@ -6,7 +6,7 @@ prefix, chunked prefill, a KV cache small enough to force preemption, logprobs a
 prompt logprobs, and one seeded sampled request. The single-process engine on the same
 settings is the reference. The architecture variants cover what sharding can get wrong:
 fewer KV heads than ranks (MQA, replicated), head_dim != hidden / heads, tied embeddings,
-a vocabulary that does not split evenly, q/k/v biases and q/k norms.
+a vocabulary that does not split evenly, q/k/v biases and q/k norms, Gemma 3's layers.
 """
 
 from __future__ import annotations
@@ -44,7 +44,17 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral_mqa_odd_vocab": ("mistral", {"num_key_value_heads": 1, "vocab_size": 643}),
     "qwen2_tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3_head_dim_32": ("qwen3", {"head_dim": 32}),  # hidden 64 / 4 heads would be 16
+    # Gemma 3: sandwich norms (1 + w added at load), GeGLU, embedding scale (first stage
+    # only), local layers with a 16-token window and their own RoPE base; tied head.
+    "gemma3": ("gemma3", {"num_hidden_layers": 4}),
 }
+# Gemma's local layers free the blocks that slide out of their window: at 24 blocks the
+# shared prefix's are gone before it is reused; at 32 the workload both hits and preempts.
+ENGINE_OVERRIDES: dict[str, dict[str, Any]] = {"gemma3": {"num_kv_blocks": 32}}
+
+
+def engine_args(name: str) -> dict[str, Any]:
+    return {**ENGINE_ARGS, **ENGINE_OVERRIDES.get(name, {})}
 
 
 def make_workload() -> tuple[list[dict[str, list[int]]], list[SamplingParams]]:
@@ -97,7 +107,7 @@ def model_path(tiny_model_factory: Callable[..., str]) -> Callable[[str], str]:
 
 def reference(name: str, path: str) -> list[Any]:
     if name not in _REFERENCE:
-        llm = LLM(path, **ENGINE_ARGS)
+        llm = LLM(path, **engine_args(name))
         _REFERENCE[name] = run_workload(llm)
         assert llm.engine.core.scheduler.num_preemptions > 0, "the workload must preempt"
         llm.engine.shutdown()
@@ -139,7 +149,7 @@ def test_parallel_matches_single_process(
     path = model_path(name)
     want = reference(name, path)
     tp, pp = LAYOUTS[layout]
-    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE_ARGS)
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **engine_args(name))
     pids = worker_pids(llm)
     assert len(pids) == tp * pp
     try:

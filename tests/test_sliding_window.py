@@ -215,9 +215,13 @@ def test_prefix_cache_hits_across_the_window(model_path: str) -> None:
     assert core.block_manager.num_hit_tokens >= 32  # prompt 5 reused prompt 4's blocks
 
 
-def test_gemma3_refuses_parallelism(tiny_model_factory: Callable[..., str]) -> None:
-    path = tiny_model_factory(*MODELS["gemma3"][:1], **MODELS["gemma3"][1])
-    with pytest.raises(ValueError, match="Gemma3ForCausalLM runs in one process"):
+def test_gemma3_refuses_an_o_proj_bias_under_tensor_parallelism(
+    tiny_model_factory: Callable[..., str],
+) -> None:
+    """Gemma 3 runs under TP/PP (tests/test_parallel.py); only an o_proj bias, which the
+    row-parallel projection does not carry, is refused by name."""
+    path = tiny_model_factory("gemma3", num_hidden_layers=2, attention_bias=True)
+    with pytest.raises(ValueError, match="Gemma3ForCausalLM with attention_bias"):
         EngineCore(*EngineArgs(model=path, tensor_parallel_size=2).resolve())
 
 
@@ -233,12 +237,11 @@ def test_mistral_window_under_parallelism_matches_hf(
     assert [tokens[str(i)] for i in range(len(PROMPTS))] == hf_greedy(path)
 
 
-def test_gemma3_conditional_generation_checkpoint_serves_its_text_model(
-    tiny_model_factory: Callable[..., str], tmp_path: Any
-) -> None:
-    """A Gemma3ForConditionalGeneration folder (vision tower + language model): the
-    engine reads its text config and language-model tensors and answers as the text
-    model does."""
+def _conditional_generation_checkpoint(
+    tiny_model_factory: Callable[..., str], out: Path
+) -> tuple[str, str]:
+    """A Gemma3ForConditionalGeneration folder (vision tower + language model) whose
+    language model is a tiny text checkpoint's: (that folder, the text checkpoint)."""
     import json
     import shutil
 
@@ -257,9 +260,30 @@ def test_gemma3_conditional_generation_checkpoint_serves_its_text_model(
     state = Gemma3ForCausalLM.from_pretrained(text_path).state_dict()
     lm = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
     mm.model.language_model.load_state_dict(lm)
-    mm.save_pretrained(tmp_path)
+    mm.save_pretrained(out)
     for f in Path(text_path).iterdir():
         if "token" in f.name or f.name == "generation_config.json":
-            shutil.copy(f, tmp_path)
-    tokens, _, _ = run_engine(str(tmp_path), GREEDY)
+            shutil.copy(f, out)
+    return str(out), text_path
+
+
+def test_gemma3_conditional_generation_checkpoint_serves_its_text_model(
+    tiny_model_factory: Callable[..., str], tmp_path: Any
+) -> None:
+    """The engine reads its text config and language-model tensors and answers as the
+    text model does."""
+    path, text_path = _conditional_generation_checkpoint(tiny_model_factory, tmp_path)
+    tokens, _, _ = run_engine(path, GREEDY)
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == hf_greedy(text_path)
+
+
+@pytest.mark.slow
+def test_gemma3_conditional_generation_checkpoint_under_tensor_parallelism(
+    tiny_model_factory: Callable[..., str], tmp_path: Any
+) -> None:
+    """The ranks read their slices under the checkpoint's language-model names (and
+    add the norms' 1 as the one-process load does)."""
+    path, text_path = _conditional_generation_checkpoint(tiny_model_factory, tmp_path)
+    tokens, core, _ = run_engine(path, GREEDY, tensor_parallel_size=2)
+    core.executor.shutdown()
     assert [tokens[str(i)] for i in range(len(PROMPTS))] == hf_greedy(text_path)

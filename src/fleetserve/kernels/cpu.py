@@ -127,12 +127,13 @@ def load() -> ctypes.CDLL | None:
     lib.rms_norm.argtypes = [p, i64, p, p, p, i64, i64, f32, i32]
     lib.rms_norm_heads.argtypes = [p, i64, i32, p, p, i64, i32, f32, i32]
     lib.silu_mul.argtypes = [p, i64, p, i64, i64, i32]
+    lib.gelu_tanh_mul.argtypes = [p, i64, p, i64, i64, i32]
     lib.rotary.argtypes = [p, i64, i32, p, i64, i32, i32, p, p, p, i64, i32]
     lib.cache_write.argtypes = [p, i64, p, i64, p, p, p, p, i64, i32, i32, i32, i32]
     lib.gemm_pack_weight.argtypes = [p, i64, i64, p, i32]
     for fn in (
-        lib.rms_norm, lib.rms_norm_heads, lib.silu_mul, lib.rotary, lib.cache_write,
-        lib.gemm_pack_weight,
+        lib.rms_norm, lib.rms_norm_heads, lib.silu_mul, lib.gelu_tanh_mul, lib.rotary,
+        lib.cache_write, lib.gemm_pack_weight,
     ):  # fmt: skip
         fn.restype = None
     lib.gemm_packed.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i32]
@@ -196,12 +197,19 @@ def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, where each row of ``gate_up`` is [gate | up]."""
+    return _gated(gate_up, _lib().silu_mul)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up (Gemma's GeGLU), each row of ``gate_up`` [gate | up]."""
+    return _gated(gate_up, _lib().gelu_tanh_mul)
+
+
+def _gated(gate_up: torch.Tensor, fn: Any) -> torch.Tensor:
     rows, two_n = gate_up.shape
     stride = _rows("gate_up", gate_up)
     out = torch.empty(rows, two_n // 2)
-    _lib().silu_mul(
-        gate_up.data_ptr(), stride, out.data_ptr(), rows, two_n // 2, torch.get_num_threads()
-    )
+    fn(gate_up.data_ptr(), stride, out.data_ptr(), rows, two_n // 2, torch.get_num_threads())
     return out
 
 

@@ -27,6 +27,12 @@
  *   h = silu(gate) * up; x = h @ Wdown^T             private; split           | barrier
  * and after the last layer, out = rmsnorm(res += x).
  *
+ * Gemma 3's layers ("sandwich" norms) add two norms and another activation, each a row
+ * function in the same place: the attention's output is normed before it joins the
+ * residual (attn_out_norm), the MLP's too (mlp_out_norm, read by the next layer's input
+ * norm instead of x), the MLP is gelu_tanh(gate) * up, and its local layers carry their
+ * own rotary tables. The embedding scale is applied by the caller (x is scaled).
+ *
  * A step with a sequence of several rows (a prefill chunk, a draft under verification)
  * first prepares every row's heads and writes its keys (split by rows | barrier), then
  * attends by (sequence, tile of rows, kv head): a row reads the keys of the rows before
@@ -75,6 +81,7 @@ void attend_tile_dispatch(const float *q, int64_t q_stride, const float *k_cache
 
 /* The plan: mirrored field for field by kernels/decode_step.py (ctypes). */
 enum { W_QUANT = 0, W_PACKED = 1 };
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 #define MAX_SEGMENTS 3
 
 typedef struct {
@@ -99,6 +106,10 @@ typedef struct {
     ds_linear qkv, o, gate_up, down;
     float *k_cache, *v_cache; /* kv_cache_shapes (cpu.py): keys d-major in a block */
     int32_t window;           /* sliding window W (keys p - W + 1 .. p); 0: none */
+    /* Gemma 3: norms of the attention's and the MLP's outputs (NULL: none), this layer's
+     * rotary tables (NULL: the plan's). */
+    const float *attn_out_norm, *mlp_out_norm;
+    const float *cos, *sin;
 } ds_layer;
 
 typedef struct {
@@ -108,6 +119,7 @@ typedef struct {
     const float *final_norm;
     const ds_layer *layers;
     const void *lora; /* lora.c's lora_step for this step's adapter rows; NULL: none */
+    int32_t activation; /* ACT_SILU, ACT_GELU_TANH */
 } ds_plan;
 
 /* The step's rows: m tokens of num_seqs sequences laid out back to back (the runner's
@@ -226,7 +238,8 @@ static void prepare_heads(const ds_plan *p, const ds_layer *L, float *qkv, int64
     const int64_t q_size = (int64_t)p->num_heads * hd, kv_size = (int64_t)p->num_kv_heads * hd;
     float *row = qkv + t * ldq;
     const int64_t pos = rw->positions[t];
-    const float *c = p->cos + pos * (hd / 2), *s = p->sin + pos * (hd / 2);
+    const float *cos_t = L->cos ? L->cos : p->cos, *sin_t = L->sin ? L->sin : p->sin;
+    const float *c = cos_t + pos * (hd / 2), *s = sin_t + pos * (hd / 2);
     for (int h = h0; h < h1; h++) {
         float *q = row + (int64_t)h * group * hd, *k = row + q_size + (int64_t)h * hd;
         float *v = k + kv_size;
@@ -405,12 +418,15 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
             }
         }
         FOR_ROWS(wide, r, m, memcpy(res + r * H, x + r * H, (size_t)H * sizeof(float)));
+        /* What the last layer added to the residual stream: its down projection's output,
+         * or (Gemma) that output normed into h. */
+        float *added = xs;
         for (int l = 0; l < p->num_layers; l++) {
             const ds_layer *L = &p->layers[l];
             const ds_rows *lr = L->window > 0 && w_tables ? &rw_window : &rw;
             FOR_ROWS(wide, r, m,
-                     rms_row(l ? xs + r * H : res + r * H, l ? res + r * H : NULL, h + r * H,
-                             L->input_norm, H, p->eps));
+                     rms_row(l ? added + r * H : res + r * H, l ? res + r * H : NULL,
+                             h + r * H, L->input_norm, H, p->eps));
             prepare_x(h, m, H, &sc, wide);
             projection_share(p, l, 0, &L->qkv, h, H, &sc, qkv, ldq, m, wide);
             if (!all_decode) {
@@ -426,22 +442,38 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                                all_decode, scores);
             prepare_x(attn, m, q_size, &sc, wide);
             projection_share(p, l, 1, &L->o, attn, q_size, &sc, xs, H, m, wide);
-            FOR_ROWS(wide, r, m,
-                     rms_row(xs + r * H, res + r * H, h + r * H, L->post_norm, H, p->eps));
+            if (L->attn_out_norm)
+                FOR_ROWS(wide, r, m,
+                         rms_row(xs + r * H, NULL, h + r * H, L->attn_out_norm, H, p->eps);
+                         rms_row(h + r * H, res + r * H, h + r * H, L->post_norm, H, p->eps));
+            else
+                FOR_ROWS(wide, r, m,
+                         rms_row(xs + r * H, res + r * H, h + r * H, L->post_norm, H, p->eps));
             prepare_x(h, m, H, &sc, wide);
             projection_share(p, l, 2, &L->gate_up, h, H, &sc, gu, 2 * I, m, wide);
-            FOR_ROWS(wide, r, m, silu_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
+            if (p->activation == ACT_GELU_TANH)
+                FOR_ROWS(wide, r, m,
+                         gelu_tanh_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
+            else
+                FOR_ROWS(wide, r, m,
+                         silu_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
             prepare_x(h, m, I, &sc, wide);
             projection_share(p, l, 3, &L->down, h, I, &sc, xs, H, m, wide);
+            added = xs;
+            if (L->mlp_out_norm) {
+                FOR_ROWS(wide, r, m,
+                         rms_row(xs + r * H, NULL, h + r * H, L->mlp_out_norm, H, p->eps));
+                added = h;
+            }
         }
         if (wide) {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < m; r++)
-                rms_row(xs + r * H, res + r * H, out + r * H, p->final_norm, H, p->eps);
+                rms_row(added + r * H, res + r * H, out + r * H, p->final_norm, H, p->eps);
         } else {
 #pragma omp master
             for (int64_t r = 0; r < m; r++)
-                rms_row(xs + r * H, res + r * H, out + r * H, p->final_norm, H, p->eps);
+                rms_row(added + r * H, res + r * H, out + r * H, p->final_norm, H, p->eps);
         }
     }
     free(buf);

@@ -20,6 +20,7 @@ from fleetserve.kernels.cpu import PackedWeight
 from fleetserve.kernels.quant import QuantWeight
 
 W_QUANT, W_PACKED = 0, 1
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the MLP's gate activation (ACT_* in C)
 MAX_SEGMENTS = 3
 _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
@@ -42,6 +43,7 @@ class _Layer(ctypes.Structure):
         ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
         ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
         ("k_cache", _p), ("v_cache", _p), ("window", _i32),
+        ("attn_out_norm", _p), ("mlp_out_norm", _p), ("cos", _p), ("sin", _p),
     ]  # fmt: skip
 
 
@@ -50,7 +52,7 @@ class _Plan(ctypes.Structure):
         ("num_layers", _i32), ("hidden", _i32), ("num_heads", _i32), ("num_kv_heads", _i32),
         ("head_dim", _i32), ("intermediate", _i32), ("block_size", _i32),
         ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("final_norm", _p),
-        ("layers", ctypes.POINTER(_Layer)), ("lora", _p),
+        ("layers", ctypes.POINTER(_Layer)), ("lora", _p), ("activation", _i32),
     ]  # fmt: skip
 
 
@@ -90,6 +92,12 @@ class LayerWeights:
     v_cache: torch.Tensor
     # Sliding window W: keys p - W + 1 .. p only (None: every key).
     window: int | None = None
+    # Gemma 3: the norms of the attention's and the MLP's outputs (None: none), and the
+    # layer's own rotary tables [max_position, head_dim / 2] (None: the plan's).
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,7 @@ class PlanShape:
     block_size: int
     eps: float
     scale: float
+    activation: str = "silu"  # a key of ACTIVATIONS
 
 
 class DecodePlan:
@@ -144,11 +153,16 @@ class DecodePlan:
             dst.k_cache = self._ptr(w.k_cache)
             dst.v_cache = self._ptr(w.v_cache)
             dst.window = w.window or 0
+            for name in ("attn_out_norm", "mlp_out_norm", "cos", "sin"):
+                t = getattr(w, name)
+                setattr(dst, name, None if t is None else self._ptr(t))
         s = shape
+        if s.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {s.activation!r} is not one of {sorted(ACTIVATIONS)}")
         self._plan = _Plan(
             len(layers), s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate,
             s.block_size, s.eps, s.scale, self._ptr(cos), self._ptr(sin), self._ptr(final_norm),
-            self._layers,
+            self._layers, None, ACTIVATIONS[s.activation],
         )  # fmt: skip
 
     def _ptr(self, t: torch.Tensor) -> int:

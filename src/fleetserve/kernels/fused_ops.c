@@ -42,6 +42,21 @@ NOINLINE void silu_row(const float *g, const float *u, float *o, int64_t n) {
     for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
+/* o = gelu_tanh(g) * u (Gemma's GeGLU), gelu_tanh(g) = 0.5 g (1 + tanh(y)) with
+ * y = sqrt(2 / pi) (g + 0.044715 g^3), written as g * sigmoid(2 y): the same value. The
+ * exponent is clamped to +-80: -ffast-math assumes no infinities, and exp's overflow
+ * (|g| past ~10) would otherwise give NaN; at 80 the sigmoid is already 0 or 1. */
+NOINLINE void gelu_tanh_row(const float *g, const float *u, float *o, int64_t n) {
+    const float c = 1.5957691216057308f; /* 2 sqrt(2 / pi) */
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        const float x = g[i];
+        float z = -c * (x + 0.044715f * x * x * x);
+        z = z > 80.f ? 80.f : (z < -80.f ? -80.f : z);
+        o[i] = x / (1.f + expf(z)) * u[i];
+    }
+}
+
 /* "Rotate half" of heads [0, heads) at x (head_dim apart), cos/sin rows c, s. */
 NOINLINE void rotate_row(float *x, int heads, int head_dim, const float *c,
                               const float *s) {
@@ -98,6 +113,13 @@ void silu_mul(const float *gate_up, int64_t stride, float *out, int64_t rows, in
 #pragma omp parallel for num_threads(threads) if (rows * n >= PAR_MIN) schedule(static)
     for (int64_t m = 0; m < rows; m++)
         silu_row(gate_up + m * stride, gate_up + m * stride + n, out + m * n, n);
+}
+
+void gelu_tanh_mul(const float *gate_up, int64_t stride, float *out, int64_t rows, int64_t n,
+                   int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * n >= PAR_MIN) schedule(static)
+    for (int64_t m = 0; m < rows; m++)
+        gelu_tanh_row(gate_up + m * stride, gate_up + m * stride + n, out + m * n, n);
 }
 
 /* Heads [0, num_heads) of token t start at x + t * stride + h * head_dim. cos/sin rows

@@ -16,6 +16,9 @@ void rms_row(const float *x, float *res, float *o, const float *w, int64_t n, fl
 /* o = silu(g) * u */
 void silu_row(const float *g, const float *u, float *o, int64_t n);
 
+/* o = gelu_tanh(g) * u (Gemma's GeGLU) */
+void gelu_tanh_row(const float *g, const float *u, float *o, int64_t n);
+
 /* "Rotate half" of heads [0, heads) at x (head_dim apart), cos/sin rows c, s. */
 void rotate_row(float *x, int heads, int head_dim, const float *c, const float *s);
 

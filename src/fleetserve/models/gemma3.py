@@ -19,17 +19,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fleetserve.config import ModelConfig
+from fleetserve.forward_context import cpu_kernels_active
+from fleetserve.kernels import cpu as cpu_kernels
+from fleetserve.kernels.decode_step import DecodePlan
 from fleetserve.layers.linear import Linear
 from fleetserve.layers.norm import RMSNorm
 from fleetserve.layers.rotary import RotaryEmbedding
+from fleetserve.lora.context import lora_rows
 from fleetserve.models.llama import LlamaAttention, LlamaForCausalLM
+from fleetserve.models.llama_decode import run_decode
+
+if TYPE_CHECKING:
+    from fleetserve.lora.fused import FusedLoRA
 
 
 def rope_settings(
@@ -72,6 +80,8 @@ class Gemma3Attention(LlamaAttention):
 
 
 class Gemma3MLP(nn.Module):
+    activation = "gelu_tanh"  # the C decode step's name for it (kernels/decode_step.py)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         act = cfg.hf_config.get("hidden_activation", "gelu_pytorch_tanh")
@@ -82,7 +92,10 @@ class Gemma3MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_kernels_active():  # the row code the C decode step runs
+            return self.down_proj(cpu_kernels.gelu_tanh_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
@@ -125,11 +138,20 @@ class Gemma3Model(nn.Module):
             ]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.decode_plan = None  # no C decode step for Gemma (yet): the module path
+        # The whole step in one C call (models/llama_decode.py), bound by the runner, and
+        # the LoRA slots it applies to adapter rows (lora/fused.py), as LlamaModel's.
+        self.decode_plan: DecodePlan | None = None
+        self.decode_lora: FusedLoRA | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # transformers multiplies by the scale cast to the weights' dtype.
         x = self.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=torch.float32)
+        groups = lora_rows()
+        if self.decode_plan is not None and (groups is None or self.decode_lora is not None):
+            lora = None if groups is None else cast("FusedLoRA", self.decode_lora).step(groups)
+            out = run_decode(self.decode_plan, x, positions, lora)
+            if out is not None:
+                return out
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
@@ -148,8 +170,6 @@ def _ropes(cfg: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding]:
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    decode_step_capable = False
-
     def __init__(self, cfg: ModelConfig) -> None:
         nn.Module.__init__(self)
         self.config = cfg
@@ -199,6 +219,12 @@ _VISION_PREFIXES = (
     "model.vision_tower.",
     "model.multi_modal_projector.",
 )
+
+
+def text_model_names(names: Iterable[str]) -> dict[str, str]:
+    """The text model's tensor name -> the checkpoint's (they differ in a
+    Gemma3ForConditionalGeneration checkpoint); vision tensors left out."""
+    return {text: name for name in names if (text := _text_model_name(name)) is not None}
 
 
 def _text_model_name(name: str) -> str | None:

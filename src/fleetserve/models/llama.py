@@ -85,6 +85,8 @@ class LlamaAttention(nn.Module):
 class GatedMLP(nn.Module):
     """down(silu(gate x) * up x), gate and up fused in one projection."""
 
+    activation = "silu"  # the C decode step's name for it (kernels/decode_step.py)
+
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size

@@ -4,8 +4,10 @@
 whose caches are bound, when every piece of it is something the C step runs: projections
 kept in GGUF blocks (`QuantLinear`) or packed for the float32 GEMM (`Linear.packed`), a
 qkv bias (Qwen2) or q/k norm (Qwen3), sliding-window layers (Mistral; Qwen2/3's upper
-layers, from their own block pool), the CPU kernels' cache layout, one process (no
-tensor or pipeline parallelism). Otherwise the model keeps only its module path.
+layers, from their own block pool), Gemma 3's layers (its output norms, GeGLU and the
+local layers' own rotary tables: `_gemma_parts`), the CPU kernels' cache layout, one
+process (no tensor or pipeline parallelism). Otherwise the model keeps only its module
+path.
 
 `run_decode` is what `LlamaModel.forward` asks first: for any step the scheduler builds
 (decodes, prefill chunks with or without cached context, draft verification rows, any
@@ -17,7 +19,7 @@ values with the same C code, the GEMMs switching kernels at the same row counts
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +50,24 @@ def _weights(layer: torch.nn.Module) -> tuple[Weights, torch.Tensor | None] | No
     return None
 
 
+def _gemma_parts(dec: Any, plan_rope: object) -> dict[str, torch.Tensor]:
+    """Gemma 3's extra pieces of a decoder layer (models/gemma3.py), named as
+    LayerWeights' fields: its pre-MLP norm in `post_norm`, the norms of the attention's
+    and the MLP's outputs, and its rotary tables when they are not the plan's (the local
+    layers' base). Empty for the Llama family."""
+    if not hasattr(dec, "pre_feedforward_layernorm"):
+        return {}
+    parts = {
+        "post_norm": dec.pre_feedforward_layernorm.weight.detach(),
+        "attn_out_norm": dec.post_attention_layernorm.weight.detach(),
+        "mlp_out_norm": dec.post_feedforward_layernorm.weight.detach(),
+    }
+    rope = dec.self_attn.rope
+    if rope is not plan_rope:
+        parts.update(cos=rope.cos, sin=rope.sin)
+    return parts
+
+
 def build_decode_plan(model: LlamaForCausalLM) -> DecodePlan | None:
     """The plan for `model`, or None when some part of it is outside the C step."""
     cfg = model.config
@@ -60,6 +80,7 @@ def build_decode_plan(model: LlamaForCausalLM) -> DecodePlan | None:
         return None
     layers: list[LayerWeights] = []
     block_size = 0
+    plan_rope = model.decoder_layers()[0].self_attn.rope if model.decoder_layers() else None
     for dec in model.decoder_layers():
         attn, mlp = dec.self_attn, dec.mlp
         parts = [_weights(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
@@ -76,25 +97,26 @@ def build_decode_plan(model: LlamaForCausalLM) -> DecodePlan | None:
         got = (tuple(k_cache.shape), tuple(v_cache.shape))
         if got != want or kv_heads != cfg.num_key_value_heads:
             return None
-        layers.append(
-            LayerWeights(
-                input_norm=dec.input_layernorm.weight.detach(),
-                post_norm=dec.post_attention_layernorm.weight.detach(),
-                q_norm=attn.q_norm.weight.detach() if attn.qk_norm else None,
-                k_norm=attn.k_norm.weight.detach() if attn.qk_norm else None,
-                qkv=qkv,
-                qkv_bias=qkv_bias,
-                o=o,
-                gate_up=gu,
-                down=down,
-                k_cache=k_cache,
-                v_cache=v_cache,
-                window=attn.attn.sliding_window,
-            )
+        pieces: dict[str, Any] = dict(
+            input_norm=dec.input_layernorm.weight.detach(),
+            post_norm=dec.post_attention_layernorm.weight.detach(),
+            q_norm=attn.q_norm.weight.detach() if attn.qk_norm else None,
+            k_norm=attn.k_norm.weight.detach() if attn.qk_norm else None,
+            qkv=qkv,
+            qkv_bias=qkv_bias,
+            o=o,
+            gate_up=gu,
+            down=down,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            window=attn.attn.sliding_window,
         )
+        pieces.update(_gemma_parts(dec, plan_rope))
+        layers.append(LayerWeights(**pieces))
     if not layers:
         return None
     first = model.decoder_layers()[0].self_attn
+    first_mlp = model.decoder_layers()[0].mlp
     shape = PlanShape(
         hidden=cfg.hidden_size,
         num_heads=cfg.num_attention_heads,
@@ -104,6 +126,7 @@ def build_decode_plan(model: LlamaForCausalLM) -> DecodePlan | None:
         block_size=block_size,
         eps=cfg.rms_norm_eps,
         scale=first.attn.scale,
+        activation=getattr(first_mlp, "activation", "silu"),
     )
     rope = first.rope
     return DecodePlan(shape, layers, rope.cos, rope.sin, model.model.norm.weight.detach())

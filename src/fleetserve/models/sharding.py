@@ -24,6 +24,12 @@ from fleetserve.distributed.parallel_state import (
 from fleetserve.layers.attention import Attention
 from fleetserve.layers.linear import Linear
 from fleetserve.layers.parallel import LogitsGather, RowParallelLinear, VocabParallelEmbedding
+from fleetserve.models.gemma3 import (
+    Gemma3DecoderLayer,
+    Gemma3ForCausalLM,
+    Gemma3Model,
+    text_model_names,
+)
 from fleetserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from fleetserve.models.loader import ModelSource
 from fleetserve.models.moe import MoeForCausalLM, SparseMoeBlock
@@ -33,10 +39,10 @@ from fleetserve.models.moe_sharding import check_moe_parallel, load_moe_shards, 
 def check_parallel_config(cfg: ModelConfig, parallel: ParallelConfig) -> None:
     """Raise ValueError when the model cannot be split this way."""
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-    if cfg.architecture == "Gemma3ForCausalLM" and tp * pp > 1:
+    if cfg.architecture == "Gemma3ForCausalLM" and cfg.attention_bias and tp > 1:
         raise ValueError(
-            "Gemma3ForCausalLM runs in one process: tensor/pipeline parallelism of its "
-            "layers is not supported yet (use tensor_parallel_size=1, pipeline_parallel_size=1)"
+            "Gemma3ForCausalLM with attention_bias (an o_proj bias) is not supported under "
+            "tensor parallelism (use tensor_parallel_size=1)"
         )
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     if heads % tp:
@@ -72,7 +78,7 @@ def shard_model(model: LlamaForCausalLM, ctx: ParallelContext) -> None:
     num_kv_heads = len(kv_head_range(cfg.num_key_value_heads, tp, ctx.tp_rank))
     inter = cfg.intermediate_size // tp
     for layer in inner.layers:
-        assert isinstance(layer, LlamaDecoderLayer)
+        assert isinstance(layer, LlamaDecoderLayer | Gemma3DecoderLayer)
         attn = layer.self_attn
         attn.num_heads, attn.num_kv_heads = num_heads, num_kv_heads
         attn.q_size, attn.kv_size = num_heads * hd, num_kv_heads * hd
@@ -93,6 +99,8 @@ def shard_model(model: LlamaForCausalLM, ctx: ParallelContext) -> None:
         inner.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, hidden, ctx)  # type: ignore[assignment]
     else:
         inner.embed_tokens = nn.Identity()  # type: ignore[assignment]
+        if isinstance(inner, Gemma3Model):  # its input is a stream, scaled already
+            inner.embed_scale = 1.0
     if not ctx.is_last_stage:
         inner.norm = nn.Identity()  # type: ignore[assignment]
         model.lm_head = None
@@ -152,13 +160,20 @@ def load_shards(model: LlamaForCausalLM, source: ModelSource, ctx: ParallelConte
     """Fill every parameter of a sharded model, reading only its slice of each tensor."""
     dtype = model.config.dtype
     moe_done = load_moe_shards(model, source, ctx) if isinstance(model, MoeForCausalLM) else set()
+    # Gemma 3: a ConditionalGeneration checkpoint's names for the text model's tensors,
+    # and the norms' (1 + w) added as its load_weights adds it (in float32, then cast).
+    gemma = isinstance(model, Gemma3ForCausalLM)
+    names = text_model_names(source.tensor_names()) if gemma else {}
     for name, param in model.named_parameters():
         if name in moe_done:
             continue
         pieces = _pieces(name, model, ctx) or [(name, -1, 0, 0, 0)]
         param.data.zero_()  # vocab padding rows stay zero
         for src, dim, start, end, offset in pieces:
-            if dim < 0:
+            src = names.get(src, src)
+            if gemma and name.endswith("norm.weight"):
+                part = source.get_tensor(src, torch.float32) + 1.0
+            elif dim < 0:
                 part = source.get_tensor(src, dtype)
             else:
                 part = source.get_slice(src, dim, start, end, dtype)
