@@ -260,3 +260,15 @@ def test_a_bad_graph_is_refused_at_start_with_its_key_path(
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ})
     assert done.returncode != 0
     assert key in done.stderr + done.stdout, done.stderr[-2000:]
+
+
+def test_a_graph_is_listed_and_the_status_pages_serve_it(fleet: ServerProc) -> None:
+    kinds = {m.id: (m.model_extra or {}).get("kind") for m in client(fleet).models.list()}
+    assert kinds["rag"] == "graph" and kinds["tiny"] == "generate"
+    for path in ("/health", "/ready", "/dashboard/api/snapshot", "/metrics"):
+        r = httpx.get(fleet.url + path, timeout=30)
+        assert r.status_code == 200, (path, r.text[:500])
+    assert (
+        'fleetserve:graph_requests_total{model_name="ab",outcome="ok"}'
+        in httpx.get(fleet.url + "/metrics", timeout=30).text
+    )
