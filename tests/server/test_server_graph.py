@@ -94,6 +94,10 @@ models:
           steps:
             - {{model: tiny, input: {{prompt: "The sea", max_tokens: 400, ignore_eos: true}}}}
             - {{model: classifier, input: {{instances: [{{text: x}}]}}}}
+classes:
+  interactive: {{priority: 0}}
+  batch: {{priority: 10}}
+default_class: interactive
 """
 QUESTION = [{"role": "user", "content": "Where is the moon?"}]
 
@@ -272,3 +276,18 @@ def test_a_graph_is_listed_and_the_status_pages_serve_it(fleet: ServerProc) -> N
         'fleetserve:graph_requests_total{model_name="ab",outcome="ok"}'
         in httpx.get(fleet.url + "/metrics", timeout=30).text
     )
+
+
+def test_a_graph_step_runs_in_the_request_s_class(fleet: ServerProc) -> None:
+    key = "fleetserve:e2e_request_latency_seconds_count"
+    before = scrape(fleet.url)
+    body = {"instances": [{"text": "abc"}]}
+    for path in ("/v1/models/tell:predict", "/v1/completions"):  # a step, then the answer
+        extra = {} if "predict" in path else {"model": "tell", "prompt": ""}
+        r = httpx.post(fleet.url + path, json={**body, **extra}, timeout=60,
+                       headers={"X-Fleetserve-Class": "batch"})  # fmt: skip
+        assert r.status_code == 200, r.text
+    after = scrape(fleet.url)
+    for cls, n in (("batch", 2), ("interactive", 0)):
+        got = metric(after, key, model_name="tiny", **{"class": cls})
+        assert got - metric(before, key, model_name="tiny", **{"class": cls}) == n, cls
