@@ -1,4 +1,4 @@
-"""kind: graph's mapping language and load-time checks (not wired into the server yet)."""
+"""kind: graph's mapping language and load-time checks (the executor: test_graph_executor.py)."""
 
 from __future__ import annotations
 

@@ -204,6 +204,11 @@ def render_fleet(fleet: FleetConfig, opts: RenderOptions) -> list[Manifest]:
             )
         if opts.ray is None:
             _refuse_ray_only(i, m)
+        if m.kind == "graph":  # serve/pipelines/graph_*.py runs its steps in one server
+            raise ValueError(
+                f"models[{i}].kind (model {m.name!r}): kind 'graph' is served by `fleetserve "
+                "serve` (one server with its models) only; it is not rendered for Kubernetes yet"
+            )
     slugs = [model_slug(m.name) for m in fleet.models]
     for i, slug in enumerate(slugs):
         if slugs.index(slug) != i:

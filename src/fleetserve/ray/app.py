@@ -146,6 +146,11 @@ def build_app(
                 f"models[{i}] ({entry.name!r}): kind 'cascade' is served by `fleetserve serve` "
                 "without --ray only (not yet on Ray)"
             )
+        if entry.kind == "graph":  # serve/pipelines/graph_*.py: the local server only, for now
+            raise ValueError(
+                f"models[{i}].kind ({entry.name!r}): kind 'graph' is served by `fleetserve "
+                "serve` without --ray only (not yet on Ray)"
+            )
     handles: dict[str, Any] = {}
     pool_handles: dict[str, dict[str, Any]] = {}  # model -> pool -> its deployment
     max_ongoing: dict[str, int] = {}

@@ -264,7 +264,12 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse(out)
 
     async def predict(name: str, request: Request) -> Response:
-        body = parse(PredictRequest, await read_body(ctx, request))
+        raw = await read_body(ctx, request)
+        if (graph := ctx.graph(name)) is not None:  # serve/pipelines/graph_*.py
+            from fleetserve.entrypoints.openai.serving_graph import graph_predict
+
+            return await graph_predict(request, ctx.registry, graph, raw)
+        body = parse(PredictRequest, raw)
         service = ctx.model(name, "custom")
         assert isinstance(service, Predictor)
         class_name = service_class(request, None)  # its handler's sub-calls take it

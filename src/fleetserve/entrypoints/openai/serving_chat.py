@@ -141,7 +141,12 @@ def chat_completion_body(
 
 
 async def create_chat_completion(server: ServingContext, request: Request) -> Response:
-    req = parse(ChatCompletionRequest, await read_body(server, request))
+    raw = await read_body(server, request)
+    if (graph := server.graph(raw.get("model"))) is not None:  # serve/pipelines/graph_*.py
+        from fleetserve.entrypoints.openai.serving_graph import graph_generate
+
+        return await graph_generate(request, server.registry, graph, raw, chat=True)
+    req = parse(ChatCompletionRequest, raw)
     if (cascade := server.cascade(req.model)) is not None:  # serve/pipelines/
         from fleetserve.entrypoints.openai.serving_cascade import create_cascade_chat
 

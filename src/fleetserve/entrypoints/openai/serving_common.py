@@ -118,6 +118,11 @@ class ServingContext:
         service = self.registry.services.get(name) if name is not None else None
         return service if service is not None and service.kind == "cascade" else None
 
+    def graph(self, name: Any) -> Any:
+        """The graph called `name` (serve/pipelines/graph_service.py), or None."""
+        service = self.registry.services.get(name) if isinstance(name, str) else None
+        return service if service is not None and service.kind == "graph" else None
+
     def generate_model(self, name: str | None) -> ModelContext:
         service = self.model(name, "generate")
         assert isinstance(service, GenerateFrontend)

@@ -74,7 +74,12 @@ def completion_inputs(req: CompletionRequest) -> tuple[list[Any], SamplingParams
 
 
 async def create_completion(server: ServingContext, request: Request) -> Response:
-    req = parse(CompletionRequest, await read_body(server, request))
+    raw = await read_body(server, request)
+    if (graph := server.graph(raw.get("model"))) is not None:  # serve/pipelines/graph_*.py
+        from fleetserve.entrypoints.openai.serving_graph import graph_generate
+
+        return await graph_generate(request, server.registry, graph, raw, chat=False)
+    req = parse(CompletionRequest, raw)
     if (cascade := server.cascade(req.model)) is not None:  # serve/pipelines/
         from fleetserve.entrypoints.openai.serving_cascade import create_cascade_completion
 

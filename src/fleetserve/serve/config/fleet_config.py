@@ -74,9 +74,11 @@ from fleetserve.serve.admission.sla import ServiceClass
 from fleetserve.serve.config.deploy_config import DeployConfig
 from fleetserve.serve.microbatch.batcher import MicroBatchConfig
 from fleetserve.serve.pipelines.cascade_config import EscalateConfig, check_cascade, check_tiers
+from fleetserve.serve.pipelines.graph_check import check_graph
+from fleetserve.serve.pipelines.graph_config import GraphConfig, check_graph_keys
 from fleetserve.serve.routing.policies import POLICY_NAMES
 
-ModelKind = Literal["generate", "embed", "custom", "cascade"]
+ModelKind = Literal["generate", "embed", "custom", "cascade", "graph"]
 MODEL_KINDS: tuple[str, ...] = typing.get_args(ModelKind)
 RoutingName = Literal["round_robin", "least_loaded", "prefix_affinity", "power_of_two"]
 assert set(typing.get_args(RoutingName)) == set(POLICY_NAMES)
@@ -301,6 +303,8 @@ class ModelEntry(_Strict):
     tiers: list[str] | None = None
     escalate: EscalateConfig | None = None
     decide_after_tokens: int | None = Field(default=None, ge=1)
+    # kind graph (serve/pipelines/graph_*.py): its nodes and their steps.
+    graph: GraphConfig | None = None
 
     @field_validator("pools")
     @classmethod
@@ -355,6 +359,7 @@ class ModelEntry(_Strict):
         if not _NAME.match(self.name):
             raise ValueError(f"name {self.name!r}: no spaces or control characters")
         check_cascade(self.kind, self.tiers, self.escalate, self.decide_after_tokens)
+        check_graph_keys(self.kind, self.graph)
         if self.kind == "custom":
             if self.handler is None or not re.match(r"^[\w.]+:[\w.]+$", self.handler):
                 raise ValueError("a custom model needs handler: 'package.module:ClassName'")
@@ -445,6 +450,8 @@ class FleetConfig(_Strict):
         for i, m in enumerate(self.models):
             if m.tiers is not None:
                 check_tiers(i, m.name, m.tiers, kinds)
+            if m.graph is not None:
+                check_graph(i, m.name, m.graph, kinds)
         pinned = sorted(self.spot_only_classes())
         for i, m in enumerate(self.models):
             if pinned and m.kind == "generate" and not m.has_spot:

@@ -133,11 +133,23 @@ def _build_cascade(entry: ModelEntry, fleet: FleetConfig, metrics: ModelMetrics)
     )
 
 
+def _build_graph(entry: ModelEntry, fleet: FleetConfig, metrics: ModelMetrics) -> ModelService:
+    from fleetserve.serve.pipelines.graph_check import terminal_kinds
+    from fleetserve.serve.pipelines.graph_plan import plan_graph
+    from fleetserve.serve.pipelines.graph_service import GraphService
+
+    assert entry.graph is not None  # the config checked it
+    kinds = {m.name: m.kind for m in fleet.models}
+    plan = plan_graph(entry.name, entry.graph, kinds, terminal_kinds(entry.graph, kinds))
+    return GraphService(plan, metrics)
+
+
 _BUILDERS: dict[str, ServiceBuilder] = {
     "generate": _build_generate,
     "embed": _build_embed,
     "custom": _build_custom,
     "cascade": _build_cascade,
+    "graph": _build_graph,
 }
 
 

@@ -1,0 +1,177 @@
+"""Requests to a graph (serve/pipelines/graph_service.py) over HTTP.
+
+POST /v1/models/{name}:predict runs the whole graph on the JSON body and answers the last
+step's body (or the ensemble's merge) with a `fleetserve` field: {"graph", "steps": [{"step",
+"model" | "node", "ms"}]}. When the graph's answer is a generate model's, /v1/chat/completions
+and /v1/completions serve it too: the steps before the last run through the fleet client,
+and the last one is admitted to its model like any request to that model (its class and
+priority; streamed with the real SSE chunks, the `fleetserve` field in the first one).
+Each step goes through its model's own service with the request's class; the graph's
+`timeout_s` bounds the steps before the answer (504 past it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from fleetserve.entrypoints.openai.access_log import note_model
+from fleetserve.entrypoints.openai.errors import APIError
+from fleetserve.entrypoints.openai.fleet_client import FleetCallError, GatewayFleetClient
+from fleetserve.entrypoints.openai.serving_common import (
+    ModelContext,
+    SSEResponse,
+    admit,
+    collect,
+    new_id,
+    parse,
+    service_class,
+    unless_disconnected,
+)
+from fleetserve.serve.pipelines.graph_executor import GraphError, Trace
+from fleetserve.serve.pipelines.graph_service import GraphService
+from fleetserve.serve.services.service_registry import Registry
+
+GRAPH_HEADER = "X-Fleetserve-Graph-Steps"
+
+
+async def _run(
+    request: Request,
+    registry: Registry,
+    graph: GraphService,
+    body: dict[str, Any],
+    class_name: str | None,
+    defer_last: bool,
+) -> tuple[Any, Trace]:
+    client = GatewayFleetClient(registry, class_name)
+    work = graph.run(client, body, defer_last)
+    try:
+        return await unless_disconnected(request, asyncio.wait_for(work, graph.plan.timeout_s))
+    except TimeoutError:
+        raise APIError(504, f"the graph {graph.name!r} ran past its timeout_s "
+                       f"({graph.plan.timeout_s:g} s)") from None  # fmt: skip
+    except FleetCallError as e:
+        raise APIError(e.status, f"graph {graph.name!r}: {e}") from None
+    except GraphError as e:
+        raise APIError(e.status, str(e)) from None
+
+
+def _answered(info: dict[str, Any], start: float) -> None:
+    """The last step's time, once its answer is whole (the trace's last entry)."""
+    info["steps"][-1]["ms"] = round((time.monotonic() - start) * 1e3, 3)
+
+
+def _info(graph: GraphService, trace: Trace) -> dict[str, Any]:
+    return {"graph": graph.name, "steps": trace.steps}
+
+
+async def graph_predict(
+    request: Request, registry: Registry, graph: GraphService, body: dict[str, Any]
+) -> Response:
+    """The predict route on a graph: the whole graph, its answer as a JSON body."""
+    class_name = service_class(request, None)
+    note_model(request, graph.name, "")
+    out, trace = await _run(request, registry, graph, body, class_name, False)
+    if isinstance(out, dict):
+        return JSONResponse({**out, "fleetserve": _info(graph, trace)})
+    return JSONResponse({"predictions": out, "fleetserve": _info(graph, trace)})
+
+
+async def graph_generate(
+    request: Request, registry: Registry, graph: GraphService, raw: dict[str, Any], chat: bool
+) -> Response:
+    """/v1/chat/completions (`chat`) or /v1/completions on a graph whose answer is a
+    generate model's: the steps before the last, then the last one admitted and answered
+    (or streamed) as that endpoint answers."""
+    if not graph.answers_generate:
+        raise APIError(400, f"the graph {graph.name!r} does not end in a generate model; "
+                       f"call POST /v1/models/{graph.name}:predict", "model")  # fmt: skip
+    class_name = service_class(request, raw.get("service_tier"))
+    note_model(request, graph.name, class_name)
+    _, trace = await _run(request, registry, graph, raw, class_name, True)
+    call = trace.deferred
+    assert call is not None  # answers_generate: the last step is a generate model's
+    form = "messages" if chat else "prompt"
+    if form not in call.body:
+        other = "/v1/completions" if chat else "/v1/chat/completions"
+        raise APIError(400, f"the graph {graph.name!r}'s last step ({call.step!r}) takes "
+                       f"{'a prompt' if chat else 'messages'}; call {other}")  # fmt: skip
+    service = registry.services[call.model]
+    ctx = ModelContext(service, graph.name, getattr(service, "tool_parser", None))  # type: ignore[arg-type]
+    body = {**call.body, "model": call.model}
+    for key in ("stream", "stream_options"):
+        if key in raw:
+            body[key] = raw[key]
+    info = _info(graph, trace)
+    answer = _answer_chat if chat else _answer_completion
+    try:
+        resp = await answer(request, ctx, body, class_name, info)
+    except asyncio.CancelledError:
+        graph.observe_deferred(call.step, "cancelled", None)
+        raise
+    except Exception:
+        graph.observe_deferred(call.step, "error", None)
+        raise
+    ms = info["steps"][-1]["ms"]  # set when answered whole; a stream's end is its own
+    graph.observe_deferred(call.step, "ok", None if ms is None else ms / 1e3)
+    return resp
+
+
+async def _answer_chat(
+    request: Request, ctx: ModelContext, body: dict[str, Any], class_name: str | None,
+    info: dict[str, Any],
+) -> Response:  # fmt: skip
+    from fleetserve.cpu_work import run_cpu
+    from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest
+    from fleetserve.entrypoints.openai.serving_cascade import _with_info
+    from fleetserve.entrypoints.openai.serving_chat import (
+        _stream,
+        chat_completion_body,
+        chat_inputs,
+    )
+
+    start = time.monotonic()
+    req = parse(ChatCompletionRequest, body)
+    prompt, base = await run_cpu(chat_inputs, ctx, req)
+    request_id = new_id("chatcmpl")
+    streams = await admit(
+        request, ctx, request_id, [prompt], lambda: copy.copy(base), req.priority, class_name
+    )
+    if req.stream:
+        return SSEResponse(_with_info(_stream(ctx, req, request_id, streams), info))
+    (final,) = await unless_disconnected(request, collect(streams))
+    _answered(info, start)
+    return JSONResponse({**chat_completion_body(ctx, req, request_id, final), "fleetserve": info})
+
+
+async def _answer_completion(
+    request: Request, ctx: ModelContext, body: dict[str, Any], class_name: str | None,
+    info: dict[str, Any],
+) -> Response:  # fmt: skip
+    from fleetserve.entrypoints.openai.protocol import CompletionRequest
+    from fleetserve.entrypoints.openai.serving_cascade import _with_info
+    from fleetserve.entrypoints.openai.serving_common import tokenize_large
+    from fleetserve.entrypoints.openai.serving_completion import (
+        _stream,
+        completion_body,
+        completion_inputs,
+    )
+
+    start = time.monotonic()
+    req = parse(CompletionRequest, body)
+    prompts, base = completion_inputs(req)
+    prompts = await tokenize_large(ctx, prompts)
+    request_id = new_id("cmpl")
+    streams = await admit(
+        request, ctx, request_id, prompts, lambda: copy.copy(base), req.priority, class_name
+    )
+    if req.stream:
+        return SSEResponse(_with_info(_stream(ctx, req, request_id, streams), info))
+    finals = await unless_disconnected(request, collect(streams))
+    _answered(info, start)
+    return JSONResponse({**completion_body(ctx, req, request_id, finals), "fleetserve": info})
