@@ -155,3 +155,23 @@ def test_a_mixed_micro_batch_takes_the_strictest_class() -> None:
     assert strictest(registry, frozenset({"batch", "nope"})) == "batch"
     # The default (None) ranks as the class it resolves to, ahead of a named equal.
     assert strictest(registry, frozenset({"batch", None})) is None
+
+
+def test_a_stream_to_a_missing_model_is_a_clear_error() -> None:
+    scoped = client(SlowCustom("only", 0.0)).scoped(None, None)
+
+    async def run() -> None:
+        with pytest.raises(FleetCallError) as e:
+            async for _ in scoped.complete_stream("nope", "hi"):
+                pass
+        assert e.value.status == 404 and "'nope' does not exist" in str(e.value)
+        with pytest.raises(FleetCallError) as e:
+            async for _ in scoped.chat_stream("only", [{"role": "user", "content": "hi"}]):
+                pass
+        assert e.value.status == 400 and "custom model, not generate" in str(e.value)
+
+    asyncio.run(run())
+    assert [(c.method, c.status) for c in scoped.calls] == [
+        ("complete_stream", 404),
+        ("chat_stream", 400),
+    ]

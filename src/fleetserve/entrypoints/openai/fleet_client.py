@@ -209,6 +209,17 @@ class GatewayFleetClient:
             err = engine_error(e)
             raise FleetCallError(err.status, err.message) from None
 
+    async def _open_stream(
+        self, model: str, method: str, opening: Awaitable[AsyncIterator[str]]
+    ) -> AsyncIterator[str]:
+        """Admits a stream within the deadline; a stream that cannot open is recorded."""
+        start = time.monotonic()
+        try:
+            return await self._bounded(model, method, opening, record=False)
+        except FleetCallError as e:
+            self.calls.append(SubCall(model, method, e.status, (time.monotonic() - start) * 1e3))
+            raise
+
     async def chat_stream(
         self, model: str, messages: list[dict[str, Any]], **params: Any
     ) -> AsyncIterator[dict[str, Any]]:
@@ -226,7 +237,7 @@ class GatewayFleetClient:
             streams = await self._admit(service, [prompt], base, "chatcmpl")
             return _stream(ctx, req, request_id, streams)
 
-        sse = await self._bounded(model, "chat_stream", open_(), record=False)
+        sse = await self._open_stream(model, "chat_stream", open_())
         async for chunk in stream_chunks(self, model, "chat_stream", sse):
             yield chunk
 
@@ -245,7 +256,7 @@ class GatewayFleetClient:
             streams = await self._admit(service, prompts, base, "cmpl")
             return _stream(ModelContext(service, model), req, new_id("cmpl"), streams)
 
-        sse = await self._bounded(model, "complete_stream", open_(), record=False)
+        sse = await self._open_stream(model, "complete_stream", open_())
         async for chunk in stream_chunks(self, model, "complete_stream", sse):
             yield chunk
 
