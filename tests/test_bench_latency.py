@@ -62,3 +62,19 @@ def test_perplexity_bench_scores_each_quantization(tiny_llama, tmp_path):
     assert runs[0]["num_scored"] == runs[1]["num_scored"] > 24  # more than one window
     # int8 weights move a random tiny model's perplexity by well under 5%.
     assert abs(runs[1]["perplexity"] / runs[0]["perplexity"] - 1) < 0.05
+
+
+def test_perplexity_bench_against_the_hf_reference(tiny_llama, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("The cat sat on the mat while the dog slept. " * 8)
+    out = tmp_path / "ppl.json"
+    args = ["bench", "perplexity", "--model", tiny_llama, "--text", str(text), "--context", "24"]
+    assert main([*args, "--quantizations", "int8,none", "--reference", "hf",
+                 "--json", str(out)]) == 0  # fmt: skip
+    res = json.loads(out.read_text())
+    float_run = res["runs"][1]
+    # The float32 engine computes what HF computes: same perplexity, same top-1 picks.
+    assert res["hf"]["num_scored"] == float_run["num_scored"]
+    assert abs(res["hf"]["perplexity"] / float_run["perplexity"] - 1) < 1e-4
+    assert res["hf"]["top1_agreement"]["none"] == 1.0
+    assert set(res["hf"]["top1_agreement"]) == {"int8", "none"}

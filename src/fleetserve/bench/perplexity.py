@@ -7,6 +7,8 @@ log-likelihood over every scored token. Each ``--quantizations`` entry loads the
 once more in the same process. ``--compare llamacpp`` scores the same token ids with
 llama-cpp-python (see `fleetserve bench latency`) and reports the teacher-forced top-1
 agreement: at how many scored positions both pick the same most likely next token.
+``--reference hf`` scores the same windows with HF transformers in float32 and reports
+each run's (and llama.cpp's) top-1 agreement with it (bench/perplexity_hf.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         "model, none,int8 otherwise",
     )
     add_llamacpp_args(p)
+    p.add_argument(
+        "--reference",
+        choices=["hf"],
+        default=None,
+        help="also score with HF transformers (float32) and report top-1 agreement with it",
+    )
     p.add_argument("--json", default=None, help="write the figures here")
 
 
@@ -90,8 +98,10 @@ def run(args: argparse.Namespace) -> int:
         is_gguf = str(args.model or "").endswith(".gguf") or args.model is None
         kinds = ["gguf", "none", "int8"] if is_gguf else ["none", "int8"]
     results: dict[str, Any] = {"text": args.text, "context": args.context, "runs": []}
+    top1s: dict[str, list[int]] = {}
     for kind in kinds:
         r = score(args, kind, text)
+        top1s[kind] = r["top1"]
         results["runs"].append({k: v for k, v in r.items() if k not in ("token_ids", "top1")})
         print(f"{kind:>5}: perplexity {r['perplexity']:.4f} over {r['num_scored']} tokens")
     if args.compare == "llamacpp":
@@ -102,10 +112,27 @@ def run(args: argparse.Namespace) -> int:
         agree = sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)
         lc["top1_agreement"] = agree
         results["llamacpp"] = lc
+        top1s["llamacpp"] = theirs
         print(f"llama.cpp {lc['version']}: perplexity {lc['perplexity']:.4f} over "
               f"{lc['num_scored']} tokens; top-1 agreement with {kinds[-1]}: "
               f"{100 * agree:.1f}%")  # fmt: skip
+    if args.reference == "hf":
+        _compare_with_hf(args, results, r, top1s)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0
+
+
+def _compare_with_hf(
+    args: argparse.Namespace, results: dict[str, Any], last: dict[str, Any],
+    top1s: dict[str, list[int]],
+) -> None:  # fmt: skip
+    from fleetserve.bench.perplexity_hf import agreement, score_hf
+
+    ref = score_hf(last["model"], _windows(last["token_ids"], args.context), args.num_threads)
+    agree = {name: agreement(top1, ref["top1"]) for name, top1 in top1s.items()}
+    results["hf"] = {"perplexity": ref["perplexity"], "num_scored": ref["num_scored"],
+                     "top1_agreement": agree}  # fmt: skip
+    print(f"HF transformers (float32): perplexity {ref['perplexity']:.4f}; top-1 agreement "
+          + ", ".join(f"{name} {100 * a:.2f}%" for name, a in agree.items()))  # fmt: skip
