@@ -35,6 +35,14 @@ _BENCH = {
     "stream-cpu": ("fleetserve.bench.stream_cpu", "the server's CPU per streamed token vs length"),
     "kv-window": ("fleetserve.bench.kv_window", "one long conversation's K/V, window freed or not"),
     "lora": ("fleetserve.bench.lora", "16 streams over 8 LoRA adapters vs base; cold-adapter TTFT"),
+    "rag": (
+        "fleetserve.bench.rag",
+        "embed -> generate as a custom handler via the fleet client vs by hand: overhead/hop",
+    ),
+    "cascade": (
+        "fleetserve.bench.cascade_sweep",
+        "a two-tier cascade's threshold table: small share, latency, compute, agreement",
+    ),
     "structured": (
         "fleetserve.bench.structured",
         "JSON-schema requests vs free ones: step cost, or served against vLLM / llama.cpp",
@@ -66,7 +74,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         sub,
         "bench",
         "benchmarks (offline | serve | sla | embed | spec | latency | perplexity | batch | chaos "
-        "| kernels | moe | stream-cpu | kv-window | lora | structured)",
+        "| kernels | moe | stream-cpu | kv-window | lora | structured | cascade | rag)",
         _BENCH,
         argv,
     )

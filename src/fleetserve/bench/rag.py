@@ -1,0 +1,132 @@
+"""`fleetserve bench rag` (issue 23, item 4a): a retrieval-augmented answer as a `custom`
+handler that calls two models of the fleet through the fleet client (embed the question
+with all-MiniLM-L6-v2, take the nearest shipped documents, answer with a chat model),
+against the same calls made by hand from a client, alternated, on one local server.
+
+    fleetserve bench rag --model CHAT.gguf [--requests 24] [--max-tokens 8] [--top-k 2]
+
+The by-hand side does the same work: the documents embedded once up front (as the handler
+does on its first call), then per question one embeddings call, the same top-k and the
+same chat body. Overhead per hop = (median pipeline - median by hand) / 2 sub-calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from fleetserve.bench.local_server import LocalServer, free_port
+
+FLEET = """
+models:
+  - name: chat
+    model: {model}
+    engine: {{max_num_seqs: 2, max_model_len: 1024}}
+  - name: minilm
+    kind: embed
+  - name: rag
+    kind: custom
+    handler: fleetserve.bench.rag_handler:RagAnswer
+    options: {{embed_model: minilm, chat_model: chat, max_tokens: {max_tokens}, top_k: {top_k}}}
+    timeout_s: 120.0
+    batching: {{max_batch_size: 1, batch_wait_timeout_s: 0.0}}
+"""
+
+
+def _lines(name: str) -> list[str]:
+    text = resources.files("fleetserve.bench").joinpath(f"data/{name}").read_text()
+    return [x.strip() for x in text.splitlines() if x.strip()]
+
+
+def documents() -> list[str]:
+    return _lines("rag_docs.txt")
+
+
+def questions() -> list[str]:
+    return _lines("rag_questions.txt")
+
+
+def top_k(query: list[float], docs: list[list[float]], k: int) -> list[int]:
+    """Indices of the k documents of highest dot product (MiniLM's vectors are unit-norm),
+    ties to the earlier document."""
+    scores = [sum(a * b for a, b in zip(query, d, strict=True)) for d in docs]
+    return sorted(range(len(docs)), key=lambda i: (-scores[i], i))[:k]
+
+
+def chat_body(model: str, question: str, context: list[str], max_tokens: int) -> dict[str, Any]:
+    system = "Answer from the context.\nContext:\n" + "\n".join(context)
+    return {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ],
+    }
+
+
+def _by_hand(c: httpx.Client, q: str, docs: list[str], vecs: list[list[float]], args: Any) -> str:
+    vec = c.post("/v1/embeddings", json={"model": "minilm", "input": q}).json()
+    ctx = [docs[i] for i in top_k(vec["data"][0]["embedding"], vecs, args.top_k)]
+    out: Any = c.post("/v1/chat/completions", json=chat_body("chat", q, ctx, args.max_tokens))
+    return str(out.json()["choices"][0]["message"]["content"])
+
+
+def _pipeline(c: httpx.Client, q: str) -> str:
+    r = c.post("/v1/models/rag:predict", json={"instances": [{"question": q}]})
+    r.raise_for_status()
+    return str(r.json()["predictions"][0]["answer"])
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="the chat model (HF folder or GGUF)")
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+
+
+def run(args: argparse.Namespace) -> int:
+    folder = Path(tempfile.mkdtemp(prefix="fleetserve-rag-bench-"))
+    (folder / "fleet.yaml").write_text(
+        FLEET.format(model=args.model, max_tokens=args.max_tokens, top_k=args.top_k)
+    )
+    port = free_port()
+    cmd = [sys.executable, "-m", "fleetserve.entrypoints.cli", "serve", "--config",
+           str(folder / "fleet.yaml"), "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "warning"]  # fmt: skip
+    server = LocalServer(cmd, port, name="rag-bench").wait_ready(600.0)
+    try:
+        docs, qs = documents(), questions()
+        times: dict[str, list[float]] = {"by hand": [], "pipeline": []}
+        with httpx.Client(base_url=server.url, timeout=300) as c:
+            body = c.post("/v1/embeddings", json={"model": "minilm", "input": docs}).json()
+            vecs = [d["embedding"] for d in body["data"]]
+            for q in qs:  # warm both paths; the answers must agree
+                a, b = _pipeline(c, q), _by_hand(c, q, docs, vecs, args)
+                if a != b:
+                    print(f"answers differ on {q!r}: pipeline {a!r} vs by hand {b!r}")
+                    return 1
+            for i in range(args.requests):
+                q = qs[i % len(qs)]
+                for name in ("pipeline", "by hand") if i % 2 else ("by hand", "pipeline"):
+                    start = time.perf_counter()
+                    _pipeline(c, q) if name == "pipeline" else _by_hand(c, q, docs, vecs, args)
+                    times[name].append((time.perf_counter() - start) * 1e3)
+        for name, xs in times.items():
+            p90 = sorted(xs)[min(len(xs) - 1, int(0.9 * len(xs)))]
+            print(f"{name:8s} median {statistics.median(xs):8.2f} ms  p90 {p90:8.2f} ms")
+        diff = statistics.median(times["pipeline"]) - statistics.median(times["by hand"])
+        print(f"overhead per hop (median difference / 2 sub-calls): {diff / 2:+.2f} ms")
+        print("Ray: not measured (no Ray deployment-handle fleet client on main yet)")
+    finally:
+        server.stop()
+    return 0
