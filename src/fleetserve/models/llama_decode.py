@@ -47,6 +47,9 @@ def _weights(layer: torch.nn.Module) -> tuple[Weights, torch.Tensor | None] | No
     if isinstance(layer, Linear) and layer.packed is not None:
         bias = None if layer.bias is None else layer.bias.detach()
         return layer.packed, bias
+    if isinstance(layer, Linear) and layer.bf16 is not None:
+        bias = None if layer.bias is None else layer.bias.detach()
+        return layer.bf16, bias
     return None
 
 
