@@ -62,3 +62,13 @@ def gemm_bf16(
     if rc != 0:
         raise MemoryError("gemm_bf16: scratch allocation failed")
     return out
+
+
+@cache
+def bf16_kernel_rows() -> int:
+    """The most rows a bf16 linear multiplies with this kernel (the C step's decode-sized
+    row limit); past it torch's bf16 matmul (oneDNN, AMX) is faster, on the module path."""
+    lib = cpu._lib()
+    lib.decode_step_max_rows.argtypes = []
+    lib.decode_step_max_rows.restype = ctypes.c_int
+    return int(lib.decode_step_max_rows())

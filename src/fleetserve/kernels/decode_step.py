@@ -139,6 +139,9 @@ class DecodePlan:
         # the any-rows shares (both as the module path's kernels for the same rows).
         self.max_rows = int(self._lib.decode_step_max_rows())
         self._keep: list[object] = [cos, sin, final_norm]
+        # Some projection keeps bf16 weights: steps past max_rows stay on the module path
+        # (torch's bf16 matmul, layers/linear.py), which is faster there.
+        self.has_bf16 = False
         self._layers = (_Layer * len(layers))()
         for i, w in enumerate(layers):
             dst = self._layers[i]
@@ -180,6 +183,7 @@ class DecodePlan:
             if w.dtype != torch.bfloat16 or w.dim() != 2 or not w.is_contiguous():
                 raise ValueError("a bf16 projection must be a contiguous 2-D bfloat16 tensor")
             dst.seg[0] = _Segment(W_BF16, 0, w.data_ptr(), 0, w.shape[0])
+            self.has_bf16 = True
             dst.num_segments, dst.k = 1, w.shape[1]
             self._keep.append(w)
         else:

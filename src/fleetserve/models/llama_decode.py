@@ -145,6 +145,8 @@ def run_decode(
     paged = meta.paged
     if paged is None or not meta.cpu_kernels or x.shape[0] == 0:
         return None
+    if plan.has_bf16 and x.shape[0] > plan.max_rows:
+        return None  # bf16 weights: torch's bf16 matmul on the module path is faster
     window = None
     if meta.sliding is not None:  # the sliding-window layers' own pool
         w = meta.sliding
