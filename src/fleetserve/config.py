@@ -311,6 +311,10 @@ class EngineConfig:
     # Decode-sized GEMMs of Q4_0/Q4_1/Q8_0 weights quantize their input rows to int8
     # (integer dot products, kernels/quant_dot.h); resolved from EngineArgs.
     int8_activations: bool = False
+    # Linear layers keep bf16 weights and multiply through kernels/gemm_bf16.c (float32
+    # activations, norms, attention and KV cache; the C step with them): a float32 model
+    # on the CPU, one process, unquantized (issue 25 item 1; not yet chosen by auto).
+    bf16_weights: bool = False
     # LoRA adapters beside the base model (None: off; requests naming one are refused).
     lora: LoRAConfig | None = None
 
@@ -326,6 +330,15 @@ class EngineConfig:
             )
         if self.int8_activations and self.quantization == "none":
             raise ValueError("int8_activations needs quantization 'gguf' or 'int8'")
+        if self.bf16_weights and (
+            self.quantization != "none"
+            or self.model.dtype != torch.float32
+            or self.device != "cpu"
+            or self.parallel.tensor_parallel_size * self.parallel.pipeline_parallel_size > 1
+        ):
+            raise ValueError(
+                "bf16_weights needs an unquantized float32 model on the CPU in one process"
+            )
 
 
 def model_root(model_path: str, served_name: str) -> str:

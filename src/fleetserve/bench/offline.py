@@ -46,6 +46,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
     p.add_argument("--quantization", default=None, choices=["none", "gguf", "int8"], help="weights")
+    p.add_argument(
+        "--bf16-weights", action="store_true", help="linear layers in bf16 (gemm_bf16.c)"
+    )
     p.add_argument("--json", default=None, help="write the figures here")
 
 
@@ -92,6 +95,7 @@ def run_fleetserve(
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         quantization=args.quantization,
+        bf16_weights=args.bf16_weights,
     )
     startup = time.perf_counter() - t0
     params = [

@@ -51,6 +51,8 @@ class EngineArgs:
     # Int8 activations with quantized weights (W8A8 for int8/Q8_0): None picks the
     # default for the quantization (models/quantize.py: resolve_int8_activations).
     int8_activations: bool | None = None
+    # Linear layers store bf16 weights (kernels/gemm_bf16.c): see EngineConfig.
+    bf16_weights: bool = False
     # LoRA adapters (vLLM's flags): on with enable_lora; `lora_modules` names adapters
     # known from the start ({"name": "path"} or ["name=path", ...]).
     enable_lora: bool = False
@@ -141,6 +143,7 @@ class EngineArgs:
             speculative=spec,
             quantization=quantization,
             int8_activations=resolve_int8_activations(self.int8_activations, quantization),
+            bf16_weights=self.bf16_weights,
             lora=lora,
         )
         if spec is not None and spec.method == "draft_model":

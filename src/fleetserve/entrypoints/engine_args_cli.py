@@ -56,6 +56,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "process), int8 = int8 made at load, none = dequantized to --dtype",
     )
     g.add_argument(
+        "--bf16-weights",
+        action="store_true",
+        help="float32 model on the CPU: linear layers keep bf16 weights (half the bytes) and "
+        "multiply through the bf16 kernel (AVX512-BF16 where present), the rest float32",
+    )
+    g.add_argument(
         "--int8-activations",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -107,6 +113,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         speculative_config=args.speculative_config,
         quantization=args.quantization,
         int8_activations=args.int8_activations,
+        bf16_weights=args.bf16_weights,
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,

@@ -1,6 +1,7 @@
 """bf16-weight GEMM for decode-sized row counts (kernels/gemm_bf16.c): `vdpbf16ps` on CPUs
 with AVX512-BF16 (chosen when the library is built for this CPU), a portable loop
-elsewhere. Not yet wired into layers/linear.py or the C decode step (issue 25 item 1)."""
+elsewhere. `Linear.to_bf16` (layers/linear.py) multiplies through it, and the C step runs
+the same share for its bf16 weights (decode_step.c's W_BF16), so the two agree bit for bit."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from fleetserve.kernels import cpu
 def _fn() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     lib = cpu._lib()
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.gemm_bf16.argtypes = [p, i64, p, p, i64, i64, i64, i64, i32]
+    lib.gemm_bf16.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i32]
     lib.gemm_bf16.restype = ctypes.c_int
     lib.bf16_native.argtypes = []
     lib.bf16_native.restype = ctypes.c_int
@@ -29,9 +30,15 @@ def native() -> bool:
     return bool(cpu._lib().bf16_native())
 
 
-def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-    """x [m, k] float32 (rows may be strided) @ weight.T, weight [n, k] bfloat16
-    contiguous; x is rounded to bf16, sums are float32. Returns [m, n] float32."""
+def gemm_bf16(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    threads: int | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [m, k] float32 (rows may be strided) @ weight.T (+ bias [n] float32), weight
+    [n, k] bfloat16 contiguous; x is rounded to bf16, sums are float32. Returns [m, n]
+    float32."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
         raise ValueError("x must be a 2-D float32 tensor with contiguous rows")
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
@@ -40,11 +47,28 @@ def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None)
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"weight has {weight.shape[1]} columns, x has {k}")
+    if bias is not None and (
+        bias.dtype != torch.float32 or not bias.is_contiguous() or bias.numel() != n
+    ):
+        raise ValueError(f"bias must be a contiguous float32 tensor of {n} values")
     out = torch.empty(m, n, dtype=torch.float32)
+    if m == 0:
+        return out
     rc = _fn()(
-        x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), n, m, n, k,
+        x.data_ptr(), x.stride(0), weight.data_ptr(),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n, k,
         threads or torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("gemm_bf16: scratch allocation failed")
     return out
+
+
+@cache
+def bf16_kernel_rows() -> int:
+    """The most rows a bf16 linear multiplies with this kernel (the C step's decode-sized
+    row limit); past it torch's bf16 matmul (oneDNN, AMX) is faster, on the module path."""
+    lib = cpu._lib()
+    lib.decode_step_max_rows.argtypes = []
+    lib.decode_step_max_rows.restype = ctypes.c_int
+    return int(lib.decode_step_max_rows())

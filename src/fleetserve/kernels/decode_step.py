@@ -19,7 +19,7 @@ from fleetserve.kernels import cpu as cpu_kernels
 from fleetserve.kernels.cpu import PackedWeight
 from fleetserve.kernels.quant import QuantWeight
 
-W_QUANT, W_PACKED = 0, 1
+W_QUANT, W_PACKED, W_BF16 = 0, 1, 2
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the MLP's gate activation (ACT_* in C)
 MAX_SEGMENTS = 3
 _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
@@ -71,8 +71,8 @@ def _lib() -> ctypes.CDLL:
 
 
 # One projection's weight: the segments of its output features in order (each a
-# QuantWeight, or one PackedWeight), and its bias.
-Weights = list[QuantWeight] | PackedWeight
+# QuantWeight), one PackedWeight, or one [n, k] bfloat16 tensor (gemm_bf16.c).
+Weights = list[QuantWeight] | PackedWeight | torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,9 @@ class DecodePlan:
         # the any-rows shares (both as the module path's kernels for the same rows).
         self.max_rows = int(self._lib.decode_step_max_rows())
         self._keep: list[object] = [cos, sin, final_norm]
+        # Some projection keeps bf16 weights: steps past max_rows stay on the module path
+        # (torch's bf16 matmul, layers/linear.py), which is faster there.
+        self.has_bf16 = False
         self._layers = (_Layer * len(layers))()
         for i, w in enumerate(layers):
             dst = self._layers[i]
@@ -175,6 +178,13 @@ class DecodePlan:
         if isinstance(w, PackedWeight):
             dst.seg[0] = _Segment(W_PACKED, 0, w.data.data_ptr(), 0, w.out_features)
             dst.num_segments, dst.k = 1, w.in_features
+            self._keep.append(w)
+        elif isinstance(w, torch.Tensor):
+            if w.dtype != torch.bfloat16 or w.dim() != 2 or not w.is_contiguous():
+                raise ValueError("a bf16 projection must be a contiguous 2-D bfloat16 tensor")
+            dst.seg[0] = _Segment(W_BF16, 0, w.data_ptr(), 0, w.shape[0])
+            self.has_bf16 = True
+            dst.num_segments, dst.k = 1, w.shape[1]
             self._keep.append(w)
         else:
             if not 1 <= len(w) <= MAX_SEGMENTS:

@@ -77,24 +77,56 @@ static void dot_rows4(const uint16_t *xb, int64_t k, const uint16_t *w, float *a
     for (int r = 0; r < 4; r++) acc4[r] = s[r];
 }
 
-/* x: [m, k] float32 with row stride ldx; w: [n, k] bf16 contiguous; out: [m, n] float32
- * with row stride ldo. Returns 0, or -1 when the scratch row cannot be allocated. */
-int gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, float *out, int64_t ldo,
-              int64_t m, int64_t n, int64_t k, int threads) {
-    uint16_t *xb = malloc((size_t)(m * k) * sizeof(uint16_t));
-    if (!xb) return -1;
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t i = 0; i < k; i++) xb[r * k + i] = to_bf16(x[r * ldx + i]);
-#pragma omp parallel for num_threads(threads) schedule(static)
+/* A scratch row of bf16 activations per thread, kept across calls (the OpenMP team's
+ * threads live as long as the process); NULL when it cannot grow. */
+static uint16_t *thread_scratch(size_t need) {
+    static _Thread_local uint16_t *buf = NULL;
+    static _Thread_local size_t cap = 0;
+    if (need > cap) {
+        uint16_t *grown = realloc(buf, need * sizeof(uint16_t));
+        if (!grown) return NULL;
+        buf = grown, cap = need;
+    }
+    return buf;
+}
+
+/* This thread's share of out[m, n] = bf16(x) @ w^T (+ bias), called by every thread of
+ * an OpenMP team (the C step's linear dispatch, or gemm_bf16 below): each rounds the m
+ * rows of x into its own scratch, then the weight rows are split over the team (ends in
+ * the team's barrier). Every output is computed by the same code whatever the team, so
+ * the C step and the module path agree bit for bit. Returns 0, or -1 when this thread's
+ * scratch could not grow (its share is then left undone). */
+int gemm_bf16_share(const float *x, int64_t ldx, const uint16_t *w, const float *bias,
+                    float *out, int64_t ldo, int64_t m, int64_t n, int64_t k) {
+    uint16_t *xb = thread_scratch((size_t)(m * k));
+    int rc = 0;
+    if (xb)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t i = 0; i < k; i++) xb[r * k + i] = to_bf16(x[r * ldx + i]);
+    else
+        rc = -1;
+#pragma omp for schedule(static)
     for (int64_t j = 0; j < n; j++) {
+        if (!xb) continue;
+        const float b = bias ? bias[j] : 0.0f;
         int64_t r = 0;
         for (; r + 4 <= m; r += 4) {
             float acc4[4];
             dot_rows4(xb + r * k, k, w + j * k, acc4);
-            for (int q = 0; q < 4; q++) out[(r + q) * ldo + j] = acc4[q];
+            for (int q = 0; q < 4; q++) out[(r + q) * ldo + j] = acc4[q] + b;
         }
-        for (; r < m; r++) out[r * ldo + j] = dot_row(xb + r * k, w + j * k, k);
+        for (; r < m; r++) out[r * ldo + j] = dot_row(xb + r * k, w + j * k, k) + b;
     }
-    free(xb);
-    return 0;
+    return rc;
+}
+
+/* x: [m, k] float32 with row stride ldx; w: [n, k] bf16 contiguous; bias: NULL or [n];
+ * out: [m, n] float32 with row stride ldo. Returns 0, or -1 when a scratch row cannot
+ * be allocated. */
+int gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *out,
+              int64_t ldo, int64_t m, int64_t n, int64_t k, int threads) {
+    int rc = 0;
+#pragma omp parallel num_threads(threads) reduction(min : rc)
+    rc = gemm_bf16_share(x, ldx, w, bias, out, ldo, m, n, k);
+    return rc;
 }

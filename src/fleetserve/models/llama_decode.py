@@ -47,6 +47,9 @@ def _weights(layer: torch.nn.Module) -> tuple[Weights, torch.Tensor | None] | No
     if isinstance(layer, Linear) and layer.packed is not None:
         bias = None if layer.bias is None else layer.bias.detach()
         return layer.packed, bias
+    if isinstance(layer, Linear) and layer.bf16 is not None:
+        bias = None if layer.bias is None else layer.bias.detach()
+        return layer.bf16, bias
     return None
 
 
@@ -142,6 +145,8 @@ def run_decode(
     paged = meta.paged
     if paged is None or not meta.cpu_kernels or x.shape[0] == 0:
         return None
+    if plan.has_bf16 and x.shape[0] > plan.max_rows:
+        return None  # bf16 weights: torch's bf16 matmul on the module path is faster
     window = None
     if meta.sliding is not None:  # the sliding-window layers' own pool
         w = meta.sliding

@@ -96,7 +96,7 @@ class ModelRunner:
             self.num_sliding_blocks,
         )
         self.sampler = Sampler(config.seed)
-        pack_for_cpu(self.model, self.use_cpu_kernel)
+        pack_for_cpu(self.model, self.use_cpu_kernel, config.bf16_weights)
         self.fused_decode = bind_decode_plan(
             self.model,
             self.use_cpu_kernel and parallel is None,

@@ -9,6 +9,7 @@ import torch
 from fleetserve.config import ModelConfig
 from fleetserve.distributed.parallel_state import ParallelContext
 from fleetserve.kernels import cpu as cpu_kernels
+from fleetserve.layers.linear import linears_to_bf16
 from fleetserve.models.llama import LlamaForCausalLM
 from fleetserve.models.llama_decode import build_decode_plan
 from fleetserve.models.loader import ModelSource
@@ -108,7 +109,12 @@ def fused_decode_enabled() -> bool:
     return os.environ.get("FLEETSERVE_FUSED_DECODE", "1") != "0"
 
 
-def pack_for_cpu(model: LlamaForCausalLM, cpu_kernel: bool) -> None:
+def pack_for_cpu(model: LlamaForCausalLM, cpu_kernel: bool, bf16: bool = False) -> None:
+    if cpu_kernel and bf16:
+        if cpu_kernels.load() is None:
+            raise ValueError("bf16_weights needs the CPU kernels (a C compiler)")
+        # Linear layers keep bf16 weights (gemm_bf16.c); a tied head stays packed below.
+        linears_to_bf16(model)
     if cpu_kernel and cpu_kernels.gemm_worthwhile():
         # Weights move into the CPU GEMM kernel's panel layout (layers/linear.py).
         model.pack_for_cpu()
