@@ -46,11 +46,35 @@ def unit_of(nodeid: str) -> str:
     return SHARED_UNITS.get(path, path)
 
 
+# A worker that runs out of work takes the costliest unit left (longest processing time
+# first), so the long units start at once and the short ones fill the gaps at the end: with
+# `--dist loadfile` the last long unit to start bounds the wall time. A unit's cost is
+# DEFAULT_TEST_S per test plus the seconds of its known slow phases below (from the
+# `--durations` lists of two-worker `make test` runs, 2026-12-05; relative figures, only the
+# order matters). Add a unit here when `--durations` shows a new slow phase.
+SLOW_PHASES_S: dict[str, float] = {
+    "server": 60.0,  # four modules on one session server: the order before put it first
+    "tests/test_structured_engine.py": 58.0,  # SmolLM2 fixture 28 s, fused mask 30 s
+    "tests/server/test_gateway.py": 31.0,  # three pods and a gateway
+    "tests/test_spec_decode.py": 30.0,  # SmolLM2 draft/target
+    "tests/server/test_chaos.py": 26.0,
+    "tests/test_data_parallel.py": 25.0,
+    "tests/test_batch_cli.py": 23.0,
+    "tests/server/test_server_batch.py": 20.0,  # kill -9 mid batch
+    "tests/test_loader.py": 17.0,  # SmolLM2 against HF
+}
+DEFAULT_TEST_S = 0.5
+
+
+def unit_cost(unit: str, num_tests: int) -> float:
+    return SLOW_PHASES_S.get(unit, 0.0) + DEFAULT_TEST_S * num_tests
+
+
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """`--dist loadfile`, with the groups above as single units. (xdist's `loadgroup` would
     need marks, and its nodeid suffix does not take with this pytest.) Units go to the
-    workers in collection order: the server tests, the longest, first."""
+    workers costliest first (unit_cost)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -58,6 +82,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     class ModuleUnits(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return unit_of(nodeid)
+
+        def _assign_work_unit(self, node: object) -> None:
+            # xdist hands out the queue's first unit: put the costliest one there.
+            queue = self.workqueue
+            if queue:
+                top = max(queue, key=lambda unit: unit_cost(unit, len(queue[unit])))
+                queue.move_to_end(top, last=False)
+            super()._assign_work_unit(node)  # type: ignore[arg-type]
 
     config.option.loadscopereorder = False
     return ModuleUnits(config, log)
