@@ -8,6 +8,7 @@
  * a portable loop that gives the same sums up to float32 summation order.
  */
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -95,16 +96,26 @@ static uint16_t *thread_scratch(size_t need) {
  * rows of x into its own scratch, then the weight rows are split over the team (ends in
  * the team's barrier). Every output is computed by the same code whatever the team, so
  * the C step and the module path agree bit for bit. Returns 0, or -1 when this thread's
- * scratch could not grow (its share is then left undone). */
-int gemm_bf16_share(const float *x, int64_t ldx, const uint16_t *w, const float *bias,
-                    float *out, int64_t ldo, int64_t m, int64_t n, int64_t k) {
+ * scratch could not grow (its share is then left undone; with abort_on_oom the process
+ * aborts instead). */
+static int bf16_share(const float *x, int64_t ldx, const uint16_t *w, const float *bias,
+                      float *out, int64_t ldo, int64_t m, int64_t n, int64_t k,
+                      int abort_on_oom) {
     uint16_t *xb = thread_scratch((size_t)(m * k));
     int rc = 0;
-    if (xb)
+    if (xb) {
         for (int64_t r = 0; r < m; r++)
             for (int64_t i = 0; i < k; i++) xb[r * k + i] = to_bf16(x[r * ldx + i]);
-    else
+    } else if (abort_on_oom) {
+        /* The C step cannot return an error from inside its team: a share left undone
+         * would be a wrong answer served silently, so the process dies loudly instead
+         * (the fleet replaces and migrates a dead engine). */
+        fprintf(stderr, "fleetserve: gemm_bf16: cannot allocate %lld bf16 scratch values\n",
+                (long long)(m * k));
+        abort();
+    } else {
         rc = -1;
+    }
 #pragma omp for schedule(static)
     for (int64_t j = 0; j < n; j++) {
         if (!xb) continue;
@@ -120,6 +131,12 @@ int gemm_bf16_share(const float *x, int64_t ldx, const uint16_t *w, const float 
     return rc;
 }
 
+/* The C step's share (it has no error path inside its team: see bf16_share). */
+int gemm_bf16_share(const float *x, int64_t ldx, const uint16_t *w, const float *bias,
+                    float *out, int64_t ldo, int64_t m, int64_t n, int64_t k) {
+    return bf16_share(x, ldx, w, bias, out, ldo, m, n, k, 1);
+}
+
 /* x: [m, k] float32 with row stride ldx; w: [n, k] bf16 contiguous; bias: NULL or [n];
  * out: [m, n] float32 with row stride ldo. Returns 0, or -1 when a scratch row cannot
  * be allocated. */
@@ -127,6 +144,6 @@ int gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, const float *bias,
               int64_t ldo, int64_t m, int64_t n, int64_t k, int threads) {
     int rc = 0;
 #pragma omp parallel num_threads(threads) reduction(min : rc)
-    rc = gemm_bf16_share(x, ldx, w, bias, out, ldo, m, n, k);
+    rc = bf16_share(x, ldx, w, bias, out, ldo, m, n, k, 0);
     return rc;
 }

@@ -135,6 +135,7 @@ def bucket_quantile(q: float, cumulative: Mapping[float, float]) -> float | None
                 return lower
             if count == below:
                 return upper
-            return lower + (upper - lower) * (rank - below) / (count - below)
+            # min(): rounding must not carry the estimate past its bucket's bound.
+            return min(upper, lower + (upper - lower) * (rank - below) / (count - below))
         lower, below = upper, count
     return lower
