@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client import Counter
 
 from fleetserve.metrics import ModelMetrics
+from fleetserve.serve.pipelines.composite import Composite
 from fleetserve.serve.pipelines.rules import Rules
 
 _FAMILIES: dict[int, tuple[Counter, Counter, Counter]] = {}
@@ -37,7 +38,7 @@ def _families(metrics: ModelMetrics) -> tuple[Counter, Counter, Counter]:
     return _FAMILIES[key]
 
 
-class CascadeService:
+class CascadeService(Composite):
     kind = "cascade"
 
     def __init__(
@@ -87,27 +88,6 @@ class CascadeService:
     @property
     def is_ready(self) -> bool:
         return bool(self.tiers) and all(t.is_ready for t in self.tiers)
-
-    @property
-    def dead_reason(self) -> str | None:
-        return None  # its tiers report their own
-
-    @property
-    def crashed(self) -> bool:
-        return False
-
-    @property
-    def num_in_flight(self) -> int:
-        return self._in_flight
-
-    async def start(self, timeout_s: float = 600.0) -> None:
-        return None
-
-    async def shutdown(self) -> None:
-        return None
-
-    def abort_all(self, reason: str) -> None:
-        return None  # its requests are its tiers' requests: they abort them
 
     def card(self) -> dict[str, Any]:
         return {"tiers": self.tier_names, "escalate": self.rules.cfg.model_dump()}

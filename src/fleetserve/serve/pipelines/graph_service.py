@@ -11,6 +11,7 @@ from typing import Any
 from prometheus_client import Counter, Histogram
 
 from fleetserve.metrics import ModelMetrics
+from fleetserve.serve.pipelines.composite import Composite
 from fleetserve.serve.pipelines.graph_executor import FleetClient, GraphRun, Trace
 from fleetserve.serve.pipelines.graph_plan import GraphPlan
 
@@ -34,7 +35,7 @@ def _families(metrics: ModelMetrics) -> tuple[Counter, Counter, Histogram]:
     return _FAMILIES[key]
 
 
-class GraphService:
+class GraphService(Composite):
     kind = "graph"
 
     def __init__(self, plan: GraphPlan, metrics: ModelMetrics) -> None:
@@ -96,27 +97,6 @@ class GraphService:
     @property
     def is_ready(self) -> bool:
         return all(s.is_ready for s in self.callees)
-
-    @property
-    def dead_reason(self) -> str | None:
-        return None  # the models it calls report their own
-
-    @property
-    def crashed(self) -> bool:
-        return False
-
-    @property
-    def num_in_flight(self) -> int:
-        return self._in_flight
-
-    async def start(self, timeout_s: float = 600.0) -> None:
-        return None
-
-    async def shutdown(self) -> None:
-        return None
-
-    def abort_all(self, reason: str) -> None:
-        return None  # its requests are its callees' requests: they abort them
 
     def card(self) -> dict[str, Any]:
         return {
