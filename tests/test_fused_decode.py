@@ -8,7 +8,8 @@ number of rows.
 The two paths run the same C row code and GEMM shares, so greedy tokens must be
 identical and the logprobs of every generated token equal to within 1e-5 nats (in
 practice bit-equal; the tolerance only allows a compiler to vectorize an inlined copy
-of a reduction differently). A counter on the plan proves the fast path really ran.
+of a reduction differently). A counter on the plan proves the fast path really ran, LM
+head included (the logits of the sampled rows computed inside the step).
 Prefix caching and preemption with the fast path are covered against HF by
 tests/test_hf_parity.py, which runs with the default (fast path on).
 """
@@ -43,6 +44,8 @@ class _Counted:
     def __init__(self, plan: DecodePlan) -> None:
         self.plan, self.steps, self.rows = plan, 0, 0
         self.multi_row_with_context = self.mixed = 0
+        self.head_rows = 0  # logits rows the step's LM head computed
+        self.head_steps: list[tuple[int, int]] = []  # (rows, logits rows) of such steps
         self._run = plan.run
 
     def __call__(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -51,6 +54,9 @@ class _Counted:
         q_lens, seq_lens = args[4], args[5]
         self.multi_row_with_context += int(((q_lens > 1) & (seq_lens > q_lens)).any())
         self.mixed += int((q_lens == 1).any() and (q_lens > 1).any())
+        if len(args) > 9 and args[9] is not None:
+            self.head_rows += args[9].shape[0]
+            self.head_steps.append((x.shape[0], args[9].shape[0]))
         return self._run(x, *args)
 
 
@@ -98,6 +104,8 @@ def _on_and_off(
 
     on = run()
     assert modules.calls == 0, "a step left the C step"
+    # The LM head ran inside the step (every model here has a head in a C layout).
+    assert plan.vocab > 0 and counted.head_rows > 0
     monkeypatch.setattr(runner.model.model, "decode_plan", None)
     off = run()
     assert modules.calls > 0
@@ -192,6 +200,28 @@ def test_many_rows_run_in_c(
     on, off, counted = _on_and_off(llm, prompts, 6, monkeypatch)
     _assert_same(on, off)
     assert counted.rows == sum(map(len, prompts)) + n * 5
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_lm_head_in_wide_steps(
+    quantization: str | None,
+    tiny_model_factory: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The LM head inside steps wider than the decode-sized shares: a long prompt alone
+    (one logits row of many rows: the decode-sized shares, from each thread's own
+    scratch) and more decodes than those shares take (the any-rows shares), each as the
+    module path multiplies that many rows."""
+    llm = LLM(tiny_model_factory("llama"), quantization=quantization, max_model_len=64,
+              num_kv_blocks=128, max_num_batched_tokens=64)  # fmt: skip
+    max_rows = _runner(llm).model.model.decode_plan.max_rows
+    long_alone = [_prompts(6, 500, seed=3)[-1]]  # 40 tokens
+    for prompts in (long_alone, _prompts(max_rows + 3, 500, seed=1, step=2)):
+        on, off, counted = _on_and_off(llm, prompts, 4, monkeypatch)
+        monkeypatch.undo()
+        _assert_same(on, off)
+        widths = [(m > max_rows, r > max_rows) for m, r in counted.head_steps]
+        assert (True, len(prompts) > max_rows) in widths, counted.head_steps
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])

@@ -155,6 +155,14 @@ def test_parallel_matches_single_process(
     try:
         assert_same_outputs(run_workload(llm), want)
         assert llm.engine.core.block_manager.num_hit_tokens > 0  # the shared prefix
+        # Every rank ran every forward through its C step (kernels/decode_step.c: its
+        # shard, the all-reduces called back from inside), the last stage's ranks their
+        # vocab shard of the LM head too.
+        for rank in llm.engine.core.executor.collect_stats():
+            assert rank["forward_steps"] > 0, rank
+            assert rank["c_steps"] == rank["forward_steps"], rank
+            last_stage = rank["rank"] >= tp * (pp - 1)
+            assert (rank["c_head_steps"] > 0) == last_stage, rank
     finally:
         llm.engine.shutdown()
     assert_gone(pids)

@@ -66,6 +66,12 @@ class AttentionMetadata:
     # separate block table for them (a model with local and global layers); None: the
     # sliding-window layers (if any) use this metadata.
     sliding: AttentionMetadata | None = None
+    # The rows whose logits the caller samples (distinct, in the order it wants them),
+    # set before the forward; None: the caller computes them from the hidden states. A
+    # forward whose C step ran the LM head leaves its raw output for those rows in
+    # `head_logits` (models/llama_decode.py; before any gather of TP vocab shards).
+    logit_rows: list[int] | None = None
+    head_logits: torch.Tensor | None = None
 
 
 _CONTEXT: AttentionMetadata | None = None

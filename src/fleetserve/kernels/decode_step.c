@@ -123,6 +123,13 @@ typedef struct {
     const ds_layer *layers;
     const void *lora; /* lora.c's lora_step for this step's adapter rows; NULL: none */
     int32_t activation; /* ACT_SILU, ACT_GELU_TANH */
+    /* The LM head (or this TP rank's vocab shard of it): num_segments 0 when the caller
+     * computes the logits itself. */
+    ds_linear head;
+    /* Tensor parallelism: sums x[0 .. n) across the ranks in place (the row-parallel o
+     * and down projections' partial outputs); NULL: one process. Called by the calling
+     * thread (OpenMP's master) while the team waits. */
+    void (*reduce)(float *x, int64_t n);
 } ds_plan;
 
 /* The step's rows: m tokens of num_seqs sequences laid out back to back (the runner's
@@ -142,6 +149,21 @@ typedef struct {
     float *xp, *xp_wide, *panel, *row, *xsum;
     qdot_xblock *xq;
 } ds_scratch;
+
+/* Row-wise work over the step's m rows: split over the team (`wide`, ending in its
+ * barrier) or done whole by every thread on its own copy. */
+#define FOR_ROWS(wide, r, m, ...)                                                       \
+    do {                                                                                \
+        if (wide) {                                                                     \
+            _Pragma("omp for schedule(static)") for (int64_t r = 0; r < (m); r++) {     \
+                __VA_ARGS__;                                                            \
+            }                                                                           \
+        } else {                                                                        \
+            for (int64_t r = 0; r < (m); r++) {                                         \
+                __VA_ARGS__;                                                            \
+            }                                                                           \
+        }                                                                               \
+    } while (0)
 
 /* Steps of up to this many rows run the decode-sized GEMMs (the quantized kernels switch
  * to their prefill path past it, and the module path with them). */
@@ -187,18 +209,27 @@ static void linear_share(const ds_linear *lin, const float *x, int64_t ldx, cons
     }
 }
 
+static int linear_has_dot(const ds_linear *lin) {
+    for (int j = 0; j < lin->num_segments; j++)
+        if (lin->seg[j].kind == W_QUANT && quant_dot_layout(lin->seg[j].qtype)) return 1;
+    return 0;
+}
+
 /* Whether some weight of the plan is in the dot layout (int8 activations). */
 static int plan_has_dot(const ds_plan *p) {
-    const ds_linear *lins[4];
     for (int l = 0; l < p->num_layers; l++) {
         const ds_layer *L = &p->layers[l];
-        lins[0] = &L->qkv, lins[1] = &L->o, lins[2] = &L->gate_up, lins[3] = &L->down;
-        for (int i = 0; i < 4; i++)
-            for (int j = 0; j < lins[i]->num_segments; j++)
-                if (lins[i]->seg[j].kind == W_QUANT && quant_dot_layout(lins[i]->seg[j].qtype))
-                    return 1;
+        if (linear_has_dot(&L->qkv) || linear_has_dot(&L->o) || linear_has_dot(&L->gate_up) ||
+            linear_has_dot(&L->down))
+            return 1;
     }
-    return 0;
+    return linear_has_dot(&p->head);
+}
+
+static int64_t linear_out(const ds_linear *lin) {
+    int64_t n = 0;
+    for (int i = 0; i < lin->num_segments; i++) n += lin->seg[i].n;
+    return n;
 }
 
 /* The GEMM input x (m rows of k) prepared for the next linear_share: when narrow, by
@@ -225,11 +256,39 @@ static void projection_share(const ds_plan *p, int l, int proj, const ds_linear 
                              int64_t ldo, int64_t m, int wide) {
     if (p->lora) lora_step_shrink(p->lora, l, proj, x, ldx, lin->k);
     linear_share(lin, x, ldx, s, out, ldo, m, wide);
-    if (p->lora) {
-        int64_t n = 0;
-        for (int i = 0; i < lin->num_segments; i++) n += lin->seg[i].n;
-        lora_step_expand(p->lora, l, proj, out, ldo, n);
+    if (p->lora) lora_step_expand(p->lora, l, proj, out, ldo, linear_out(lin));
+}
+
+/* Tensor parallelism: the shared partial output x [n] summed across the ranks (by the
+ * calling thread, the team waiting) before anyone reads it. */
+static void reduce_shared(const ds_plan *p, float *x, int64_t n) {
+    if (!p->reduce) return;
+#pragma omp master
+    p->reduce(x, n);
+#pragma omp barrier
+}
+
+/* The step's output row: the final norm of res += x into o (o may be res), or, on a
+ * pipeline stage before the last (no final norm), the residual stream res + x itself. */
+static void final_row(const ds_plan *p, const float *x, float *res, float *o) {
+    const int64_t H = p->hidden;
+    if (p->final_norm) {
+        rms_row(x, res, o, p->final_norm, H, p->eps);
+        return;
     }
+    for (int64_t i = 0; i < H; i++) res[i] += x[i];
+    if (o != res) memcpy(o, res, (size_t)H * sizeof(float));
+}
+
+/* The LM head over the sampled rows: logits[j] = normed[rows[j]] @ Whead^T, j < nr, the
+ * vocab split over the team by the GEMM shares. hb: nr rows of the head's input (shared
+ * when `wide`, else this thread's own, with the narrow scratch s). */
+static void head_share(const ds_plan *p, const float *normed, int64_t nr, const int64_t *rows,
+                       float *hb, const ds_scratch *s, float *logits, int wide) {
+    const int64_t H = p->hidden;
+    FOR_ROWS(wide, j, nr, memcpy(hb + j * H, normed + rows[j] * H, (size_t)H * sizeof(float)));
+    prepare_x(hb, nr, H, s, wide);
+    linear_share(&p->head, hb, H, s, logits, linear_out(&p->head), nr, wide);
 }
 
 static int quant_bias(const ds_linear *lin) {
@@ -318,21 +377,6 @@ static void attention_item(const ds_plan *p, const ds_layer *L, float *qkv, int6
     attend_rows(p, L, qkv, ldq, attn, rw, i, r0, r1, h0, h1, scores);
 }
 
-/* Row-wise work over the step's m rows: split over the team (`wide`, ending in its
- * barrier) or done whole by every thread on its own copy. */
-#define FOR_ROWS(wide, r, m, ...)                                                       \
-    do {                                                                                \
-        if (wide) {                                                                     \
-            _Pragma("omp for schedule(static)") for (int64_t r = 0; r < (m); r++) {     \
-                __VA_ARGS__;                                                            \
-            }                                                                           \
-        } else {                                                                        \
-            for (int64_t r = 0; r < (m); r++) {                                         \
-                __VA_ARGS__;                                                            \
-            }                                                                           \
-        }                                                                               \
-    } while (0)
-
 static int64_t max3(int64_t a, int64_t b, int64_t c) {
     const int64_t ab = a > b ? a : b;
     return ab > c ? ab : c;
@@ -341,20 +385,22 @@ static int64_t max3(int64_t a, int64_t b, int64_t c) {
 static size_t up64(size_t floats) { return (floats + 15) / 16 * 16; }
 
 /* x: [m, hidden] the step's embeddings (read only); out: [m, hidden] the final norm's
- * output. positions, slot_blocks, slot_offsets [m] int64; q_starts, q_lens, seq_lens
+ * output (no final norm: the residual stream). positions, slot_blocks, slot_offsets [m] int64; q_starts, q_lens, seq_lens
  * [num_seqs] int64 (seq_lens: tokens in the cache after this step's writes); tables
  * [num_seqs, max_blocks] int64. w_slot_blocks, w_slot_offsets, w_tables (w_max_blocks
  * wide): the same for the sliding-window layers' own pool (a model with local and
- * global layers), or NULL: windowed layers use the ones above. Returns 0; -1: out of
- * memory; -2: no rows. */
+ * global layers), or NULL: windowed layers use the ones above. logit_rows [nr] int64
+ * (distinct rows of the step, nr <= m): with the plan's head, logits [nr, vocab] gets the
+ * head's output for those rows (nr 0: none). Returns 0; -1: out of memory; -2: no rows. */
 int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                 const int64_t *positions, const int64_t *slot_blocks,
                 const int64_t *slot_offsets, int64_t num_seqs, const int64_t *q_starts,
                 const int64_t *q_lens, const int64_t *seq_lens, const int64_t *tables,
                 int64_t max_blocks, const int64_t *w_slot_blocks,
                 const int64_t *w_slot_offsets, const int64_t *w_tables, int64_t w_max_blocks,
-                int threads) {
+                int64_t nr, const int64_t *logit_rows, float *logits, int threads) {
     if (m < 1 || num_seqs < 1) return -2;
+    if (p->head.num_segments == 0) nr = 0;
     const ds_rows rw = {m,       num_seqs, max_blocks, positions, slot_blocks, slot_offsets,
                         q_starts, q_lens,  seq_lens,   tables};
     const ds_rows rw_window = {m,        num_seqs, w_max_blocks, positions, w_slot_blocks,
@@ -364,6 +410,9 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
     const int64_t kmax = max3(H, I, q_size);
     const int wide = m > decode_step_max_rows();
     const int dot = plan_has_dot(p);
+    /* The head's rows multiplied as the module path would multiply them: a wide step's
+     * few sampled rows through the decode-sized shares, from a private narrow scratch. */
+    const int head_wide = nr > decode_step_max_rows(), head_own = wide && nr > 0 && !head_wide;
     int64_t max_len = 1;
     int all_decode = 1;
     for (int64_t i = 0; i < num_seqs; i++) {
@@ -388,10 +437,16 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
             : 0;
     const size_t shared = up64(m * ldq) + up64(m * q_size) + up64(m * H) + up64(m * 2 * I) +
                           (wide ? rows_hx + up64(xp_wide) + xq_floats : 0);
+    const size_t head_xq =
+        dot ? up64((nr * (H / 32) * sizeof(qdot_xblock) + sizeof(float) - 1) / sizeof(float))
+            : 0;
+    const size_t head_priv = head_own ? up64(nr * H) + up64(nr * (H / 32) + 1) +
+                                            up64(gemm_x_floats(nr, H)) + head_xq
+                                      : 0;
     const size_t priv = (wide ? up64(quant_prefill_panel_floats(kmax)) + up64(kmax)
                               : rows_hx + up64(m * (kmax / 32) + 1) +
                                     up64(gemm_x_floats(m, kmax)) + xq_floats) +
-                        up64(p->num_heads * max_len);
+                        up64(p->num_heads * max_len) + head_priv;
     float *buf = aligned_alloc(64, (shared + (size_t)threads * priv) * sizeof(float));
     if (!buf) {
         free(item_start);
@@ -448,6 +503,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                                all_decode, scores);
             prepare_x(attn, m, q_size, &sc, wide);
             projection_share(p, l, 1, &L->o, attn, q_size, &sc, xs, H, m, wide);
+            reduce_shared(p, xs, m * H);
             if (L->attn_out_norm)
                 FOR_ROWS(wide, r, m,
                          rms_row(xs + r * H, NULL, h + r * H, L->attn_out_norm, H, p->eps);
@@ -465,6 +521,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                          silu_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
             prepare_x(h, m, I, &sc, wide);
             projection_share(p, l, 3, &L->down, h, I, &sc, xs, H, m, wide);
+            reduce_shared(p, xs, m * H);
             added = xs;
             if (L->mlp_out_norm) {
                 FOR_ROWS(wide, r, m,
@@ -474,12 +531,26 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
         }
         if (wide) {
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < m; r++)
-                rms_row(added + r * H, res + r * H, out + r * H, p->final_norm, H, p->eps);
-        } else {
+            for (int64_t r = 0; r < m; r++) final_row(p, added + r * H, res + r * H, out + r * H);
+            if (head_own) { /* the few sampled rows, narrow, each thread its own copy */
+                ds_scratch hs = {NULL, NULL, NULL, NULL, NULL, NULL};
+                float *hb = scores + up64(p->num_heads * max_len);
+                hs.xsum = hb + up64(nr * H);
+                hs.xp = hs.xsum + up64(nr * (H / 32) + 1);
+                if (dot) hs.xq = (qdot_xblock *)(hs.xp + up64(gemm_x_floats(nr, H)));
+                head_share(p, out, nr, logit_rows, hb, &hs, logits, 0);
+            } else if (nr > 0) {
+                head_share(p, out, nr, logit_rows, h, &sc, logits, 1);
+            }
+        } else if (nr == 0) {
 #pragma omp master
-            for (int64_t r = 0; r < m; r++)
-                rms_row(added + r * H, res + r * H, out + r * H, p->final_norm, H, p->eps);
+            for (int64_t r = 0; r < m; r++) final_row(p, added + r * H, res + r * H, out + r * H);
+        } else {
+            /* Every thread normalizes its own copy (the head's input), one writes `out`. */
+            for (int64_t r = 0; r < m; r++) final_row(p, added + r * H, res + r * H, res + r * H);
+#pragma omp master
+            memcpy(out, res, (size_t)(m * H) * sizeof(float));
+            head_share(p, res, nr, logit_rows, h, &sc, logits, 0);
         }
     }
     free(buf);

@@ -11,8 +11,10 @@ are kept alive by the plan (``_keep``).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fleetserve.kernels import cpu as cpu_kernels
@@ -53,7 +55,12 @@ class _Plan(ctypes.Structure):
         ("head_dim", _i32), ("intermediate", _i32), ("block_size", _i32),
         ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("final_norm", _p),
         ("layers", ctypes.POINTER(_Layer)), ("lora", _p), ("activation", _i32),
+        ("head", _Linear), ("reduce", _p),
     ]  # fmt: skip
+
+
+# Tensor parallelism's sum across ranks, called back from inside the step (C's `reduce`).
+REDUCE = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_float), ctypes.c_int64)
 
 
 def _lib() -> ctypes.CDLL:
@@ -62,7 +69,7 @@ def _lib() -> ctypes.CDLL:
         raise RuntimeError("the decode step needs the CPU kernels (a C compiler)")
     lib.decode_step.argtypes = [
         _p, _p, _p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _i64, _p, _p, _p, _i64,
-        ctypes.c_int,
+        _i64, _p, _p, ctypes.c_int,
     ]  # fmt: skip
     lib.decode_step.restype = ctypes.c_int
     lib.decode_step_max_rows.argtypes = []
@@ -131,14 +138,24 @@ class DecodePlan:
         layers: list[LayerWeights],
         cos: torch.Tensor,
         sin: torch.Tensor,
-        final_norm: torch.Tensor,
+        final_norm: torch.Tensor | None,
+        head: Weights | None = None,
+        reduce: Callable[[torch.Tensor], object] | None = None,
     ) -> None:
+        """final_norm None: the step's output is the residual stream (a pipeline stage
+        before the last). head: the LM head's weight (or this rank's vocab shard of it),
+        which `run` then applies to the rows it is asked for; None: the caller does.
+        reduce: sums a float32 tensor across the tensor-parallel ranks in place, called
+        from inside the step after each row-parallel projection (o, down)."""
         self._lib = _lib()
         self.shape = shape
         # Steps of up to this many rows run the decode-sized GEMM shares; larger ones
         # the any-rows shares (both as the module path's kernels for the same rows).
         self.max_rows = int(self._lib.decode_step_max_rows())
-        self._keep: list[object] = [cos, sin, final_norm]
+        # Steps run, and those that ran the LM head (a worker reports them: the proof
+        # that the C path ran on a rank).
+        self.steps = self.head_steps = 0
+        self._keep: list[object] = [cos, sin]
         # Some projection keeps bf16 weights: steps past max_rows stay on the module path
         # (torch's bf16 matmul, layers/linear.py), which is faster there.
         self.has_bf16 = False
@@ -164,9 +181,31 @@ class DecodePlan:
             raise ValueError(f"activation {s.activation!r} is not one of {sorted(ACTIVATIONS)}")
         self._plan = _Plan(
             len(layers), s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate,
-            s.block_size, s.eps, s.scale, self._ptr(cos), self._ptr(sin), self._ptr(final_norm),
+            s.block_size, s.eps, s.scale, self._ptr(cos), self._ptr(sin),
+            None if final_norm is None else self._ptr(final_norm),
             self._layers, None, ACTIVATIONS[s.activation],
         )  # fmt: skip
+        # Output features of the head (0: no head in the step).
+        self.vocab = 0
+        self.head_bf16 = isinstance(head, torch.Tensor)
+        if head is not None:
+            layers_bf16 = self.has_bf16
+            self._linear(self._plan.head, head, None)
+            self.has_bf16 = layers_bf16  # a bf16 head alone keeps wide steps here
+            self.vocab = sum(self._plan.head.seg[j].n for j in range(self._plan.head.num_segments))
+        self._reduce = reduce
+        self._reduce_error: BaseException | None = None
+        if reduce is not None:
+            self._reduce_cb = REDUCE(self._call_reduce)
+            self._plan.reduce = ctypes.cast(self._reduce_cb, _p)
+
+    def _call_reduce(self, ptr: ctypes._Pointer[ctypes.c_float], n: int) -> None:
+        # An exception cannot cross C: kept, and raised once the step returns.
+        try:
+            assert self._reduce is not None
+            self._reduce(torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n,))))
+        except BaseException as e:  # noqa: BLE001
+            self._reduce_error = self._reduce_error or e
 
     def _ptr(self, t: torch.Tensor) -> int:
         if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
@@ -207,6 +246,8 @@ class DecodePlan:
         block_tables: torch.Tensor,
         window: WindowSlots | None = None,
         lora: int | None = None,
+        logit_rows: torch.Tensor | None = None,
+        logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The final-norm hidden states [m, hidden] of the step's m rows: sequences laid
         out back to back, sequence i owning rows q_starts[i] .. q_starts[i] + q_lens[i]
@@ -215,10 +256,27 @@ class DecodePlan:
         q_starts, q_lens, seq_lens: int64 [num_seqs]; block_tables: int64 [num_seqs,
         max_blocks] (the runner's tensors, contiguous by construction). window: the
         sliding-window layers' own slots and tables (None: they use the ones above). lora: the
-        address of the step's LoRA rows and slots (lora/fused.py), or None."""
+        address of the step's LoRA rows and slots (lora/fused.py), or None. logit_rows
+        (int64 [r], distinct rows) and logits (float32 [r, vocab]): the head's output for
+        those rows is written to `logits` (the plan must have a head)."""
         m = x.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.shape.hidden:
             raise ValueError(f"x must be a contiguous float32 [m, {self.shape.hidden}] tensor")
+        nr = 0
+        if logit_rows is not None:
+            nr = logit_rows.shape[0]
+            want = (nr, self.vocab)
+            if not self.vocab or logits is None or tuple(logits.shape) != want:
+                raise ValueError(f"logits must be a float32 {want} tensor (a plan with a head)")
+            if logits.dtype != torch.float32 or not logits.is_contiguous() or nr > m:
+                raise ValueError("logits must be contiguous float32, logit_rows at most m rows")
+            if logit_rows.dtype != torch.int64 or not logit_rows.is_contiguous():
+                raise ValueError("logit_rows must be a contiguous int64 tensor")
+            if nr and not 0 <= int(logit_rows.min()) <= int(logit_rows.max()) < m:
+                raise ValueError(f"logit_rows must be rows of the step (0 .. {m - 1})")
+        self._reduce_error = None
+        self.steps += 1
+        self.head_steps += nr > 0
         out = torch.empty(m, self.shape.hidden)
         self._plan.lora = lora
         rc = self._lib.decode_step(
@@ -229,8 +287,12 @@ class DecodePlan:
             None if window is None else window.slot_blocks.data_ptr(),
             None if window is None else window.slot_offsets.data_ptr(),
             None if window is None else window.block_tables.data_ptr(),
-            0 if window is None else window.block_tables.shape[1], torch.get_num_threads(),
+            0 if window is None else window.block_tables.shape[1],
+            nr, None if logit_rows is None else logit_rows.data_ptr(),
+            None if logits is None else logits.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
+        if self._reduce_error is not None:
+            raise RuntimeError("decode_step: the all-reduce failed") from self._reduce_error
         if rc == -1:
             raise MemoryError("decode_step: could not allocate its buffers")
         if rc != 0:

@@ -182,8 +182,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         cap = cfg.hf_config.get("final_logit_softcapping")
         self.final_softcap = float(cap) if cap else None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
+    def finish_logits(self, head_out: torch.Tensor) -> torch.Tensor:
+        logits = super().finish_logits(head_out)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

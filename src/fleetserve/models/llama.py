@@ -199,7 +199,12 @@ class LlamaForCausalLM(nn.Module):
             logits = cpu_kernels.packed_linear(hidden, self.packed_tied_head)
         else:
             logits = F.linear(hidden, self.model.embed_tokens.weight)
-        return self.logits_gather(logits).float()
+        return self.finish_logits(logits)
+
+    def finish_logits(self, head_out: torch.Tensor) -> torch.Tensor:
+        """The logits from the head's output (this rank's vocab shard under TP): what
+        `compute_logits` does after the head, also applied to the C step's head output."""
+        return self.logits_gather(head_out).float()
 
     def pack_for_cpu(self) -> None:
         """Repack the projections for the CPU GEMM kernel (see layers/linear.py). A tied

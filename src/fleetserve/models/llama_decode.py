@@ -5,13 +5,18 @@ whose caches are bound, when every piece of it is something the C step runs: pro
 kept in GGUF blocks (`QuantLinear`) or packed for the float32 GEMM (`Linear.packed`), a
 qkv bias (Qwen2) or q/k norm (Qwen3), sliding-window layers (Mistral; Qwen2/3's upper
 layers, from their own block pool), Gemma 3's layers (its output norms, GeGLU and the
-local layers' own rotary tables: `_gemma_parts`), the CPU kernels' cache layout, one
-process (no tensor or pipeline parallelism). Otherwise the model keeps only its module
-path.
+local layers' own rotary tables: `_gemma_parts`), the CPU kernels' cache layout. The LM
+head goes into the plan too when it is in one of those layouts (`_head`): the step then
+also computes the logits of the rows the runner samples. Under tensor parallelism each
+rank's plan holds its shards and sums the row-parallel projections' outputs across the
+ranks from inside the step (a callback into `ParallelContext.all_reduce`); a pipeline
+stage's plan holds its layers, and one before the last stops at the residual stream (no
+final norm, no head). Otherwise the model keeps only its module path.
 
 `run_decode` is what `LlamaModel.forward` asks first: for any step the scheduler builds
 (decodes, prefill chunks with or without cached context, draft verification rows, any
-number of rows) it returns the final hidden states; None only without the paged
+number of rows) it returns the final hidden states, and leaves the head's output for the
+forward context's `logit_rows` in its `head_logits`; None only without the paged
 metadata of the CPU kernels, and the modules run as before. Both paths compute the same
 values with the same C code, the GEMMs switching kernels at the same row counts
 (tests/test_fused_decode.py).
@@ -19,7 +24,7 @@ values with the same C code, the GEMMs switching kernels at the same row counts
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -33,6 +38,7 @@ from fleetserve.kernels.decode_step import (
     WindowSlots,
 )
 from fleetserve.layers.linear import Linear
+from fleetserve.layers.parallel import RowParallelLinear
 from fleetserve.layers.quant_linear import QuantLinear
 
 if TYPE_CHECKING:
@@ -71,6 +77,34 @@ def _gemma_parts(dec: Any, plan_rope: object) -> dict[str, torch.Tensor]:
     return parts
 
 
+def _head(model: LlamaForCausalLM) -> Weights | None:
+    """The LM head's weight as the C step takes it (this rank's vocab shard under tensor
+    parallelism), or None: no head here (a pipeline stage before the last) or one the
+    step cannot run, left to `compute_logits`."""
+    if isinstance(model.model.norm, torch.nn.Identity):
+        return None
+    if model.lm_head is not None:
+        got = _weights(model.lm_head)
+        return None if got is None or got[1] is not None else got[0]
+    return model.packed_tied_head
+
+
+def _reduce(model: LlamaForCausalLM) -> tuple[bool, Any]:
+    """(whether the C step can run this rank's layers, the all-reduce it calls after
+    the row-parallel projections: None in one process)."""
+    rows = [
+        isinstance(p, RowParallelLinear)
+        for dec in model.decoder_layers()
+        for p in (dec.self_attn.o_proj, dec.mlp.down_proj)
+    ]
+    if not any(rows):
+        return True, None
+    if not all(rows):
+        return False, None
+    ctx = cast(RowParallelLinear, model.decoder_layers()[0].self_attn.o_proj).ctx
+    return True, (ctx.all_reduce if ctx.tp_size > 1 else None)
+
+
 def build_decode_plan(model: LlamaForCausalLM) -> DecodePlan | None:
     """The plan for `model`, or None when some part of it is outside the C step."""
     cfg = model.config
@@ -78,8 +112,10 @@ def build_decode_plan(model: LlamaForCausalLM) -> DecodePlan | None:
         cfg.dtype != torch.float32
         or cfg.moe is not None  # MoE blocks run on the module path (kernels/moe.py)
         or cfg.head_dim % 2
-        or not isinstance(model.logits_gather, torch.nn.Identity)
     ):
+        return None
+    runnable, reduce = _reduce(model)
+    if not runnable:
         return None
     layers: list[LayerWeights] = []
     block_size = 0
@@ -98,7 +134,7 @@ def build_decode_plan(model: LlamaForCausalLM) -> DecodePlan | None:
         num_blocks, kv_heads, block_size, head_dim = v_cache.shape
         want = cpu_kernels.kv_cache_shapes(num_blocks, kv_heads, block_size, head_dim)
         got = (tuple(k_cache.shape), tuple(v_cache.shape))
-        if got != want or kv_heads != cfg.num_key_value_heads:
+        if got != want or kv_heads != attn.num_kv_heads:
             return None
         pieces: dict[str, Any] = dict(
             input_norm=dec.input_layernorm.weight.detach(),
@@ -120,19 +156,21 @@ def build_decode_plan(model: LlamaForCausalLM) -> DecodePlan | None:
         return None
     first = model.decoder_layers()[0].self_attn
     first_mlp = model.decoder_layers()[0].mlp
-    shape = PlanShape(
+    shape = PlanShape(  # this rank's heads and MLP width under tensor parallelism
         hidden=cfg.hidden_size,
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
+        num_heads=first.num_heads,
+        num_kv_heads=first.num_kv_heads,
         head_dim=cfg.head_dim,
-        intermediate=cfg.intermediate_size,
+        intermediate=first_mlp.intermediate_size,
         block_size=block_size,
         eps=cfg.rms_norm_eps,
         scale=first.attn.scale,
         activation=getattr(first_mlp, "activation", "silu"),
     )
     rope = first.rope
-    return DecodePlan(shape, layers, rope.cos, rope.sin, model.model.norm.weight.detach())
+    norm = model.model.norm
+    final_norm = None if isinstance(norm, torch.nn.Identity) else norm.weight.detach()
+    return DecodePlan(shape, layers, rope.cos, rope.sin, final_norm, _head(model), reduce)
 
 
 def run_decode(
@@ -152,7 +190,15 @@ def run_decode(
         w = meta.sliding
         assert w.paged is not None, "built beside `paged`, from the same lengths"
         window = WindowSlots(w.slot_blocks, w.slot_offsets, w.paged.block_tables)
-    return plan.run(
+    rows = logits = None
+    wanted = meta.logit_rows
+    if plan.vocab and wanted and not (plan.head_bf16 and len(wanted) > plan.max_rows):
+        # The head's rows in the step (a bf16 head's many rows: torch's matmul there).
+        rows = torch.tensor(wanted, dtype=torch.int64)
+        logits = torch.empty(len(wanted), plan.vocab)
+    out = plan.run(
         x, positions, meta.slot_blocks, meta.slot_offsets, paged.q_starts, paged.q_lens,
-        paged.seq_lens, paged.block_tables, window, lora,
+        paged.seq_lens, paged.block_tables, window, lora, rows, logits,
     )  # fmt: skip
+    meta.head_logits = logits
+    return out

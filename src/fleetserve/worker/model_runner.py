@@ -97,19 +97,20 @@ class ModelRunner:
         )
         self.sampler = Sampler(config.seed)
         pack_for_cpu(self.model, self.use_cpu_kernel, config.bf16_weights)
+        # Under TP / PP each rank's plan runs its shard (llama_decode.py).
         self.fused_decode = bind_decode_plan(
-            self.model,
-            self.use_cpu_kernel and parallel is None,
-            fused_decode_enabled(),
+            self.model, self.use_cpu_kernel, fused_decode_enabled()
         )
         # LoRA: the projections wrapped after the decode plan took the base modules; the
-        # plan then takes the slots too (lora/fused.py), adapter rows staying in the C step.
+        # plan then takes the slots too (lora/fused.py), adapter rows staying in the C step
+        # (in one process; under TP / PP steps with adapter rows take the module path).
         self.lora = (
             LoRASlots(self.model, config.lora, parallel, self.device) if config.lora else None
         )
-        if self.lora is not None and self.fused_decode:
+        if self.lora is not None and self.fused_decode and parallel is None:
             self.lora.bind_decode_step(self.model)
         self.requests: dict[str, RequestState] = {}
+        self.forward_steps = 0  # model forwards run (beside the plan's C steps)
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.proposer: Proposer | None = None
         if config.speculative is not None:
@@ -213,16 +214,20 @@ class ModelRunner:
             for s, n in zip(ordered, q_lens, strict=True):
                 row_adapters.extend([s.lora_name] * n)
             lora_groups = self.lora.prepare(row_adapters)
+        last_stage = pp is None or pp.is_last_stage
+        qsl = meta.query_start_loc
+        picks = _sampled_rows(ordered, qsl, meta.seq_lens, spec)
+        if last_stage:
+            meta.logit_rows = picks.rows  # the C step's LM head computes these
         with set_forward_context(meta), set_lora_rows(lora_groups):
             hidden = self.model(x, pos_t)
-        if pp is not None and not pp.is_last_stage:
+        self.forward_steps += 1
+        if not last_stage:
+            assert pp is not None
             pp.send_next(hidden)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
-        qsl = meta.query_start_loc
-        sampled, lp_by_req = self._sample(
-            ordered, qsl, meta.seq_lens, spec, hidden, so.grammar_bitmask
-        )
+        sampled, lp_by_req = self._sample(picks, hidden, meta.head_logits, so.grammar_bitmask)
         prompt_lps = self._prompt_logprobs(ordered, qsl, ctx_lens, hidden)
         req_ids = list(sched)
         want_logprobs = any(s.params.logprobs is not None for s in ordered)
@@ -234,37 +239,38 @@ class ModelRunner:
             spec_token_ids=self._propose(req_ids, sampled) if self.proposer is not None else None,
         )
 
+    def path_counts(self) -> dict[str, int]:
+        """Model forwards run, how many of them the C step took and in how many it ran
+        the LM head too."""
+        plan = self.model.model.decode_plan
+        return {
+            "forward_steps": self.forward_steps,
+            "c_steps": plan.steps if plan else 0,
+            "c_head_steps": plan.head_steps if plan else 0,
+        }
+
     def _sample(
         self,
-        ordered: list[RequestState],
-        qsl: list[int],
-        seq_lens: list[int],
-        spec: dict[str, list[int]],
+        picks: SampledRows,
         hidden: torch.Tensor,
+        head_logits: torch.Tensor | None,
         grammar: GrammarBitmask | None = None,
     ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, float]]]]:
         """Tokens (and logprobs) of each request whose step reaches its end: sampled from
         its last row, or, with drafts, verified against the rows of the pending token and
         of each draft (row j predicts the token after draft j). A constrained request's
         rows lose the tokens its grammar forbids first (so logprobs are those of the
-        allowed tokens, as in vLLM)."""
-        plain: list[tuple[int, RequestState]] = []
-        verify: list[tuple[int, RequestState, list[int]]] = []
-        for i, s in enumerate(ordered):
-            drafts = spec.get(s.req_id, [])
-            if seq_lens[i] == len(s.token_ids) + len(drafts):
-                if drafts:
-                    verify.append((i, s, drafts))
-                else:
-                    plain.append((i, s))
-        rows = [qsl[i + 1] - 1 for i, _ in plain]
-        for i, _, d in verify:
-            rows.extend(range(qsl[i + 1] - 1 - len(d), qsl[i + 1]))
+        allowed tokens, as in vLLM). head_logits: the head's output for `picks.rows`
+        when the C step computed it (None: computed here from `hidden`)."""
+        plain, verify, rows = picks.plain, picks.verify, picks.rows
         sampled: dict[str, list[int]] = {}
         lps_out: dict[str, list[dict[int, float]]] = {}
         if not rows:
             return sampled, lps_out
-        logits = self.model.compute_logits(hidden[rows])
+        if head_logits is not None:
+            logits = self.model.finish_logits(head_logits)
+        else:
+            logits = self.model.compute_logits(hidden[rows])
         if grammar is not None:
             logit_rows: list[int] = []
             mask_rows: list[int] = []
@@ -339,6 +345,35 @@ class ModelRunner:
                     entries.append(top_logprobs(lp[j], s.token_ids[c + j + 1], n))
             out[s.req_id] = entries
         return out
+
+
+@dataclass(frozen=True)
+class SampledRows:
+    """The step's rows that get logits: `rows` holds the last row of each request in
+    `plain` (its step reaches its end), then the pending token's and each draft's rows of
+    each request in `verify` (request index in the batch, state, drafts)."""
+
+    plain: list[tuple[int, RequestState]]
+    verify: list[tuple[int, RequestState, list[int]]]
+    rows: list[int]
+
+
+def _sampled_rows(
+    ordered: list[RequestState], qsl: list[int], seq_lens: list[int], spec: dict[str, list[int]]
+) -> SampledRows:
+    plain: list[tuple[int, RequestState]] = []
+    verify: list[tuple[int, RequestState, list[int]]] = []
+    for i, s in enumerate(ordered):
+        drafts = spec.get(s.req_id, [])
+        if seq_lens[i] == len(s.token_ids) + len(drafts):
+            if drafts:
+                verify.append((i, s, drafts))
+            else:
+                plain.append((i, s))
+    rows = [qsl[i + 1] - 1 for i, _ in plain]
+    for i, _, d in verify:
+        rows.extend(range(qsl[i + 1] - 1 - len(d), qsl[i + 1]))
+    return SampledRows(plain, verify, rows)
 
 
 def _draft_probs(s: RequestState, num_drafts: int) -> torch.Tensor | None:

@@ -4,7 +4,8 @@ The engine process and each worker are joined by a `multiprocessing` Pipe. Messa
 (pickled once by the executor, sent to every rank):
 
     ("step", SchedulerOutput)   run one step; the output rank answers ("output", result)
-    ("stats", reset: bool)      answer ("stats", dict) with this rank's timings
+    ("stats", reset: bool)      answer ("stats", dict) with this rank's timings (and its
+                                C-step count, ModelRunner.path_counts)
     ("shutdown", None)          leave the process group and exit
 
 Messages out: ("ready", info) once loaded, ("output", ModelRunnerOutput), ("stats", dict),
@@ -129,7 +130,8 @@ def _run(init: WorkerInit, conn: Connection) -> None:
             else:
                 runner.lora.remove(payload)
         elif kind == "stats":
-            conn.send(("stats", {"rank": init.rank, **timer.report(ctx.stats.as_dict())}))
+            report = {"rank": init.rank, **timer.report(ctx.stats.as_dict())}
+            conn.send(("stats", {**report, **runner.path_counts()}))
             if payload:
                 timer = StepTimer()
                 ctx.stats.__dict__.update(CommStats().__dict__)
