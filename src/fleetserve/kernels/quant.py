@@ -223,7 +223,9 @@ def quant_embedding(ids: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
         flat = flat.to(torch.int64)
     flat = flat.contiguous()
     n = weight.out_features
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
+    # numpy's min/max: a few us against ~30 for two torch reductions (every step).
+    view = flat.numpy()
+    if flat.numel() and (int(view.min()) < 0 or int(view.max()) >= n):
         raise IndexError(f"ids must be in [0, {n})")
     out = torch.empty(flat.numel(), weight.in_features)
     if flat.numel():

@@ -193,6 +193,8 @@ def run_decode(
     rows = logits = None
     wanted = meta.logit_rows
     if plan.vocab and wanted and not (plan.head_bf16 and len(wanted) > plan.max_rows):
+        if not 0 <= min(wanted) <= max(wanted) < x.shape[0] or len(set(wanted)) < len(wanted):
+            raise ValueError(f"logit_rows must be distinct rows of the step, got {wanted}")
         # The head's rows in the step (a bf16 head's many rows: torch's matmul there).
         rows = torch.tensor(wanted, dtype=torch.int64)
         logits = torch.empty(len(wanted), plan.vocab)
