@@ -1,0 +1,157 @@
+"""Where one stream's decode step goes: the C step, the worker's Python, the engine's.
+
+`python -m fleetserve.bench.step_split [--threads T] [--model PATH] [--tokens N]` runs
+one greedy stream (default: the bundled SmolLM2 GGUF) through an `LLMEngine` and
+reports, per step:
+
+- CPU ms (thread time; wall ms past one thread) inside the C step (`DecodePlan.run`,
+  LM head included where the plan has one), in the rest of `ModelRunner.execute_model`
+  (metadata, embedding, sampling: the worker's Python) and in the rest of
+  `LLMEngine.step` (scheduler, detokenizer);
+- one captured decode step replayed with the LM head inside the step against the same
+  step without it followed by the module path's `compute_logits` (interleaved rounds,
+  best and median), after checking that both give the same logits;
+- the read bandwidth of the threads used (torch's sum over a 100 MB float32 array, best
+  of 10), against which bytes read per token give the roofline share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def read_bandwidth_gbs(threads: int, megabytes: int = 100) -> float:
+    """Best of 10 sums over a float32 array of `megabytes` on `threads` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    x = torch.ones(megabytes * 2**20 // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(10):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    torch.set_num_threads(before)
+    return x.numel() * 4 / best / 1e9
+
+
+def _clock(threads: int) -> Callable[[], float]:
+    return time.thread_time if threads == 1 else time.perf_counter
+
+
+def split(model: str | None, threads: int, tokens: int) -> dict[str, Any]:
+    from fleetserve.core.sampling_params import SamplingParams
+    from fleetserve.engine.arg_utils import EngineArgs
+    from fleetserve.engine.llm_engine import LLMEngine
+
+    torch.set_num_threads(threads)
+    engine = LLMEngine(
+        EngineArgs(model=model, num_threads=threads, max_num_seqs=1, max_model_len=tokens + 64)
+    )
+    runner = engine.core.executor.runner  # type: ignore[attr-defined]
+    plan = runner.model.model.decode_plan
+    if plan is None:
+        raise ValueError("this model has no C step here (FLEETSERVE_FUSED_DECODE=0?)")
+    clock = _clock(threads)
+    spent = {"c": 0.0, "worker": 0.0}
+    saved: list[list[Any]] = []
+    run, execute = plan.run, runner.execute_model
+
+    def timed_run(*args: Any) -> torch.Tensor:
+        if len(saved) < tokens // 2:
+            saved.append(list(args))
+        t0 = clock()
+        out = run(*args)
+        spent["c"] += clock() - t0
+        return out
+
+    def timed_execute(*args: Any) -> Any:
+        t0 = clock()
+        out = execute(*args)
+        spent["worker"] += clock() - t0
+        return out
+
+    plan.run, runner.execute_model = timed_run, timed_execute
+    prompt = {"prompt_token_ids": list(range(100, 128))}
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    steps = []
+    for i in range(2):  # the first run warms up
+        spent.update(c=0.0, worker=0.0)
+        saved.clear()
+        engine.add_request(f"split-{i}", prompt, params)
+        n, t0 = 0, clock()
+        while engine.has_unfinished_requests():
+            engine.step()
+            n += 1
+        total = clock() - t0
+        steps.append(
+            {
+                "steps": n,
+                "step_ms": 1000 * total / n,
+                "c_step_ms": 1000 * spent["c"] / n,
+                "worker_python_ms": 1000 * (spent["worker"] - spent["c"]) / n,
+                "engine_python_ms": 1000 * (total - spent["worker"]) / n,
+            }
+        )
+    plan.run, runner.execute_model = run, execute
+    replay = _replay_head(runner.model, run, saved[-1], clock)
+    engine.shutdown()
+    return {"threads": threads, "split": steps[-1], "head_replay": replay}
+
+
+def _replay_head(
+    model: Any, run: Callable[..., torch.Tensor], args: list[Any], clock: Callable[[], float]
+) -> dict[str, float]:
+    """A decode step with the head inside vs without it + compute_logits, in ms."""
+    rows, logits = args[10], args[11]
+    if rows is None:
+        return {}
+    bare = args[:10] + [None, None]
+
+    def inside() -> torch.Tensor:
+        run(*args)
+        return logits
+
+    def outside() -> torch.Tensor:
+        return model.compute_logits(run(*bare)[rows])
+
+    if not torch.equal(model.finish_logits(inside()), outside()):
+        raise AssertionError("the head inside the step and compute_logits disagree")
+    times: dict[str, list[float]] = {"inside": [], "outside": []}
+    for _ in range(5):
+        for name, f in (("inside", inside), ("outside", outside)):
+            t0 = clock()
+            for _ in range(20):
+                f()
+            times[name].append(1000 * (clock() - t0) / 20)
+    return {
+        f"{name}_{stat}_ms": fn(v)
+        for name, v in times.items()
+        for stat, fn in (("best", min), ("median", statistics.median))
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="default: the bundled SmolLM2 GGUF")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    out = split(args.model, args.threads, args.tokens)
+    out["read_gbs"] = read_bandwidth_gbs(args.threads)
+    print(json.dumps(out, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
