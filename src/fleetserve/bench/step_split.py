@@ -110,9 +110,9 @@ def _replay_head(
     model: Any, run: Callable[..., torch.Tensor], args: list[Any], clock: Callable[[], float]
 ) -> dict[str, float]:
     """A decode step with the head inside vs without it + compute_logits, in ms."""
-    rows, logits = args[10], args[11]
-    if rows is None:
+    if len(args) < 12 or args[10] is None:  # no head in the step (or a tree before it)
         return {}
+    rows, logits = args[10], args[11]
     bare = args[:10] + [None, None]
 
     def inside() -> torch.Tensor:

@@ -24,6 +24,7 @@ values with the same C code, the GEMMs switching kernels at the same row counts
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -82,6 +83,8 @@ def _head(model: LlamaForCausalLM) -> Weights | None:
     parallelism), or None: no head here (a pipeline stage before the last) or one the
     step cannot run, left to `compute_logits`."""
     if isinstance(model.model.norm, torch.nn.Identity):
+        return None
+    if os.environ.get("FLEETSERVE_C_HEAD", "1") == "0":  # A/B runs: the head after the step
         return None
     if model.lm_head is not None:
         got = _weights(model.lm_head)
