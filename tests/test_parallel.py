@@ -158,14 +158,32 @@ def test_parallel_matches_single_process(
         # Every rank ran every forward through its C step (kernels/decode_step.c: its
         # shard, the all-reduces called back from inside), the last stage's ranks their
         # vocab shard of the LM head too.
-        for rank in llm.engine.core.executor.collect_stats():
-            assert rank["forward_steps"] > 0, rank
-            assert rank["c_steps"] == rank["forward_steps"], rank
-            last_stage = rank["rank"] >= tp * (pp - 1)
-            assert (rank["c_head_steps"] > 0) == last_stage, rank
+        assert_c_step_on_every_rank(llm, tp, pp)
     finally:
         llm.engine.shutdown()
     assert_gone(pids)
+
+
+def assert_c_step_on_every_rank(llm: LLM, tp: int, pp: int) -> None:
+    for rank in llm.engine.core.executor.collect_stats():
+        assert rank["forward_steps"] > 0, rank
+        assert rank["c_steps"] == rank["forward_steps"], rank
+        last_stage = rank["rank"] >= tp * (pp - 1)
+        assert (rank["c_head_steps"] > 0) == last_stage, rank
+
+
+def test_tp_ranks_with_thread_teams_match_single_process(
+    model_path: Callable[[str], str],
+) -> None:
+    """Two threads per rank: the all-reduce is called back from the C step's master
+    thread while the other waits at the team's barrier."""
+    want = reference("llama", model_path("llama"))
+    llm = LLM(model_path("llama"), tensor_parallel_size=2, num_threads=4, **engine_args("llama"))
+    try:
+        assert_same_outputs(run_workload(llm), want)
+        assert_c_step_on_every_rank(llm, 2, 1)
+    finally:
+        llm.engine.shutdown()
 
 
 # ------------------------------------------ pipelined stepping, in one process
