@@ -25,6 +25,7 @@ values with the same C code, the GEMMs switching kernels at the same row counts
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -92,7 +93,9 @@ def _head(model: LlamaForCausalLM) -> Weights | None:
     return model.packed_tied_head
 
 
-def _reduce(model: LlamaForCausalLM) -> tuple[bool, Any]:
+def _reduce(
+    model: LlamaForCausalLM,
+) -> tuple[bool, Callable[[torch.Tensor], torch.Tensor] | None]:
     """(whether the C step can run this rank's layers, the all-reduce it calls after
     the row-parallel projections: None in one process)."""
     rows = [
