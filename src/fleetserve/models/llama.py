@@ -204,7 +204,9 @@ class LlamaForCausalLM(nn.Module):
     def finish_logits(self, head_out: torch.Tensor) -> torch.Tensor:
         """The logits from the head's output (this rank's vocab shard under TP): what
         `compute_logits` does after the head, also applied to the C step's head output."""
-        return self.logits_gather(head_out).float()
+        if not isinstance(self.logits_gather, nn.Identity):  # one module call less a step
+            head_out = self.logits_gather(head_out)
+        return head_out.float()
 
     def pack_for_cpu(self) -> None:
         """Repack the projections for the CPU GEMM kernel (see layers/linear.py). A tied

@@ -242,7 +242,7 @@ class ModelRunner:
     def path_counts(self) -> dict[str, int]:
         """Model forwards run, how many of them the C step took and in how many it ran
         the LM head too."""
-        plan = self.model.model.decode_plan
+        plan = getattr(self.model.model, "decode_plan", None)
         return {
             "forward_steps": self.forward_steps,
             "c_steps": plan.steps if plan else 0,
