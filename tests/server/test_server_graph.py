@@ -174,6 +174,10 @@ def test_a_chat_graph_streams_its_last_step(fleet: ServerProc) -> None:
     info = (chunks[0].model_extra or {})["fleetserve"]
     assert [s["step"] for s in info["steps"]] == ["vec", "tiny"]
     assert chunks[-1].choices[0].finish_reason == "length"
+    # The last chunk reports the steps again, with the streamed last step's time.
+    last = (chunks[-1].model_extra or {})["fleetserve"]
+    assert [s["step"] for s in last["steps"]] == ["vec", "tiny"]
+    assert all(s["ms"] > 0 for s in last["steps"])
 
 
 def test_a_completion_graph_answers_and_streams_its_last_step(fleet: ServerProc) -> None:
@@ -187,6 +191,7 @@ def test_a_completion_graph_answers_and_streams_its_last_step(fleet: ServerProc)
     chunks = list(c.completions.create(model="tell", prompt="", stream=True, extra_body=body))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == direct.choices[0].text
     assert chunks[0].object == "text_completion"
+    assert (chunks[-1].model_extra or {})["fleetserve"]["steps"][-1]["ms"] > 0
     with pytest.raises(openai.BadRequestError, match="takes a prompt; call /v1/completions"):
         c.chat.completions.create(model="tell", messages=QUESTION, extra_body=body)  # type: ignore[arg-type]
 
