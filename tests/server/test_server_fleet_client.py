@@ -178,3 +178,21 @@ def test_a_handler_that_stops_reading_a_stream_ends_its_sub_call(fleet: ServerPr
     # The handler process reads its pipe in order: its next call is answered as usual.
     r = predict(fleet, [{"prompt": "The sea", "max_tokens": 3}], model="streamer")
     assert r.status_code == 200 and r.json()["predictions"][0]["chunks"] >= 1, r.text
+
+
+def test_a_client_that_leaves_cancels_the_parents_sub_calls(fleet: ServerProc) -> None:
+    aborted = "fleetserve:request_success_total"
+    before = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
+    # The sub-call would run ~15 s (300 tokens at 0.05 s a step); the client leaves at 1 s,
+    # well inside the handler's timeout_s (20 s): only its leaving can end the sub-call.
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{fleet.url}/v1/models/streamer:predict", timeout=1.0,
+                   json={"instances": [{"prompt": "The sea", "max_tokens": 300}]})  # fmt: skip
+
+    def sub_call_aborted() -> bool:
+        now = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
+        return now == before + 1
+
+    assert wait_until(sub_call_aborted, 5.0)
+    r = predict(fleet, [{"prompt": "The sea", "max_tokens": 3}], model="streamer")
+    assert r.status_code == 200, r.text

@@ -83,6 +83,9 @@ class HandlerProcess:
         self._fleet: Callable[..., Coroutine[Any, Any, dict[str, Any]]] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._send_lock = threading.Lock()
+        # The running call's sub-calls by id; `_abandoned`: its callers all left.
+        self._subcalls: dict[int, concurrent.futures.Future[Any]] = {}
+        self._abandoned = False
 
     def bind_fleet(
         self,
@@ -213,6 +216,7 @@ class HandlerProcess:
             conn = self._conn
             self._call_started = time.monotonic()
             subcalls: dict[int, concurrent.futures.Future[Any]] = {}
+            self._subcalls, self._abandoned = subcalls, False
             try:
                 with self._send_lock:
                     conn.send(("call", instances))
@@ -230,6 +234,8 @@ class HandlerProcess:
                         break
                     sub = self._subcall(conn, payload, remaining, classes, sinks)
                     subcalls[payload[0]] = sub
+                    if self._abandoned:  # nobody waits for this call's answer any more
+                        sub.cancel()
             except (EOFError, OSError) as e:
                 if self._proc is not None:
                     self._proc.join(_STOP_WAIT_S)
@@ -248,6 +254,13 @@ class HandlerProcess:
         if kind == "raise":
             raise HandlerError(f"handler {self.spec} raised {payload}")
         return [self._result(slot) for slot in payload]
+
+    def cancel_sub_calls(self) -> None:
+        """Any thread: the running call's sub-calls, and those it makes from now on, are
+        cancelled (their engine requests aborted); the handler sees them fail (499)."""
+        self._abandoned = True
+        for f in list(self._subcalls.values()):
+            f.cancel()
 
     def _subcall(
         self,
