@@ -41,6 +41,7 @@ class StreamComplete:
             stream = self.fleet.complete_stream(
                 inst.get("model", self.model), inst["prompt"],
                 max_tokens=inst.get("max_tokens", 4), temperature=0.0,
+                **inst.get("params", {}),
             )  # fmt: skip
             texts: list[str] = []
             try:
