@@ -244,6 +244,24 @@ def test_a_graph_past_its_timeout_cancels_its_steps(fleet: ServerProc) -> None:
     assert wait_until(step_aborted, 5.0)
 
 
+def test_a_graph_past_the_request_s_deadline_is_a_504_and_cancels_its_steps(
+    fleet: ServerProc,
+) -> None:
+    aborted = "fleetserve:request_success_total"
+    before = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
+    r = httpx.post(f"{fleet.url}/v1/models/slow:predict", json={}, timeout=60,
+                   headers={"X-Fleetserve-Deadline-Ms": "300"})  # fmt: skip
+    # Well inside the graph's own timeout_s (1 s): the request's deadline ends it.
+    assert r.status_code == 504, r.text
+    assert r.json()["error"]["code"] == "deadline_exceeded"
+
+    def step_aborted() -> bool:
+        now = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
+        return now == before + 1
+
+    assert wait_until(step_aborted, 5.0)
+
+
 BAD = {
     "cycle": ("{root: a, nodes: {a: {type: sequence, steps: [{node: b}]}, "
               "b: {type: sequence, steps: [{node: a, name: back}]}}}",

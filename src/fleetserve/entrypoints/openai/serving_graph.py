@@ -24,7 +24,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from fleetserve.entrypoints.openai.access_log import note_model
-from fleetserve.entrypoints.openai.deadline import deadline_time, with_deadline
+from fleetserve.entrypoints.openai.deadline import (
+    deadline_time,
+    exceeded,
+    remaining_s,
+    with_deadline,
+)
 from fleetserve.entrypoints.openai.errors import APIError
 from fleetserve.entrypoints.openai.fleet_client import FleetCallError, GatewayFleetClient
 from fleetserve.entrypoints.openai.serving_common import (
@@ -63,6 +68,9 @@ async def _run(
         raise APIError(504, f"the graph {graph.name!r} ran past its timeout_s "
                        f"({graph.plan.timeout_s:g} s)") from None  # fmt: skip
     except FleetCallError as e:
+        left = remaining_s(request)
+        if e.status == 504 and left is not None and left <= 0:  # a step ran out of it
+            raise exceeded(request, f"the graph {graph.name!r}") from None
         raise APIError(e.status, f"graph {graph.name!r}: {e}") from None
     except GraphError as e:
         raise APIError(e.status, str(e)) from None
