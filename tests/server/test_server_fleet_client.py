@@ -196,3 +196,21 @@ def test_a_client_that_leaves_cancels_the_parents_sub_calls(fleet: ServerProc) -
     assert wait_until(sub_call_aborted, 5.0)
     r = predict(fleet, [{"prompt": "The sea", "max_tokens": 3}], model="streamer")
     assert r.status_code == 200, r.text
+
+
+def test_a_parent_past_its_request_deadline_is_a_504_and_ends_its_sub_calls(
+    fleet: ServerProc,
+) -> None:
+    aborted = "fleetserve:request_success_total"
+    before = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
+    # Far inside the handler's timeout_s (20 s): only the request's deadline can end it.
+    r = predict(fleet, [{"prompt": "The sea", "max_tokens": 300}],
+                {"X-Fleetserve-Deadline-Ms": "500"}, model="streamer")  # fmt: skip
+    assert r.status_code == 504, r.text
+    assert r.json()["error"]["code"] == "deadline_exceeded"
+
+    def sub_call_aborted() -> bool:
+        now = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
+        return now == before + 1
+
+    assert wait_until(sub_call_aborted, 5.0)
