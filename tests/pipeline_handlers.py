@@ -26,3 +26,33 @@ class Complete:
             return {"text": body["choices"][0]["text"], "model": body["model"]}
 
         return list(await asyncio.gather(*(one(i) for i in instances)))
+
+
+class StreamComplete:
+    """Each instance's prompt streamed by `model` (complete_stream): the text of the first
+    `read` chunks (all without it); stopping early closes the stream."""
+
+    def __init__(self, fleet: Any, model: str) -> None:
+        self.fleet, self.model = fleet, model
+
+    async def __call__(self, instances: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = []
+        for inst in instances:
+            stream = self.fleet.complete_stream(
+                inst.get("model", self.model), inst["prompt"],
+                max_tokens=inst.get("max_tokens", 4), temperature=0.0,
+                **inst.get("params", {}),
+            )  # fmt: skip
+            texts: list[str] = []
+            try:
+                async for chunk in stream:
+                    texts.append("".join(c["text"] for c in chunk["choices"]))
+                    if len(texts) == inst.get("read"):
+                        break
+            except FleetCallError as e:
+                out.append({"error": str(e), "status": e.status})
+                continue
+            finally:
+                await stream.aclose()
+            out.append({"text": "".join(texts), "chunks": len(texts)})
+        return out

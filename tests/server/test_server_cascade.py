@@ -35,6 +35,8 @@ models:
       escalate: {{{{must_match: {{{{type: object}}}}}}}}}}}}
   - {{{{name: by_predicate, kind: cascade, tiers: [small, large],
       escalate: {{{{predicate: "cascade_rules:longer_than_three"}}}}}}}}
+  - {{{{name: slow_up, kind: cascade, tiers: [small, large],
+      escalate: {{{{predicate: "cascade_rules:slow_then_up"}}}}}}}}
   - {{{{name: early_up, kind: cascade, tiers: [small, large], decide_after_tokens: 2,
       escalate: {{{{min_mean_logprob: 0.0}}}}}}}}
   - {{{{name: early_stay, kind: cascade, tiers: [small, large], decide_after_tokens: 2,
@@ -186,3 +188,40 @@ def test_models_listing_and_errors(fleet: ServerProc) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client(fleet).chat.completions.create(model="up", messages=MESSAGES, max_tokens=10_000)
     assert "max_tokens" in json.dumps(info.value.body)
+
+
+def deadline(ms: float) -> dict[str, dict[str, str]]:
+    return {"extra_headers": {"X-Fleetserve-Deadline-Ms": str(ms)}}
+
+
+def test_a_slow_first_tier_leaves_the_next_only_the_remainder(fleet: ServerProc) -> None:
+    from cascade_rules import SLOW_S
+
+    large, _, _ = chat(fleet, "large")
+    text, tier, info = chat(fleet, "slow_up", **deadline(10_000))
+    assert (text, tier) == (large, "large")
+    assert info is not None and info["escalations"] == [{"tier": "small", "reason": "predicate"}]
+    first, second = info["budget_ms"]  # the ms of the deadline each tier was given
+    assert 0 < second <= first - SLOW_S * 1e3 and first <= 10_000
+
+
+def test_a_deadline_that_ends_in_the_first_tier_is_a_504_not_an_escalation(
+    fleet: ServerProc,
+) -> None:
+    before = scrape(fleet.url)
+    for stream in (False, True):
+        with pytest.raises(openai.APIStatusError) as info:
+            client(fleet).chat.completions.create(
+                model="slow_up", messages=MESSAGES, max_tokens=4, stream=stream, **deadline(400)
+            )
+        assert info.value.status_code == 504
+        assert info.value.body["code"] == "deadline_exceeded"  # type: ignore[index]
+        assert "tier 'small'" in info.value.body["message"]  # type: ignore[index]
+    after = scrape(fleet.url)
+    requests = "fleetserve:cascade_requests_total"
+    assert metric(after, requests, model_name="slow_up") == metric(
+        before, requests, model_name="slow_up"
+    )
+    # The large tier never ran: no escalation was counted, no request reached it.
+    esc = "fleetserve:cascade_escalations_total"
+    assert metric(after, esc, model_name="slow_up") == metric(before, esc, model_name="slow_up")

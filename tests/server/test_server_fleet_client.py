@@ -26,6 +26,11 @@ models:
     options: {{model: tiny}}
     timeout_s: 3.0
     batching: {{max_batch_size: 4, batch_wait_timeout_s: 0.01}}
+  - name: streamer
+    kind: custom
+    handler: pipeline_handlers:StreamComplete
+    options: {{model: tiny}}
+    timeout_s: 20.0
 classes:
   interactive: {{priority: 0}}
   batch: {{priority: 10}}
@@ -48,9 +53,12 @@ def fleet(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 def predict(
-    srv: ServerProc, instances: list[dict[str, object]], headers: dict[str, str] | None = None
+    srv: ServerProc,
+    instances: list[dict[str, object]],
+    headers: dict[str, str] | None = None,
+    model: str = "composer",
 ) -> httpx.Response:
-    return httpx.post(f"{srv.url}/v1/models/composer:predict", json={"instances": instances},
+    return httpx.post(f"{srv.url}/v1/models/{model}:predict", json={"instances": instances},
                       timeout=60, headers=headers)  # fmt: skip
 
 
@@ -138,3 +146,71 @@ def test_the_parents_access_line_lists_its_sub_calls(fleet: ServerProc) -> None:
     got = sorted((s["model"], s["method"], s["status"]) for s in subs)
     assert got == [("nope", "complete", 404), ("tiny", "complete", 200)]
     assert all(isinstance(s["ms"], float) and s["ms"] >= 0 for s in subs)
+
+
+def test_a_handler_process_streams_a_sub_call(fleet: ServerProc) -> None:
+    client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="none", max_retries=0)
+    direct = client.completions.create(
+        model="tiny", prompt="The sea", max_tokens=5, temperature=0.0
+    )
+    r = predict(fleet, [{"prompt": "The sea", "max_tokens": 5}], model="streamer")
+    assert r.status_code == 200, r.text
+    (pred,) = r.json()["predictions"]
+    assert pred["text"] == direct.choices[0].text and pred["chunks"] >= 2
+    r = predict(fleet, [{"prompt": "x", "model": "nope"}], model="streamer")
+    (pred,) = r.json()["predictions"]
+    assert pred["status"] == 404 and "'nope' does not exist" in pred["error"]
+
+
+def test_a_handler_that_stops_reading_a_stream_ends_its_sub_call(fleet: ServerProc) -> None:
+    aborted = "fleetserve:request_success_total"
+    before = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
+    # 300 tokens at 0.05 s a step would run ~15 s; the handler stops after 2 chunks.
+    r = predict(fleet, [{"prompt": "The sea", "max_tokens": 300, "read": 2}], model="streamer")
+    assert r.status_code == 200, r.text
+    assert r.json()["predictions"][0]["chunks"] == 2
+
+    def sub_call_aborted() -> bool:
+        now = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
+        return now == before + 1
+
+    assert wait_until(sub_call_aborted, 5.0)
+    # The handler process reads its pipe in order: its next call is answered as usual.
+    r = predict(fleet, [{"prompt": "The sea", "max_tokens": 3}], model="streamer")
+    assert r.status_code == 200 and r.json()["predictions"][0]["chunks"] >= 1, r.text
+
+
+def test_a_client_that_leaves_cancels_the_parents_sub_calls(fleet: ServerProc) -> None:
+    aborted = "fleetserve:request_success_total"
+    before = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
+    # The sub-call would run ~15 s (300 tokens at 0.05 s a step); the client leaves at 1 s,
+    # well inside the handler's timeout_s (20 s): only its leaving can end the sub-call.
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{fleet.url}/v1/models/streamer:predict", timeout=1.0,
+                   json={"instances": [{"prompt": "The sea", "max_tokens": 300}]})  # fmt: skip
+
+    def sub_call_aborted() -> bool:
+        now = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
+        return now == before + 1
+
+    assert wait_until(sub_call_aborted, 5.0)
+    r = predict(fleet, [{"prompt": "The sea", "max_tokens": 3}], model="streamer")
+    assert r.status_code == 200, r.text
+
+
+def test_a_parent_past_its_request_deadline_is_a_504_and_ends_its_sub_calls(
+    fleet: ServerProc,
+) -> None:
+    aborted = "fleetserve:request_success_total"
+    before = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
+    # Far inside the handler's timeout_s (20 s): only the request's deadline can end it.
+    r = predict(fleet, [{"prompt": "The sea", "max_tokens": 300}],
+                {"X-Fleetserve-Deadline-Ms": "500"}, model="streamer")  # fmt: skip
+    assert r.status_code == 504, r.text
+    assert r.json()["error"]["code"] == "deadline_exceeded"
+
+    def sub_call_aborted() -> bool:
+        now = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
+        return now == before + 1
+
+    assert wait_until(sub_call_aborted, 5.0)

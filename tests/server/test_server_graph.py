@@ -174,6 +174,10 @@ def test_a_chat_graph_streams_its_last_step(fleet: ServerProc) -> None:
     info = (chunks[0].model_extra or {})["fleetserve"]
     assert [s["step"] for s in info["steps"]] == ["vec", "tiny"]
     assert chunks[-1].choices[0].finish_reason == "length"
+    # The last chunk reports the steps again, with the streamed last step's time.
+    last = (chunks[-1].model_extra or {})["fleetserve"]
+    assert [s["step"] for s in last["steps"]] == ["vec", "tiny"]
+    assert all(s["ms"] > 0 for s in last["steps"])
 
 
 def test_a_completion_graph_answers_and_streams_its_last_step(fleet: ServerProc) -> None:
@@ -187,6 +191,7 @@ def test_a_completion_graph_answers_and_streams_its_last_step(fleet: ServerProc)
     chunks = list(c.completions.create(model="tell", prompt="", stream=True, extra_body=body))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == direct.choices[0].text
     assert chunks[0].object == "text_completion"
+    assert (chunks[-1].model_extra or {})["fleetserve"]["steps"][-1]["ms"] > 0
     with pytest.raises(openai.BadRequestError, match="takes a prompt; call /v1/completions"):
         c.chat.completions.create(model="tell", messages=QUESTION, extra_body=body)  # type: ignore[arg-type]
 
@@ -236,6 +241,24 @@ def test_a_graph_past_its_timeout_cancels_its_steps(fleet: ServerProc) -> None:
         return now == before + 1
 
     # Left running, its 400 tokens at >= 0.02 s a step would end 'length' after 8+ s.
+    assert wait_until(step_aborted, 5.0)
+
+
+def test_a_graph_past_the_request_s_deadline_is_a_504_and_cancels_its_steps(
+    fleet: ServerProc,
+) -> None:
+    aborted = "fleetserve:request_success_total"
+    before = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
+    r = httpx.post(f"{fleet.url}/v1/models/slow:predict", json={}, timeout=60,
+                   headers={"X-Fleetserve-Deadline-Ms": "300"})  # fmt: skip
+    # Well inside the graph's own timeout_s (1 s): the request's deadline ends it.
+    assert r.status_code == 504, r.text
+    assert r.json()["error"]["code"] == "deadline_exceeded"
+
+    def step_aborted() -> bool:
+        now = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
+        return now == before + 1
+
     assert wait_until(step_aborted, 5.0)
 
 

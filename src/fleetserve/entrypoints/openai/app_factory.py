@@ -298,7 +298,13 @@ def _wrap(
             guarded,
             allow_origins=list(allowed_origins),
             allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type", "X-Fleetserve-Class", "X-Request-Id"],
+            allow_headers=[
+                "Authorization",
+                "Content-Type",
+                "X-Fleetserve-Class",
+                "X-Fleetserve-Deadline-Ms",
+                "X-Request-Id",
+            ],
             expose_headers=["X-Request-Id"],
         )
 

@@ -5,7 +5,8 @@ to ourselves, and returns the JSON body the HTTP endpoint would return, as a dic
 
 A handler in its own process (serve/microbatch/isolated.py) reaches this client over its
 pipe: handler_proc.ProcFleetClient sends ("fleet", (call_id, method, args, kwargs)), the
-parent runs `call` here on the server's event loop and answers ("fleet_reply", ...).
+parent runs `call` here on the server's event loop and answers ("fleet_reply", ...); a
+streaming method's chunks go down the pipe one reply each as they come (`emit`).
 A sub-call never waits longer than its parent's call may (`timeout_s`), and ends (its
 engine requests aborted) when the parent's call ends first.
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -40,6 +41,7 @@ from fleetserve.entrypoints.openai.serving_common import (
 from fleetserve.serve.services.service_registry import Registry
 
 METHODS = ("chat", "complete", "embed", "predict")
+STREAM_METHODS = ("chat_stream", "complete_stream")  # over a handler's pipe: chunk by chunk
 log = logging.getLogger("fleetserve.access")
 T = TypeVar("T")
 
@@ -338,10 +340,19 @@ def bind_fleet_clients(registry: Registry, loop: asyncio.AbstractEventLoop) -> N
             method: str, args: list[Any], kwargs: dict[str, Any], timeout_s: float,
             classes: frozenset[str | None] = frozenset(),
             sinks: list[list[Any]] | None = None, parent: str = service.name,
+            emit: Callable[[dict[str, Any]], None] | None = None,
         ) -> dict[str, Any]:  # fmt: skip
             cls = strictest(registry, classes)
             scoped = client.scoped(cls, time.monotonic() + timeout_s)
             try:
+                if method in STREAM_METHODS and emit is not None:
+                    stream = getattr(scoped, method)(*args, **kwargs)
+                    try:
+                        async for chunk in stream:
+                            emit(chunk)
+                    finally:
+                        await stream.aclose()
+                    return {}
                 return await scoped.call(method, args, kwargs)
             finally:
                 for sub in scoped.calls:

@@ -7,6 +7,9 @@ with decide_after_tokens its first K tokens, held back until then. The response 
 accepted tier's, with its model name in the X-Fleetserve-Tier header and a `fleetserve`
 field (in a stream: in the first chunk): {"tier", "escalations": [{"tier", "reason"}]}.
 A greedy request that escalates to the last tier gets what that tier alone returns.
+With a deadline of its own (X-Fleetserve-Deadline-Ms, deadline.py) the tiers share it:
+each runs within what the ones before it left (listed in the `fleetserve` field as
+"budget_ms"), and a deadline that passes during a tier is a 504, not an escalation.
 """
 
 from __future__ import annotations
@@ -20,6 +23,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from fleetserve.entrypoints.openai.deadline import (
+    DeadlineExceeded,
+    exceeded,
+    remaining_s,
+    with_deadline,
+)
 from fleetserve.entrypoints.openai.serving_common import (
     ModelContext,
     SSEResponse,
@@ -142,13 +151,21 @@ async def run_cascade(
     """Tries the tiers in turn and answers with the first accepted one (the last always)."""
     note_request(request, ModelContext(cascade.tiers[0], cascade.name), class_name)
     escalations: list[dict[str, str]] = []
+    budgets: list[float] = []
+    tier_name = cascade.tiers[0].name
     k = cascade.decide_after_tokens
     cascade.enter()
     handed_over = False  # a stream's end calls leave()
     try:
         for i, tier in enumerate(cascade.tiers):
+            tier_name = tier.name
             ctx = ModelContext(tier, cascade.name)
             last = i == len(cascade.tiers) - 1
+            left = remaining_s(request)  # what the tiers before it left of the deadline
+            if left is not None:
+                budgets.append(round(left * 1e3, 1))
+                if left <= 0:
+                    raise exceeded(request, f"the cascade's tier {tier.name!r}")
             prompts, base = await inputs(ctx)
             if cascade.rules.needs_logprobs and base.logprobs is None and not last:
                 base.logprobs = 0  # the rule reads the sampled tokens' logprobs
@@ -156,12 +173,15 @@ async def run_cascade(
                 request, ctx, f"{request_id}-{i}", prompts, functools.partial(copy.copy, base),
                 priority, class_name,
             )  # fmt: skip
-            info = {"tier": tier.name, "escalations": escalations}
+            info: dict[str, Any] = {"tier": tier.name, "escalations": escalations}
+            if budgets:  # the ms of the request's deadline each tier tried was given
+                info["budget_ms"] = budgets
             headers = {TIER_HEADER: tier.name}
             if not streaming or (k is None and not last):
                 finals = await unless_disconnected(request, collect(streams))
                 cascade.count_tokens(tier.name, _num_tokens(finals))
                 reason = None if last else _judge(cascade, tier.name, finals)
+                _in_time(request, reason)
                 if reason is not None:
                     cascade.count_escalation(tier.name, reason)
                     escalations.append({"tier": tier.name, "reason": reason})
@@ -186,6 +206,7 @@ async def run_cascade(
                     if reason is not None:
                         for s in streams:
                             s.close()
+                        _in_time(request, reason)
                         cascade.count_tokens(tier.name, _num_tokens(held))
                         cascade.count_escalation(tier.name, reason)
                         escalations.append({"tier": tier.name, "reason": reason})
@@ -194,15 +215,24 @@ async def run_cascade(
                 live = True
             replays = _replays(cascade, tier.name, held, streams, live)
             handed_over = True
-            resp = SSEResponse(_with_info(stream(ctx, list(replays)), info))
+            resp = SSEResponse(with_deadline(request, _with_info(stream(ctx, list(replays)), info)))
             resp.headers[TIER_HEADER] = tier.name
             return resp
         raise AssertionError("the last tier is always accepted")
+    except DeadlineExceeded:  # during a tier: a 504, never a silent escalation
+        raise exceeded(request, f"the cascade's tier {tier_name!r}") from None
     except (ValueError, LookupError) as e:
         raise engine_error(e) from None
     finally:
         if not handed_over:
             cascade.leave()
+
+
+def _in_time(request: Request, reason: str | None) -> None:
+    """An escalation with no deadline left ends the request (a 504 for this tier)."""
+    left = remaining_s(request)
+    if reason is not None and left is not None and left <= 0:
+        raise exceeded(request)
 
 
 def _replays(

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.cpu_work import run_cpu
 from fleetserve.entrypoints.openai.access_log import note_metadata
+from fleetserve.entrypoints.openai.deadline import with_deadline
 from fleetserve.entrypoints.openai.errors import APIError, from_value_error
 from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest
 from fleetserve.entrypoints.openai.serving_common import (
@@ -162,7 +163,7 @@ async def create_chat_completion(server: ServingContext, request: Request) -> Re
         request, ctx, request_id, [prompt], lambda: copy.copy(base), req.priority, class_name
     )
     if req.stream:
-        return SSEResponse(_stream(ctx, req, request_id, streams))
+        return SSEResponse(with_deadline(request, _stream(ctx, req, request_id, streams)))
     (final,) = await unless_disconnected(request, collect(streams))
     return JSONResponse(chat_completion_body(ctx, req, request_id, final))
 

@@ -27,6 +27,7 @@ from fleetserve.engine.async_engine import (
 )
 from fleetserve.entrypoints.openai.access_log import access_record, note_model
 from fleetserve.entrypoints.openai.body import ClientGone, read_json
+from fleetserve.entrypoints.openai.deadline import exceeded, remaining_s
 from fleetserve.entrypoints.openai.errors import (
     APIError,
     error_body,
@@ -317,22 +318,33 @@ async def collect(streams: Sequence[StatefulStream]) -> list[RequestOutput]:
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Runs `work`, cancelling it (which aborts its requests) if the client goes away."""
+    """Runs `work`, cancelling it (which aborts its requests) if the client goes away, or
+    when the request's own deadline passes (deadline.py: a 504)."""
 
     async def wait_disconnect() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
+    left = remaining_s(request)
+    if left is not None and left <= 0:
+        if asyncio.iscoroutine(work):
+            work.close()
+        raise exceeded(request)
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(wait_disconnect())
+    timed_out = False
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watcher}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        timed_out = not task.done() and not watcher.done()
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            raise ClientGone()
+            if not timed_out:
+                raise ClientGone()
+    if timed_out:  # the request's deadline passed
+        raise exceeded(request)
     return task.result()
 
 

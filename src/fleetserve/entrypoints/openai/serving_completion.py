@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.entrypoints.openai.access_log import note_metadata
+from fleetserve.entrypoints.openai.deadline import with_deadline
 from fleetserve.entrypoints.openai.errors import APIError, from_value_error
 from fleetserve.entrypoints.openai.protocol import MAX_N, CompletionRequest
 from fleetserve.entrypoints.openai.serving_common import (
@@ -95,7 +96,7 @@ async def create_completion(server: ServingContext, request: Request) -> Respons
         request, ctx, request_id, prompts, lambda: copy.copy(base), req.priority, class_name
     )
     if req.stream:
-        return SSEResponse(_stream(ctx, req, request_id, streams))
+        return SSEResponse(with_deadline(request, _stream(ctx, req, request_id, streams)))
     finals = await unless_disconnected(request, collect(streams))
     return JSONResponse(completion_body(ctx, req, request_id, finals))
 

@@ -14,13 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from fleetserve.entrypoints.openai.access_log import note_model
+from fleetserve.entrypoints.openai.deadline import (
+    deadline_time,
+    exceeded,
+    remaining_s,
+    with_deadline,
+)
 from fleetserve.entrypoints.openai.errors import APIError
 from fleetserve.entrypoints.openai.fleet_client import FleetCallError, GatewayFleetClient
 from fleetserve.entrypoints.openai.serving_common import (
@@ -31,10 +40,13 @@ from fleetserve.entrypoints.openai.serving_common import (
     new_id,
     parse,
     service_class,
+    sse,
     unless_disconnected,
 )
+from fleetserve.outputs import RequestOutput
 from fleetserve.serve.pipelines.graph_executor import GraphError, Trace
 from fleetserve.serve.pipelines.graph_service import GraphService
+from fleetserve.serve.request_state import FleetStream
 from fleetserve.serve.services.service_registry import Registry
 
 GRAPH_HEADER = "X-Fleetserve-Graph-Steps"
@@ -48,7 +60,7 @@ async def _run(
     class_name: str | None,
     defer_last: bool,
 ) -> tuple[Any, Trace]:
-    client = GatewayFleetClient(registry, class_name)
+    client = GatewayFleetClient(registry, class_name, deadline_time(request))
     work = graph.run(client, body, defer_last)
     try:
         return await unless_disconnected(request, asyncio.wait_for(work, graph.plan.timeout_s))
@@ -56,6 +68,9 @@ async def _run(
         raise APIError(504, f"the graph {graph.name!r} ran past its timeout_s "
                        f"({graph.plan.timeout_s:g} s)") from None  # fmt: skip
     except FleetCallError as e:
+        left = remaining_s(request)
+        if e.status == 504 and left is not None and left <= 0:  # a step ran out of it
+            raise exceeded(request, f"the graph {graph.name!r}") from None
         raise APIError(e.status, f"graph {graph.name!r}: {e}") from None
     except GraphError as e:
         raise APIError(e.status, str(e)) from None
@@ -108,53 +123,46 @@ async def graph_generate(
         if key in raw:
             body[key] = raw[key]
     info = _info(graph, trace)
-    answer = _answer_chat if chat else _answer_completion
-    try:
-        resp = await answer(request, ctx, body, class_name, info)
-    except asyncio.CancelledError:
-        graph.observe_deferred(call.step, "cancelled", None)
-        raise
-    except Exception:
-        graph.observe_deferred(call.step, "error", None)
-        raise
-    ms = info["steps"][-1]["ms"]  # set when answered whole; a stream's end is its own
-    graph.observe_deferred(call.step, "ok", None if ms is None else ms / 1e3)
-    return resp
+    writer = _chat_writer() if chat else _completion_writer()
+
+    def done(outcome: str, seconds: float | None) -> None:
+        graph.observe_deferred(call.step, outcome, seconds)
+
+    return await _answer(request, ctx, body, class_name, info, writer, done)
 
 
-async def _answer_chat(
-    request: Request, ctx: ModelContext, body: dict[str, Any], class_name: str | None,
-    info: dict[str, Any],
-) -> Response:  # fmt: skip
+@dataclass(frozen=True)
+class _Writer:
+    """How one endpoint turns a body into its answer (serving_chat / serving_completion)."""
+
+    model: type[Any]  # the request's protocol model
+    prefix: str  # of the response id
+    inputs: Callable[[ModelContext, Any], Awaitable[tuple[list[Any], Any]]]
+    body: Callable[[ModelContext, Any, str, list[RequestOutput]], dict[str, Any]]
+    stream: Callable[[ModelContext, Any, str, list[FleetStream]], AsyncIterator[str]]
+
+
+def _chat_writer() -> _Writer:
     from fleetserve.cpu_work import run_cpu
     from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest
-    from fleetserve.entrypoints.openai.serving_cascade import _with_info
     from fleetserve.entrypoints.openai.serving_chat import (
         _stream,
         chat_completion_body,
         chat_inputs,
     )
 
-    start = time.monotonic()
-    req = parse(ChatCompletionRequest, body)
-    prompt, base = await run_cpu(chat_inputs, ctx, req)
-    request_id = new_id("chatcmpl")
-    streams = await admit(
-        request, ctx, request_id, [prompt], lambda: copy.copy(base), req.priority, class_name
-    )
-    if req.stream:
-        return SSEResponse(_with_info(_stream(ctx, req, request_id, streams), info))
-    (final,) = await unless_disconnected(request, collect(streams))
-    _answered(info, start)
-    return JSONResponse({**chat_completion_body(ctx, req, request_id, final), "fleetserve": info})
+    async def inputs(ctx: ModelContext, req: Any) -> tuple[list[Any], Any]:
+        prompt, base = await run_cpu(chat_inputs, ctx, req)
+        return [prompt], base
+
+    def body(ctx: ModelContext, req: Any, rid: str, finals: list[RequestOutput]) -> Any:
+        return chat_completion_body(ctx, req, rid, finals[0])
+
+    return _Writer(ChatCompletionRequest, "chatcmpl", inputs, body, _stream)
 
 
-async def _answer_completion(
-    request: Request, ctx: ModelContext, body: dict[str, Any], class_name: str | None,
-    info: dict[str, Any],
-) -> Response:  # fmt: skip
+def _completion_writer() -> _Writer:
     from fleetserve.entrypoints.openai.protocol import CompletionRequest
-    from fleetserve.entrypoints.openai.serving_cascade import _with_info
     from fleetserve.entrypoints.openai.serving_common import tokenize_large
     from fleetserve.entrypoints.openai.serving_completion import (
         _stream,
@@ -162,16 +170,85 @@ async def _answer_completion(
         completion_inputs,
     )
 
+    async def inputs(ctx: ModelContext, req: Any) -> tuple[list[Any], Any]:
+        prompts, base = completion_inputs(req)
+        return await tokenize_large(ctx, prompts), base
+
+    return _Writer(CompletionRequest, "cmpl", inputs, completion_body, _stream)
+
+
+async def _answer(
+    request: Request, ctx: ModelContext, raw: dict[str, Any], class_name: str | None,
+    info: dict[str, Any], writer: _Writer, done: Callable[[str, float | None], None],
+) -> Response:  # fmt: skip
+    """The last step, admitted to its model and answered (or streamed) as `writer`'s
+    endpoint answers, with the `fleetserve` field; `done(outcome, seconds)` once it ends."""
     start = time.monotonic()
-    req = parse(CompletionRequest, body)
-    prompts, base = completion_inputs(req)
-    prompts = await tokenize_large(ctx, prompts)
-    request_id = new_id("cmpl")
-    streams = await admit(
-        request, ctx, request_id, prompts, lambda: copy.copy(base), req.priority, class_name
-    )
-    if req.stream:
-        return SSEResponse(_with_info(_stream(ctx, req, request_id, streams), info))
-    finals = await unless_disconnected(request, collect(streams))
+    try:
+        req = parse(writer.model, raw)
+        prompts, base = await writer.inputs(ctx, req)
+        request_id = new_id(writer.prefix)
+        streams = await admit(
+            request, ctx, request_id, prompts, lambda: copy.copy(base), req.priority, class_name
+        )
+        if req.stream:
+            chunks = _timed(writer.stream(ctx, req, request_id, streams), info, start, done)
+            return SSEResponse(with_deadline(request, chunks))
+        finals = await unless_disconnected(request, collect(streams))
+    except asyncio.CancelledError:
+        done("cancelled", None)
+        raise
+    except Exception:
+        done("error", None)
+        raise
     _answered(info, start)
-    return JSONResponse({**completion_body(ctx, req, request_id, finals), "fleetserve": info})
+    done("ok", time.monotonic() - start)
+    return JSONResponse({**writer.body(ctx, req, request_id, finals), "fleetserve": info})
+
+
+def _with_field(chunk: str, info: dict[str, Any]) -> str:
+    body = json.loads(chunk[len("data: ") :])
+    body["fleetserve"] = info
+    return sse(body)
+
+
+async def _timed(
+    chunks: AsyncIterator[str], info: dict[str, Any], start: float,
+    done: Callable[[str, float | None], None],
+) -> AsyncIterator[str]:  # fmt: skip
+    """The last step's stream with the `fleetserve` field in its first chunk and, with the
+    last step's time, in its last one: once a choice has finished, each chunk is held until
+    the next comes, so the one before [DONE] can carry it (no chunk before is delayed)."""
+    first, ending = True, False
+    held: str | None = None
+    outcome, seconds = "cancelled", None
+    try:
+        async for s in chunks:
+            if not s.startswith("data: {"):  # [DONE]: the held chunk was the last one
+                if held is not None:
+                    _answered(info, start)
+                    yield _with_field(held, info)
+                    held = None
+                yield s
+                continue
+            if first:
+                first = False
+                s = _with_field(s, info)
+            if held is not None:
+                yield held
+                held = None
+            ending = ending or '"finish_reason":"' in s
+            if ending:
+                held = s
+            else:
+                yield s
+        if held is not None:
+            _answered(info, start)
+            yield _with_field(held, info)
+        outcome, seconds = "ok", time.monotonic() - start
+    except Exception:
+        outcome = "error"
+        raise
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+        done(outcome, seconds)

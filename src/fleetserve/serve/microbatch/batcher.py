@@ -111,6 +111,9 @@ class MicroBatcher(Generic[T, R]):
         self._on_batch = on_batch
         self._queue: deque[_Pending[T, R]] = deque()
         self._in_flight: list[_Pending[T, R]] = []
+        # Called (on the loop) when every item of the running batch has been withdrawn:
+        # nobody waits for its results any more (a custom model cancels its sub-calls).
+        self.on_abandon: Callable[[], None] | None = None
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._state = "open"  # open -> draining -> stopped, or open -> stopped
@@ -210,8 +213,14 @@ class MicroBatcher(Generic[T, R]):
             try:
                 self._queue.remove(pending)
                 self._wakeup.set()  # the oldest item may have changed
-            except ValueError:
-                pass  # already running: its result will be discarded
+            except ValueError:  # already running: its result will be discarded
+                running = self._in_flight
+                if (
+                    self.on_abandon is not None
+                    and pending in running
+                    and all(p.future.cancelled() for p in running)
+                ):
+                    self.on_abandon()
         else:
             pending.future.exception()  # mark retrieved: no "never retrieved" warning
 

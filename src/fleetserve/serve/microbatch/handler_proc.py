@@ -10,7 +10,9 @@ raises, BaseException included (sys.exit, KeyboardInterrupt, MemoryError), becom
 message: only the death of the process itself (os._exit, a signal, the kernel's OOM
 killer) ends it, and the parent restarts it. During a call the child may send
 ("fleet", (call_id, method, args, kwargs)) and gets ("fleet_reply", (call_id, ok, value))
-back: a sub-call of its fleet client (proc_fleet.py).
+back (a stream: several), and ("fleet_cancel", call_id) when the handler stops reading a
+stream or returns with sub-calls still running: a sub-call of its fleet client
+(proc_fleet.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from fleetserve.serve.microbatch.custom import CustomModel, load_handler
+from fleetserve.serve.microbatch.custom import CustomModel, load_handler, run_async
 from fleetserve.serve.microbatch.proc_fleet import ProcFleetClient
 
 Message = tuple[str, Any]
@@ -96,4 +98,7 @@ def main(
             return
         if kind == "fleet_reply":
             continue  # a sub-call the handler did not wait for
-        conn.send(_call(model, payload))
+        answer = _call(model, payload)
+        if fleet.open_calls:  # sub-calls the handler left running end before its answer
+            run_async(fleet.settle())
+        conn.send(answer)

@@ -83,6 +83,9 @@ class HandlerProcess:
         self._fleet: Callable[..., Coroutine[Any, Any, dict[str, Any]]] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._send_lock = threading.Lock()
+        # The running call's sub-calls by id; `_abandoned`: its callers all left.
+        self._subcalls: dict[int, concurrent.futures.Future[Any]] = {}
+        self._abandoned = False
 
     def bind_fleet(
         self,
@@ -212,7 +215,8 @@ class HandlerProcess:
                     raise HandlerCrashedError(f"handler {self.spec}: its process does not start")
             conn = self._conn
             self._call_started = time.monotonic()
-            subcalls: list[concurrent.futures.Future[Any]] = []
+            subcalls: dict[int, concurrent.futures.Future[Any]] = {}
+            self._subcalls, self._abandoned = subcalls, False
             try:
                 with self._send_lock:
                     conn.send(("call", instances))
@@ -222,9 +226,16 @@ class HandlerProcess:
                     if remaining <= 0 or not conn.poll(remaining):
                         return self._timed_out(len(instances))
                     kind, payload = conn.recv()
+                    if kind == "fleet_cancel":  # the handler stopped reading a sub-call
+                        if (sub := subcalls.get(payload)) is not None:
+                            sub.cancel()
+                        continue
                     if kind != "fleet":
                         break
-                    subcalls.append(self._subcall(conn, payload, remaining, classes, sinks))
+                    sub = self._subcall(conn, payload, remaining, classes, sinks)
+                    subcalls[payload[0]] = sub
+                    if self._abandoned:  # nobody waits for this call's answer any more
+                        sub.cancel()
             except (EOFError, OSError) as e:
                 if self._proc is not None:
                     self._proc.join(_STOP_WAIT_S)
@@ -236,13 +247,20 @@ class HandlerProcess:
                 ) from e
             finally:
                 self._call_started = None
-                for f in subcalls:
+                for f in subcalls.values():
                     f.cancel()  # the call ended: what it still waits for is cancelled
         if kind == "raise_value":
             raise ValueError(payload)
         if kind == "raise":
             raise HandlerError(f"handler {self.spec} raised {payload}")
         return [self._result(slot) for slot in payload]
+
+    def cancel_sub_calls(self) -> None:
+        """Any thread: the running call's sub-calls, and those it makes from now on, are
+        cancelled (their engine requests aborted); the handler sees them fail (499)."""
+        self._abandoned = True
+        for f in list(self._subcalls.values()):
+            f.cancel()
 
     def _subcall(
         self,
@@ -255,6 +273,15 @@ class HandlerProcess:
         """Runs one sub-call on the server's loop; its answer goes back down the pipe."""
         call_id, method, args, kwargs = payload
         fleet, loop = self._fleet, self._loop
+        stream = isinstance(method, str) and method.endswith("_stream")
+
+        def send(answer: tuple[int, bool, Any]) -> None:
+            try:
+                with self._send_lock:
+                    conn.send(("fleet_reply", answer))
+            except (OSError, ValueError):
+                pass  # the process is gone
+
         if fleet is None or loop is None:
 
             async def refuse() -> dict[str, Any]:
@@ -262,23 +289,27 @@ class HandlerProcess:
 
             coro = refuse()
         else:
-            coro = fleet(method, args, kwargs, remaining_s, classes, sinks or [])
+            emit = None
+            if stream:  # each chunk goes down the pipe as it comes (on the server's loop)
+
+                def emit(chunk: dict[str, Any]) -> None:
+                    send((call_id, True, ("chunk", chunk)))
+
+            coro = fleet(method, args, kwargs, remaining_s, classes, sinks or [], emit=emit)
         loop = loop or asyncio.new_event_loop()
         future = asyncio.run_coroutine_threadsafe(coro, loop)
 
         def reply(f: concurrent.futures.Future[Any]) -> None:
+            # Every sub-call gets its last reply, a cancelled one too: the handler
+            # process reads until it has them all (proc_fleet.settle).
             if f.cancelled():
+                send((call_id, False, (499, "the sub-call was cancelled")))
                 return
             e = f.exception()
-            if e is None:
-                answer = (call_id, True, f.result())
+            if e is not None:
+                send((call_id, False, (getattr(e, "status", 500), str(e))))
             else:
-                answer = (call_id, False, (getattr(e, "status", 500), str(e)))
-            try:
-                with self._send_lock:
-                    conn.send(("fleet_reply", answer))
-            except (OSError, ValueError):
-                pass  # the process is gone
+                send((call_id, True, ("end", None) if stream else f.result()))
 
         future.add_done_callback(reply)
         return future

@@ -216,6 +216,8 @@ class CustomService(_MicroBatchService[Instance, Prediction]):
         self.options = dict(options or {})
         # The handler runs in a process of its own (serve/microbatch/isolated.py).
         self._model = HandlerProcess(name, handler, self.options, timeout_s, memory_limit_mb)
+        # Every request of the running batch gone (clients left): its sub-calls end too.
+        self.batcher.on_abandon = self._model.cancel_sub_calls
         # id(instance) -> the class of the request it came in (its sub-calls' class) and
         # where that request's sub-calls are recorded (its access-log line).
         self._scopes: dict[int, tuple[str | None, list[Any] | None]] = {}
