@@ -155,6 +155,9 @@ class FleetIngress:
         for entry in config.models:
             # The batch sizes of embed/custom models are their replicas' (not exported here).
             metrics.model(entry.name).declare(entry.kind, config.classes, batches=False)
+            if entry.kind in COMPOSITE_KINDS:  # no deployment: its steps/tiers are the clients here
+                services.append(build_composite(entry, config, metrics.model(entry.name)))
+                continue
             pools = pool_handles.get(entry.name)
             handle = None if pools is not None else handles[entry.name]
             if entry.kind == "generate":
@@ -167,8 +170,6 @@ class FleetIngress:
                     (entry.name, "" if pools is None else f"{route.pool}-", route.deployment)
                     for route in client.pools.routes
                 ]
-            elif entry.kind in COMPOSITE_KINDS:  # its steps/tiers: the clients here
-                services.append(build_composite(entry, config, metrics.model(entry.name)))
             elif entry.kind == "embed":
                 services.append(RayEmbedClient(entry, handles[entry.name]))
             else:
