@@ -147,8 +147,13 @@ def greedy_chat(url: str, model: str, stream: bool = False) -> tuple[str, Any, A
     )
 
 
-def predict(url: str, instances: list[dict[str, Any]], cls: str | None = None) -> httpx.Response:
-    headers = {"X-Fleetserve-Class": cls} if cls else {}
+def predict(
+    url: str,
+    instances: list[dict[str, Any]],
+    cls: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> httpx.Response:
+    headers = {**(headers or {}), **({"X-Fleetserve-Class": cls} if cls else {})}
     return httpx.post(f"{url}/v1/models/composer:predict", json={"instances": instances},
                       headers=headers, timeout=60)  # fmt: skip
 
@@ -241,3 +246,27 @@ def test_a_sub_call_past_its_parents_deadline_is_504_and_cancelled(base_url: str
     # Left running, it would take ~15 s; cancelled, the small replica is idle at once.
     wait_until(lambda: small.info.remote().result()["num_requests"] == 0, 5, "the abort")
     assert predict(base_url, [{"prompt": "The sea"}]).status_code == 200
+
+
+def test_the_parents_access_line_lists_its_sub_calls(base_url: str) -> None:
+    import glob
+    import json
+
+    r = predict(base_url, [{"prompt": "a"}, {"prompt": "x", "model": "nope"}],
+                headers={"X-Request-Id": "ray-parent-with-subcalls"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    # The ingress's access log is its actor's stdout: Ray's worker log files.
+    session = ray._private.worker._global_node.get_session_dir_path()
+    found: list[dict[str, Any]] = []
+
+    def logged() -> bool:
+        for path in glob.glob(f"{session}/logs/worker-*.out"):
+            with open(path, errors="replace") as f:
+                for text in f:
+                    if text.startswith("{") and "ray-parent-with-subcalls" in text:
+                        found[:] = [json.loads(text)]
+        return bool(found)
+
+    wait_until(logged, 15, "the parent's access-log line")
+    got = sorted((s["model"], s["method"], s["status"]) for s in found[0]["sub_calls"])
+    assert got == [("nope", "complete", 404), ("small", "complete", 200)]

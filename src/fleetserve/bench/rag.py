@@ -32,19 +32,22 @@ FLEET = """
 models:
   - name: chat
     model: {model}
-    engine: {{max_num_seqs: 2, max_model_len: 1024}}
-    placement: {{num_cpus: 1}}
+    engine: {{max_num_seqs: 2, max_model_len: 1024}}{place_chat}
   - name: minilm
-    kind: embed
-    placement: {{num_cpus: 0.5}}
+    kind: embed{place_embed}
   - name: rag
     kind: custom
     handler: fleetserve.bench.rag_handler:RagAnswer
     options: {{embed_model: minilm, chat_model: chat, max_tokens: {max_tokens}, top_k: {top_k}}}
     timeout_s: 120.0
-    batching: {{max_batch_size: 1, batch_wait_timeout_s: 0.0}}
-    placement: {{num_cpus: 0.25}}
+    batching: {{max_batch_size: 1, batch_wait_timeout_s: 0.0}}{place_rag}
 """
+
+
+def _placement(ray: bool) -> dict[str, str]:
+    """On Ray, CPUs per replica that fit a 2-CPU machine (the local server takes none)."""
+    cpus = {"place_chat": 1, "place_embed": 0.5, "place_rag": 0.25}
+    return {k: f"\n    placement: {{num_cpus: {v}}}" if ray else "" for k, v in cpus.items()}
 
 
 def _lines(name: str) -> list[str]:
@@ -104,7 +107,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     folder = Path(tempfile.mkdtemp(prefix="fleetserve-rag-bench-"))
     (folder / "fleet.yaml").write_text(
-        FLEET.format(model=args.model, max_tokens=args.max_tokens, top_k=args.top_k)
+        FLEET.format(
+            model=args.model, max_tokens=args.max_tokens, top_k=args.top_k, **_placement(args.ray)
+        )
     )
     port = free_port()
     cmd = [sys.executable, "-m", "fleetserve.entrypoints.cli", "serve", "--config",
