@@ -31,6 +31,7 @@ SHARED_UNITS = {
             "tests/server/test_server_lora.py",
             "tests/test_bench_chaos.py",
             "tests/test_lora_ray.py",
+            "tests/test_pipelines_ray.py",
             "tests/test_ray_autoscale.py",
             "tests/test_ray_batch.py",
             "tests/test_ray_fleet.py",

@@ -93,11 +93,15 @@ def test_a_predicate_that_cannot_load_is_a_clear_error() -> None:
         load_predicate("cascade_rules:missing")
 
 
-def test_ray_refuses_a_cascade_by_name() -> None:
+def test_ray_serves_a_cascade_from_the_ingress(tiny_llama: str) -> None:
+    """A cascade has no deployment of its own on Ray: the ingress runs it over its tiers'
+    clients (ray/fleet_client.py); tests/test_pipelines_ray.py serves one."""
     pytest.importorskip("ray")
     from fleetserve.ray.app import build_app
 
-    with pytest.raises(
-        ValueError, match=r"models\[3\] \('answer'\): kind 'cascade'.*not yet on Ray"
-    ):
-        build_app(fleet(GOOD))
+    cfg = fleet(GOOD)
+    for m in cfg["models"][:2]:
+        m["model"] = tiny_llama
+    app = build_app(cfg)
+    handles = app._bound_deployment.init_args[1]  # the ingress's model deployments
+    assert sorted(handles) == ["clf", "large", "small"]

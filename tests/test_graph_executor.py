@@ -212,14 +212,16 @@ GRAPH_FLEET = {"models": [
                                                                  "steps": [{"model": "c"}]}}}}]}  # fmt: skip
 
 
-def test_ray_refuses_a_graph_by_name() -> None:
+def test_ray_serves_a_graph_from_the_ingress(tiny_llama: str) -> None:
+    """A graph has no deployment of its own on Ray: the ingress runs it over its clients
+    (ray/fleet_client.py); tests/test_pipelines_ray.py serves one."""
     pytest.importorskip("ray")
     from fleetserve.ray.app import build_app
 
-    with pytest.raises(
-        ValueError, match=r"models\[1\]\.kind \('g'\): kind 'graph'.*not yet on Ray"
-    ):
-        build_app(FleetConfig.model_validate(GRAPH_FLEET))
+    cfg = dict(GRAPH_FLEET, models=[{"name": "c", "model": tiny_llama}, GRAPH_FLEET["models"][1]])
+    app = build_app(FleetConfig.model_validate(cfg))
+    handles = app._bound_deployment.init_args[1]  # the ingress's model deployments
+    assert sorted(handles) == ["c"]
 
 
 def test_kubernetes_refuses_a_graph_by_name() -> None:

@@ -201,6 +201,8 @@ def test_ray_batch_clients_check_readiness_and_input_and_map_refusals() -> None:
     import numpy as np
 
     pytest.importorskip("ray")
+    from fleetserve.entrypoints.openai.fleet_client import SubCall
+    from fleetserve.ray.fleet_client import Predicted
     from fleetserve.ray.microbatch_clients import RayCustomClient, RayEmbedClient
     from fleetserve.ray.wire import RemoteError
 
@@ -222,7 +224,7 @@ def test_ray_batch_clients_check_readiness_and_input_and_map_refusals() -> None:
     emb_handle = SimpleNamespace(
         deployment_name="model-emb", dimension=_Method(lambda: 3), embed=_Method(embed)
     )
-    predict = _Method(lambda xs: [{"y": x["x"] + 1} for x in xs])
+    predict = _Method(lambda xs, cls: Predicted([{"y": x["x"] + 1} for x in xs]))
     cus_handle = SimpleNamespace(deployment_name="model-cus", predict=predict)
     emb = RayEmbedClient(cfg.models[0], emb_handle)  # type: ignore[arg-type]
     cus = RayCustomClient(cfg.models[1], cus_handle)  # type: ignore[arg-type]
@@ -249,7 +251,13 @@ def test_ray_batch_clients_check_readiness_and_input_and_map_refusals() -> None:
             await cus.predict([{"x": 1}, 2])  # type: ignore[list-item]
         assert len(predict.args) == 0  # refused before any call
         assert await cus.predict([{"x": 1}]) == [{"y": 2}]
-        predict.reply = lambda xs: RuntimeError("actor died")
+        # The request's class goes to the replica; its handler's sub-calls come back.
+        sub = SubCall("tiny", "chat", 200, 1.5)
+        predict.reply = lambda xs, cls: Predicted([{"y": cls}], (sub,))
+        subs: list[SubCall] = []
+        assert await cus.predict([{"x": 1}], "batch", subs) == [{"y": "batch"}]
+        assert subs == [sub]
+        predict.reply = lambda xs, cls: RuntimeError("actor died")
         with pytest.raises(RuntimeError, match="the replica serving the request failed"):
             await cus.predict([{"x": 1}])
         assert cus.num_in_flight == 0

@@ -3,7 +3,10 @@
     FleetIngress (OpenAI routes; class queues)  --handle-->  one deployment per model
         generate: GenerateReplica (one engine per Serve replica), routed by
                   FleetRequestRouter with the model's `routing` policy
-        embed / custom: MicroBatchReplica (the service and its dynamic batcher)
+        embed / custom: MicroBatchReplica (the service and its dynamic batcher); a
+                  custom handler's fleet client calls back into the ingress's
+                  `fleet_call` through its handle (fleet_client.py)
+        cascade / graph: no deployment; the ingress serves them over its clients
 
 Per model: `replicas`, or `autoscale` (queue depth, autoscale.py); `placement` gives each
 replica's Ray resources (`num_cpus`, `memory_gb`, custom `resources`, which is how a pool
@@ -29,6 +32,7 @@ from ray.serve import Application
 from fleetserve.entrypoints.openai.server_args import api_key_from
 from fleetserve.ray.autoscale import QueueDepthPolicy
 from fleetserve.ray.deployments import GenerateReplica, MicroBatchReplica
+from fleetserve.ray.fleet_client import INGRESS_DEPLOYMENT
 from fleetserve.ray.ingress import FleetIngress, IngressOptions
 from fleetserve.ray.pool_deployments import (
     capacity_placement,
@@ -46,6 +50,7 @@ from fleetserve.serve.config.fleet_config import (
     load_fleet_config,
     parse_fleet_config,
 )
+from fleetserve.serve.services.service_registry import COMPOSITE_KINDS
 
 DEFAULT_TARGET_QUEUE_DEPTH = AutoscaleConfig().target_queue_depth
 # How often replicas report load (routing stats, autoscaling metrics): seconds, not Serve's
@@ -140,21 +145,12 @@ def build_app(
     """The fleet (a fleet YAML path, its parsed dict, or a FleetConfig) as a Serve
     application; ValueError naming the key for a bad file, before anything starts."""
     fleet = _fleet(config)
-    for i, entry in enumerate(fleet.models):
-        if entry.kind == "cascade":  # serve/pipelines/: the local server only, for now
-            raise ValueError(
-                f"models[{i}] ({entry.name!r}): kind 'cascade' is served by `fleetserve serve` "
-                "without --ray only (not yet on Ray)"
-            )
-        if entry.kind == "graph":  # serve/pipelines/graph_*.py: the local server only, for now
-            raise ValueError(
-                f"models[{i}].kind ({entry.name!r}): kind 'graph' is served by `fleetserve "
-                "serve` without --ray only (not yet on Ray)"
-            )
     handles: dict[str, Any] = {}
     pool_handles: dict[str, dict[str, Any]] = {}  # model -> pool -> its deployment
     max_ongoing: dict[str, int] = {}
     for entry in fleet.models:
+        if entry.kind in COMPOSITE_KINDS:  # served by the ingress itself (ray/fleet_client.py)
+            continue
         opts, _ = model_options(entry)
         max_ongoing[entry.name] = opts["max_ongoing_requests"]
         if entry.kind == "generate":
@@ -175,9 +171,9 @@ def build_app(
             handles[entry.name] = deployment.bind(entry.name, args, entry.resilience)
         else:
             deployment = serve.deployment(**opts)(MicroBatchReplica)
-            handles[entry.name] = deployment.bind(entry.model_dump())
+            handles[entry.name] = deployment.bind(entry.model_dump(), INGRESS_DEPLOYMENT)
     ingress = serve.deployment(
-        name="ingress",
+        name=INGRESS_DEPLOYMENT,
         num_replicas=1,
         # The ingress holds the class queues; the model deployments bound the work.
         max_ongoing_requests=100_000,

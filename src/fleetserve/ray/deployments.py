@@ -15,6 +15,7 @@ another replica (`generate(resume=...)`, request migration; clients.py).
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
@@ -34,7 +35,9 @@ from fleetserve.engine.async_engine import (
 from fleetserve.engine.delta_stream import ReplicaRefusedError
 from fleetserve.engine.embedding import MINILM_NAME
 from fleetserve.engine.stats import EngineStats
+from fleetserve.entrypoints.openai.fleet_client import SubCall
 from fleetserve.outputs import RequestOutput
+from fleetserve.ray.fleet_client import INGRESS_DEPLOYMENT, HandleFleetCall, Predicted
 from fleetserve.ray.health import EngineWatch
 from fleetserve.ray.wire import RemoteError
 from fleetserve.serve.config.fleet_config import ResilienceConfig
@@ -44,6 +47,15 @@ from fleetserve.serve.replicas.local import LocalReplica
 
 # Each request is one the ingress let through its class queue; the engine never refuses.
 _ENGINE_MAX_WAITING = 1 << 20
+
+
+def _app_name() -> str | None:
+    from ray import serve
+
+    try:
+        return str(serve.get_replica_context().app_name)
+    except RuntimeError:  # not in a Serve replica (unit tests)
+        return None
 
 
 def _node_id() -> str:
@@ -184,9 +196,13 @@ class GenerateReplica:
 
 
 class MicroBatchReplica:
-    """An embed or custom model with its dynamic batcher (fleet_config's model entry)."""
+    """An embed or custom model with its dynamic batcher (fleet_config's model entry). A
+    custom handler's fleet client reaches the fleet through the `ingress` deployment of
+    this replica's application (fleet_client.py)."""
 
-    async def __init__(self, entry: dict[str, Any]) -> None:  # type: ignore[misc]
+    async def __init__(  # type: ignore[misc]
+        self, entry: dict[str, Any], ingress: str = INGRESS_DEPLOYMENT
+    ) -> None:
         batching = MicroBatchConfig(**(entry.get("batching") or {}))
         self.service: EmbedService | CustomService
         if entry["kind"] == "embed":
@@ -199,6 +215,8 @@ class MicroBatchReplica:
                 entry["name"], entry["handler"], options=entry["options"], batching=batching,
                 **limits,
             )  # fmt: skip
+            call = HandleFleetCall(entry["name"], _app_name(), ingress)
+            self.service.bind_fleet(call, asyncio.get_running_loop())
         await self.service.start()
 
     async def dimension(self) -> int:
@@ -215,12 +233,17 @@ class MicroBatchReplica:
             return RemoteError.of(e)
         return result.vectors, result.num_tokens
 
-    async def predict(self, instances: list[dict[str, Any]]) -> list[Any] | RemoteError:
+    async def predict(
+        self, instances: list[dict[str, Any]], class_name: str | None = None
+    ) -> Predicted | RemoteError:
+        """`class_name`: the parent request's class, which the handler's sub-calls take."""
         assert isinstance(self.service, CustomService)
+        sub_calls: list[SubCall] = []
         try:
-            return await self.service.predict(instances)
+            predictions = await self.service.predict(instances, class_name, sub_calls)
         except Exception as e:  # noqa: BLE001
             return RemoteError.of(e)
+        return Predicted(predictions, tuple(sub_calls))
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         batcher = self.service.batcher

@@ -1,5 +1,7 @@
 """The OpenAI ingress deployment: the local server's FastAPI app (same routes, errors,
-auth, metrics, health) over a registry of clients of the model deployments (clients.py).
+auth, metrics, health) over a registry of clients of the model deployments (clients.py),
+plus the fleet's cascades and graphs, which run here over those clients, and the
+`fleet_call` its custom models' handlers reach the fleet through (fleet_client.py).
 """
 
 from __future__ import annotations
@@ -18,10 +20,16 @@ from fleetserve.entrypoints.openai.app_factory import ServerState, build_app
 from fleetserve.entrypoints.openai.serving_common import ServingContext
 from fleetserve.metrics import ServerMetrics
 from fleetserve.ray.clients import RayGenerateClient
+from fleetserve.ray.fleet_client import FleetReply, run_fleet_call
 from fleetserve.ray.microbatch_clients import RayCustomClient, RayEmbedClient
 from fleetserve.ray.router_state import ROUTERS
 from fleetserve.serve.config.fleet_config import parse_fleet_config
-from fleetserve.serve.services.service_registry import ModelService, Registry
+from fleetserve.serve.services.service_registry import (
+    COMPOSITE_KINDS,
+    ModelService,
+    Registry,
+    build_composite,
+)
 
 
 @dataclass(frozen=True)
@@ -147,6 +155,9 @@ class FleetIngress:
         for entry in config.models:
             # The batch sizes of embed/custom models are their replicas' (not exported here).
             metrics.model(entry.name).declare(entry.kind, config.classes, batches=False)
+            if entry.kind in COMPOSITE_KINDS:  # no deployment: its steps/tiers are the clients here
+                services.append(build_composite(entry, config, metrics.model(entry.name)))
+                continue
             pools = pool_handles.get(entry.name)
             handle = None if pools is not None else handles[entry.name]
             if entry.kind == "generate":
@@ -178,3 +189,17 @@ class FleetIngress:
 
     def __serve_build_asgi_app__(self) -> Any:
         return self._app
+
+    async def fleet_call(
+        self,
+        parent: str,
+        method: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        timeout_s: float,
+        classes: tuple[str | None, ...] = (),
+    ) -> FleetReply:
+        """A custom handler's sub-call (its replica's HandleFleetCall): run here, through
+        the callee's client, in the parent's class and within its deadline."""
+        registry = self.state.ctx.registry
+        return await run_fleet_call(registry, parent, method, args, kwargs, timeout_s, classes)

@@ -10,6 +10,7 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle
 
 from fleetserve.engine.embedding import EmbeddingResult
+from fleetserve.ray.fleet_client import Predicted
 from fleetserve.ray.router_state import num_known_replicas
 from fleetserve.ray.streams import short
 from fleetserve.ray.wire import RemoteError
@@ -56,11 +57,11 @@ class _RayMicroBatchClient(MicroBatchModelBase):
         if not self._started:
             raise self.not_ready("is not ready")
 
-    async def _call(self, method: str, arg: Any) -> Any:
+    async def _call(self, method: str, *args: Any) -> Any:
         self.check_ready()
         self.num_calls += 1
         try:
-            result = await getattr(self.handle, method).remote(arg)
+            result = await getattr(self.handle, method).remote(*args)
         except Exception as e:  # noqa: BLE001 -- the replica (or its node) is gone
             raise RuntimeError(f"the replica serving the request failed: {short(e)}") from e
         finally:
@@ -107,6 +108,9 @@ class RayCustomClient(_RayMicroBatchClient):
         class_name: str | None = None,
         sub_calls: list[Any] | None = None,
     ) -> list[dict[str, Any]]:
-        """(On Ray the handler's sub-calls do not take the class nor show on the line yet.)"""
-        result: list[dict[str, Any]] = await self._call("predict", validate_instances(instances))
-        return result
+        """`class_name`: the request's class, which the handler's sub-calls (through the
+        ingress, fleet_client.py) are admitted in; they are appended to `sub_calls`."""
+        result: Predicted = await self._call("predict", validate_instances(instances), class_name)
+        if sub_calls is not None:
+            sub_calls.extend(result.sub_calls)
+        return result.predictions

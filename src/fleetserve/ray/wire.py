@@ -21,10 +21,19 @@ from fleetserve.serve.microbatch.batcher import (
     MicroBatchOverloadedError,
     MicroBatchStoppedError,
 )
+from fleetserve.serve.microbatch.isolated import HandlerTimeoutError
 from fleetserve.serve.microbatch.services import ServiceNotReadyError
 
 ErrorKind = Literal[
-    "value", "not_ready", "overloaded", "stopped", "refused", "gone", "dead", "internal"
+    "value",
+    "not_ready",
+    "overloaded",
+    "stopped",
+    "refused",
+    "gone",
+    "dead",
+    "timeout",
+    "internal",
 ]
 
 _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
@@ -37,6 +46,7 @@ _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (ReplicaGoneError, "gone"),  # before its base class: the request may move on
     (EngineDeadError, "dead"),
     (ValueError, "value"),
+    (HandlerTimeoutError, "timeout"),  # a handler past its timeout_s: 504 as locally
 )
 
 
@@ -69,6 +79,7 @@ class RemoteError:
                 "refused": MicroBatchStoppedError,
                 "gone": MicroBatchStoppedError,
                 "dead": MicroBatchStoppedError,
+                "timeout": HandlerTimeoutError,
                 "internal": RuntimeError,
             }[self.kind](self.message)
             return err if self.index is None else MicroBatchItemError(self.index, err)
@@ -80,5 +91,6 @@ class RemoteError:
             "refused": ReplicaRefusedError,
             "gone": ReplicaGoneError,
             "dead": EngineDeadError,
+            "timeout": EngineDeadError,
             "internal": EngineDeadError,
         }[self.kind](self.message)

@@ -153,6 +153,18 @@ _BUILDERS: dict[str, ServiceBuilder] = {
 }
 
 
+COMPOSITE_KINDS = ("cascade", "graph")
+
+
+def build_composite(entry: ModelEntry, fleet: FleetConfig, metrics: ModelMetrics) -> ModelService:
+    """A cascade's or a graph's service: it owns no engine, only calls the fleet's other
+    models through whatever registry it is bound in (the local server's, or the Ray
+    ingress's registry of deployment clients)."""
+    if entry.kind not in COMPOSITE_KINDS:
+        raise ValueError(f"kind {entry.kind!r} is not a composite kind ({COMPOSITE_KINDS})")
+    return _BUILDERS[entry.kind](entry, fleet, metrics)
+
+
 def register_kind(kind: str, builder: ServiceBuilder) -> None:
     """Lets a kind of model (embed, custom) be served: `builder` makes its service."""
     _BUILDERS[kind] = builder

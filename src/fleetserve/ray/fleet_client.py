@@ -1,0 +1,140 @@
+"""The fleet client on Ray: composition through Serve deployment handles, never HTTP to
+ourselves.
+
+The ingress (ingress.py) holds what a sub-call must go through: the callees' class queues,
+routing, migration and metrics (its registry of Ray clients, clients.py and
+microbatch_clients.py). So composition runs there, with the local server's own
+GatewayFleetClient (entrypoints/openai/fleet_client.py) over that registry:
+
+- a graph or a cascade is a service of the ingress's registry, as on the local server; its
+  steps and tiers are admissions to the callees' Ray clients;
+- a custom handler runs in a MicroBatchReplica (deployments.py), in its own process
+  (serve/microbatch/isolated.py). Its sub-calls (ProcFleetClient -> the replica's event
+  loop) go up to the ingress through the ingress deployment's handle
+  (`FleetIngress.fleet_call`, `HandleFleetCall` here), run there in the parent request's
+  class within what is left of its deadline, and come back as `FleetReply` values with the
+  SubCall records; the replica returns those with its predictions (`Predicted`), and the
+  ingress's RayCustomClient puts them on the parent's access-log line. A sub-call the
+  handler stops waiting for (its call ended, timed out or was cancelled) is cancelled at
+  the ingress, which aborts the callee's engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetserve.entrypoints.openai.fleet_client import (
+    FleetCallError,
+    GatewayFleetClient,
+    SubCall,
+    strictest,
+)
+from fleetserve.serve.services.service_registry import Registry
+
+INGRESS_DEPLOYMENT = "ingress"
+log = logging.getLogger("fleetserve.access")
+
+
+@dataclass(frozen=True)
+class FleetReply:
+    """One sub-call's answer, as data across the handle: the body (ok) or the HTTP status
+    and message the endpoint would have answered, and the SubCalls it made."""
+
+    ok: bool
+    body: dict[str, Any] | None
+    status: int = 200
+    message: str = ""
+    calls: tuple[SubCall, ...] = ()
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """A custom replica's answer to one predict: its predictions and the sub-calls its
+    handler made for the batch(es) holding them (for the parent's access-log line)."""
+
+    predictions: list[Any]
+    sub_calls: tuple[SubCall, ...] = field(default_factory=tuple)
+
+
+async def run_fleet_call(
+    registry: Registry,
+    parent: str,
+    method: str,
+    args: list[Any],
+    kwargs: dict[str, Any],
+    timeout_s: float,
+    classes: Sequence[str | None] = (),
+) -> FleetReply:
+    """At the ingress: one handler sub-call through the callee's Ray client, admitted in
+    the strictest of the batch's `classes`, bounded by `timeout_s` (what is left of the
+    parent's deadline). Cancelling it cancels the callee's requests."""
+    cls = strictest(registry, frozenset(classes))
+    scoped = GatewayFleetClient(registry).scoped(cls, time.monotonic() + timeout_s)
+    try:
+        body = await scoped.call(method, list(args), dict(kwargs))
+        return FleetReply(True, body, calls=tuple(scoped.calls))
+    except FleetCallError as e:
+        message = str(e).split(": ", 1)[-1]
+        return FleetReply(False, None, e.status, message, tuple(scoped.calls))
+    except (TypeError, ValueError) as e:  # a handler's bad arguments (an unknown param)
+        return FleetReply(False, None, 400, str(e), tuple(scoped.calls))
+    finally:
+        for sub in scoped.calls:
+            log.info("sub-call of %s: %s", parent, sub)
+
+
+class HandleFleetCall:
+    """In a custom model's replica: what its handler process's sub-calls run with
+    (CustomService.bind_fleet's `call`): each goes to the ingress deployment's
+    `fleet_call` through its handle; its SubCalls are appended to the parent requests'
+    `sinks`. The handle is looked up at the first sub-call (the ingress is deployed after
+    the models it calls)."""
+
+    def __init__(self, parent: str, app_name: str | None, ingress: str = INGRESS_DEPLOYMENT):
+        self.parent = parent
+        self.app_name = app_name
+        self.ingress = ingress
+        self._handle: Any = None
+
+    def handle(self) -> Any:
+        if self._handle is None:
+            from ray import serve
+
+            self._handle = serve.get_deployment_handle(self.ingress, self.app_name or "default")
+        return self._handle
+
+    async def __call__(
+        self,
+        method: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        timeout_s: float,
+        classes: frozenset[str | None] = frozenset(),
+        sinks: list[list[Any]] | None = None,
+    ) -> dict[str, Any]:
+        try:
+            response = self.handle().fleet_call.remote(
+                self.parent, method, args, kwargs, timeout_s, tuple(classes)
+            )
+        except Exception as e:  # noqa: BLE001 -- no ingress to reach: the sub-call fails
+            raise FleetCallError(
+                503, f"the fleet is not reachable from {self.parent!r}: {e}"
+            ) from e
+        try:
+            reply: FleetReply = await response
+        except asyncio.CancelledError:
+            response.cancel()  # the ingress cancels the callee's requests
+            raise
+        except Exception as e:  # noqa: BLE001 -- the ingress failed the call
+            raise FleetCallError(500, f"the sub-call to the fleet failed: {e}") from None
+        for sink in sinks or ():
+            sink.extend(reply.calls)
+        if not reply.ok:
+            raise FleetCallError(reply.status, reply.message)
+        assert reply.body is not None
+        return reply.body
