@@ -47,7 +47,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
     p.add_argument("--quantization", default=None, choices=["none", "gguf", "int8"], help="weights")
     p.add_argument(
-        "--bf16-weights", action="store_true", help="linear layers in bf16 (gemm_bf16.c)"
+        "--bf16-weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="linear layers in bf16 (default: as --dtype auto picks)",
     )
     p.add_argument(
         "--dtype",
