@@ -3,12 +3,21 @@ pytest-xdist splits the suite over its workers."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
 
 from fleetserve.models.make_model import make_model
 from helpers import freeze
+
+# `--dtype auto` picks bf16 weights on CPUs with native bf16 (engine/dtype_choice.py). The
+# suite's references are float32 (HF float32 token parity, TP/PP ranks against one
+# process, float32 logprob tolerances), so auto keeps float32 here unless the run sets
+# FLEETSERVE_AUTO_BF16=1; server subprocesses inherit it. The bf16 choice and the bf16
+# path have their own tests (test_dtype_choice.py, test_bf16_weights.py,
+# test_bf16_hf_parity.py).
+os.environ.setdefault("FLEETSERVE_AUTO_BF16", "0")
 
 # Under pytest-xdist (`make test` runs `-n 2 --dist loadfile`) a test module is one unit of
 # work: its module-scoped servers start once, in one worker, and its tests keep their order.

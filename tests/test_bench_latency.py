@@ -64,6 +64,26 @@ def test_perplexity_bench_scores_each_quantization(tiny_llama, tmp_path):
     assert abs(runs[1]["perplexity"] / runs[0]["perplexity"] - 1) < 0.05
 
 
+def test_perplexity_bench_bf16_weights_beside_float32(tiny_llama, tmp_path):
+    """`bf16` scores the unquantized model with bf16 weights; `none` is float32 whatever
+    `dtype auto` would pick; each later kind reports its top-1 agreement with the first."""
+    from fleetserve.kernels import cpu as cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler here")
+    text = tmp_path / "t.txt"
+    text.write_text("The cat sat on the mat. " * 12)
+    out = tmp_path / "ppl.json"
+    args = ["bench", "perplexity", "--model", tiny_llama, "--text", str(text), "--context", "24"]
+    assert main([*args, "--quantizations", "none,bf16", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["quantization"] for r in runs] == ["none", "none (bf16 weights)"]
+    assert runs[0]["num_scored"] == runs[1]["num_scored"]
+    assert runs[0]["perplexity"] != runs[1]["perplexity"]  # the weights really were rounded
+    assert abs(runs[1]["perplexity"] / runs[0]["perplexity"] - 1) < 0.02
+    assert runs[1]["top1_agreement_with_none"] >= 0.9
+
+
 def test_perplexity_bench_against_the_hf_reference(tiny_llama, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("The cat sat on the mat while the dog slept. " * 8)

@@ -39,12 +39,13 @@ def test_vllm_python_comes_from_the_environment(monkeypatch):
 def test_job_and_command_default_to_vllms_own_dtype():
     reqs = [BenchRequest([5, 6, 7], 4), BenchRequest([8, 9], 2)]
     args = _args(max_num_seqs=8)
-    job = offline_vllm.vllm_job("/m", reqs, args, max_model_len=32)
+    job = offline_vllm.vllm_job("/m", reqs, args, max_model_len=32, result_path="/t/r.json")
     assert job["dtype"] == "auto"  # vLLM picks: bfloat16 on a CPU with AVX512-BF16
     assert job["max_num_seqs"] == 8 and job["max_model_len"] == 32
     assert job["prefix_caching"] is True  # as fleetserve's own run
     assert job["requests"][1] == {"prompt_token_ids": [8, 9], "output_len": 2}
-    forced = offline_vllm.vllm_job("/m", reqs, _args(vllm_dtype="float32"), max_model_len=32)
+    assert job["result_path"] == "/t/r.json"
+    forced = offline_vllm.vllm_job("/m", reqs, _args(vllm_dtype="float32"), 32, "/t/r.json")
     assert forced["dtype"] == "float32"
     cmd = offline_vllm.vllm_offline_command("/venv/bin/python", "/tmp/job.json")
     assert cmd == ["/venv/bin/python", str(offline_vllm.RUNNER), "/tmp/job.json"]
@@ -56,7 +57,8 @@ def test_compare_vllm_end_to_end_with_a_stand_in(tiny_llama, tmp_path, capsys):
     reqs = [{"prompt_token_ids": [5 + i, 6, 7, 8], "output_len": 3 + i} for i in range(3)]
     wl.write_text(json.dumps({"requests": reqs}))
     # Answers with each request's output_len zeros after checking the runner, the job and
-    # the environment it was given (one OpenMP thread per core, fleetserve's path dropped).
+    # the environment it was given (one OpenMP thread per core, fleetserve's path dropped);
+    # logs before and after its result, as vLLM's shutting-down processes do.
     fake = tmp_path / "fake_runner.py"
     fake.write_text(
         "import json, os, sys\n"
@@ -67,8 +69,9 @@ def test_compare_vllm_end_to_end_with_a_stand_in(tiny_llama, tmp_path, capsys):
         f"assert job['dtype'] == 'bfloat16' and job['model'] == {tiny_llama!r}, job\n"
         "outs = [[0] * r['output_len'] for r in job['requests']]\n"
         "print('a log line')\n"
-        "print(json.dumps({'version': '0.fake', 'dtype': job['dtype'], 'wall_s': 0.5,\n"
-        "                  'startup_s': 1.0, 'outputs': outs}))\n"
+        "json.dump({'version': '0.fake', 'dtype': job['dtype'], 'wall_s': 0.5,\n"
+        "           'startup_s': 1.0, 'outputs': outs}, open(job['result_path'], 'w'))\n"
+        "print('INFO [shutdown] EngineCore: exiting busy loop')\n"
     )
     python = tmp_path / "python"
     python.write_text(f'#!/bin/bash\nexec {sys.executable} {fake} "$@"\n')
@@ -93,4 +96,15 @@ def test_a_failing_vllm_says_why(tmp_path):
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
     args = _args(vllm_python=str(python))
     with pytest.raises(RuntimeError, match="exited 1:\nModuleNotFoundError"):
+        offline_vllm.run_vllm_offline("/m", [BenchRequest([5], 1)], args, max_model_len=8)
+
+
+def test_a_vllm_that_writes_no_result_says_so(tmp_path):
+    """Exit 0 with only log lines on stdout (no result file) is a failure, not a parse of
+    whatever the last log line was."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/bash\necho '{\"not\": \"the result\"}'\necho 'INFO shutdown'\n")
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    args = _args(vllm_python=str(python))
+    with pytest.raises(RuntimeError, match="without writing its result:\n.*\nINFO shutdown"):
         offline_vllm.run_vllm_offline("/m", [BenchRequest([5], 1)], args, max_model_len=8)

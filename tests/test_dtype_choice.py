@@ -18,26 +18,51 @@ ICE_LAKE = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"})
 HASWELL = frozenset({"avx2", "fma"})
 
 
+@pytest.fixture
+def auto_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Auto as shipped (tests/conftest.py keeps it float32 for the rest of the suite)."""
+    monkeypatch.delenv(dtype_choice.AUTO_BF16_ENV, raising=False)
+
+
+@pytest.mark.parametrize("flags", [SAPPHIRE_RAPIDS, ZEN4])
+def test_bf16_weights_where_the_cpu_has_native_bf16(flags, auto_bf16):
+    for stored in ("float32", "bfloat16", None):
+        choice = choose_dtype(stored, flags, "cpu")
+        assert choice.dtype == "float32" and choice.bf16_weights
+        assert choice.describe() == "float32 with bf16 weights"
+        assert "avx512_bf16" in choice.reason and "--dtype float32 forces" in choice.reason
+        assert choice.reason.startswith(f"{stored} checkpoint" if stored else "checkpoint")
+    # A float16 checkpoint is not narrowed to bf16's mantissa.
+    fp16 = choose_dtype("float16", flags, "cpu")
+    assert fp16.dtype == "float32" and not fp16.bf16_weights and "mantissa" in fp16.reason
+
+
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
-        (SAPPHIRE_RAPIDS, "amx_bf16/avx512_bf16/avx512_fp16, but fleetserve's C kernels"),
-        (ZEN4, "has avx512_bf16, but"),
         (ICE_LAKE, "(AVX-512) has no native bf16/fp16"),
         (HASWELL, "(AVX2) has no native"),
         (frozenset(), "(no AVX2) has no native"),
+        (frozenset({"avx512f", "avx512_fp16"}), "has avx512_fp16 but no bf16"),
     ],
 )
-def test_float32_on_every_cpu_until_a_native_16_bit_path_exists(flags, says):
+def test_float32_on_cpus_without_native_bf16(flags, says, auto_bf16):
     for stored in ("float32", "bfloat16", "float16", None):
         choice = choose_dtype(stored, flags, "cpu")
-        assert choice.dtype == "float32"
+        assert choice.dtype == "float32" and not choice.bf16_weights
         assert says in choice.reason
         assert choice.reason.startswith(f"{stored} checkpoint" if stored else "checkpoint")
 
 
-def test_other_devices_keep_float32():
-    assert choose_dtype("bfloat16", ZEN4, "cuda").dtype == "float32"
+def test_env_keeps_auto_float32(monkeypatch):
+    monkeypatch.setenv(dtype_choice.AUTO_BF16_ENV, "0")
+    choice = choose_dtype("float32", SAPPHIRE_RAPIDS, "cpu")
+    assert not choice.bf16_weights and "FLEETSERVE_AUTO_BF16=0" in choice.reason
+
+
+def test_other_devices_keep_float32(auto_bf16):
+    choice = choose_dtype("bfloat16", ZEN4, "cuda")
+    assert choice.dtype == "float32" and not choice.bf16_weights
 
 
 def test_cpu_flags_reads_this_machine():
@@ -60,3 +85,46 @@ def test_auto_is_the_default_and_is_said_once(tiny_llama, caplog, monkeypatch):
     config, _ = EngineArgs(model=tiny_llama, dtype="bfloat16").resolve()
     assert config.model.dtype == torch.bfloat16
     assert len([r for r in caplog.records if r.name == dtype_choice.__name__]) == 1
+
+
+def _resolve_lines(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, **kw):
+    monkeypatch.setattr(dtype_choice, "_announced", set())
+    caplog.clear()
+    config, _ = EngineArgs(**kw).resolve()
+    lines = [r.getMessage() for r in caplog.records if r.name == dtype_choice.__name__]
+    return config, lines
+
+
+def test_auto_runs_bf16_weights_on_a_bf16_cpu(
+    tiny_llama, tiny_model_factory, caplog, monkeypatch, auto_bf16
+):
+    """What the engine gets from the choice: bf16 weights on a float32 model where they
+    can run, plain float32 (said why) where a setting rules them out, nothing said for an
+    explicit dtype."""
+    from fleetserve.kernels import bf16 as bf16_kernels
+    from fleetserve.kernels import cpu as cpu_kernels
+
+    if cpu_kernels.load() is None or not bf16_kernels.native():
+        pytest.skip("kernel library without AVX512-BF16 here")
+    monkeypatch.setattr("fleetserve.engine.arg_utils.cpu_flags", lambda: SAPPHIRE_RAPIDS)
+    caplog.set_level(logging.INFO, logger="fleetserve.engine.dtype_choice")
+    config, lines = _resolve_lines(caplog, monkeypatch, model=tiny_llama)
+    assert config.model.dtype == torch.float32 and config.bf16_weights
+    assert len(lines) == 1 and lines[0].startswith("dtype auto -> float32 with bf16 weights (")
+    for kw, why in [
+        ({"quantization": "int8"}, "int8 weights keep their quantized path"),
+        ({"bf16_weights": False}, "bf16 weights turned off"),
+        ({"attention_backend": "torch"}, "torch attention backend"),
+        ({"tensor_parallel_size": 2}, "tensor/pipeline-parallel"),
+    ]:
+        config, lines = _resolve_lines(caplog, monkeypatch, model=tiny_llama, **kw)
+        assert not config.bf16_weights, kw
+        assert lines[0].startswith("dtype auto -> float32 (") and why in lines[0], lines
+    config, lines = _resolve_lines(caplog, monkeypatch, model=tiny_llama, dtype="float32")
+    assert not config.bf16_weights and lines == []
+    # An explicit True stands whatever the CPU.
+    monkeypatch.setattr("fleetserve.engine.arg_utils.cpu_flags", lambda: HASWELL)
+    config, _ = _resolve_lines(caplog, monkeypatch, model=tiny_llama, bf16_weights=True)
+    assert config.bf16_weights
+    config, lines = _resolve_lines(caplog, monkeypatch, model=tiny_llama)
+    assert not config.bf16_weights and "(AVX2) has no native" in lines[0]

@@ -313,7 +313,8 @@ class EngineConfig:
     int8_activations: bool = False
     # Linear layers keep bf16 weights and multiply through kernels/gemm_bf16.c (float32
     # activations, norms, attention and KV cache; the C step with them): a float32 model
-    # on the CPU, one process, unquantized (issue 25 item 1; not yet chosen by auto).
+    # on the CPU, one process, unquantized (issue 25 item 1; `dtype auto` picks it on
+    # CPUs with native bf16: engine/dtype_choice.py).
     bf16_weights: bool = False
     # LoRA adapters beside the base model (None: off; requests naming one are refused).
     lora: LoRAConfig | None = None

@@ -47,7 +47,15 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
     p.add_argument("--quantization", default=None, choices=["none", "gguf", "int8"], help="weights")
     p.add_argument(
-        "--bf16-weights", action="store_true", help="linear layers in bf16 (gemm_bf16.c)"
+        "--bf16-weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="linear layers in bf16 (default: as --dtype auto picks)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="fleetserve's compute dtype (auto: what this CPU runs fastest, said at start-up)",
     )
     p.add_argument("--json", default=None, help="write the figures here")
 
@@ -96,6 +104,7 @@ def run_fleetserve(
         pipeline_parallel_size=args.pipeline_parallel_size,
         quantization=args.quantization,
         bf16_weights=args.bf16_weights,
+        dtype=args.dtype,
     )
     startup = time.perf_counter() - t0
     params = [
@@ -134,6 +143,8 @@ def run_fleetserve(
         pipeline_parallel_size=args.pipeline_parallel_size,
         num_engine_steps=llm.engine.core.num_steps - steps0,
         quantization=llm.engine.config.quantization,
+        dtype=str(llm.engine.config.model.dtype).removeprefix("torch."),
+        bf16_weights=llm.engine.config.bf16_weights,
     )
     if parallel:
         result["ranks"] = rank_stats

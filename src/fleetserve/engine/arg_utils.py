@@ -7,7 +7,7 @@ from typing import Any
 
 from fleetserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from fleetserve.core.config import SchedulerConfig
-from fleetserve.engine.dtype_choice import announce, choose_dtype, cpu_flags
+from fleetserve.engine.dtype_choice import DtypeChoice, announce, choose_dtype, cpu_flags
 from fleetserve.lora.config import LoRAConfig, parse_lora_modules
 from fleetserve.models.loader import ModelSource, resolve_model
 from fleetserve.models.quantize import resolve_int8_activations, resolve_quantization
@@ -20,7 +20,7 @@ DEFAULT_MAX_MODEL_LEN = 4096
 class EngineArgs:
     model: str | None = None
     # "auto": what this CPU runs fastest for the checkpoint, said at start-up
-    # (engine/dtype_choice.py; float32 today).
+    # (engine/dtype_choice.py: float32, with bf16 weights where the CPU has native bf16).
     dtype: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
@@ -51,8 +51,9 @@ class EngineArgs:
     # Int8 activations with quantized weights (W8A8 for int8/Q8_0): None picks the
     # default for the quantization (models/quantize.py: resolve_int8_activations).
     int8_activations: bool | None = None
-    # Linear layers store bf16 weights (kernels/gemm_bf16.c): see EngineConfig.
-    bf16_weights: bool = False
+    # Linear layers store bf16 weights (kernels/gemm_bf16.c): see EngineConfig. None: as
+    # `dtype auto` picks (bf16 on CPUs with native bf16); True / False ask explicitly.
+    bf16_weights: bool | None = None
     # LoRA adapters (vLLM's flags): on with enable_lora; `lora_modules` names adapters
     # known from the start ({"name": "path"} or ["name=path", ...]).
     enable_lora: bool = False
@@ -92,10 +93,10 @@ class EngineArgs:
         if max_len is None:
             max_len = min(int(hf.get("max_position_embeddings", 2048)), DEFAULT_MAX_MODEL_LEN)
         dtype = self.dtype
+        choice: DtypeChoice | None = None
         if dtype == "auto":
             stored = hf.get("torch_dtype") or hf.get("dtype")
             choice = choose_dtype(stored, cpu_flags(), self.device)
-            announce(choice)
             dtype = choice.dtype
         model_cfg = ModelConfig.from_hf(hf, dtype=dtype, max_model_len=max_len)
         if self.max_num_seqs < 1:
@@ -109,6 +110,14 @@ class EngineArgs:
             self.tensor_parallel_size * self.pipeline_parallel_size,
         )
         lora = self.resolve_lora()
+        bf16_weights = bool(self.bf16_weights)
+        if choice is not None:
+            if choice.bf16_weights:
+                blocker = self._bf16_blocker(model_cfg, quantization, lora)
+                if blocker:
+                    choice = choice.without_bf16(blocker)
+            bf16_weights = choice.bf16_weights if self.bf16_weights is None else bf16_weights
+            announce(choice)
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 1024 if self.enable_chunked_prefill else max_len
@@ -143,7 +152,7 @@ class EngineArgs:
             speculative=spec,
             quantization=quantization,
             int8_activations=resolve_int8_activations(self.int8_activations, quantization),
-            bf16_weights=self.bf16_weights,
+            bf16_weights=bf16_weights,
             lora=lora,
         )
         if spec is not None and spec.method == "draft_model":
@@ -151,3 +160,31 @@ class EngineArgs:
 
             check_draft_model(config, source)
         return config, source
+
+    def _bf16_blocker(
+        self, model_cfg: ModelConfig, quantization: str, lora: LoRAConfig | None
+    ) -> str | None:
+        """Why `dtype auto`'s bf16 weights cannot run with these settings (None: they can)."""
+        if self.bf16_weights is False:
+            return "bf16 weights turned off"
+        if quantization != "none":
+            return f"{quantization} weights keep their quantized path"
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            return "tensor/pipeline-parallel ranks run float32 weights"
+        if lora is not None:
+            return "LoRA adapters run beside float32 base weights"
+        if model_cfg.moe is not None:
+            return "mixture-of-experts weights have no bf16 path"
+        if self.attention_backend == "torch":
+            return "the torch attention backend runs no CPU kernels"
+        if not model_cfg.architecture.endswith("ForCausalLM"):
+            return f"{model_cfg.architecture} is not a causal LM"
+        from fleetserve.kernels import cpu as cpu_kernels
+
+        if cpu_kernels.load() is None:
+            return "no C compiler for the CPU kernels"
+        from fleetserve.kernels.bf16 import native
+
+        if not native():
+            return "the kernel library was built without AVX512-BF16"
+        return None

@@ -1,32 +1,48 @@
 """`--dtype auto` (the default): the compute dtype this CPU runs fastest for a checkpoint,
 and why, said once at start-up.
 
-Today that is float32 everywhere: fleetserve's C kernels (the GEMMs, the fused decode step,
-paged attention; kernels/) compute in float32, and the quantized GGUF / int8 paths
-dequantize into float32 registers. A bfloat16 or float16 model runs the torch module path
-instead. On a CPU without native bf16 that path is emulated (matmuls 7-400x slower than
-float32, shared/bench/PEERS.md); on a CPU with AVX512-BF16 / AMX-BF16 it uses oneDNN but
-loses the C step, and was measured slower too (bench workload, 48 requests: 16.4 s in
-bfloat16 against 11.9 s in float32; issue 25). When a native bf16 C path lands, the
-choice for those CPUs changes here, in one place, and the test of this chooser with it.
+On a CPU with native bf16 (AVX512-BF16 `vdpbf16ps`, AMX-BF16 tiles) a float32 or bfloat16
+checkpoint runs with bf16 weights (`EngineConfig.bf16_weights`): linear layers keep bf16
+weights and round their inputs to bf16, with float32 sums (kernels/gemm_bf16.c for
+decode-sized steps, in the C step too; torch's bf16 matmul, oneDNN/AMX, for wider ones);
+norms, attention, the residual stream and the KV cache stay float32. Measured faster than
+float32 end to end on the bench Llama, batched and one stream (docs/benchmarks.md, issue
+25). Everywhere else float32: fleetserve's C kernels compute in float32, GGUF and int8
+weights keep their quantized paths, and a float16 checkpoint is not narrowed to bf16's
+8-bit mantissa. `--dtype float32` forces float32; FLEETSERVE_AUTO_BF16=0 makes auto keep
+float32 (A/B runs; the test suite's float32 references).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 log = logging.getLogger(__name__)
 
-# /proc/cpuinfo names of the native 16-bit float instructions a future path would use.
+# /proc/cpuinfo names of the native 16-bit float instructions.
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 FP16_FLAGS = ("amx_fp16", "avx512_fp16")
+AUTO_BF16_ENV = "FLEETSERVE_AUTO_BF16"
 
 
 @dataclass(frozen=True)
 class DtypeChoice:
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # "float32" | "bfloat16" | "float16": the model's compute dtype
     reason: str
+    # Linear layers keep bf16 weights on a float32 model (EngineConfig.bf16_weights).
+    bf16_weights: bool = False
+
+    def describe(self) -> str:
+        return f"{self.dtype} with bf16 weights" if self.bf16_weights else self.dtype
+
+    def without_bf16(self, why: str) -> DtypeChoice:
+        """The same choice in plain float32, because of `why` (an engine setting that the
+        bf16 weights cannot run with)."""
+        if not self.bf16_weights:
+            return self
+        return replace(self, bf16_weights=False, reason=f"{self.reason}; but float32 here: {why}")
 
 
 def cpu_flags() -> frozenset[str]:
@@ -41,19 +57,33 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def auto_bf16_allowed() -> bool:
+    return os.environ.get(AUTO_BF16_ENV, "1") != "0"
+
+
 def choose_dtype(checkpoint_dtype: str | None, flags: frozenset[str], device: str) -> DtypeChoice:
     """The fastest compute dtype for a checkpoint stored in `checkpoint_dtype` (its
     config's torch_dtype, None if unsaid) on a `device` with CPU feature `flags`."""
     stored = f"{checkpoint_dtype} checkpoint" if checkpoint_dtype else "checkpoint"
     if device != "cpu":
         return DtypeChoice("float32", f"{stored} on {device}: no faster kernels there")
-    native = [f for f in (*BF16_FLAGS, *FP16_FLAGS) if f in flags]
-    if native:
+    bf16 = [f for f in BF16_FLAGS if f in flags]
+    if bf16:
+        has = f"this CPU has {'/'.join(bf16)}"
+        if checkpoint_dtype == "float16":
+            why = f"{has}, but bf16 would drop 3 bits of a float16 weight's mantissa"
+            return DtypeChoice("float32", f"{stored}: {why}")
+        if not auto_bf16_allowed():
+            return DtypeChoice("float32", f"{stored}: {has}, but {AUTO_BF16_ENV}=0")
         why = (
-            f"this CPU has {'/'.join(native)}, but fleetserve's C kernels (GEMMs, fused "
-            "decode step, quantized paths) compute in float32 and a 16-bit model takes "
-            "the slower torch module path"
+            f"{has}: linear layers in bf16 (bf16 dot products for decode steps, oneDNN/AMX "
+            "bf16 GEMMs for wider ones, float32 sums; norms, attention and KV cache "
+            "float32), measured faster than float32; --dtype float32 forces float32"
         )
+        return DtypeChoice("float32", f"{stored}: {why}", bf16_weights=True)
+    fp16 = [f for f in FP16_FLAGS if f in flags]
+    if fp16:
+        why = f"this CPU has {'/'.join(fp16)} but no bf16, and fleetserve computes in float32"
     else:
         isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
         why = f"this CPU ({isa}) has no native bf16/fp16 compute: 16-bit matmuls are emulated"
@@ -73,4 +103,4 @@ def announce(choice: DtypeChoice) -> None:
         handler.setFormatter(logging.Formatter("fleetserve: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
-    log.info("dtype auto -> %s (%s)", choice.dtype, choice.reason)
+    log.info("dtype auto -> %s (%s)", choice.describe(), choice.reason)

@@ -57,9 +57,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--bf16-weights",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="float32 model on the CPU: linear layers keep bf16 weights (half the bytes) and "
-        "multiply through the bf16 kernel (AVX512-BF16 where present), the rest float32",
+        "multiply through the bf16 kernels (AVX512-BF16 / AMX where present), the rest "
+        "float32. Default: as --dtype auto picks (on where the CPU has native bf16)",
     )
     g.add_argument(
         "--int8-activations",
