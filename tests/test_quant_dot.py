@@ -92,6 +92,22 @@ def test_int8_gemm_matches_reference(qtype: QType, m: int) -> None:
 
 
 @pytest.mark.parametrize("qtype", DOT_QTYPES)
+def test_each_row_is_the_same_whatever_rows_share_its_call(qtype: QType) -> None:
+    """A row's result does not depend on how many rows go through the kernel with it
+    (1 to 15 rows: every split of the vector kernel's row groups): a speculative
+    verification row gives bit for bit what the same token as a one-row decode gives,
+    which is what keeps greedy outputs identical with and without drafts."""
+    n, k = 40, 256
+    blocks = _blocks(qtype, n, k, seed=3 + int(qtype))
+    w = QuantWeight(qtype, blocks, k, int8_activations=True)
+    torch.manual_seed(5)
+    x = torch.randn(15, k)
+    alone = torch.cat([quant_linear(x[i : i + 1], w) for i in range(15)])
+    for m in range(2, 16):
+        assert torch.equal(quant_linear(x[:m], w), alone[:m]), m
+
+
+@pytest.mark.parametrize("qtype", DOT_QTYPES)
 def test_dot_layout_decodes(qtype: QType) -> None:
     n, k = 45, 256
     blocks = _blocks(qtype, n, k, seed=int(qtype))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import zlib
 
 import pytest
+import torch
 
 from fleetserve.core.block_manager import BlockManager
 from fleetserve.core.config import SchedulerConfig
@@ -19,8 +20,10 @@ from fleetserve.core.request import Request
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.core.scheduler import Scheduler
 from fleetserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from fleetserve.spec_decode.base import ProposalRequest
 from fleetserve.spec_decode.config import SpeculativeConfig
-from fleetserve.spec_decode.ngram import find_ngram_continuation
+from fleetserve.spec_decode.ngram import NgramProposer, find_ngram_continuation, find_ngram_match
+from fleetserve.spec_decode.rejection_sampler import _argmax_rows
 
 BS = 4
 
@@ -230,6 +233,34 @@ def test_ngram_continuation() -> None:
     assert find_ngram_continuation([7, 1, 7, 2, 7], 1, 1, 1) == [2]
     assert find_ngram_continuation([1, 2, 3], 4, 1, 2) == []
     assert find_ngram_continuation([5], 4, 1, 2) == []
+
+
+def test_ngram_match_length_and_unigram_matches_propose_one_draft() -> None:
+    seq = [1, 2, 3, 4, 5, 9, 9, 2, 3]
+    assert find_ngram_match(seq, 1, 4) == (3, 2)  # [2, 3] matched; 4 follows at 3
+    assert find_ngram_match([5], 1, 2) == (-1, 0)
+    greedy = SamplingParams(temperature=0.0)
+
+    def propose(tokens: list[int], k: int, max_n: int) -> list[int]:
+        cfg = SpeculativeConfig("ngram", k, prompt_lookup_max=max_n)
+        ask = ProposalRequest("r", tokens, [], greedy)
+        return NgramProposer(cfg).propose([ask])[0].token_ids
+
+    assert propose(seq, 3, 4) == [4, 5, 9]  # a bigram match: every draft
+    # Only the last token (7) occurred before: one draft, not four.
+    assert propose([7, 1, 2, 3, 4, 8, 7], 4, 4) == [1]
+    # ... unless the config allows unigram matches only.
+    assert propose([7, 1, 2, 3, 4, 8, 7], 4, 1) == [1, 2, 3, 4]
+    assert propose([1, 2, 3], 4, 4) == []
+
+
+def test_greedy_verification_argmax_is_torchs() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 3, (7, 300), generator=g).float()  # many ties
+    logits[2, 5] = float("nan")
+    logits[4] = 1.0
+    assert _argmax_rows(logits) == logits.argmax(dim=-1).tolist()
+    assert _argmax_rows(logits.double()) == logits.argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize(

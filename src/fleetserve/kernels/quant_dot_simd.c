@@ -60,7 +60,10 @@ static inline int32_t ld32(const int8_t *p) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define QDOT_ROWS 4
+/* 6 rows: 3 zmm each (acc, s0, s1) + ~8 shared stay within the 32 registers, and a
+ * speculative verification of k = 4 or 5 drafts (5-6 rows) is one pass over the weights
+ * (with 4 it was 4 + 1 and the extra pass re-unpacked every block for one row). */
+#define QDOT_ROWS 6
 
 static inline __attribute__((always_inline)) void dot_panel(int qtype, const uint8_t *panel,
                                                             int64_t nb, const qdot_xblock *xb,
@@ -259,7 +262,17 @@ int quant_dot_kind(void) {
 #endif
 }
 
-#if QDOT_ROWS == 4
+#if QDOT_ROWS == 6
+#define ROW_CASES(QT)                                                                   \
+    switch (rows) {                                                                     \
+    case 1: dot_panel(QT, panel, nb, xb, ldxb, 1, out, ldo, cols); break;               \
+    case 2: dot_panel(QT, panel, nb, xb, ldxb, 2, out, ldo, cols); break;               \
+    case 3: dot_panel(QT, panel, nb, xb, ldxb, 3, out, ldo, cols); break;               \
+    case 4: dot_panel(QT, panel, nb, xb, ldxb, 4, out, ldo, cols); break;               \
+    case 5: dot_panel(QT, panel, nb, xb, ldxb, 5, out, ldo, cols); break;               \
+    default: dot_panel(QT, panel, nb, xb, ldxb, 6, out, ldo, cols); break;              \
+    }
+#elif QDOT_ROWS == 4
 #define ROW_CASES(QT)                                                                   \
     switch (rows) {                                                                     \
     case 1: dot_panel(QT, panel, nb, xb, ldxb, 1, out, ldo, cols); break;               \

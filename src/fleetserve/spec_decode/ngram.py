@@ -1,6 +1,16 @@
 """Prompt-lookup (n-gram) proposals: if the sequence's last n tokens occurred before,
 propose the tokens that followed that occurrence. Free to compute, and right often on
-input-grounded tasks (repeating, editing or quoting the prompt)."""
+input-grounded tasks (repeating, editing or quoting the prompt).
+
+How many tokens are proposed depends on how long the matched suffix is: a match of a
+single token (when longer ones are allowed) is weak evidence (after the text left the
+source, the last token alone points at an arbitrary earlier place), so it proposes one
+draft only. Each draft row in the verification step costs ~8% of a one-row step here,
+and on the repeat workload a unigram match's first draft was rejected most of the time;
+replaying that workload's greedy outputs, capping unigram matches at one draft raised
+the modelled speed-up from 2.46x to 2.58x, where no draft, or a cap on bigram matches
+too, did worse (docs/benchmarks.md, issue 25 speculative section).
+"""
 
 from __future__ import annotations
 
@@ -9,12 +19,14 @@ import numpy as np
 from fleetserve.spec_decode.base import Proposal, ProposalRequest
 from fleetserve.spec_decode.config import SpeculativeConfig
 
+# Drafts proposed after a match of one token, when longer matches are allowed.
+UNIGRAM_MATCH_DRAFTS = 1
 
-def find_ngram_continuation(
-    token_ids: list[int] | np.ndarray, k: int, min_n: int, max_n: int
-) -> list[int]:
-    """The up to ``k`` tokens after the latest earlier occurrence of the longest suffix
-    n-gram (``max_n`` down to ``min_n`` tokens) of ``token_ids``; [] when none occurs."""
+
+def find_ngram_match(token_ids: list[int] | np.ndarray, min_n: int, max_n: int) -> tuple[int, int]:
+    """(start, n): the suffix n-gram of ``token_ids`` (the longest, ``max_n`` down to
+    ``min_n`` tokens) that occurred before, and where the tokens after its latest earlier
+    occurrence start; (-1, 0) when none occurs."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
@@ -23,9 +35,26 @@ def find_ngram_continuation(
         windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if len(hits):
-            start = int(hits[-1]) + n
-            return tokens[start : start + k].tolist()
-    return []
+            return int(hits[-1]) + n, n
+    return -1, 0
+
+
+def find_ngram_continuation(
+    token_ids: list[int] | np.ndarray, k: int, min_n: int, max_n: int
+) -> list[int]:
+    """The up to ``k`` tokens after the latest earlier occurrence of the longest suffix
+    n-gram (``max_n`` down to ``min_n`` tokens) of ``token_ids``; [] when none occurs."""
+    start, n = find_ngram_match(token_ids, min_n, max_n)
+    if not n:
+        return []
+    return [int(t) for t in token_ids[start : start + k]]
+
+
+def num_drafts_for_match(n: int, k: int, max_n: int) -> int:
+    """How many of the ``k`` tokens after a match of ``n`` tokens to propose."""
+    if n == 1 and max_n > 1:
+        return min(k, UNIGRAM_MATCH_DRAFTS)
+    return k
 
 
 class NgramProposer:
@@ -35,10 +64,12 @@ class NgramProposer:
         self.max_n = config.prompt_lookup_max
 
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
-        return [
-            Proposal(find_ngram_continuation(r.token_ids, self.k, self.min_n, self.max_n))
-            for r in requests
-        ]
+        out = []
+        for r in requests:
+            start, n = find_ngram_match(r.token_ids, self.min_n, self.max_n)
+            k = num_drafts_for_match(n, self.k, self.max_n) if n else 0
+            out.append(Proposal(list(r.token_ids[start : start + k]) if k else []))
+        return out
 
     def forget(self, req_id: str) -> None:
         pass  # stateless

@@ -48,6 +48,15 @@ def _generator(row: SamplingRow, fallback: torch.Generator) -> torch.Generator:
     return g
 
 
+def _argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first of equal maxima, as torch's). numpy's is ~20x
+    faster than torch's single-threaded one on [k + 1, 49k] float32 rows (0.014 vs
+    0.32 ms at 5 rows), which is paid in every verification step."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(axis=-1).tolist()  # type: ignore[no-any-return]
+    return logits.argmax(dim=-1).tolist()  # type: ignore[no-any-return]
+
+
 def _draw(weights: torch.Tensor, g: torch.Generator) -> int:
     """One token from unnormalized non-negative weights (the plain sampler's exponential
     race: argmax(w / E) with E ~ Exp(1))."""
@@ -79,7 +88,7 @@ class RejectionSampler:
             logits = apply_penalties(logits.clone(), rows)
         if any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
             logits = apply_min_tokens(logits.clone(), rows)
-        argmax = logits.argmax(dim=-1).tolist()
+        argmax = _argmax_rows(logits)
         random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
         probs = None
         if random_idx:
