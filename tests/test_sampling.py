@@ -17,7 +17,7 @@ from fleetserve.core.request import Request
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.core import EngineCore
-from fleetserve.layers.sampler import Sampler, SamplingRow, apply_penalties
+from fleetserve.layers.sampler import Sampler, SamplingRow, apply_penalties, argmax_rows
 
 LOGITS = torch.tensor([2.0, 1.2, 0.9, 0.5, 0.1, -0.3, -1.0, -2.5])
 NUM_DRAWS = 4000
@@ -158,6 +158,20 @@ def test_greedy_is_argmax_even_next_to_random_rows() -> None:
     # top_k=1 sampling is greedy too.
     tokens, _ = Sampler(0)(logits.clone(), [row(SamplingParams(top_k=1))] * 6)
     assert tokens == expected
+
+
+def test_argmax_rows_matches_torch_on_ties_nan_and_inf() -> None:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 49152, generator=g)
+    x[1, 10] = x[1, 20] = x[1].max() + 1  # a tie: the first index wins
+    x[2, 300] = float("nan")  # NaN counts as the maximum
+    x[3] = float("-inf")
+    x[4, 5:] = float("-inf")
+    x[5, 49151] = 1e30
+    for t in (x, x[:, :1000], x.t().contiguous().t(), x.to(torch.bfloat16)):
+        got = argmax_rows(t)
+        assert got.dtype == torch.int64
+        assert got.tolist() == t.argmax(dim=-1).tolist()
 
 
 def test_logprobs_are_the_raw_model_distribution() -> None:
