@@ -34,10 +34,9 @@ SHARED_UNITS = {
     **{
         path: "ray"
         for path in (
-            "tests/server/test_server_ray.py",
             # `serve --ray` joins whatever Ray cluster runs on the machine: beside another
             # Ray module both deploy an app named fleetserve on one cluster.
-            "tests/server/test_server_lora.py",
+            "tests/server/test_server_ray.py",
             "tests/test_bench_chaos.py",
             "tests/test_lora_ray.py",
             "tests/test_pipelines_ray.py",

@@ -83,3 +83,25 @@ def peft_logprobs(base_path: str, adapter: str | None, ids: list[int]) -> torch.
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
+
+
+_OFFLINE: dict[tuple[str, str | None, tuple[int, ...], int], str] = {}
+
+
+def offline_text(base_path: str, adapter: str | None, prompt: list[int], n: int = 10) -> str:
+    """The offline engine's text for `n` greedy tokens of `prompt`, its tokens checked
+    against HF transformers + peft (so a server's equal text stands for peft's tokens).
+    Cached per process."""
+    from fleetserve import LLM, SamplingParams
+    from fleetserve.lora import LoRARequest
+
+    key = (base_path, adapter, tuple(prompt), n)
+    if key not in _OFFLINE:
+        llm = LLM(base_path, enable_lora=True, max_lora_rank=8, max_model_len=128)
+        lora = None if adapter is None else LoRARequest("x", 1, adapter)
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        out = llm.generate({"prompt_token_ids": prompt}, params, lora_request=lora,
+                           use_tqdm=False)[0].outputs[0]  # fmt: skip
+        assert list(out.token_ids) == peft_greedy(base_path, adapter, prompt, n)
+        _OFFLINE[key] = out.text
+    return _OFFLINE[key]

@@ -14,7 +14,7 @@ import openai
 import pytest
 from server_proc import ServerProc, scrape
 
-from lora_helpers import make_adapter, peft_greedy
+from lora_helpers import make_adapter, offline_text
 
 KEY = "lora-test-key"
 PROMPT = [5, 17, 29, 41, 53, 65, 77, 89]
@@ -65,23 +65,7 @@ def _text(client: openai.OpenAI, model: str, max_tokens: int = 10) -> str:
 
 
 def _offline_text(base: str, adapter: str | None) -> str:
-    """The offline engine's text for the same greedy tokens, its tokens checked against
-    HF transformers + peft (so the server's text stands for peft's tokens)."""
-    from fleetserve import LLM, SamplingParams
-    from fleetserve.lora import LoRARequest
-
-    if (base, adapter) not in _OFFLINE:
-        llm = LLM(base, enable_lora=True, max_lora_rank=8, max_model_len=128)
-        lora = None if adapter is None else LoRARequest("x", 1, adapter)
-        params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-        out = llm.generate({"prompt_token_ids": PROMPT}, params, lora_request=lora,
-                           use_tqdm=False)[0].outputs[0]  # fmt: skip
-        assert list(out.token_ids) == peft_greedy(base, adapter, PROMPT, 10)
-        _OFFLINE[(base, adapter)] = out.text
-    return _OFFLINE[(base, adapter)]
-
-
-_OFFLINE: dict[tuple[str, str | None], str] = {}
+    return offline_text(base, adapter, PROMPT)
 
 
 def test_models_lists_adapters_with_parent(client: openai.OpenAI, adapters: dict[str, str]) -> None:
@@ -213,22 +197,5 @@ def test_fleet_routes_an_adapter_to_its_holder(
         proc.stop()
 
 
-@pytest.mark.slow
-def test_adapter_on_ray(tiny_llama: str, adapters: dict[str, str]) -> None:
-    """`serve --ray`: a request naming an adapter reaches its replica's engine with it."""
-    pytest.importorskip("ray")
-    srv = ServerProc(
-        tiny_llama, "--ray", "--served-model-name", "tiny", "--num-threads", "1",
-        "--max-model-len", "256", "--enable-lora", "--lora-modules", f"a={adapters['a']}",
-        "--max-lora-rank", "8",
-    )  # fmt: skip
-    try:
-        srv.wait_ready(timeout_s=300)
-        with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=120) as c:
-            assert {m.id for m in c.models.list().data} == {"tiny", "a"}
-            assert _text(c, "a") == _offline_text(tiny_llama, adapters["a"])
-            assert _text(c, "tiny") == _offline_text(tiny_llama, None)
-            with pytest.raises(openai.NotFoundError, match="nope"):
-                c.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
-    finally:
-        srv.stop(timeout_s=60)
+# `serve --ray` with an adapter (a request naming it reaches its replica's engine with it):
+# tests/server/test_server_ray.py, in the same `serve --ray` run as the exit-code checks.

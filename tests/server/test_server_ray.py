@@ -7,11 +7,21 @@ import openai
 import pytest
 from server_proc import ServerProc
 
+from lora_helpers import make_adapter, offline_text
+
 pytestmark = pytest.mark.slow
 
+PROMPT = [5, 17, 29, 41, 53, 65, 77, 89]
 
-def test_serve_on_ray_answers_and_exits_cleanly(tiny_llama: str) -> None:
+
+def test_serve_on_ray_answers_and_exits_cleanly(
+    tiny_llama: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """One `serve --ray` run (each costs a Ray start and a replica start): the base model
+    and a LoRA adapter answer (a request naming the adapter reaches its replica's engine
+    with it: its greedy text is peft's), auth holds, and SIGTERM exits 0."""
     pytest.importorskip("ray")
+    adapter = make_adapter(tiny_llama, tmp_path_factory.mktemp("ray-lora") / "a", 21)
     srv = ServerProc(
         tiny_llama,
         "--ray",
@@ -19,6 +29,7 @@ def test_serve_on_ray_answers_and_exits_cleanly(tiny_llama: str) -> None:
         "--api-key", "k",
         "--num-threads", "1",
         "--max-model-len", "256",
+        "--enable-lora", "--lora-modules", f"a={adapter}", "--max-lora-rank", "8",
     )  # fmt: skip
     try:
         srv.wait_ready(timeout_s=300)
@@ -28,9 +39,23 @@ def test_serve_on_ray_answers_and_exits_cleanly(tiny_llama: str) -> None:
         bad = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
+        # LoRA on Ray (moved here from tests/server/test_server_lora.py).
+        assert {m.id for m in c.models.list().data} == {"tiny", "a"}
+        assert _text(c, "a") == offline_text(tiny_llama, adapter, PROMPT)
+        assert _text(c, "tiny") == offline_text(tiny_llama, None, PROMPT)
+        with pytest.raises(openai.NotFoundError, match="nope"):
+            c.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
     finally:
         code = srv.stop(timeout_s=60)
     assert code == 0, srv.final_output
+
+
+def _text(client: openai.OpenAI, model: str) -> str:
+    resp = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=10, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    return resp.choices[0].text
 
 
 def test_ctrl_c_stops_the_app_then_the_cluster_within_the_drain_timeout(tiny_llama: str) -> None:
