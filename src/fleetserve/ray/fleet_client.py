@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,7 +116,14 @@ class HandleFleetCall:
         timeout_s: float,
         classes: frozenset[str | None] = frozenset(),
         sinks: list[list[Any]] | None = None,
+        emit: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
+        if emit is not None:
+            # The ingress's fleet_call answers whole bodies: a streamed sub-call is refused
+            # by name rather than answered as one late chunk.
+            raise FleetCallError(
+                400, f"{method}: streaming sub-calls are not available on Ray; call without _stream"
+            )
         try:
             response = self.handle().fleet_call.remote(
                 self.parent, method, args, kwargs, timeout_s, tuple(classes)
