@@ -139,7 +139,7 @@ def stack(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         def answers() -> bool:
             try:
                 return bool(st.query("up"))
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):
                 return False
 
         assert wait_until(answers, 60, 0.5), "Prometheus did not come up"

@@ -112,7 +112,21 @@ def _start_prometheus(config: dict[str, Any], folder: Path) -> tuple[subprocess.
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    return proc, f"http://127.0.0.1:{port}/api/v1"
+    base = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        # Until its storage is open Prometheus answers 503 "Service Unavailable" (plain
+        # text, not the API's JSON) to every query.
+        try:
+            return httpx.get(f"{base}/-/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    if not wait_until(ready, timeout_s=60, interval_s=0.2):
+        proc.kill()
+        proc.wait(5)
+        raise AssertionError("Prometheus did not become ready in 60 s")
+    return proc, f"{base}/api/v1"
 
 
 @pytest.fixture(scope="module")
