@@ -41,6 +41,15 @@ def fleet_config(small: str, large: str) -> dict[str, Any]:
                 "placement": {"num_cpus": 0.25},
             },
             {
+                "name": "streamer",
+                "kind": "custom",
+                "handler": "pipeline_handlers:StreamComplete",
+                "options": {"model": "small"},
+                "timeout_s": 30.0,
+                "batching": {"max_batch_size": 1, "batch_wait_timeout_s": 0.0},
+                "placement": {"num_cpus": 0.25},
+            },
+            {
                 "name": "rag",
                 "kind": "graph",
                 "graph": {
@@ -152,9 +161,10 @@ def predict(
     instances: list[dict[str, Any]],
     cls: str | None = None,
     headers: dict[str, str] | None = None,
+    model: str = "composer",
 ) -> httpx.Response:
     headers = {**(headers or {}), **({"X-Fleetserve-Class": cls} if cls else {})}
-    return httpx.post(f"{url}/v1/models/composer:predict", json={"instances": instances},
+    return httpx.post(f"{url}/v1/models/{model}:predict", json={"instances": instances},
                       headers=headers, timeout=60)  # fmt: skip
 
 
@@ -209,6 +219,31 @@ def test_a_handler_calls_the_fleet_through_the_ingress(base_url: str) -> None:
     assert r.json()["predictions"] == [{"text": direct.choices[0].text, "model": "small"}] * 2
     # The sub-calls are the callee's requests, counted under its model_name.
     assert metric(base_url, key, model_name="small") - before == 8
+
+
+def test_a_handler_streams_a_sub_call_through_the_ingress(base_url: str) -> None:
+    direct = client(base_url).completions.create(
+        model="small", prompt="The sea", max_tokens=5, temperature=0.0
+    )
+    r = predict(base_url, [{"prompt": "The sea", "max_tokens": 5}], model="streamer")
+    assert r.status_code == 200, r.text
+    (pred,) = r.json()["predictions"]
+    # Chunk by chunk through the handle's stream: the text is the direct answer's.
+    assert pred["text"] == direct.choices[0].text and pred["chunks"] >= 2, pred
+    r = predict(base_url, [{"prompt": "x", "model": "nope"}], model="streamer")
+    (pred,) = r.json()["predictions"]
+    assert pred["status"] == 404 and "'nope' does not exist" in pred["error"], pred
+
+
+def test_a_handler_that_stops_reading_ends_its_streamed_sub_call(base_url: str) -> None:
+    from fleetserve.ray.pool_deployments import deployment_name
+
+    small = serve.get_deployment_handle(deployment_name("small"), "fleetserve")
+    # 300 tokens at 0.05 s a step would run ~15 s; the handler stops after 2 chunks.
+    r = predict(base_url, [{"prompt": "The sea", "max_tokens": 300, "read": 2}], model="streamer")
+    assert r.status_code == 200, r.text
+    assert r.json()["predictions"][0]["chunks"] == 2
+    wait_until(lambda: small.info.remote().result()["num_requests"] == 0, 5, "the abort")
 
 
 def test_a_sub_call_to_a_missing_model_is_a_clear_error(base_url: str) -> None:

@@ -16,7 +16,10 @@ GatewayFleetClient (entrypoints/openai/fleet_client.py) over that registry:
   SubCall records; the replica returns those with its predictions (`Predicted`), and the
   ingress's RayCustomClient puts them on the parent's access-log line. A sub-call the
   handler stops waiting for (its call ended, timed out or was cancelled) is cancelled at
-  the ingress, which aborts the callee's engine requests.
+  the ingress, which aborts the callee's engine requests. A streamed sub-call
+  (`chat_stream`, `complete_stream`) goes through the handle's streaming call
+  (`FleetIngress.fleet_call_stream`): the callee's chunks come back one by one as they
+  are made, and a closing FleetReply ends the stream with its status and records.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fleetserve.entrypoints.openai.fleet_client import (
+    STREAM_METHODS,
     FleetCallError,
     GatewayFleetClient,
     SubCall,
@@ -88,6 +92,44 @@ async def run_fleet_call(
             log.info("sub-call of %s: %s", parent, sub)
 
 
+async def run_fleet_stream(
+    registry: Registry,
+    parent: str,
+    method: str,
+    args: list[Any],
+    kwargs: dict[str, Any],
+    timeout_s: float,
+    classes: Sequence[str | None] = (),
+) -> AsyncIterator[dict[str, Any] | FleetReply]:
+    """At the ingress: one streamed handler sub-call (`method` one of STREAM_METHODS): the
+    callee's chunks as they come, then one FleetReply that closes the stream (ok, or the
+    status and message it ended with) carrying its SubCalls. Closing the generator early
+    (the handler stopped reading) closes the callee's stream, which aborts its requests."""
+    if method not in STREAM_METHODS:
+        yield FleetReply(False, None, 400, f"no streaming fleet method {method!r}; there are "
+                         f"{STREAM_METHODS}")  # fmt: skip
+        return
+    cls = strictest(registry, frozenset(classes))
+    scoped = GatewayFleetClient(registry).scoped(cls, time.monotonic() + timeout_s)
+    reply: FleetReply
+    try:
+        stream = getattr(scoped, method)(*args, **kwargs)
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            await stream.aclose()
+        reply = FleetReply(True, {}, calls=tuple(scoped.calls))
+    except FleetCallError as e:
+        reply = FleetReply(False, None, e.status, str(e).split(": ", 1)[-1], tuple(scoped.calls))
+    except (TypeError, ValueError) as e:  # a handler's bad arguments (an unknown param)
+        reply = FleetReply(False, None, 400, str(e), tuple(scoped.calls))
+    finally:
+        for sub in scoped.calls:
+            log.info("sub-call of %s: %s", parent, sub)
+    yield reply
+
+
 class HandleFleetCall:
     """In a custom model's replica: what its handler process's sub-calls run with
     (CustomService.bind_fleet's `call`): each goes to the ingress deployment's
@@ -118,20 +160,30 @@ class HandleFleetCall:
         sinks: list[list[Any]] | None = None,
         emit: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
-        if emit is not None:
-            # The ingress's fleet_call answers whole bodies: a streamed sub-call is refused
-            # by name rather than answered as one late chunk.
-            raise FleetCallError(
-                400, f"{method}: streaming sub-calls are not available on Ray; call without _stream"
-            )
+        if emit is not None and method in STREAM_METHODS:
+            reply = await self._stream(method, args, kwargs, timeout_s, classes, emit)
+        else:
+            reply = await self._call(method, args, kwargs, timeout_s, classes)
+        for sink in sinks or ():
+            sink.extend(reply.calls)
+        if not reply.ok:
+            raise FleetCallError(reply.status, reply.message)
+        assert reply.body is not None
+        return reply.body
+
+    def _unreachable(self, e: Exception) -> FleetCallError:
+        return FleetCallError(503, f"the fleet is not reachable from {self.parent!r}: {e}")
+
+    async def _call(
+        self, method: str, args: list[Any], kwargs: dict[str, Any], timeout_s: float,
+        classes: frozenset[str | None],
+    ) -> FleetReply:  # fmt: skip
         try:
             response = self.handle().fleet_call.remote(
                 self.parent, method, args, kwargs, timeout_s, tuple(classes)
             )
         except Exception as e:  # noqa: BLE001 -- no ingress to reach: the sub-call fails
-            raise FleetCallError(
-                503, f"the fleet is not reachable from {self.parent!r}: {e}"
-            ) from e
+            raise self._unreachable(e) from e
         try:
             reply: FleetReply = await response
         except asyncio.CancelledError:
@@ -139,9 +191,29 @@ class HandleFleetCall:
             raise
         except Exception as e:  # noqa: BLE001 -- the ingress failed the call
             raise FleetCallError(500, f"the sub-call to the fleet failed: {e}") from None
-        for sink in sinks or ():
-            sink.extend(reply.calls)
-        if not reply.ok:
-            raise FleetCallError(reply.status, reply.message)
-        assert reply.body is not None
-        return reply.body
+        return reply
+
+    async def _stream(
+        self, method: str, args: list[Any], kwargs: dict[str, Any], timeout_s: float,
+        classes: frozenset[str | None], emit: Callable[[dict[str, Any]], None],
+    ) -> FleetReply:  # fmt: skip
+        """A streamed sub-call: each chunk the ingress yields goes to `emit` (down the
+        handler's pipe) as it comes; the closing FleetReply is the answer."""
+        try:
+            handle = self.handle().options(stream=True)
+            chunks = handle.fleet_call_stream.remote(
+                self.parent, method, args, kwargs, timeout_s, tuple(classes)
+            )
+        except Exception as e:  # noqa: BLE001 -- no ingress to reach: the sub-call fails
+            raise self._unreachable(e) from e
+        try:
+            async for item in chunks:
+                if isinstance(item, FleetReply):
+                    return item
+                emit(item)
+        except asyncio.CancelledError:
+            chunks.cancel()  # the handler stopped reading: the ingress closes the stream
+            raise
+        except Exception as e:  # noqa: BLE001 -- the ingress failed the call
+            raise FleetCallError(500, f"the sub-call to the fleet failed: {e}") from None
+        raise FleetCallError(500, f"the streamed sub-call {method} ended without its reply")
