@@ -246,6 +246,19 @@ def test_a_handler_that_stops_reading_ends_its_streamed_sub_call(base_url: str) 
     wait_until(lambda: small.info.remote().result()["num_requests"] == 0, 5, "the abort")
 
 
+def test_a_client_that_leaves_ends_the_handlers_sub_calls(base_url: str) -> None:
+    from fleetserve.ray.pool_deployments import deployment_name
+
+    small = serve.get_deployment_handle(deployment_name("small"), "fleetserve")
+    # ~15 s of sub-call (300 tokens at 0.05 s a step); the client leaves at 1 s, inside the
+    # handler's timeout_s (30 s): only its leaving can end the sub-call.
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{base_url}/v1/models/streamer:predict", timeout=1.0,
+                   json={"instances": [{"prompt": "The sea", "max_tokens": 300}]})  # fmt: skip
+    wait_until(lambda: small.info.remote().result()["num_requests"] == 0, 5, "the abort")
+    assert predict(base_url, [{"prompt": "The sea"}], model="streamer").status_code == 200
+
+
 def test_a_sub_call_to_a_missing_model_is_a_clear_error(base_url: str) -> None:
     r = predict(base_url, [{"prompt": "x", "model": "nope"}])
     assert r.status_code == 200, r.text
