@@ -54,7 +54,7 @@ def test_generate_returns_outputs_in_input_order(llm: LLM) -> None:
         assert len(c.token_ids) == sp.max_tokens
         assert c.finish_reason == "length"
         # Trailing bytes of an unfinished UTF-8 character are not shown.
-        decoded = tok.hf.decode(c.token_ids, skip_special_tokens=True)
+        decoded = tok.transformers().decode(c.token_ids, skip_special_tokens=True)
         assert decoded.startswith(c.text) and set(decoded[len(c.text) :]) <= {"\ufffd"}
     # The same prompt alone gives the same tokens (batching does not change greedy output).
     alone = gen(llm, PROMPTS[0], params[0])

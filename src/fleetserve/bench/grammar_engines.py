@@ -110,7 +110,7 @@ def main() -> None:
     from fleetserve.models.loader import resolve_model
     from fleetserve.tokenizer import Tokenizer
 
-    hf = Tokenizer.from_source(resolve_model(default_model_path())).hf
+    hf = Tokenizer.from_source(resolve_model(default_model_path())).transformers()
     ids = hf.encode(json.dumps(ANSWER, separators=(",", ":")), add_special_tokens=False)
     for name, fn in [
         ("llguidance", bench_llguidance),

@@ -40,7 +40,7 @@ class StructuredOutputs:
 
         tok = Tokenizer.from_source(self._source)
         eos = set(self._config.model.eos_token_ids) | tok.stop_token_ids
-        backend = GrammarBackend(tok.hf, self._config.model.vocab_size, sorted(eos))
+        backend = GrammarBackend(tok.transformers(), self._config.model.vocab_size, sorted(eos))
         self._masks = StepMasks(backend.mask_vocab_size, mask_overlap_enabled())
         self._backend = backend
 
