@@ -18,6 +18,9 @@ from helpers import freeze
 # path have their own tests (test_dtype_choice.py, test_bf16_weights.py,
 # test_bf16_hf_parity.py).
 os.environ.setdefault("FLEETSERVE_AUTO_BF16", "0")
+# The engines here serve a few short requests from KV caches sized for a server: their
+# pages are left to the first writes (the cache is zero either way; kernels/cpu.py).
+os.environ.setdefault("FLEETSERVE_KV_PREFAULT", "0")
 
 # Under pytest-xdist (`make test` runs `-n 2 --dist loadfile`) a test module is one unit of
 # work: its module-scoped servers start once, in one worker, and its tests keep their order.

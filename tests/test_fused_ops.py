@@ -153,3 +153,19 @@ def test_empty_huge_is_a_plain_tensor() -> None:
     assert float(t.sum()) == 2.0 * t.numel()
     small = cpu_kernels.empty_huge(5, dtype=torch.float64)  # too small to advise: fine too
     assert small.shape == (5,) and small.dtype == torch.float64
+
+
+def test_zeroed_huge_is_zero_with_or_without_prefault() -> None:
+    import gc
+
+    for prefault in (True, False):
+        # Memory freed just before is what a recycling allocator would hand back.
+        junk = torch.full((3, 1 << 20), 7.0)
+        del junk
+        gc.collect()
+        t = cpu_kernels.zeroed_huge(3, 1 << 20, dtype=torch.float32, prefault=prefault)
+        assert t.shape == (3, 1 << 20) and t.is_contiguous() and float(t.abs().sum()) == 0.0
+        t[1, 5] = 3.0  # writable, and outlives the function's own reference to its mapping
+        assert float(t.sum()) == 3.0
+        small = cpu_kernels.zeroed_huge(2, 3, dtype=torch.bfloat16, prefault=prefault)
+        assert small.dtype == torch.bfloat16 and float(small.float().abs().sum()) == 0.0

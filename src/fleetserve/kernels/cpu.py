@@ -390,6 +390,38 @@ def empty_huge(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return t
 
 
+def zeroed_huge(*shape: int, dtype: torch.dtype, prefault: bool = True) -> torch.Tensor:
+    """A zero tensor in fresh anonymous memory (zero by the OS's word, whatever its size),
+    advised onto transparent huge pages as `empty_huge`. `prefault`: write it now, so that
+    its page faults are paid here and not inside the first requests that touch it (the
+    KV cache: 1.2 s for the bench's 1.15 GB); without it, pages nothing writes are never
+    faulted in (a test's engine that serves a few short requests)."""
+    import mmap
+
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
+    buf = mmap.mmap(-1, nbytes)  # the tensor keeps the mapping alive
+    t = torch.frombuffer(buf, dtype=dtype, count=numel).view(*shape)
+    madvise = _madvise()
+    if madvise is not None and nbytes >= 2 * _HUGE_PAGE:
+        addr = t.data_ptr()
+        start = -(-addr // _HUGE_PAGE) * _HUGE_PAGE
+        end = (addr + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+        if end > start:
+            madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: errors are harmless
+    if prefault:
+        t.zero_()
+    return t
+
+
+def kv_prefault() -> bool:
+    """FLEETSERVE_KV_PREFAULT=0 leaves the KV cache's pages to its first writes (the test
+    suite sets it: its engines touch a few blocks of caches sized for a server)."""
+    return os.environ.get("FLEETSERVE_KV_PREFAULT", "1") != "0"
+
+
 def gemm_worthwhile() -> bool:
     """Whether gemm.c beats torch's BLAS here: it relies on wide vectors, so an x86 CPU
     without AVX2 keeps the BLAS (gemm.c is correct there, only slow)."""

@@ -71,12 +71,14 @@ def bind_kv_caches(
         shape = (n, attn.num_kv_heads, block_size, attn.head_dim)
         if use_cpu_kernel:
             # The kernels' layout (keys d-major within a block), on huge pages where
-            # the OS allows: decodes stream the cache every step. Zeroed now, so its
-            # pages are faulted in at start-up: left to the first writes, the faults
-            # cost as much (1.2 s for the bench's 1.15 GB) inside the first requests.
+            # the OS allows: decodes stream the cache every step. Zero, and written now
+            # (unless FLEETSERVE_KV_PREFAULT=0), so its pages are faulted in at start-up:
+            # left to the first writes, the faults cost as much (1.2 s for the bench's
+            # 1.15 GB) inside the first requests.
             k_shape, v_shape = cpu_kernels.kv_cache_shapes(*shape)
-            k = cpu_kernels.empty_huge(*k_shape, dtype=dtype).zero_()
-            v = cpu_kernels.empty_huge(*v_shape, dtype=dtype).zero_()
+            prefault = cpu_kernels.kv_prefault()
+            k = cpu_kernels.zeroed_huge(*k_shape, dtype=dtype, prefault=prefault)
+            v = cpu_kernels.zeroed_huge(*v_shape, dtype=dtype, prefault=prefault)
         else:
             k = torch.zeros(shape, dtype=dtype, device=device)
             v = torch.zeros(shape, dtype=dtype, device=device)
