@@ -25,8 +25,11 @@ os.environ.setdefault("FLEETSERVE_KV_PREFAULT", "0")
 # Under pytest-xdist (`make test` runs `-n 2 --dist loadfile`) a test module is one unit of
 # work: its module-scoped servers start once, in one worker, and its tests keep their order.
 # These modules share a session-scoped server of tests/server/conftest.py, so each group is
-# one unit and its server starts once; the Ray modules (slow stage) are one unit, so that
-# one Ray cluster runs at a time.
+# one unit and its server starts once. The Ray modules (slow stage) each start a cluster of
+# their own with ports of its own (tests/ray_cluster.py), so two run side by side; those
+# that start a plain local Ray (`ray.init(address="local")`: `serve --ray`, the Ray Serve
+# baseline of `bench chaos`, `batch run --ray`) are one unit, as such heads share default
+# ports.
 SHARED_UNITS = {
     "tests/server/test_fleet_server.py": "server",
     "tests/server/test_server_cancel.py": "server",
@@ -34,24 +37,9 @@ SHARED_UNITS = {
     "tests/server/test_server_openai.py": "server",
     "tests/server/test_server_access_log.py": "ops_fleet",
     "tests/server/test_server_dashboard.py": "ops_fleet",
-    **{
-        path: "ray"
-        for path in (
-            # `serve --ray` joins whatever Ray cluster runs on the machine: beside another
-            # Ray module both deploy an app named fleetserve on one cluster.
-            "tests/server/test_server_ray.py",
-            "tests/test_bench_chaos.py",
-            "tests/test_lora_ray.py",
-            "tests/test_pipelines_ray.py",
-            "tests/test_ray_autoscale.py",
-            "tests/test_ray_batch.py",
-            "tests/test_ray_fleet.py",
-            "tests/test_ray_pools_cluster.py",
-            "tests/test_ray_resilience.py",
-            "tests/test_ray_routing.py",
-            "tests/test_ray_service_config.py",
-        )
-    },
+    "tests/server/test_server_ray.py": "ray_local",
+    "tests/test_bench_chaos.py": "ray_local",
+    "tests/test_ray_batch.py": "ray_local",
 }
 
 
@@ -77,6 +65,21 @@ SLOW_PHASES_S: dict[str, float] = {
     "tests/test_batch_cli.py": 23.0,
     "tests/server/test_server_batch.py": 20.0,  # kill -9 mid batch
     "tests/test_loader.py": 17.0,  # SmolLM2 against HF
+    # The slow stage (`--durations` of `-m slow`, 2026-12-05 13:36, quiet): the Ray modules
+    # first, each on its own cluster.
+    "ray_local": 171.0,
+    "tests/test_lora_ray.py": 143.0,
+    "tests/test_ray_fleet.py": 90.0,
+    "tests/test_ray_resilience.py": 84.0,
+    "tests/test_ray_pools_cluster.py": 72.0,
+    "tests/test_pipelines_ray.py": 66.0,
+    "tests/test_ray_autoscale.py": 52.0,
+    "tests/test_ray_service_config.py": 50.0,
+    "tests/server/test_deploy_examples.py": 48.0,
+    "tests/server/test_server_fuzz.py": 38.0,
+    "tests/test_ray_routing.py": 37.0,
+    "tests/test_parallel.py": 34.0,
+    "tests/server/test_two_model_fleet.py": 29.0,
 }
 DEFAULT_TEST_S = 0.5
 

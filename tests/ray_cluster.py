@@ -59,6 +59,9 @@ def ray_cluster(
             "num_cpus": 0,
             "object_store_memory": OBJECT_STORE_BYTES,
             "include_dashboard": False,
+            # Every port of its own (the head's dashboard agent defaults to a fixed one):
+            # two test modules' clusters run side by side on the two xdist workers.
+            "dashboard_agent_listen_port": free_port(),
         },
     )
     try:

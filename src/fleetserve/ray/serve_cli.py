@@ -46,7 +46,10 @@ def run_on_ray(args: argparse.Namespace, fleet: FleetConfig, api_key: str | None
 
     started_here = args.ray_address is None
     if started_here:
-        ray.init(include_dashboard=False, log_to_driver=args.log_level == "debug")
+        # "local": a Ray of its own, as documented, even where another Ray runs on this
+        # machine (a bare ray.init() would join that one).
+        ray.init(address="local", include_dashboard=False,
+                 log_to_driver=args.log_level == "debug")  # fmt: skip
     else:
         ray.init(address=args.ray_address, log_to_driver=args.log_level == "debug")
     # After ray.init, which installs a SIGTERM handler of its own that aborts the process.
