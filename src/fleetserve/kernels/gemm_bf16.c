@@ -169,9 +169,14 @@ static void pack_block(const float *x, int64_t ldx, int64_t m, int64_t b, int64_
 /* A stored C tile (16 weight rows x 16 rows of x) into out, transposed, plus bias. */
 static void put_tile(const float *t, float *out, int64_t ldo, int64_t j0, int64_t r0,
                      int64_t m, const float *bias) {
-    for (int i = 0; i < 16 && r0 + i < m; i++)
-        for (int j = 0; j < 16; j++)
-            out[(r0 + i) * ldo + j0 + j] = t[j * 16 + i] + (bias ? bias[j0 + j] : 0.0f);
+    const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                            6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));
+    const __m512 b = bias ? _mm512_loadu_ps(bias + j0) : _mm512_setzero_ps();
+    for (int i = 0; i < 16 && r0 + i < m; i++) {
+        const __m512 v = _mm512_i32gather_ps(col, t + i, 4); /* column i: t[j * 16 + i] */
+        _mm512_storeu_ps(out + (r0 + i) * ldo + j0, _mm512_add_ps(v, b));
+    }
 }
 
 /* Weight rows j0 .. j0 + 16 * na - 1 (na 1 or 2) against every row of x. */
