@@ -152,17 +152,18 @@ static void amx_begin(void) {
 /* Rows b * 16 .. b * 16 + 15 of x, inputs c * 32 .. c * 32 + 31, into one packed block. */
 static void pack_block(const float *x, int64_t ldx, int64_t m, int64_t b, int64_t c,
                        uint32_t *blk) {
+    /* Pair r of a row goes to uint32 r * 16 + i: one 16-wide scatter per row. */
+    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                           5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(16));
     for (int i = 0; i < 16; i++) {
         const int64_t row = b * 16 + i;
-        uint32_t pairs[16] __attribute__((aligned(64)));
+        __m512i v = _mm512_setzero_si512();
         if (row < m) {
             const float *src = x + row * ldx + c * 32;
-            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
-            _mm512_store_si512(pairs, (__m512i)v);
-        } else {
-            memset(pairs, 0, sizeof pairs);
+            v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
         }
-        for (int r = 0; r < 16; r++) blk[r * 16 + i] = pairs[r];
+        _mm512_i32scatter_epi32(blk + i, at, v, 4);
     }
 }
 
