@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -180,46 +181,57 @@ static void put_tile(const float *t, float *out, int64_t ldo, int64_t j0, int64_
     }
 }
 
-/* Weight rows j0 .. j0 + 16 * na - 1 (na 1 or 2) against every row of x. */
+/* Inputs per pass: a pass multiplies the n-block's 32 weight rows x KBLOCK * 32 inputs
+ * (16 KiB, kept in L1) against every row of x, the C tiles parked in `acc` between
+ * passes (stored and reloaded exactly: the sums' order is that of one long pass). */
+#define KBLOCK 8
+
+/* Weight rows j0 .. j0 + 16 * na - 1 (na 1 or 2) against every row of x; acc: 1024
+ * floats per pair of 16-row blocks of x. */
 static void amx_rows(const uint16_t *w, const uint16_t *xp, const float *bias, float *out,
-                     int64_t ldo, int64_t m, int64_t k, int64_t j0, int na) {
+                     int64_t ldo, int64_t m, int64_t k, int64_t j0, int na, float *acc) {
     const int64_t mb = (m + 15) / 16, kc = k / 32, wstride = k * 2;
-    float t[4][256] __attribute__((aligned(64)));
     const uint16_t *w0 = w + j0 * k, *w1 = w + (j0 + 16) * k;
-    for (int64_t b = 0; b < mb; b += 2) {
-        const int nb = b + 1 < mb ? 2 : 1;
-        const uint16_t *x0 = xp + b * kc * PACK_BLOCK, *x1 = x0 + kc * PACK_BLOCK;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t c = 0; c < kc; c++) {
-            _tile_loadd(4, w0 + c * 32, wstride);
-            _tile_loadd(6, x0 + c * PACK_BLOCK, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            if (nb == 2) {
-                _tile_loadd(7, x1 + c * PACK_BLOCK, 64);
-                _tile_dpbf16ps(1, 4, 7);
+    for (int64_t c0 = 0; c0 < kc; c0 += KBLOCK) {
+        const int64_t c1 = c0 + KBLOCK < kc ? c0 + KBLOCK : kc;
+        for (int64_t b = 0; b < mb; b += 2) {
+            const int nb = b + 1 < mb ? 2 : 1;
+            const uint16_t *x0 = xp + b * kc * PACK_BLOCK, *x1 = x0 + kc * PACK_BLOCK;
+            float *t = acc + b / 2 * 1024; /* C tiles 0-3 at t + 256 * tile */
+            if (c0 == 0) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+            } else {
+                _tile_loadd(0, t, 64);
+                if (nb == 2) _tile_loadd(1, t + 256, 64);
+                if (na == 2) _tile_loadd(2, t + 512, 64);
+                if (na == 2 && nb == 2) _tile_loadd(3, t + 768, 64);
             }
-            if (na == 2) {
-                _tile_loadd(5, w1 + c * 32, wstride);
-                _tile_dpbf16ps(2, 5, 6);
-                if (nb == 2) _tile_dpbf16ps(3, 5, 7);
+            for (int64_t c = c0; c < c1; c++) {
+                _tile_loadd(4, w0 + c * 32, wstride);
+                _tile_loadd(6, x0 + c * PACK_BLOCK, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (nb == 2) {
+                    _tile_loadd(7, x1 + c * PACK_BLOCK, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (na == 2) {
+                    _tile_loadd(5, w1 + c * 32, wstride);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (nb == 2) _tile_dpbf16ps(3, 5, 7);
+                }
             }
-        }
-        _tile_stored(0, t[0], 64);
-        put_tile(t[0], out, ldo, j0, b * 16, m, bias);
-        if (nb == 2) {
-            _tile_stored(1, t[1], 64);
-            put_tile(t[1], out, ldo, j0, (b + 1) * 16, m, bias);
-        }
-        if (na == 2) {
-            _tile_stored(2, t[2], 64);
-            put_tile(t[2], out, ldo, j0 + 16, b * 16, m, bias);
-            if (nb == 2) {
-                _tile_stored(3, t[3], 64);
-                put_tile(t[3], out, ldo, j0 + 16, (b + 1) * 16, m, bias);
-            }
+            _tile_stored(0, t, 64);
+            if (nb == 2) _tile_stored(1, t + 256, 64);
+            if (na == 2) _tile_stored(2, t + 512, 64);
+            if (na == 2 && nb == 2) _tile_stored(3, t + 768, 64);
+            if (c1 < kc) continue;
+            put_tile(t, out, ldo, j0, b * 16, m, bias);
+            if (nb == 2) put_tile(t + 256, out, ldo, j0, (b + 1) * 16, m, bias);
+            if (na == 2) put_tile(t + 512, out, ldo, j0 + 16, b * 16, m, bias);
+            if (na == 2 && nb == 2) put_tile(t + 768, out, ldo, j0 + 16, (b + 1) * 16, m, bias);
         }
     }
 }
@@ -257,8 +269,11 @@ static int amx_share(const float *x, int64_t ldx, const uint16_t *w, const float
                      int abort_on_oom) {
     const int64_t mb = (m + 15) / 16, kc = k / 32;
     uint16_t *xp = NULL;
+    /* After the packed rows, each thread's parked C tiles (1024 floats = 2048 bf16 per
+     * pair of 16-row blocks), 64-byte aligned. */
+    const int64_t xp_len = (mb + 1) * kc * PACK_BLOCK, acc_len = (mb + 1) / 2 * 2048;
 #pragma omp single copyprivate(xp)
-    xp = team_pack((size_t)(mb + 1) * kc * PACK_BLOCK);
+    xp = team_pack((size_t)(xp_len + omp_get_num_threads() * acc_len));
     if (!xp) {
         if (abort_on_oom) {
             fprintf(stderr, "fleetserve: gemm_bf16: cannot allocate the packed rows of x\n");
@@ -274,7 +289,8 @@ static int amx_share(const float *x, int64_t ldx, const uint16_t *w, const float
 #pragma omp for schedule(static)
     for (int64_t q = 0; q < (nb16 + 1) / 2; q++) {
         if (!configured) amx_begin(), configured = 1;
-        amx_rows(w, xp, bias, out, ldo, m, k, q * 32, 2 * q + 1 < nb16 ? 2 : 1);
+        amx_rows(w, xp, bias, out, ldo, m, k, q * 32, 2 * q + 1 < nb16 ? 2 : 1,
+                 (float *)(xp + xp_len + omp_get_thread_num() * acc_len));
     }
     if (configured) _tile_release();
 #pragma omp for schedule(static)
