@@ -5,6 +5,10 @@ model stays close to its float32 self."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
 
 import pytest
@@ -12,17 +16,25 @@ import torch
 
 from fleetserve import LLM
 from fleetserve.kernels import cpu as cpu_kernels
-from fleetserve.kernels.bf16 import bf16_kernel_rows
+from fleetserve.kernels.bf16 import gemm_bf16
 from fleetserve.layers.linear import Linear
-from test_fused_decode import _assert_same, _Counted, _generate, _prompts, _runner
+from test_fused_decode import (
+    _assert_same,
+    _Counted,
+    _generate,
+    _on_and_off,
+    _prompts,
+    _runner,
+)
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 
 
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 40])
 def test_linear_to_bf16_matches_rounded_reference(m: int) -> None:
-    """Up to bf16_kernel_rows rows: gemm_bf16, float32 outputs; more: torch's bf16
-    matmul, whose outputs are rounded to bf16 (relative error up to 2^-8)."""
+    """Every row count through gemm_bf16 (AMX tiles past 8 rows where present): float32
+    outputs of bf16-rounded inputs. Behaviour changed on purpose: past 8 rows this used
+    to be torch's bf16 matmul, whose outputs are bf16 (the looser bound it had)."""
     g = torch.Generator().manual_seed(m)
     lin = Linear(96, 40, bias=True)
     with torch.no_grad():
@@ -36,19 +48,58 @@ def test_linear_to_bf16_matches_rounded_reference(m: int) -> None:
     want = x.bfloat16().double() @ w.bfloat16().double().T + lin.bias.double()
     got = lin(x)
     assert got.shape == (1, m, 40) and got.dtype == torch.float32
-    if m <= bf16_kernel_rows():
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
-    else:
-        torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=0.05)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+# (m, n, k): decode-sized rows (vdpbf16ps), AMX tiles with odd 16-row blocks and n tails
+# of 16 and under 16, k not a multiple of 32 (vdpbf16ps at any m), a wide prefill shape.
+_SHAPES = [(3, 40, 64), (9, 48, 64), (16, 32, 32), (17, 40, 96), (33, 17, 64),
+           (64, 50, 80), (200, 96, 576)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("m", "n", "k"), _SHAPES)
+def test_gemm_bf16_against_torch(m: int, n: int, k: int) -> None:
+    """Against torch's float32 matmul of the same bf16-rounded inputs: each output within
+    2^-16 of the sum of its products' magnitudes (float32 accumulation in another order),
+    and against torch's bf16 matmul within its bf16 output rounding (2^-8 relative)."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g)
+    got = gemm_bf16(x, w, bias=bias)
+    xr, wf = x.bfloat16().float(), w.float()
+    bound = (xr.abs() @ wf.abs().T) * 2.0**-16 + 1e-6
+    assert ((got - (xr @ wf.T + bias)).abs() <= bound).all()
+    # torch's bf16 output rounds the sum before the bias is added (half an ulp: 2^-8).
+    torch_dot = torch.nn.functional.linear(x.bfloat16(), w).float()
+    assert ((got - bias - torch_dot).abs() <= torch_dot.abs() * 2.0**-8 + bound).all()
+
+
+def test_amx_switch_gives_the_same_sums() -> None:
+    """FLEETSERVE_AMX=0 (the A/B switch, read once per process) keeps `vdpbf16ps` for
+    every row count: the same products, summed in another order."""
+    code = (
+        "import torch; from fleetserve.kernels.bf16 import gemm_bf16;"
+        "g = torch.Generator().manual_seed(0); x = torch.randn(40, 96, generator=g);"
+        "w = torch.randn(48, 96, generator=g).bfloat16();"
+        "torch.save(gemm_bf16(x, w), __import__('sys').argv[1])"
+    )
+    outs = []
+    with tempfile.TemporaryDirectory() as d:
+        for amx in ("1", "0"):
+            path = os.path.join(d, f"amx{amx}.pt")
+            env = {**os.environ, "FLEETSERVE_AMX": amx}
+            subprocess.run([sys.executable, "-c", code, path], env=env, check=True, timeout=120)
+            outs.append(torch.load(path))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_c_step_and_module_path_same_tokens(
     arch: str, tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Steps up to the decode-sized row limit run in C (the W_BF16 share); the same with
-    the plan taken away run gemm_bf16 on the module path: identical tokens, logprobs
-    within 1e-5. Wider steps (the prompts here) take torch's bf16 matmul both times."""
+    """Decode steps run in C (the W_BF16 share); the same with the plan taken away run
+    gemm_bf16 on the module path: identical tokens, logprobs within 1e-5."""
     llm = LLM(
         tiny_model_factory(arch), bf16_weights=True, max_model_len=128, block_size=4,
         num_kv_blocks=160,
@@ -66,6 +117,29 @@ def test_c_step_and_module_path_same_tokens(
     monkeypatch.setattr(runner.model.model, "decode_plan", None)
     off = _generate(llm, few, 12)
     _assert_same(on, off)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_wide_steps_run_in_c(
+    arch: str, tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every step of a bf16 model stays in the C step, LM head included: prefill chunks
+    mixed with decodes, a second wave after cached context, and more decode rows than
+    the decode-sized shares take (AMX tiles where present). Tokens identical to the
+    module path, logprobs within 1e-5. Behaviour changed on purpose: steps past 8 rows
+    used to leave for the module path (torch's bf16 matmul)."""
+    llm = LLM(
+        tiny_model_factory(arch), bf16_weights=True, max_model_len=160, block_size=4,
+        num_kv_blocks=320, max_num_batched_tokens=24,
+    )  # fmt: skip
+    plan = _runner(llm).model.model.decode_plan
+    assert plan is not None and plan.has_bf16 and plan.head_bf16
+    n = plan.max_rows + 4
+    prompts = _prompts(n, 500, seed=6, step=5)  # 5 .. 60 tokens, cut into 24-token steps
+    on, off, counted = _on_and_off(llm, prompts, 8, monkeypatch, waves=2)
+    _assert_same(on, off)
+    assert counted.mixed > 0 and counted.multi_row_with_context > 0
+    assert max(m for m, _ in counted.head_steps) > plan.max_rows
 
 
 def test_close_to_float32(tiny_model_factory: Callable[..., str]) -> None:

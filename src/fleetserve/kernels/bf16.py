@@ -1,7 +1,9 @@
-"""bf16-weight GEMM for decode-sized row counts (kernels/gemm_bf16.c): `vdpbf16ps` on CPUs
-with AVX512-BF16 (chosen when the library is built for this CPU), a portable loop
-elsewhere. `Linear.to_bf16` (layers/linear.py) multiplies through it, and the C step runs
-the same share for its bf16 weights (decode_step.c's W_BF16), so the two agree bit for bit."""
+"""bf16-weight GEMM for any row count (kernels/gemm_bf16.c): AMX-BF16 tiles past 8 rows
+on CPUs with AMX (FLEETSERVE_AMX=0 keeps `vdpbf16ps`), `vdpbf16ps` for decode-sized rows
+and CPUs without AMX, a portable loop without AVX512-BF16 (chosen when the library is
+built for this CPU, AMX asked of Linux at the first wide call). `Linear.to_bf16`
+(layers/linear.py) multiplies through it, and the C step runs the same share for its
+bf16 weights (decode_step.c's W_BF16), so the two agree bit for bit at every row count."""
 
 from __future__ import annotations
 
@@ -62,13 +64,3 @@ def gemm_bf16(
     if rc != 0:
         raise MemoryError("gemm_bf16: scratch allocation failed")
     return out
-
-
-@cache
-def bf16_kernel_rows() -> int:
-    """The most rows a bf16 linear multiplies with this kernel (the C step's decode-sized
-    row limit); past it torch's bf16 matmul (oneDNN, AMX) is faster, on the module path."""
-    lib = cpu._lib()
-    lib.decode_step_max_rows.argtypes = []
-    lib.decode_step_max_rows.restype = ctypes.c_int
-    return int(lib.decode_step_max_rows())

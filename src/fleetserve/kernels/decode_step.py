@@ -156,8 +156,8 @@ class DecodePlan:
         # that the C path ran on a rank).
         self.steps = self.head_steps = 0
         self._keep: list[object] = [cos, sin]
-        # Some projection keeps bf16 weights: steps past max_rows stay on the module path
-        # (torch's bf16 matmul, layers/linear.py), which is faster there.
+        # Some projection keeps bf16 weights (gemm_bf16.c: AMX tiles past 8 rows where
+        # the CPU has them; every step runs here, as for the other kinds).
         self.has_bf16 = False
         self._layers = (_Layer * len(layers))()
         for i, w in enumerate(layers):
@@ -191,7 +191,7 @@ class DecodePlan:
         if head is not None:
             layers_bf16 = self.has_bf16
             self._linear(self._plan.head, head, None)
-            self.has_bf16 = layers_bf16  # a bf16 head alone keeps wide steps here
+            self.has_bf16 = layers_bf16  # the layers' weights, not the head's
             self.vocab = sum(self._plan.head.seg[j].n for j in range(self._plan.head.num_segments))
         self._reduce = reduce
         self._reduce_error: BaseException | None = None

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleetserve.kernels import cpu as cpu_kernels
-from fleetserve.kernels.bf16 import bf16_kernel_rows, gemm_bf16
+from fleetserve.kernels.bf16 import gemm_bf16
 
 
 class Linear(nn.Linear):
@@ -43,14 +43,9 @@ class Linear(nn.Linear):
             if x2.stride(1) != 1:
                 x2 = x2.contiguous()
             bias = None if self.bias is None else self.bias.detach()
-            if x2.shape[0] > bf16_kernel_rows():
-                # Many rows: torch's bf16 matmul (oneDNN, AMX where present), whose output
-                # is bf16; the C step leaves such steps to this path (llama_decode.py).
-                out = F.linear(x2.to(torch.bfloat16), self.bf16).float()
-                if bias is not None:
-                    out += bias
-            else:
-                out = gemm_bf16(x2, self.bf16, bias=bias)
+            # Every row count through gemm_bf16 (AMX tiles for many rows where present),
+            # as the C step's W_BF16 share: the two paths agree bit for bit.
+            out = gemm_bf16(x2, self.bf16, bias=bias)
             return out.view(*x.shape[:-1], self.bf16.shape[0])
         return F.linear(x, self.weight, self.bias)
 

@@ -189,8 +189,6 @@ def run_decode(
     paged = meta.paged
     if paged is None or not meta.cpu_kernels or x.shape[0] == 0:
         return None
-    if plan.has_bf16 and x.shape[0] > plan.max_rows:
-        return None  # bf16 weights: torch's bf16 matmul on the module path is faster
     window = None
     if meta.sliding is not None:  # the sliding-window layers' own pool
         w = meta.sliding
@@ -198,10 +196,10 @@ def run_decode(
         window = WindowSlots(w.slot_blocks, w.slot_offsets, w.paged.block_tables)
     rows = logits = None
     wanted = meta.logit_rows
-    if plan.vocab and wanted and not (plan.head_bf16 and len(wanted) > plan.max_rows):
+    if plan.vocab and wanted:
         if not 0 <= min(wanted) <= max(wanted) < x.shape[0] or len(set(wanted)) < len(wanted):
             raise ValueError(f"logit_rows must be distinct rows of the step, got {wanted}")
-        # The head's rows in the step (a bf16 head's many rows: torch's matmul there).
+        # The head's rows in the step.
         rows = torch.tensor(wanted, dtype=torch.int64)
         logits = torch.empty(len(wanted), plan.vocab)
     out = plan.run(
