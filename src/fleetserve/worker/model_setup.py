@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from fleetserve.config import ModelConfig
 from fleetserve.distributed.parallel_state import ParallelContext
@@ -20,6 +22,20 @@ from fleetserve.models.registry import model_class
 from fleetserve.models.sharding import load_shards, shard_model
 
 
+class _NoInitOnMeta(TorchFunctionMode):
+    """`torch.nn.init` calls left out while a model is built on the meta device: the
+    weights are loaded over them anyway, and on meta tensors torch runs them through its
+    Python reference ops, whose first use imports torch._dynamo (~1.5 s of CPU per engine
+    process, quiet)."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def load_model(
     mcfg: ModelConfig,
     source: ModelSource,
@@ -31,7 +47,7 @@ def load_model(
     """Built on the meta device, materialized on `device`, weights loaded (this rank's
     shards under `parallel`), quantized as `quantization` says ("none" | "gguf" | "int8",
     resolved by EngineArgs; `int8_activations` with it), in eval mode."""
-    with torch.device("meta"):
+    with torch.device("meta"), _NoInitOnMeta():
         model = model_class(mcfg)(mcfg)
         if parallel is not None:
             shard_model(model, parallel)
