@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -21,6 +21,8 @@ from fleetserve.models.quantize import keep_gguf_quantized, quantize_int8
 from fleetserve.models.registry import model_class
 from fleetserve.models.sharding import load_shards, shard_model
 
+M = TypeVar("M", bound=torch.nn.Module)
+
 
 class _NoInitOnMeta(TorchFunctionMode):
     """`torch.nn.init` calls left out while a model is built on the meta device: the
@@ -34,6 +36,18 @@ class _NoInitOnMeta(TorchFunctionMode):
         if getattr(func, "__module__", None) == "torch.nn.init":
             return args[0] if args else kwargs["tensor"]
         return func(*args, **(kwargs or {}))
+
+
+def _materialize(model: M, device: torch.device) -> M:
+    """`model.to_empty(device=device)`, by `torch.empty` of each tensor's shape and dtype:
+    to_empty's `empty_like` of a meta tensor runs torch's reference op, which imports
+    torch's symbolic shapes and sympy (~0.6 s of CPU, quiet) on first use."""
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+
+    model._apply(fresh)
+    return model
 
 
 def load_model(
@@ -57,7 +71,7 @@ def load_model(
         consumed = keep_gguf_quantized(model, source, int8_activations)
         if isinstance(model, MoeForCausalLM):
             consumed |= keep_gguf_experts_quantized(model, source, int8_activations)
-    model = model.to_empty(device=device).to(mcfg.dtype)
+    model = _materialize(model, device).to(mcfg.dtype)
     # Buffers (rotary tables) were on meta: rebuild them for real.
     model.rebuild_rope(device)
     if parallel is None:
