@@ -54,17 +54,24 @@ def unit_of(nodeid: str) -> str:
 # `--dist loadfile` the last long unit to start bounds the wall time. A unit's cost is
 # DEFAULT_TEST_S per test plus the seconds of its known slow phases below (from the
 # `--durations` lists of two-worker `make test` runs, 2026-12-05; relative figures, only the
-# order matters). Add a unit here when `--durations` shows a new slow phase.
+# order matters). Add a unit here when `--durations` shows a new slow phase. The fast
+# stage's non-server units below: each module's phases in the 09:20 list (load 3-5).
 SLOW_PHASES_S: dict[str, float] = {
     "server": 60.0,  # four modules on one session server: the order before put it first
-    "tests/test_structured_engine.py": 58.0,  # SmolLM2 fixture 28 s, fused mask 30 s
+    "tests/serve/test_pool_service.py": 81.0,  # engine processes killed and replaced
+    "tests/test_moe_parallel.py": 56.0,  # TP/EP ranks per case
+    "tests/test_batch_cli.py": 57.0,  # 71 s before its runs moved into the test process
+    "tests/serve/test_resume.py": 45.0,
+    "tests/test_data_parallel.py": 38.0,
+    "tests/test_structured_engine.py": 30.0,  # SmolLM2 fixture, fused mask 10 s
     "tests/server/test_gateway.py": 31.0,  # three pods and a gateway
     "tests/test_spec_decode.py": 30.0,  # SmolLM2 draft/target
     "tests/server/test_chaos.py": 26.0,
-    "tests/test_data_parallel.py": 25.0,
-    "tests/test_batch_cli.py": 23.0,
+    "tests/test_attention_kernel.py": 21.0,  # the kernels compiled into a fresh cache
     "tests/server/test_server_batch.py": 20.0,  # kill -9 mid batch
-    "tests/test_loader.py": 17.0,  # SmolLM2 against HF
+    "tests/test_loader.py": 20.0,  # SmolLM2 against HF
+    "tests/test_bench_serve.py": 20.0,
+    "tests/test_fused_decode.py": 15.0,  # Gemma 3 270M GGUF
     # The slow stage (`--durations` of `-m slow`, 2026-12-05 13:36, quiet): the Ray modules
     # first, each on its own cluster.
     "ray_local": 171.0,

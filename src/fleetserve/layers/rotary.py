@@ -43,13 +43,20 @@ class RotaryEmbedding(torch.nn.Module):
         scaling: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        inv_freq = _inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
+        # The tables are computed on the CPU whatever the default device, then moved to it.
+        # Models are built under `torch.device("meta")` (worker/model_setup.py), where these
+        # ops take torch's Python reference path, whose first use imports torch._dynamo
+        # (~1.5 s of CPU per engine start); the real tables come from `rebuild_rope`.
+        target = torch.get_default_device()
+        with torch.device("cpu"):
+            inv_freq = _inv_freq(head_dim, theta, scaling)
+            t = torch.arange(max_position, dtype=torch.float32)
+            freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
+            cos, sin = freqs.cos(), freqs.sin()
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", cos.to(target), persistent=False)
+        self.register_buffer("sin", sin.to(target), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from typing import Any, TypeVar
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from fleetserve.config import ModelConfig
 from fleetserve.distributed.parallel_state import ParallelContext
@@ -19,6 +21,34 @@ from fleetserve.models.quantize import keep_gguf_quantized, quantize_int8
 from fleetserve.models.registry import model_class
 from fleetserve.models.sharding import load_shards, shard_model
 
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+class _NoInitOnMeta(TorchFunctionMode):
+    """`torch.nn.init` calls left out while a model is built on the meta device: the
+    weights are loaded over them anyway, and on meta tensors torch runs them through its
+    Python reference ops, whose first use imports torch._dynamo (~1.5 s of CPU per engine
+    process, quiet)."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
+def _materialize(model: M, device: torch.device) -> M:
+    """`model.to_empty(device=device)`, by `torch.empty` of each tensor's shape and dtype:
+    to_empty's `empty_like` of a meta tensor runs torch's reference op, which imports
+    torch's symbolic shapes and sympy (~0.6 s of CPU, quiet) on first use."""
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+
+    model._apply(fresh)
+    return model
+
 
 def load_model(
     mcfg: ModelConfig,
@@ -31,7 +61,7 @@ def load_model(
     """Built on the meta device, materialized on `device`, weights loaded (this rank's
     shards under `parallel`), quantized as `quantization` says ("none" | "gguf" | "int8",
     resolved by EngineArgs; `int8_activations` with it), in eval mode."""
-    with torch.device("meta"):
+    with torch.device("meta"), _NoInitOnMeta():
         model = model_class(mcfg)(mcfg)
         if parallel is not None:
             shard_model(model, parallel)
@@ -41,7 +71,7 @@ def load_model(
         consumed = keep_gguf_quantized(model, source, int8_activations)
         if isinstance(model, MoeForCausalLM):
             consumed |= keep_gguf_experts_quantized(model, source, int8_activations)
-    model = model.to_empty(device=device).to(mcfg.dtype)
+    model = _materialize(model, device).to(mcfg.dtype)
     # Buffers (rotary tables) were on meta: rebuild them for real.
     model.rebuild_rope(device)
     if parallel is None:

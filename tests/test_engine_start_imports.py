@@ -1,0 +1,41 @@
+"""An engine's start-up imports no more of torch than it uses: building the model on the
+meta device once pulled in torch._dynamo (nn.init and the rotary tables on meta tensors
+take torch's Python reference ops; `to_empty` pulled in sympy), ~2 s of CPU in every engine
+process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from fleetserve.layers.rotary import RotaryEmbedding
+
+_START = """
+import sys
+from fleetserve.core.sampling_params import SamplingParams
+from fleetserve.engine.llm import LLM
+
+llm = LLM(sys.argv[1])
+out = llm.generate(["hello"], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+assert len(out[0].outputs[0].token_ids) == 2
+late = sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "sympy")))
+assert not late, late[:3]
+"""
+
+
+def test_an_engine_starts_without_torch_dynamo_or_sympy(tiny_llama: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _START, tiny_llama], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_rotary_tables_built_under_meta_are_meta_of_the_same_shape() -> None:
+    scaling = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}
+    cpu = RotaryEmbedding(16, 256, 10000.0, scaling)
+    with torch.device("meta"):
+        meta = RotaryEmbedding(16, 256, 10000.0, scaling)
+    assert meta.cos.device.type == "meta" and meta.cos.shape == cpu.cos.shape
+    assert meta.sin.dtype == cpu.sin.dtype == torch.float32
