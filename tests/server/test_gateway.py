@@ -69,8 +69,9 @@ def gateway(tiny_llama: str, pods: list[ServerProc], tmp_path_factory: Any) -> I
 
 @pytest.fixture(scope="module")
 def reference(pods: list[ServerProc]) -> list[dict[str, Any]]:
-    """The undisturbed run, directly on a pod, one request at a time."""
-    out = [run_streams(pods[0].url, [b], api_key=POD_KEY)[0] for b in requests(6)]
+    """The undisturbed run, directly on a pod: the same requests at once (test_chaos.py
+    `reference`)."""
+    out = run_streams(pods[0].url, requests(6), api_key=POD_KEY)
     for r in out:
         assert r["finish"] == "length" and r["usage"][1] == MAX_TOKENS, r
     return out
