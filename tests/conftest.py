@@ -63,9 +63,10 @@ def unit_of(nodeid: str) -> str:
 SLOW_PHASES_S: dict[str, float] = {
     "server": 60.0,  # four modules on one session server: the order before put it first
     "tests/test_structured_engine.py": 58.0,  # SmolLM2 fixture 28 s, fused mask 30 s
-    "tests/server/test_gateway.py": 31.0,  # three pods and a gateway
+    "tests/server/test_gateway.py": 55.0,  # 3 pods + 2 gateways at once, scale from zero
+    "pipeline_fleet": 40.0,  # four modules on one session fleet of 4 engines + handlers
     "tests/test_spec_decode.py": 30.0,  # SmolLM2 draft/target
-    "tests/server/test_chaos.py": 26.0,
+    "tests/server/test_chaos.py": 30.0,  # dp=2 server, reference at once, 4 chaos runs
     "tests/test_data_parallel.py": 25.0,
     "tests/test_batch_cli.py": 23.0,
     "tests/server/test_server_batch.py": 20.0,  # kill -9 mid batch
