@@ -35,6 +35,11 @@ SHARED_UNITS = {
     "tests/server/test_server_cancel.py": "server",
     "tests/server/test_server_metrics.py": "server",
     "tests/server/test_server_openai.py": "server",
+    "tests/server/test_server_deadline.py": "server",
+    "tests/server/test_server_cascade.py": "pipeline_fleet",
+    "tests/server/test_server_fleet_client.py": "pipeline_fleet",
+    "tests/server/test_server_graph.py": "pipeline_fleet",
+    "tests/server/test_server_handlers.py": "pipeline_fleet",
     "tests/server/test_server_access_log.py": "ops_fleet",
     "tests/server/test_server_dashboard.py": "ops_fleet",
     "tests/server/test_server_ray.py": "ray_local",
@@ -59,14 +64,15 @@ def unit_of(nodeid: str) -> str:
 SLOW_PHASES_S: dict[str, float] = {
     "server": 60.0,  # four modules on one session server: the order before put it first
     "tests/serve/test_pool_service.py": 81.0,  # engine processes killed and replaced
-    "tests/test_moe_parallel.py": 56.0,  # TP/EP ranks per case
     "tests/test_batch_cli.py": 57.0,  # 71 s before its runs moved into the test process
+    "tests/test_moe_parallel.py": 56.0,  # TP/EP ranks per case
+    "tests/server/test_gateway.py": 55.0,  # 3 pods + 2 gateways at once, scale from zero
     "tests/serve/test_resume.py": 45.0,
+    "pipeline_fleet": 40.0,  # four modules on one session fleet of 4 engines + handlers
     "tests/test_data_parallel.py": 38.0,
     "tests/test_structured_engine.py": 30.0,  # SmolLM2 fixture, fused mask 10 s
-    "tests/server/test_gateway.py": 31.0,  # three pods and a gateway
     "tests/test_spec_decode.py": 30.0,  # SmolLM2 draft/target
-    "tests/server/test_chaos.py": 26.0,
+    "tests/server/test_chaos.py": 30.0,  # dp=2 server, reference at once, 4 chaos runs
     "tests/test_attention_kernel.py": 21.0,  # the kernels compiled into a fresh cache
     "tests/server/test_server_batch.py": 20.0,  # kill -9 mid batch
     "tests/test_loader.py": 20.0,  # SmolLM2 against HF

@@ -1,11 +1,15 @@
-"""One shared server for the OpenAI-client, cancellation and metrics tests."""
+"""Servers shared by several test modules, each started once per session: a plain one (the
+OpenAI-client, cancellation, metrics and deadline tests), the operations fleet (access log,
+dashboard) and the pipeline fleet (graphs, cascades, custom handlers and their sub-calls).
+tests/conftest.py SHARED_UNITS puts the modules of each in one xdist unit."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from ops_fleet import OPS_API_KEY, OPS_FLEET, OPS_STEP_DELAY_S
+from pipeline_fleet import PIPELINE_FLEET, PIPELINE_STEP_DELAY_S
 from server_proc import ServerProc
 
 
@@ -34,3 +38,18 @@ def ops_fleet(
         yield srv.wait_ready()
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="session")
+def pipeline_fleet(
+    tiny_model_factory: Callable[..., str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProc]:
+    config = PIPELINE_FLEET.format(
+        llama=tiny_model_factory("llama"), llama7=tiny_model_factory("llama", seed=7)
+    )
+    env = {"FLEETSERVE_DEBUG_STEP_DELAY_S": PIPELINE_STEP_DELAY_S}
+    srv = ServerProc.fleet(config, tmp_path_factory.mktemp("pipeline-fleet"), env)
+    try:
+        yield srv.wait_ready()
+    finally:
+        assert srv.stop() == 0, srv.final_output

@@ -4,9 +4,11 @@ Batch API state dir of its own, and the pid of its first engine process once rea
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
@@ -34,6 +36,16 @@ class ServerProc(LocalServer):
         # In the tests' session: an interrupted run takes its servers down with it.
         super().__init__(cmd, port, env, name="server", new_session=False)
         self.core_pid: int | None = None
+
+    @classmethod
+    def fleet(cls, config_text: str, folder: Path, env: dict[str, str] | None = None) -> ServerProc:
+        """A (not yet ready) server of the fleet file `config_text`, written into `folder`,
+        with tests/ on its PYTHONPATH (the handlers and rules the tests' fleets name)."""
+        path = folder / "fleet.yaml"
+        path.write_text(config_text)
+        tests_dir = str(Path(__file__).resolve().parent.parent)
+        pythonpath = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
+        return cls(None, "--config", str(path), env={**(env or {}), "PYTHONPATH": pythonpath})
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> ServerProc:
         super().wait_ready(timeout_s)

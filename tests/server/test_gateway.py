@@ -40,37 +40,53 @@ def start_pod(tiny_llama: str, port: int | None = None) -> ServerProc:
     return pod
 
 
+def gateway_config(tiny_llama: str, remote: str) -> str:
+    return f"models:\n  - name: tiny\n    model: {tiny_llama}\n{remote}"
+
+
 @pytest.fixture(scope="module")
-def pods(tiny_llama: str) -> Iterator[list[ServerProc]]:
+def started(tiny_llama: str, tmp_path_factory: Any) -> Iterator[dict[str, Any]]:
+    """Three pods, the gateway over them and one that follows a DNS name (pods[2]), all
+    started at once (each pod's port is chosen before it starts; a gateway waits for its
+    pods as it would in a cluster), then waited for."""
     procs = [start_pod(tiny_llama) for _ in range(3)]
+    folder = tmp_path_factory.mktemp("gateway")
+    urls = ", ".join(f'"{p.url}"' for p in procs)
+    (folder / "fleet.yaml").write_text(gateway_config(tiny_llama,
+        "    routing: prefix_affinity\n    engine: {max_num_seqs: 16}\n"
+        f"    remote: {{urls: [{urls}], poll_interval_s: 0.25, api_key_env: POD_KEY}}\n"))  # fmt: skip
+    # `remote: {dns: HOST:PORT}`: an IP literal here (one pod); a headless Service lists
+    # every pod.
+    (folder / "dns.yaml").write_text(gateway_config(tiny_llama,
+        f"    remote: {{dns: '127.0.0.1:{procs[2].port}', refresh_s: 0.5, "
+        "api_key_env: POD_KEY}\n"))  # fmt: skip
+    env = {"POD_KEY": POD_KEY}
+    gateways = [ServerProc(None, "--config", str(folder / f), env=env)
+                for f in ("fleet.yaml", "dns.yaml")]  # fmt: skip
     try:
-        yield [p.wait_ready() for p in procs]
+        for p in (*procs, *gateways):
+            p.wait_ready()
+        yield {"pods": procs, "gateway": gateways[0], "dns_gateway": gateways[1]}
     finally:
-        for p in procs:
+        for p in (*gateways, *procs):
             p.stop()
 
 
 @pytest.fixture(scope="module")
-def gateway(tiny_llama: str, pods: list[ServerProc], tmp_path_factory: Any) -> Iterator[ServerProc]:
-    config = tmp_path_factory.mktemp("gateway") / "fleet.yaml"
-    urls = ", ".join(f'"{p.url}"' for p in pods)
-    Path(config).write_text(
-        "models:\n"
-        f"  - name: tiny\n    model: {tiny_llama}\n    routing: prefix_affinity\n"
-        "    engine: {max_num_seqs: 16}\n"
-        f"    remote: {{urls: [{urls}], poll_interval_s: 0.25, api_key_env: POD_KEY}}\n"
-    )
-    srv = ServerProc(None, "--config", str(config), env={"POD_KEY": POD_KEY})
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+def pods(started: dict[str, Any]) -> list[ServerProc]:
+    return started["pods"]  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def gateway(started: dict[str, Any]) -> ServerProc:
+    return started["gateway"]  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
 def reference(pods: list[ServerProc]) -> list[dict[str, Any]]:
-    """The undisturbed run, directly on a pod, one request at a time."""
-    out = [run_streams(pods[0].url, [b], api_key=POD_KEY)[0] for b in requests(6)]
+    """The undisturbed run, directly on a pod: the same requests at once (test_chaos.py
+    `reference`)."""
+    out = run_streams(pods[0].url, requests(6), api_key=POD_KEY)
     for r in out:
         assert r["finish"] == "length" and r["usage"][1] == MAX_TOKENS, r
     return out
@@ -204,23 +220,13 @@ def test_internal_api_refuses_bad_requests(pods: list[ServerProc]) -> None:
 
 
 def test_gateway_follows_a_dns_name(
-    tiny_llama: str, pods: list[ServerProc], reference: list[dict[str, Any]], tmp_path: Path
+    started: dict[str, Any], pods: list[ServerProc], reference: list[dict[str, Any]]
 ) -> None:
     """`remote: {dns: HOST:PORT}`: the pool starts empty and follows what the name
     resolves to (an IP literal here: one pod; a headless Service lists every pod)."""
-    port = pods[2].port
-    config = tmp_path / "fleet.yaml"
-    config.write_text(
-        f"models:\n  - name: tiny\n    model: {tiny_llama}\n"
-        f"    remote: {{dns: '127.0.0.1:{port}', refresh_s: 0.5, api_key_env: POD_KEY}}\n"
-    )
-    srv = ServerProc(None, "--config", str(config), env={"POD_KEY": POD_KEY})
-    try:
-        srv.wait_ready()
-        assert [r["url"] for r in replicas(srv.url)] == [pods[2].url]
-        check_same(run_streams(srv.url, requests(1)), reference[:1])
-    finally:
-        srv.stop()
+    srv = started["dns_gateway"]
+    assert [r["url"] for r in replicas(srv.url)] == [pods[2].url]
+    check_same(run_streams(srv.url, requests(1)), reference[:1])
 
 
 def test_admin_drain_moves_streams(gateway: ServerProc, reference: list[dict[str, Any]]) -> None:

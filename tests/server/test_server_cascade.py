@@ -6,9 +6,6 @@ X-Fleetserve-Tier header and the `fleetserve` field; metrics count tiers and esc
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,49 +13,13 @@ import openai
 import pytest
 from server_proc import ServerProc, metric, scrape
 
-ENGINE = "engine: {{max_num_seqs: 2, num_threads: 1, max_model_len: 256}}"
-CONFIG = f"""
-models:
-  - name: small
-    model: {{small}}
-    {ENGINE}
-  - name: large
-    model: {{large}}
-    {ENGINE}
-  - {{{{name: up, kind: cascade, tiers: [small, large], escalate: {{{{min_mean_logprob: 0.0}}}}}}}}
-  - {{{{name: stay, kind: cascade, tiers: [small, large],
-      escalate: {{{{min_mean_logprob: -1000000.0}}}}}}}}
-  - {{{{name: by_length, kind: cascade, tiers: [small, large],
-      escalate: {{{{max_tokens_hit: true}}}}}}}}
-  - {{{{name: by_regex, kind: cascade, tiers: [small, large], escalate: {{{{must_match: "(?!)"}}}}}}}}
-  - {{{{name: by_schema, kind: cascade, tiers: [small, large],
-      escalate: {{{{must_match: {{{{type: object}}}}}}}}}}}}
-  - {{{{name: by_predicate, kind: cascade, tiers: [small, large],
-      escalate: {{{{predicate: "cascade_rules:longer_than_three"}}}}}}}}
-  - {{{{name: slow_up, kind: cascade, tiers: [small, large],
-      escalate: {{{{predicate: "cascade_rules:slow_then_up"}}}}}}}}
-  - {{{{name: early_up, kind: cascade, tiers: [small, large], decide_after_tokens: 2,
-      escalate: {{{{min_mean_logprob: 0.0}}}}}}}}
-  - {{{{name: early_stay, kind: cascade, tiers: [small, large], decide_after_tokens: 2,
-      escalate: {{{{min_mean_logprob: -1000000.0}}}}}}}}
-"""
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
 
 
 @pytest.fixture(scope="module")
-def fleet(
-    tiny_model_factory: Callable[..., str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProc]:
-    path = tmp_path_factory.mktemp("cascade") / "fleet.yaml"
-    small, large = tiny_model_factory("llama"), tiny_model_factory("llama", seed=7)
-    path.write_text(CONFIG.format(small=small, large=large))
-    tests_dir = str(Path(__file__).resolve().parent.parent)  # tests/cascade_rules.py
-    pythonpath = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
-    srv = ServerProc(None, "--config", str(path), env={"PYTHONPATH": pythonpath})
-    try:
-        yield srv.wait_ready()
-    finally:
-        assert srv.stop() == 0, srv.final_output
+def fleet(pipeline_fleet: ServerProc) -> ServerProc:
+    """The session's pipeline fleet (tests/server/pipeline_fleet.py)."""
+    return pipeline_fleet
 
 
 def client(srv: ServerProc) -> openai.OpenAI:

@@ -6,50 +6,17 @@ sub-calls (the callee's engine requests end)."""
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from server_proc import ServerProc, metric, scrape, wait_until
 
-CONFIG = """
-models:
-  - name: tiny
-    model: {model}
-    engine: {{max_num_seqs: 2, num_threads: 1, max_model_len: 512}}
-  - name: composer
-    kind: custom
-    handler: pipeline_handlers:Complete
-    options: {{model: tiny}}
-    timeout_s: 3.0
-    batching: {{max_batch_size: 4, batch_wait_timeout_s: 0.01}}
-  - name: streamer
-    kind: custom
-    handler: pipeline_handlers:StreamComplete
-    options: {{model: tiny}}
-    timeout_s: 20.0
-classes:
-  interactive: {{priority: 0}}
-  batch: {{priority: 10}}
-default_class: interactive
-"""
-
 
 @pytest.fixture(scope="module")
-def fleet(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    path = tmp_path_factory.mktemp("fleetclient") / "fleet.yaml"
-    path.write_text(CONFIG.format(model=tiny_llama))
-    tests_dir = str(Path(__file__).resolve().parent.parent)  # tests/pipeline_handlers.py
-    pythonpath = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
-    env = {"PYTHONPATH": pythonpath, "FLEETSERVE_DEBUG_STEP_DELAY_S": "0.05"}
-    srv = ServerProc(None, "--config", str(path), env=env)
-    try:
-        yield srv.wait_ready()
-    finally:
-        assert srv.stop() == 0, srv.final_output
+def fleet(pipeline_fleet: ServerProc) -> ServerProc:
+    """The session's pipeline fleet (tests/server/pipeline_fleet.py)."""
+    return pipeline_fleet
 
 
 def predict(
@@ -86,10 +53,10 @@ def test_a_sub_call_to_a_missing_model_is_a_clear_error(fleet: ServerProc) -> No
 
 
 def test_a_parent_past_its_deadline_cancels_its_sub_calls(fleet: ServerProc) -> None:
-    # 300 tokens at 0.05 s a step outlast the handler's timeout_s of 3 s.
+    # 450 tokens at 0.02 s a step (9 s) outlast the handler's timeout_s of 3 s.
     aborted = "fleetserve:request_success_total"
     before = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
-    r = predict(fleet, [{"prompt": "The sea", "max_tokens": 300}])
+    r = predict(fleet, [{"prompt": "The sea", "max_tokens": 450}])
     # The sub-call's deadline is what is left of the parent's: whichever notices first, the
     # parent's timeout (504) or the sub-call's own deadline (its 504 inside the answer).
     if r.status_code == 200:
@@ -102,7 +69,7 @@ def test_a_parent_past_its_deadline_cancels_its_sub_calls(fleet: ServerProc) -> 
         now = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
         return now == before + 1
 
-    # Left running, it would end 'length' after ~15 s; cancelled, it ends 'abort' at once.
+    # Left running, it would end 'length' after 9+ s; cancelled, it ends 'abort' at once.
     assert wait_until(sub_call_aborted, 5.0)
     # The handler was restarted and serves again.
     assert predict(fleet, [{"prompt": "The sea"}]).status_code == 200
@@ -165,8 +132,8 @@ def test_a_handler_process_streams_a_sub_call(fleet: ServerProc) -> None:
 def test_a_handler_that_stops_reading_a_stream_ends_its_sub_call(fleet: ServerProc) -> None:
     aborted = "fleetserve:request_success_total"
     before = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
-    # 300 tokens at 0.05 s a step would run ~15 s; the handler stops after 2 chunks.
-    r = predict(fleet, [{"prompt": "The sea", "max_tokens": 300, "read": 2}], model="streamer")
+    # 450 tokens at 0.02 s a step would run 9+ s; the handler stops after 2 chunks.
+    r = predict(fleet, [{"prompt": "The sea", "max_tokens": 450, "read": 2}], model="streamer")
     assert r.status_code == 200, r.text
     assert r.json()["predictions"][0]["chunks"] == 2
 
@@ -183,11 +150,11 @@ def test_a_handler_that_stops_reading_a_stream_ends_its_sub_call(fleet: ServerPr
 def test_a_client_that_leaves_cancels_the_parents_sub_calls(fleet: ServerProc) -> None:
     aborted = "fleetserve:request_success_total"
     before = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
-    # The sub-call would run ~15 s (300 tokens at 0.05 s a step); the client leaves at 1 s,
+    # The sub-call would run 9+ s (450 tokens at 0.02 s a step); the client leaves at 1 s,
     # well inside the handler's timeout_s (20 s): only its leaving can end the sub-call.
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{fleet.url}/v1/models/streamer:predict", timeout=1.0,
-                   json={"instances": [{"prompt": "The sea", "max_tokens": 300}]})  # fmt: skip
+                   json={"instances": [{"prompt": "The sea", "max_tokens": 450}]})  # fmt: skip
 
     def sub_call_aborted() -> bool:
         now = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
@@ -204,7 +171,7 @@ def test_a_parent_past_its_request_deadline_is_a_504_and_ends_its_sub_calls(
     aborted = "fleetserve:request_success_total"
     before = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
     # Far inside the handler's timeout_s (20 s): only the request's deadline can end it.
-    r = predict(fleet, [{"prompt": "The sea", "max_tokens": 300}],
+    r = predict(fleet, [{"prompt": "The sea", "max_tokens": 450}],
                 {"X-Fleetserve-Deadline-Ms": "500"}, model="streamer")  # fmt: skip
     assert r.status_code == 504, r.text
     assert r.json()["error"]["code"] == "deadline_exceeded"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,105 +17,13 @@ import openai
 import pytest
 from server_proc import ServerProc, metric, scrape, wait_until
 
-CONFIG = """
-models:
-  - name: tiny
-    model: {model}
-    engine: {{max_num_seqs: 4, num_threads: 1, max_model_len: 512}}
-  - name: minilm
-    kind: embed
-    batching: {{max_batch_size: 8, batch_wait_timeout_s: 0.01}}
-  - name: classifier
-    kind: custom
-    handler: fleet_handlers:Classifier
-    options: {{labels: [even, odd]}}
-  - name: rag
-    kind: graph
-    graph:
-      nodes:
-        root:
-          type: sequence
-          steps:
-            - {{model: minilm, name: vec, input: {{input: "$request.messages[-1].content"}}}}
-            - model: tiny
-              input:
-                max_tokens: 6
-                temperature: 0.0
-                messages:
-                  - {{role: system, content: "Context: {{$steps.vec.data[0].embedding[0]}}"}}
-                  - "$request.messages[-1]"
-  - name: route
-    kind: graph
-    graph:
-      nodes:
-        root:
-          type: switch
-          steps:
-            - {{model: classifier, name: short, when: "$request.instances[0].text =~ ^a",
-               input: {{instances: [{{text: short}}]}}}}
-            - {{model: classifier, name: long, input: {{instances: [{{text: longer}}]}}}}
-  - name: both
-    kind: graph
-    graph:
-      nodes:
-        root:
-          type: ensemble
-          steps:
-            - {{model: classifier}}
-            - {{model: minilm, input: {{input: "$request.instances[0].text"}}}}
-  - name: ab
-    kind: graph
-    graph:
-      nodes:
-        root:
-          type: splitter
-          seed: 1
-          steps:
-            - {{model: classifier, name: a, weight: 1}}
-            - {{model: classifier, name: b, weight: 1}}
-  - name: tell
-    kind: graph
-    graph:
-      nodes:
-        root:
-          type: sequence
-          steps:
-            - {{model: classifier}}
-            - {{model: tiny, input: {{prompt: "Label: {{$steps.classifier.predictions[0].label}}",
-                                     max_tokens: 5, temperature: 0.0}}}}
-  - name: slow
-    kind: graph
-    graph:
-      timeout_s: 1.0
-      nodes:
-        root:
-          type: sequence
-          steps:
-            - {{model: tiny, input: {{prompt: "The sea", max_tokens: 400, ignore_eos: true}}}}
-            - {{model: classifier, input: {{instances: [{{text: x}}]}}}}
-classes:
-  interactive: {{priority: 0}}
-  batch: {{priority: 10}}
-default_class: interactive
-"""
 QUESTION = [{"role": "user", "content": "Where is the moon?"}]
 
 
-def _env() -> dict[str, str]:
-    tests_dir = str(Path(__file__).resolve().parent.parent)  # tests/fleet_handlers.py
-    pythonpath = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
-    return {"PYTHONPATH": pythonpath, "FLEETSERVE_DEBUG_STEP_DELAY_S": "0.02"}
-
-
 @pytest.fixture(scope="module")
-def fleet(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    path = tmp_path_factory.mktemp("graph") / "fleet.yaml"
-    path.write_text(CONFIG.format(model=tiny_llama))
-    srv = ServerProc(None, "--config", str(path), env=_env())
-    try:
-        yield srv.wait_ready()
-    finally:
-        assert srv.stop() == 0, srv.final_output
+def fleet(pipeline_fleet: ServerProc) -> ServerProc:
+    """The session's pipeline fleet (tests/server/pipeline_fleet.py)."""
+    return pipeline_fleet
 
 
 def client(srv: ServerProc) -> openai.OpenAI:

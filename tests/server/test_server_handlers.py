@@ -6,45 +6,19 @@ process that dies is restarted."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from server_proc import ServerProc, wait_until
 
-CONFIG = """
-models:
-  - name: tiny
-    model: {model}
-    engine: {{max_num_seqs: 2, num_threads: 1, max_model_len: 256}}
-  - name: bad
-    kind: custom
-    handler: fleet_handlers:Misbehaves
-    timeout_s: 4
-    batching: {{max_batch_size: 1, batch_wait_timeout_s: 0}}
-  - name: good
-    kind: custom
-    handler: fleet_handlers:Classifier
-    options: {{labels: [even, odd]}}
-"""
-
 
 @pytest.fixture(scope="module")
-def server(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    path = tmp_path_factory.mktemp("handlers") / "fleet.yaml"
-    path.write_text(CONFIG.format(model=tiny_llama))
-    tests_dir = str(Path(__file__).resolve().parent.parent)
-    pythonpath = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
-    srv = ServerProc(None, "--config", str(path), env={"PYTHONPATH": pythonpath})
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+def server(pipeline_fleet: ServerProc) -> ServerProc:
+    """The session's pipeline fleet (tests/server/pipeline_fleet.py)."""
+    return pipeline_fleet
 
 
 def predict(srv: ServerProc, model: str, *instances: dict[str, Any]) -> httpx.Response:

@@ -9,7 +9,6 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -36,12 +35,9 @@ models:
 
 @pytest.fixture(scope="module")
 def fleet(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    path = tmp_path_factory.mktemp("subcall-migration") / "fleet.yaml"
-    path.write_text(CONFIG.format(model=tiny_llama))
-    tests_dir = str(Path(__file__).resolve().parent.parent)  # tests/pipeline_handlers.py
-    pythonpath = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
-    env = {"PYTHONPATH": pythonpath, "FLEETSERVE_DEBUG_STEP_DELAY_S": "0.03"}
-    srv = ServerProc(None, "--config", str(path), env=env)
+    config = CONFIG.format(model=tiny_llama)
+    env = {"FLEETSERVE_DEBUG_STEP_DELAY_S": "0.03"}
+    srv = ServerProc.fleet(config, tmp_path_factory.mktemp("subcall-migration"), env)
     try:
         yield srv.wait_ready()
     finally:
