@@ -158,12 +158,17 @@ def test_adapter_requests_stay_on_one_replica_on_ray(
         wait_healthy(base_url)
         c = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=120)
 
+        # The counts after one send are the counts before the next (nothing is sent in
+        # between): each settled read is taken once.
+        settled = [_queries(base_url)]
+
         def send(model: str, n: int) -> tuple[dict[str, float], list[str]]:
             """n requests one after another; the replicas whose query counts grew."""
-            before = _queries(base_url)
+            before = settled[-1]
             for i in range(n):
                 c.completions.create(model=model, prompt=f"{model} question {i}:", max_tokens=2)
             after = _queries(base_url)
+            settled.append(after)
             return after, [r for r in after if after[r] > before.get(r, 0.0)]
 
         # Base requests alternate (round robin): both replicas serve.
