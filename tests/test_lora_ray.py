@@ -120,9 +120,11 @@ def cluster() -> Iterator[tuple[Any, str]]:
         yield c
 
 
-def _queries(base_url: str) -> dict[str, float]:
+def _queries(base_url: str, sent: bool = True) -> dict[str, float]:
     """Prefix-cache queries per replica (every request makes some) once the replicas'
-    routing stats (every second) have caught up."""
+    routing stats (every second) have caught up: two reads in a row agree (and, once
+    requests were `sent`, count some; before any, zero counts are the answer and waiting
+    for more only ran out the 45 s)."""
     from ray_cluster import scrape
 
     pattern = (
@@ -131,7 +133,7 @@ def _queries(base_url: str) -> dict[str, float]:
     last: dict[str, float] = {}
     for _ in range(30):
         now = {m[1]: float(m[2]) for m in re.finditer(pattern, scrape(base_url), re.M)}
-        if now == last and sum(now.values()) > 0:
+        if now == last and (sum(now.values()) > 0 or not sent):
             return now
         last = now
         time.sleep(1.5)
@@ -158,12 +160,17 @@ def test_adapter_requests_stay_on_one_replica_on_ray(
         wait_healthy(base_url)
         c = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=120)
 
+        # The counts after one send are the counts before the next (nothing is sent in
+        # between): each settled read is taken once.
+        settled = [_queries(base_url, sent=False)]
+
         def send(model: str, n: int) -> tuple[dict[str, float], list[str]]:
             """n requests one after another; the replicas whose query counts grew."""
-            before = _queries(base_url)
+            before = settled[-1]
             for i in range(n):
                 c.completions.create(model=model, prompt=f"{model} question {i}:", max_tokens=2)
             after = _queries(base_url)
+            settled.append(after)
             return after, [r for r in after if after[r] > before.get(r, 0.0)]
 
         # Base requests alternate (round robin): both replicas serve.

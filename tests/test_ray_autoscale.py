@@ -20,11 +20,16 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 STEP_DELAY_S = "0.05"
+DOWNSCALE_DELAY_S = 2.0  # idle this long before a replica goes (was 5: only waited)
 
 
 def fleet(model: str) -> dict[str, Any]:
     engine = {"max_num_seqs": 2, "num_threads": 1, "max_model_len": 256}
-    delays = {"upscale_delay_s": 1.0, "downscale_delay_s": 5.0, "target_queue_depth": 1}
+    delays = {
+        "upscale_delay_s": 1.0,
+        "downscale_delay_s": DOWNSCALE_DELAY_S,
+        "target_queue_depth": 1,
+    }
     return {
         "models": [
             {
@@ -89,7 +94,7 @@ def test_load_adds_a_replica_and_idleness_removes_it(app: str) -> None:
     wait_until(lambda: running("hot") == 1, 240, "'hot' back to one replica")
     scaled_down = time.monotonic() - idle_since
     print(f"hot: 1 -> 2 replicas {scaled_up:.1f} s after the load began; back to 1 "
-          f"{scaled_down:.1f} s after it ended (downscale_delay_s 5)")  # fmt: skip
+          f"{scaled_down:.1f} s after it ended (downscale_delay_s {DOWNSCALE_DELAY_S})")  # fmt: skip
 
 
 def test_scaled_to_zero_serves_its_first_request(app: str) -> None:
