@@ -71,17 +71,19 @@ class LocalServer:
 
     def wait_ready(self, timeout_s: float) -> LocalServer:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with {self.proc.returncode}:\n{self.output()[-4000:]}"
-                )
-            try:
-                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        # One client for the polls: each new one builds an SSL context (~25 ms of CPU).
+        with httpx.Client(timeout=2) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{self.name} exited with {self.proc.returncode}:\n{self.output()[-4000:]}"
+                    )
+                try:
+                    if client.get(self.url + self.ready_path).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
         out = self.output()
         self.stop()
         raise RuntimeError(f"{self.name} not ready after {timeout_s:g} s:\n{out[-4000:]}")
