@@ -31,6 +31,22 @@ typedef struct {
     int8_t q[32];
 } qdot_xblock;
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* One block's int32 sums (16 weight rows, one row x of x) scaled into acc: the quants'
+ * offset `off` per unit of sum(q_x) comes off in integers, then one fmadd by d_w * d_x
+ * and, for Q4_1 / Q5_1 (`min`), one by m * d_x * sum(q_x). The VNNI and AMX kernels both
+ * call this, in this order, so a row's result does not depend on which kernel took it. */
+static inline __attribute__((always_inline)) __m512 qdot_scale(__m512i is, int32_t off, int min,
+                                                               const qdot_xblock *x, __m512 d,
+                                                               __m512 m, __m512 acc) {
+    if (off) is = _mm512_sub_epi32(is, _mm512_set1_epi32(off * x->s));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(d, _mm512_set1_ps(x->d)), acc);
+    if (min) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(x->d * (float)x->s), acc);
+    return acc;
+}
+#endif
+
 static inline int quant_dot_layout(int fmt) {
     const int base = fmt & ~QDOT;
     /* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 */

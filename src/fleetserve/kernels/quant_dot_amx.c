@@ -114,14 +114,9 @@ static inline __attribute__((always_inline)) void scale_block(int qtype, const u
     const int min = qtype == Q4_1 || qtype == Q5_1;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
     const __m512 m = min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32))) : d;
-    for (int r = 0; r < 16; r++) {
-        const qdot_xblock *x = xt + r * ldxb + b;
-        __m512i is = _mm512_load_si512(cb + 16 * r);
-        if (off) is = _mm512_sub_epi32(is, _mm512_set1_epi32(off * x->s));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(d, _mm512_set1_ps(x->d)),
-                                 acc[r]);
-        if (min) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->d * (float)x->s), acc[r]);
-    }
+    for (int r = 0; r < 16; r++)
+        acc[r] = qdot_scale(_mm512_load_si512(cb + 16 * r), off, min, xt + r * ldxb + b, d, m,
+                            acc[r]);
 }
 
 /* Blocks of a panel whose Q4 / Q5 quants are unpacked once for all its tiles of x rows

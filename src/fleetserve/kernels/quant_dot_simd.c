@@ -108,20 +108,14 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
                 }
             }
         }
+        /* Q8_0's +128 (the unsigned trick) comes off as the others' offsets do. */
+        const int32_t off = qtype == Q8_0 ? 128 : quant_offset(qtype);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
-        for (int r = 0; r < rows; r++) {
-            const qdot_xblock *x = xb + r * ldxb + b;
-            __m512i is = _mm512_add_epi32(s0[r], s1[r]);
-            if (qtype == Q8_0) is = _mm512_sub_epi32(is, _mm512_set1_epi32(128 * x->s));
-            if (quant_offset(qtype))
-                is = _mm512_sub_epi32(is, _mm512_set1_epi32(quant_offset(qtype) * x->s));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(d, _mm512_set1_ps(x->d)),
-                                     acc[r]);
-            if (has_min(qtype)) {
-                const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32)));
-                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->d * (float)x->s), acc[r]);
-            }
-        }
+        const __m512 m =
+            has_min(qtype) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32))) : d;
+        for (int r = 0; r < rows; r++)
+            acc[r] = qdot_scale(_mm512_add_epi32(s0[r], s1[r]), off, has_min(qtype),
+                                xb + r * ldxb + b, d, m, acc[r]);
     }
     const __mmask16 keep = (__mmask16)((1u << cols) - 1);
     for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
