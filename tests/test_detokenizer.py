@@ -42,7 +42,9 @@ def test_tokenizer_basics(tok):
 
 def test_chat_template_ids_match_transformers(tok):
     messages = [{"role": "user", "content": "Hi there"}]
-    expected = tok.transformers().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = tok.transformers().apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True
+    )
     if not isinstance(expected, list):  # transformers >= 5 returns a BatchEncoding
         expected = expected["input_ids"]
     ids = tok.apply_chat_template(messages)

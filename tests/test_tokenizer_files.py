@@ -49,9 +49,17 @@ CHATS: list[dict[str, Any]] = [
     {
         "messages": [
             {"role": "user", "content": "Weather in Oslo?"},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "c1", "type": "function",
-                 "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
         ],  # fmt: skip
         "tools": [WEATHER],
@@ -145,9 +153,9 @@ def test_folders_it_cannot_promise_go_to_transformers(
     assert load(qwen2.tokenizer_dir) is None
     tok = Tokenizer.from_source(qwen2)
     assert not isinstance(tok.hf, FilesTokenizer)
-    assert tok.encode("Numbers 12345") == AutoTokenizer.from_pretrained(
-        qwen2.tokenizer_dir
-    ).encode("Numbers 12345")
+    assert tok.encode("Numbers 12345") == AutoTokenizer.from_pretrained(qwen2.tokenizer_dir).encode(
+        "Numbers 12345"
+    )
     llama = resolve_model(tiny_model_factory("llama"))
     tok = Tokenizer.from_source(llama)
     assert isinstance(tok.hf, FilesTokenizer)
