@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from fleetserve.bench.local_server import fleetserve_serve_cmd, vllm_cpu_env, vllm_serve_cmd
 from fleetserve.bench.lora_peers import _body, _summary, table
 from fleetserve.entrypoints.cli import main
 
@@ -44,3 +45,19 @@ def test_summary_and_table_report_both_ratios() -> None:
     text = table(summary)
     assert "| fleetserve | 100.0 | 90.0 | 0.90 | 5.00 / 6.00 | 10 / 11 / 12 | 5 | 2.0 |" in text
     assert "mixed 3.00x" in text
+
+
+def test_peer_server_commands_bind_localhost_and_pin_vllms_threads() -> None:
+    """The launch shape lora_peers and structured_peers share (bench/local_server.py)."""
+    cmd = fleetserve_serve_cmd(8123, "--model", "m")
+    assert cmd[1:4] == ["-m", "fleetserve.entrypoints.cli", "serve"]
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "8123"
+    assert cmd[-2:] == ["--model", "m"] and "--access-log" in cmd
+    cmd = vllm_serve_cmd("/venv/python", "/hf", "base", "bfloat16", 8124, "--enable-lora")
+    assert cmd[:3] == ["/venv/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--served-model-name") + 1] == "base" and cmd[-1] == "--enable-lora"
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "8124"
+    env = vllm_cpu_env(3, "/cache")
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-2" and env["VLLM_CACHE_ROOT"] == "/cache"
+    assert vllm_cpu_env(1, "/c")["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert env["PYTHONPATH"] == "" and env["HF_HUB_OFFLINE"] == "1"

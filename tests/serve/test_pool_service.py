@@ -164,16 +164,19 @@ def test_spot_notice_from_metadata_drains_with_nothing_lost(
                 [spot] = [r for r in svc.replica_set if r.pool == "spot"]
                 # The reference: the same greedy request, undisturbed.
                 t_ref = time.monotonic()
-                want = await generate(svc, "ref", "interactive", max_tokens=160)
+                # 100 steps of >= 20 ms: the stream outlasts the notice being seen
+                # (polled every 0.2 s) by over a second.
+                want = await generate(svc, "ref", "interactive", max_tokens=100)
                 ref_s = time.monotonic() - t_ref
                 assert spot.num_routed == 1
-                task = asyncio.ensure_future(generate(svc, "long", "interactive", 160))
+                task = asyncio.ensure_future(generate(svc, "long", "interactive", 100))
                 await wait_for(lambda: spot.num_outstanding_requests == 1, 10)
                 await asyncio.sleep(0.3)
                 market["open"] = False  # preempted: the cloud takes its capacity back
                 t0 = time.monotonic()
                 preempt(provider, meta, 6.0)
                 await wait_for(lambda: spot.draining, 3)  # seen within a few polls
+                assert not task.done()  # the notice came while the stream ran
                 # It may move once (a slow step makes the drain hand it over): a bound
                 # relative to the reference's own time, so a loaded machine is no failure.
                 got = await asyncio.wait_for(task, max(60.0, 4 * ref_s))

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -24,6 +25,38 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def fleetserve_serve_cmd(port: int, *flags: str) -> list[str]:
+    """`fleetserve serve` on 127.0.0.1:`port` with this interpreter, no access log (the
+    benchmarks measure from outside), then `flags`."""
+    return [sys.executable, "-m", "fleetserve.entrypoints.cli", "serve", "--host", "127.0.0.1",
+            "--port", str(port), "--access-log", "off", *flags]  # fmt: skip
+
+
+def vllm_serve_cmd(
+    python: str, folder: str, served_name: str, dtype: str, port: int, *flags: str
+) -> list[str]:
+    """vLLM's OpenAI server (its CPU build in the venv of `python`) for the HF `folder` on
+    127.0.0.1:`port`, 2,048 tokens of context, then `flags`."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+            "--served-model-name", served_name, "--dtype", dtype, "--max-model-len", "2048",
+            "--host", "127.0.0.1", "--port", str(port), *flags]  # fmt: skip
+
+
+def vllm_cpu_env(num_threads: int | None, cache_root: str, kvcache_gib: int = 2) -> dict[str, str]:
+    """The environment of a vLLM CPU server: its KV cache size, its OpenMP threads pinned
+    to cores 0..N-1 (N: `num_threads` or every core), offline, no usage stats, its caches
+    in `cache_root`, and none of fleetserve's PYTHONPATH."""
+    threads = num_threads or os.cpu_count() or 1
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_CACHE_ROOT": cache_root,
+        "PYTHONPATH": "",  # fleetserve's sources are not for vLLM's interpreter
+    }
 
 
 def pid_alive(pid: int) -> bool:

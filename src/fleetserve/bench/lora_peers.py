@@ -27,14 +27,19 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from fleetserve.bench.local_server import LocalServer, free_port
+from fleetserve.bench.local_server import (
+    LocalServer,
+    fleetserve_serve_cmd,
+    free_port,
+    vllm_cpu_env,
+    vllm_serve_cmd,
+)
 from fleetserve.bench.serve import stream_completion
 from fleetserve.bench.serve_metrics import RequestResult
 from fleetserve.bench.structured_peers import server_cpu_s
@@ -51,30 +56,18 @@ def _lora_flags(adapters: list[str], rank: int, cpu_loras: int) -> list[str]:
 
 def _fleetserve(args: argparse.Namespace, folder: str, flags: list[str]) -> LocalServer:
     port = free_port()
-    cmd = [sys.executable, "-m", "fleetserve.entrypoints.cli", "serve", "--model", folder,
-           "--served-model-name", "base", "--port", str(port), "--host", "127.0.0.1",
-           "--access-log", "off", "--max-num-seqs", str(max(16, args.streams)), *flags]  # fmt: skip
-    if args.num_threads:
-        cmd += ["--num-threads", str(args.num_threads)]
+    extra = ["--num-threads", str(args.num_threads)] if args.num_threads else []
+    cmd = fleetserve_serve_cmd(port, "--model", folder, "--served-model-name", "base",
+                               "--max-num-seqs", str(max(16, args.streams)), *flags, *extra)  # fmt: skip
     return LocalServer(cmd, port, name="fleetserve")
 
 
 def _vllm(args: argparse.Namespace, folder: str, flags: list[str]) -> LocalServer:
     port = free_port()
-    threads = args.num_threads or os.cpu_count() or 1
-    env = {
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",  # its load/unload routes
-        "VLLM_CACHE_ROOT": os.path.join(args.work_dir, "vllm-cache"),
-        "PYTHONPATH": "",  # fleetserve's sources are not for vLLM's interpreter
-    }
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
-           "--served-model-name", "base", "--dtype", args.vllm_dtype, "--max-model-len", "2048",
-           "--max-num-seqs", str(max(16, args.streams)), "--host", "127.0.0.1",
-           "--port", str(port), *flags]  # fmt: skip
+    env = vllm_cpu_env(args.num_threads, os.path.join(args.work_dir, "vllm-cache"))
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # its load/unload routes
+    cmd = vllm_serve_cmd(args.vllm_python, folder, "base", args.vllm_dtype, port,
+                         "--max-num-seqs", str(max(16, args.streams)), *flags)  # fmt: skip
     return LocalServer(cmd, port, env, name="vllm", ready_path="/health")
 
 

@@ -26,14 +26,19 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from fleetserve.bench.local_server import LocalServer, free_port
+from fleetserve.bench.local_server import (
+    LocalServer,
+    fleetserve_serve_cmd,
+    free_port,
+    vllm_cpu_env,
+    vllm_serve_cmd,
+)
 from fleetserve.bench.serve import stream_completion
 from fleetserve.bench.serve_metrics import RequestResult
 from fleetserve.bench.structured import ORDER_SCHEMA
@@ -176,13 +181,10 @@ def start_peers(args: argparse.Namespace) -> list[Peer]:
 
 
 def _fleetserve(args: argparse.Namespace, port: int) -> LocalServer:
-    cmd = [sys.executable, "-m", "fleetserve.entrypoints.cli", "serve", "--port", str(port),
-           "--host", "127.0.0.1", "--access-log", "off"]  # fmt: skip
-    if args.model:
-        cmd += ["--model", args.model]
+    flags = ["--model", args.model] if args.model else []
     if args.num_threads:
-        cmd += ["--num-threads", str(args.num_threads)]
-    return LocalServer(cmd, port, name="fleetserve")
+        flags += ["--num-threads", str(args.num_threads)]
+    return LocalServer(fleetserve_serve_cmd(port, *flags), port, name="fleetserve")
 
 
 def _vllm(args: argparse.Namespace, port: int) -> LocalServer:
@@ -191,18 +193,8 @@ def _vllm(args: argparse.Namespace, port: int) -> LocalServer:
     if not args.vllm_python:
         raise ValueError("--compare vllm needs --vllm-python (a venv with vllm-cpu)")
     folder = export_hf_folder(args.vllm_model, os.path.join(args.work_dir, "hf-model"))
-    threads = args.num_threads or os.cpu_count() or 1
-    env = {
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_CACHE_ROOT": os.path.join(args.work_dir, "vllm-cache"),
-        "PYTHONPATH": "",  # fleetserve's sources are not for vLLM's interpreter
-    }
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
-           "--served-model-name", "smollm2", "--dtype", args.vllm_dtype,
-           "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    env = vllm_cpu_env(args.num_threads, os.path.join(args.work_dir, "vllm-cache"))
+    cmd = vllm_serve_cmd(args.vllm_python, folder, "smollm2", args.vllm_dtype, port)
     return LocalServer(cmd, port, env, name="vllm", ready_path="/health")
 
 
