@@ -32,6 +32,7 @@ from fleetserve.models.sharding import check_parallel_config
 from fleetserve.worker.worker import WorkerInit, worker_main
 
 _STOP_GRACE_S = 2.0
+PEER_DEATH_GRACE_S = 0.5  # how long a rank's error waits to learn a peer died first
 
 
 def _free_port() -> int:
@@ -164,21 +165,32 @@ class MultiprocExecutor(Executor):
                 except (EOFError, OSError):
                     continue  # its sentinel tells how it ended
                 if got == "error":
-                    self._fail(str(payload))
+                    self._fail(self._peer_death(r) or str(payload))
                 self._inbox[r].append((got, payload))
             if self._inbox[rank]:
                 break
             for sentinel in ready:
                 dead = sentinels.get(sentinel)  # type: ignore[arg-type]
                 if dead is not None:
-                    self._fail(
-                        f"worker rank {dead} (pid {self._procs[dead].pid}) died with exit "
-                        f"code {self._procs[dead].exitcode}; the replica is shut down"
-                    )
+                    self._fail(self._death(dead))
         got, payload = self._inbox[rank].popleft()
         if got != kind:
             self._fail(f"worker rank {rank} sent {got!r} where {kind!r} was due")
         return payload
+
+    def _peer_death(self, rank: int) -> str | None:
+        """A rank's error right after a peer died is that death's echo (its collective read
+        the closed socket first): name the dead peer instead, waiting briefly for its exit."""
+        others = {p.sentinel: r for r, p in enumerate(self._procs) if r != rank}
+        for sentinel in wait(list(others), timeout=PEER_DEATH_GRACE_S):
+            return self._death(others[sentinel])  # type: ignore[index]
+        return None
+
+    def _death(self, dead: int) -> str:
+        return (
+            f"worker rank {dead} (pid {self._procs[dead].pid}) died with exit "
+            f"code {self._procs[dead].exitcode}; the replica is shut down"
+        )
 
     def _fail(self, message: str) -> None:
         self._error = message
