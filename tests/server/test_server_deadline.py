@@ -47,6 +47,8 @@ def test_a_generous_deadline_changes_nothing(server: ServerProc) -> None:
 
 def test_past_the_deadline_504_and_the_engine_request_is_aborted(server: ServerProc) -> None:
     url = server.url
+    # The session server's earlier requests (other modules of its unit) ended and counted.
+    assert wait_until(lambda: idle(url), timeout_s=10)
     before = aborted(url)
 
     async def run() -> tuple[httpx.Response, list[str], httpx.Response]:

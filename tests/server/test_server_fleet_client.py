@@ -147,13 +147,21 @@ def test_a_handler_that_stops_reading_a_stream_ends_its_sub_call(fleet: ServerPr
     assert r.status_code == 200 and r.json()["predictions"][0]["chunks"] >= 1, r.text
 
 
+def _tiny_idle(fleet: ServerProc) -> bool:
+    running = "fleetserve:num_requests_running"
+    return metric(scrape(fleet.url), running, model_name="tiny") == 0
+
+
 def test_a_client_that_leaves_cancels_the_parents_sub_calls(fleet: ServerProc) -> None:
     aborted = "fleetserve:request_success_total"
+    # Earlier tests' aborted sub-calls counted first (a late one would shift `before`).
+    assert wait_until(lambda: _tiny_idle(fleet), 10.0)
     before = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
-    # The sub-call would run 9+ s (450 tokens at 0.02 s a step); the client leaves at 1 s,
-    # well inside the handler's timeout_s (20 s): only its leaving can end the sub-call.
+    # The sub-call would run 9+ s (450 tokens at 0.02 s a step); the client leaves at 3 s
+    # (time for a loaded machine to start it), well inside the handler's timeout_s (20 s):
+    # only its leaving can end the sub-call. Not ended, it would finish as "length".
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{fleet.url}/v1/models/streamer:predict", timeout=1.0,
+        httpx.post(f"{fleet.url}/v1/models/streamer:predict", timeout=3.0,
                    json={"instances": [{"prompt": "The sea", "max_tokens": 450}]})  # fmt: skip
 
     def sub_call_aborted() -> bool:
