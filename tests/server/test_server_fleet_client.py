@@ -177,10 +177,12 @@ def test_a_parent_past_its_request_deadline_is_a_504_and_ends_its_sub_calls(
     fleet: ServerProc,
 ) -> None:
     aborted = "fleetserve:request_success_total"
+    assert wait_until(lambda: _tiny_idle(fleet), 10.0)
     before = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
-    # Far inside the handler's timeout_s (20 s): only the request's deadline can end it.
+    # Far inside the handler's timeout_s (20 s) and the sub-call's 9+ s: only the request's
+    # deadline can end it (2 s: time for a loaded machine to start the sub-call).
     r = predict(fleet, [{"prompt": "The sea", "max_tokens": 450}],
-                {"X-Fleetserve-Deadline-Ms": "500"}, model="streamer")  # fmt: skip
+                {"X-Fleetserve-Deadline-Ms": "2000"}, model="streamer")  # fmt: skip
     assert r.status_code == 504, r.text
     assert r.json()["error"]["code"] == "deadline_exceeded"
 
