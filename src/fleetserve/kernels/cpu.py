@@ -379,6 +379,12 @@ def empty_huge(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     instead of per 4 KiB, and the hardware prefetchers run on across 4 KiB boundaries.
     Must be called before the memory is first written."""
     t = torch.empty(*shape, dtype=dtype)
+    _advise_huge(t)
+    return t
+
+
+def _advise_huge(t: torch.Tensor) -> None:
+    """Advise the 2 MiB-aligned interior of `t`'s memory onto transparent huge pages."""
     madvise = _madvise()
     nbytes = t.numel() * t.element_size()
     if madvise is not None and nbytes >= 2 * _HUGE_PAGE:
@@ -387,7 +393,6 @@ def empty_huge(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         end = (addr + nbytes) // _HUGE_PAGE * _HUGE_PAGE
         if end > start:
             madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: errors are harmless
-    return t
 
 
 def zeroed_huge(*shape: int, dtype: torch.dtype, prefault: bool = True) -> torch.Tensor:
@@ -404,13 +409,7 @@ def zeroed_huge(*shape: int, dtype: torch.dtype, prefault: bool = True) -> torch
     nbytes = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
     buf = mmap.mmap(-1, nbytes)  # the tensor keeps the mapping alive
     t = torch.frombuffer(buf, dtype=dtype, count=numel).view(*shape)
-    madvise = _madvise()
-    if madvise is not None and nbytes >= 2 * _HUGE_PAGE:
-        addr = t.data_ptr()
-        start = -(-addr // _HUGE_PAGE) * _HUGE_PAGE
-        end = (addr + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-        if end > start:
-            madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: errors are harmless
+    _advise_huge(t)
     if prefault:
         t.zero_()
     return t
