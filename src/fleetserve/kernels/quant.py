@@ -236,6 +236,11 @@ def quant_embedding(ids: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     return out.view(*ids.shape, weight.in_features)
 
 
+_XBLOCK = np.dtype(
+    [("q", "i1", 32), ("d", "<f4"), ("ds", "<f4"), ("s", "<i4"), ("o", "<i4", 3), ("pad", "<i4", 2)]
+)
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of x ([m, k], k a multiple of 32) as the integer kernels see them: int8
     ``q`` [m, k] and float32 scales ``d`` [m, k / 32], x ~= d * q per block (for tests and
@@ -244,8 +249,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError("x must be a float32 [rows, k] matrix with k a multiple of 32")
     x = x.contiguous()
     m, k = x.shape
-    # qdot_xblock: float d, int32 s, int8 q[32]
-    blocks = np.zeros((m * (k // 32),), dtype=[("d", "<f4"), ("s", "<i4"), ("q", "i1", 32)])
+    # qdot_xblock (quant_dot.h): int8 q[32], float d, ds, int32 s, o8, o16, o128, pad[2]
+    blocks = np.zeros((m * (k // 32),), dtype=_XBLOCK)
     if m:
         _lib().quant_dot_quantize_x(x.data_ptr(), k, m, k, blocks.ctypes.data)
     q = torch.from_numpy(blocks["q"].reshape(m, k).copy())

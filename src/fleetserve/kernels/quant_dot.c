@@ -102,8 +102,7 @@ void quant_dot_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, qdo
             const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
             _mm_storeu_si128((__m128i *)o->q, _mm512_cvtepi32_epi8(qlo));
             _mm_storeu_si128((__m128i *)(o->q + 16), _mm512_cvtepi32_epi8(qhi));
-            o->d = d;
-            o->s = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+            qdot_xblock_sums(o, d, _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
 #else
             float amax = 0.f;
             for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
@@ -114,8 +113,7 @@ void quant_dot_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, qdo
                 o->q[i] = (int8_t)q;
                 s += q;
             }
-            o->d = d;
-            o->s = s;
+            qdot_xblock_sums(o, d, s);
 #endif
         }
     }
@@ -134,10 +132,14 @@ void quant_dot_panels(int fmt, const qdot_xblock *xb, int64_t m, int64_t nb, con
         if (tiles)
             quant_dot_amx_panel(qtype, w + p * PR * row_bytes, nb, xb, nb, tiles, out + p * PR,
                                 ldo, cols);
-        for (int64_t r0 = 16 * tiles; r0 < m; r0 += step) {
-            const int rows = (int)(m - r0 < step ? m - r0 : step);
+        /* The rest in passes of even size (9 rows: 5 + 4, not 8 + 1: a one-row pass
+         * unpacks and reads the whole panel again for little work). */
+        const int64_t rest = m - 16 * tiles, passes = (rest + step - 1) / step;
+        for (int64_t i = 0, r0 = 16 * tiles; i < passes; i++) {
+            const int rows = (int)((rest * (i + 1)) / passes - (rest * i) / passes);
             quant_dot_panel(qtype, w + p * PR * row_bytes, nb, xb + r0 * nb, nb, rows,
                             out + r0 * ldo + p * PR, ldo, cols);
+            r0 += rows;
         }
     }
     if (tiles) quant_dot_amx_end();

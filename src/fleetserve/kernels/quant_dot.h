@@ -24,25 +24,50 @@
 
 #define QDOT 0x100
 /* One block of 32 inputs of one row of x: x ~= d * q, s = sum(q) (for the weights'
- * offsets: Q4_0's -8, Q4_1's m, and the +128 that makes Q8_0 unsigned for vpdpbusd). */
+ * offsets: Q4_0's -8, Q5_0's -16, Q4_1's m, and the +128 that makes Q8_0 unsigned for
+ * vpdpbusd). The products the kernels' scale step needs are made once here, when x is
+ * quantized, not per weight panel: ds = d * (float)s (Q4_1 / Q5_1's min term) and
+ * o8 / o16 / o128 = 8 / 16 / 128 * s (the offsets, in integers), so each is one
+ * memory-broadcast operand in the kernels' loops. 64 bytes: one cache line. */
 typedef struct {
-    float d;
-    int32_t s;
     int8_t q[32];
+    float d;
+    float ds;
+    int32_t s;
+    int32_t o8, o16, o128;
+    int32_t pad[2];
 } qdot_xblock;
+
+/* x's block fields from its quants and scale (every quantizer of x ends here). */
+static inline void qdot_xblock_sums(qdot_xblock *o, float d, int32_t s) {
+    o->d = d;
+    o->s = s;
+    o->ds = d * (float)s;
+    o->o8 = 8 * s;
+    o->o16 = 16 * s;
+    o->o128 = 128 * s;
+    o->pad[0] = o->pad[1] = 0;
+}
+
+/* The block's off * s for a quants' offset off (8, 16 or 128: a constant where inlined). */
+static inline const int32_t *qdot_off_s(const qdot_xblock *x, int32_t off) {
+    return off == 8 ? &x->o8 : off == 16 ? &x->o16 : &x->o128;
+}
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 /* One block's int32 sums (16 weight rows, one row x of x) scaled into acc: the quants'
  * offset `off` per unit of sum(q_x) comes off in integers, then one fmadd by d_w * d_x
  * and, for Q4_1 / Q5_1 (`min`), one by m * d_x * sum(q_x). The VNNI and AMX kernels both
- * call this, in this order, so a row's result does not depend on which kernel took it. */
+ * call this, in this order, so a row's result does not depend on which kernel took it.
+ * Every x operand is a broadcast from x's block (vpsubd / vmulps / vfmadd231ps with
+ * {1to16}): no scalar work per row and block. */
 static inline __attribute__((always_inline)) __m512 qdot_scale(__m512i is, int32_t off, int min,
                                                                const qdot_xblock *x, __m512 d,
                                                                __m512 m, __m512 acc) {
-    if (off) is = _mm512_sub_epi32(is, _mm512_set1_epi32(off * x->s));
+    if (off) is = _mm512_sub_epi32(is, _mm512_set1_epi32(*qdot_off_s(x, off)));
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(d, _mm512_set1_ps(x->d)), acc);
-    if (min) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(x->d * (float)x->s), acc);
+    if (min) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(x->ds), acc);
     return acc;
 }
 #endif

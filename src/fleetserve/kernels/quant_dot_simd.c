@@ -60,10 +60,10 @@ static inline int32_t ld32(const int8_t *p) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/* 6 rows: 3 zmm each (acc, s0, s1) + ~8 shared stay within the 32 registers, and a
- * speculative verification of k = 4 or 5 drafts (5-6 rows) is one pass over the weights
- * (with 4 it was 4 + 1 and the extra pass re-unpacked every block for one row). */
-#define QDOT_ROWS 6
+/* 8 rows: 2 zmm each (acc, one int32 chain) + ~9 shared stay within the 32 registers
+ * (no spills: checked in the objdump), so a speculative verification of k <= 7 drafts is
+ * one pass over the weights, and 9-16 rows two passes of even size. */
+#define QDOT_ROWS 8
 
 static inline __attribute__((always_inline)) void dot_panel(int qtype, const uint8_t *panel,
                                                             int64_t nb, const qdot_xblock *xb,
@@ -72,12 +72,14 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
     const int64_t bb = panel_block_bytes(qtype), head = panel_head(qtype);
     const __m512i m4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
     const __m512i bit4 = _mm512_set1_epi8(16);
+    /* Two int32 chains per row at 1-2 rows (one of 8 dependent vpdpbusd would set the
+     * pace); from 3 rows on, the rows' chains interleave and hide vpdpbusd's latency. */
+    const int chains = rows < 3 ? 2 : 1;
     __m512 acc[QDOT_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pb = panel + b * bb, *qs = pb + head;
         PREFETCH_WEIGHTS(pb, bb, PREFETCH);
-        /* Two int32 chains per row: one of 8 dependent vpdpbusd would set the pace. */
         __m512i s0[QDOT_ROWS], s1[QDOT_ROWS];
         for (int r = 0; r < rows; r++) s0[r] = s1[r] = _mm512_setzero_si512();
         if (qtype == Q8_0) {
@@ -87,7 +89,10 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
                 for (int r = 0; r < rows; r++) {
                     const int8_t *q = xb[r * ldxb + b].q + 4 * g;
                     s0[r] = _mm512_dpbusd_epi32(s0[r], w0, _mm512_set1_epi32(ld32(q)));
-                    s1[r] = _mm512_dpbusd_epi32(s1[r], w1, _mm512_set1_epi32(ld32(q + 4)));
+                    if (chains == 2)
+                        s1[r] = _mm512_dpbusd_epi32(s1[r], w1, _mm512_set1_epi32(ld32(q + 4)));
+                    else
+                        s0[r] = _mm512_dpbusd_epi32(s0[r], w1, _mm512_set1_epi32(ld32(q + 4)));
                 }
             }
         } else {
@@ -104,7 +109,10 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
                 for (int r = 0; r < rows; r++) {
                     const int8_t *q = xb[r * ldxb + b].q + 4 * g;
                     s0[r] = _mm512_dpbusd_epi32(s0[r], lo, _mm512_set1_epi32(ld32(q)));
-                    s1[r] = _mm512_dpbusd_epi32(s1[r], hi, _mm512_set1_epi32(ld32(q + 16)));
+                    if (chains == 2)
+                        s1[r] = _mm512_dpbusd_epi32(s1[r], hi, _mm512_set1_epi32(ld32(q + 16)));
+                    else
+                        s0[r] = _mm512_dpbusd_epi32(s0[r], hi, _mm512_set1_epi32(ld32(q + 16)));
                 }
             }
         }
@@ -114,8 +122,8 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
         const __m512 m =
             has_min(qtype) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32))) : d;
         for (int r = 0; r < rows; r++)
-            acc[r] = qdot_scale(_mm512_add_epi32(s0[r], s1[r]), off, has_min(qtype),
-                                xb + r * ldxb + b, d, m, acc[r]);
+            acc[r] = qdot_scale(chains == 2 ? _mm512_add_epi32(s0[r], s1[r]) : s0[r], off,
+                                has_min(qtype), xb + r * ldxb + b, d, m, acc[r]);
     }
     const __mmask16 keep = (__mmask16)((1u << cols) - 1);
     for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
@@ -256,7 +264,7 @@ int quant_dot_kind(void) {
 #endif
 }
 
-#if QDOT_ROWS == 6
+#if QDOT_ROWS == 8
 #define ROW_CASES(QT)                                                                   \
     switch (rows) {                                                                     \
     case 1: dot_panel(QT, panel, nb, xb, ldxb, 1, out, ldo, cols); break;               \
@@ -264,7 +272,9 @@ int quant_dot_kind(void) {
     case 3: dot_panel(QT, panel, nb, xb, ldxb, 3, out, ldo, cols); break;               \
     case 4: dot_panel(QT, panel, nb, xb, ldxb, 4, out, ldo, cols); break;               \
     case 5: dot_panel(QT, panel, nb, xb, ldxb, 5, out, ldo, cols); break;               \
-    default: dot_panel(QT, panel, nb, xb, ldxb, 6, out, ldo, cols); break;              \
+    case 6: dot_panel(QT, panel, nb, xb, ldxb, 6, out, ldo, cols); break;               \
+    case 7: dot_panel(QT, panel, nb, xb, ldxb, 7, out, ldo, cols); break;               \
+    default: dot_panel(QT, panel, nb, xb, ldxb, 8, out, ldo, cols); break;              \
     }
 #elif QDOT_ROWS == 4
 #define ROW_CASES(QT)                                                                   \
