@@ -55,10 +55,11 @@ int quant_dot_amx_begin(void) {
     /* Static: GCC 12 drops stores into a local config that only ldtilecfg reads. */
     static const tile_config c __attribute__((aligned(64))) = {
         .palette = 1,
-        /* C: 16 x rows x 16 int32; A: 16 x rows x 32 int8; B: 8 groups x 16 weight rows
-         * x 4 bytes; twice (tiles 0-2 and 3-5). */
-        .colsb = {64, 32, 64, 64, 32, 64},
-        .rows = {16, 16, 8, 16, 16, 8},
+        /* C: 16 x rows x 16 int32 (tiles 0-3: two blocks in flight while the two before
+         * them are scaled); A: 16 x rows x 32 int8 (4, 6); B: 8 groups x 16 weight rows
+         * x 4 bytes (5, 7). */
+        .colsb = {64, 64, 64, 64, 32, 64, 32, 64},
+        .rows = {16, 16, 16, 16, 16, 8, 16, 8},
     };
     _tile_loadconfig(&c);
     return 1;
@@ -123,9 +124,27 @@ static inline __attribute__((always_inline)) void scale_block(int qtype, const u
  * (the stack buffer's 64 KB); longer rows unpack per tile and block. */
 #define UNPACKED_BLOCKS 128
 
+/* Block `blk`'s products for x tile xt into C tile C (A tile A, B tile B): Q4 / Q5 quants
+ * from the panel's unpacked copy (`once`), or unpacked now into wb's slot. */
+#define MUL_BLOCK(C, A, B, blk, slot)                                                   \
+    do {                                                                                \
+        _tile_zero(C);                                                                  \
+        _tile_loadd(A, xt[blk].q, ldx);                                                 \
+        if (q8) {                                                                       \
+            _tile_loadd(B, panel + (blk) * bb + head, 64);                              \
+            _tile_dpbssd(C, A, B);                                                      \
+        } else {                                                                        \
+            if (!once) unpack(qtype, panel + (blk) * bb + head, wb + (slot) * 512);     \
+            _tile_loadd(B, wb + (once ? (blk) : (slot)) * 512, 64);                     \
+            _tile_dpbsud(C, A, B);                                                      \
+        }                                                                               \
+    } while (0)
+
 /* x rows [16t, 16t + 16) for t < tiles against one panel: out rows, cols of them kept.
- * Two blocks at a time on two sets of tiles (C0 A1 B2, C3 A4 B5): one block's sums are
- * stored and scaled while the other's multiply runs. */
+ * Software-pipelined over pairs of blocks: a pair's sums are stored from C tiles 0-1
+ * (2-3), the next pair's multiplies start on 2-3 (0-1), then the stored pair is scaled
+ * while they run, so the tile unit and the vector scaling overlap in program order (not
+ * only as far as the out-of-order window reaches). Blocks are scaled in order. */
 static inline __attribute__((always_inline)) void amx_panel(int qtype, const uint8_t *panel,
                                                             int64_t nb, const qdot_xblock *xb,
                                                             int64_t ldxb, int64_t tiles,
@@ -135,7 +154,7 @@ static inline __attribute__((always_inline)) void amx_panel(int qtype, const uin
     const int q8 = qtype == Q8_0;
     const int once = !q8 && tiles > 1 && nb <= UNPACKED_BLOCKS;
     uint8_t wb[UNPACKED_BLOCKS * 512] __attribute__((aligned(64)));
-    int32_t cb[2][16 * 16] __attribute__((aligned(64)));
+    int32_t cb[4][16 * 16] __attribute__((aligned(64)));
     if (once)
         for (int64_t b = 0; b < nb; b++) unpack(qtype, panel + b * bb + head, wb + b * 512);
     const int64_t ldx = ldxb * (int64_t)sizeof(qdot_xblock);
@@ -143,42 +162,30 @@ static inline __attribute__((always_inline)) void amx_panel(int qtype, const uin
         const qdot_xblock *xt = xb + t * 16 * ldxb;
         __m512 acc[16];
         for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nb; b += 2) {
-            const uint8_t *p0 = panel + b * bb, *p1 = p0 + bb;
-            const int two = b + 1 < nb;
-            if (t == 0) PREFETCH_WEIGHTS(p0, 2 * bb, PREFETCH);
-            _tile_zero(0);
-            _tile_loadd(1, xt[b].q, ldx);
-            if (q8) {
-                _tile_loadd(2, p0 + head, 64);
-                _tile_dpbssd(0, 1, 2);
-            } else {
-                const uint8_t *w0 = wb + (once ? b * 512 : 0);
-                if (!once) unpack(qtype, p0 + head, wb);
-                _tile_loadd(2, w0, 64);
-                _tile_dpbsud(0, 1, 2);
-            }
-            if (two) {
-                _tile_zero(3);
-                _tile_loadd(4, xt[b + 1].q, ldx);
-                if (q8) {
-                    _tile_loadd(5, p1 + head, 64);
-                    _tile_dpbssd(3, 4, 5);
-                } else {
-                    const uint8_t *w1 = wb + (once ? (b + 1) * 512 : 512);
-                    if (!once) unpack(qtype, p1 + head, wb + 512);
-                    _tile_loadd(5, w1, 64);
-                    _tile_dpbsud(3, 4, 5);
-                }
-            }
+        if (t == 0) PREFETCH_WEIGHTS(panel, 2 * bb, PREFETCH);
+        if (nb > 0) MUL_BLOCK(0, 4, 5, 0, 0);
+        if (nb > 1) MUL_BLOCK(1, 6, 7, 1, 1);
+        for (int64_t b = 0; b < nb; b += 4) {
+            if (t == 0) PREFETCH_WEIGHTS(panel + (b + 2) * bb, 2 * bb, PREFETCH);
             _tile_stored(0, cb[0], 64);
-            if (two) _tile_stored(3, cb[1], 64);
-            scale_block(qtype, p0, xt, ldxb, b, cb[0], acc);
-            if (two) scale_block(qtype, p1, xt, ldxb, b + 1, cb[1], acc);
+            if (b + 1 < nb) _tile_stored(1, cb[1], 64);
+            if (b + 2 < nb) MUL_BLOCK(2, 4, 5, b + 2, 0);
+            if (b + 3 < nb) MUL_BLOCK(3, 6, 7, b + 3, 1);
+            scale_block(qtype, panel + b * bb, xt, ldxb, b, cb[0], acc);
+            if (b + 1 < nb) scale_block(qtype, panel + (b + 1) * bb, xt, ldxb, b + 1, cb[1], acc);
+            if (b + 2 >= nb) break;
+            if (t == 0) PREFETCH_WEIGHTS(panel + (b + 4) * bb, 2 * bb, PREFETCH);
+            _tile_stored(2, cb[2], 64);
+            if (b + 3 < nb) _tile_stored(3, cb[3], 64);
+            if (b + 4 < nb) MUL_BLOCK(0, 4, 5, b + 4, 0);
+            if (b + 5 < nb) MUL_BLOCK(1, 6, 7, b + 5, 1);
+            scale_block(qtype, panel + (b + 2) * bb, xt, ldxb, b + 2, cb[2], acc);
+            if (b + 3 < nb) scale_block(qtype, panel + (b + 3) * bb, xt, ldxb, b + 3, cb[3], acc);
         }
         for (int r = 0; r < 16; r++) _mm512_mask_storeu_ps(out + (t * 16 + r) * ldo, keep, acc[r]);
     }
 }
+#undef MUL_BLOCK
 
 void quant_dot_amx_panel(int qtype, const uint8_t *panel, int64_t nb, const qdot_xblock *xb,
                          int64_t ldxb, int64_t tiles, float *out, int64_t ldo, int cols) {
