@@ -2,6 +2,7 @@
  * quantizing rows of x to int8 blocks, and the decode-sized GEMM's driver. The per-panel
  * integer kernels are in quant_dot_simd.c. */
 #include <math.h>
+#include <stdlib.h>
 
 #include "quant_common.h"
 #include "quant_dot.h"
@@ -119,30 +120,63 @@ void quant_dot_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, qdo
     }
 }
 
+/* Fewest rows of x that go to AMX-INT8 as a partial tile (the rows past whole tiles of
+ * 16, or all of a narrow step's) rather than to the vector kernel. A tile block costs
+ * about the same at 1 row as at 16 (measured: AMX GFLOP/s grow linearly with the rows),
+ * so a partial tile pays only where the vector kernel's passes cost more: Q8_0 from 8
+ * rows (AMX 250-295 GFLOP/s vs VNNI 235-275 at 8, 310-370 vs 270-300 at 15); Q4 / Q5
+ * never (the nibble unpack per block: VNNI's two passes stayed ahead up to 15 rows).
+ * docs/benchmarks.md has the table; FLEETSERVE_AMX_MIN_ROWS overrides (measurement). */
+static int amx_min_rows(int qtype) {
+    static int v; /* 0: not read yet, -1: no override */
+    int r = __atomic_load_n(&v, __ATOMIC_ACQUIRE);
+    if (r == 0) {
+        const char *env = getenv("FLEETSERVE_AMX_MIN_ROWS");
+        r = env && atoi(env) > 0 ? atoi(env) : -1;
+        __atomic_store_n(&v, r, __ATOMIC_RELEASE);
+    }
+    return r > 0 ? r : qtype == Q8_0 ? 8 : 16;
+}
+
 /* Panels [p0, p1) of W times the m quantized rows of x: one thread's share. */
 void quant_dot_panels(int fmt, const qdot_xblock *xb, int64_t m, int64_t nb, const uint8_t *w,
                       int64_t row_bytes, float *out, int64_t ldo, int64_t n, int64_t p0,
                       int64_t p1) {
     const int qtype = fmt & ~QDOT, step = quant_dot_rows_per_call();
     /* Whole tiles of 16 rows on AMX where there is one (quant_dot_amx.c: the same
-     * results), the rest (or all) on the vector kernel. */
-    const int64_t tiles = m >= 16 && p1 > p0 && quant_dot_amx_begin() ? m / 16 : 0;
-    for (int64_t p = p0; p < p1; p++) {
+     * results), then the rest as one partial tile from amx_min_rows() rows, else (or
+     * without AMX) on the vector kernel. */
+    const int64_t tiles = m >= 16 && p1 > p0 && quant_dot_amx_begin(16) ? m / 16 : 0;
+    int amx = tiles > 0;
+    for (int64_t p = p0; p < p1 && tiles; p++) {
         const int cols = (int)(n - p * PR < PR ? n - p * PR : PR);
-        if (tiles)
-            quant_dot_amx_panel(qtype, w + p * PR * row_bytes, nb, xb, nb, tiles, out + p * PR,
-                                ldo, cols);
-        /* The rest in passes of even size (9 rows: 5 + 4, not 8 + 1: a one-row pass
-         * unpacks and reads the whole panel again for little work). */
-        const int64_t rest = m - 16 * tiles, passes = (rest + step - 1) / step;
-        for (int64_t i = 0, r0 = 16 * tiles; i < passes; i++) {
+        quant_dot_amx_panel(qtype, w + p * PR * row_bytes, nb, xb, nb, tiles, 16, out + p * PR,
+                            ldo, cols);
+    }
+    int64_t rest = m - 16 * tiles;
+    const int64_t r0 = 16 * tiles;
+    if (rest >= amx_min_rows(qtype) && p1 > p0 && quant_dot_amx_begin((int)rest)) {
+        amx = 1;
+        for (int64_t p = p0; p < p1; p++) {
+            const int cols = (int)(n - p * PR < PR ? n - p * PR : PR);
+            quant_dot_amx_panel(qtype, w + p * PR * row_bytes, nb, xb + r0 * nb, nb, 1,
+                                (int)rest, out + r0 * ldo + p * PR, ldo, cols);
+        }
+        rest = 0;
+    }
+    if (amx) quant_dot_amx_end();
+    /* The rest in passes of even size (9 rows: 5 + 4, not 8 + 1: a one-row pass
+     * unpacks and reads the whole panel again for little work). */
+    const int64_t passes = (rest + step - 1) / step;
+    for (int64_t p = p0; p < p1 && rest; p++) {
+        const int cols = (int)(n - p * PR < PR ? n - p * PR : PR);
+        for (int64_t i = 0, r = r0; i < passes; i++) {
             const int rows = (int)((rest * (i + 1)) / passes - (rest * i) / passes);
-            quant_dot_panel(qtype, w + p * PR * row_bytes, nb, xb + r0 * nb, nb, rows,
-                            out + r0 * ldo + p * PR, ldo, cols);
-            r0 += rows;
+            quant_dot_panel(qtype, w + p * PR * row_bytes, nb, xb + r * nb, nb, rows,
+                            out + r * ldo + p * PR, ldo, cols);
+            r += rows;
         }
     }
-    if (tiles) quant_dot_amx_end();
 }
 
 void quant_dot_share(int fmt, const qdot_xblock *xb, const uint8_t *w, int64_t row_bytes,

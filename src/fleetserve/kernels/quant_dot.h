@@ -100,11 +100,13 @@ void quant_dot_row(int fmt, const uint8_t *w, int64_t row_bytes, int64_t j, int6
 /* quant_dot_simd.c: one panel times `rows` (<= QDOT_ROWS) rows of x. */
 int quant_dot_rows_per_call(void);
 int quant_dot_kind(void);
-/* quant_dot_amx.c: tiles of 16 rows of x on AMX-INT8 (0 from begin: not here). */
-int quant_dot_amx_begin(void);
+/* quant_dot_amx.c: tiles of `rows` (<= 16) rows of x on AMX-INT8; begin configures the
+ * thread's tiles for that row count (0: no AMX here). */
+int quant_dot_amx_begin(int rows);
 void quant_dot_amx_end(void);
 void quant_dot_amx_panel(int qtype, const uint8_t *panel, int64_t nb, const qdot_xblock *xb,
-                         int64_t ldxb, int64_t tiles, float *out, int64_t ldo, int cols);
+                         int64_t ldxb, int64_t tiles, int rows, float *out, int64_t ldo,
+                         int cols);
 void quant_dot_panel(int qtype, const uint8_t *panel, int64_t nb, const qdot_xblock *xb,
                      int64_t ldxb, int rows, float *out, int64_t ldo, int cols);
 

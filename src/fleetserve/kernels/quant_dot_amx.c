@@ -50,18 +50,21 @@ static int amx_permitted(void) {
     return s == 1;
 }
 
-int quant_dot_amx_begin(void) {
+/* C: rows x 16 int32 (tiles 0-3: two blocks in flight while the two before them are
+ * scaled); A: rows x 32 int8 (4, 6); B: 8 groups x 16 weight rows x 4 bytes (5, 7).
+ * Static: GCC 12 drops stores into a local config that only ldtilecfg reads. */
+#define CFG(n)                                                                          \
+    {.palette = 1, .colsb = {64, 64, 64, 64, 32, 64, 32, 64},                           \
+     .rows = {n, n, n, n, n, 8, n, 8}}
+static const tile_config configs[17] __attribute__((aligned(64))) = {
+    CFG(1),  CFG(1),  CFG(2),  CFG(3),  CFG(4),  CFG(5),  CFG(6),  CFG(7),  CFG(8),
+    CFG(9),  CFG(10), CFG(11), CFG(12), CFG(13), CFG(14), CFG(15), CFG(16),
+};
+#undef CFG
+
+int quant_dot_amx_begin(int rows) {
     if (!amx_permitted()) return 0;
-    /* Static: GCC 12 drops stores into a local config that only ldtilecfg reads. */
-    static const tile_config c __attribute__((aligned(64))) = {
-        .palette = 1,
-        /* C: 16 x rows x 16 int32 (tiles 0-3: two blocks in flight while the two before
-         * them are scaled); A: 16 x rows x 32 int8 (4, 6); B: 8 groups x 16 weight rows
-         * x 4 bytes (5, 7). */
-        .colsb = {64, 64, 64, 64, 32, 64, 32, 64},
-        .rows = {16, 16, 16, 16, 16, 8, 16, 8},
-    };
-    _tile_loadconfig(&c);
+    _tile_loadconfig(&configs[rows < 1 ? 1 : rows > 16 ? 16 : rows]);
     return 1;
 }
 
@@ -105,19 +108,21 @@ static inline void unpack(int qtype, const uint8_t *qs, uint8_t *dst) {
     }
 }
 
-/* Scale block b's int32 sums (in cb, 16 x rows x 16 weight rows) into acc, as
+/* Scale block b's int32 sums (in cb, `rows` rows of x x 16 weight rows) into acc, as
  * quant_dot_simd.c's vector kernel does. */
 static inline __attribute__((always_inline)) void scale_block(int qtype, const uint8_t *pb,
                                                               const qdot_xblock *xt,
                                                               int64_t ldxb, int64_t b,
-                                                              const int32_t *cb, __m512 *acc) {
+                                                              const int32_t *cb, int rows,
+                                                              __m512 *acc) {
     const int32_t off = qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : 0;
     const int min = qtype == Q4_1 || qtype == Q5_1;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
     const __m512 m = min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32))) : d;
     for (int r = 0; r < 16; r++)
-        acc[r] = qdot_scale(_mm512_load_si512(cb + 16 * r), off, min, xt + r * ldxb + b, d, m,
-                            acc[r]);
+        if (r < rows)
+            acc[r] = qdot_scale(_mm512_load_si512(cb + 16 * r), off, min, xt + r * ldxb + b, d,
+                                m, acc[r]);
 }
 
 /* Blocks of a panel whose Q4 / Q5 quants are unpacked once for all its tiles of x rows
@@ -140,14 +145,15 @@ static inline __attribute__((always_inline)) void scale_block(int qtype, const u
         }                                                                               \
     } while (0)
 
-/* x rows [16t, 16t + 16) for t < tiles against one panel: out rows, cols of them kept.
+/* x rows [16t, 16t + rows) for t < tiles against one panel (rows: what the tile
+ * configuration has, 16 for whole tiles): out rows, cols of them kept.
  * Software-pipelined over pairs of blocks: a pair's sums are stored from C tiles 0-1
  * (2-3), the next pair's multiplies start on 2-3 (0-1), then the stored pair is scaled
  * while they run, so the tile unit and the vector scaling overlap in program order (not
  * only as far as the out-of-order window reaches). Blocks are scaled in order. */
 static inline __attribute__((always_inline)) void amx_panel(int qtype, const uint8_t *panel,
                                                             int64_t nb, const qdot_xblock *xb,
-                                                            int64_t ldxb, int64_t tiles,
+                                                            int64_t ldxb, int64_t tiles, int rows,
                                                             float *out, int64_t ldo, int cols) {
     const int64_t bb = block_bytes(qtype), head = head_bytes(qtype);
     const __mmask16 keep = (__mmask16)((1u << cols) - 1);
@@ -171,39 +177,45 @@ static inline __attribute__((always_inline)) void amx_panel(int qtype, const uin
             if (b + 1 < nb) _tile_stored(1, cb[1], 64);
             if (b + 2 < nb) MUL_BLOCK(2, 4, 5, b + 2, 0);
             if (b + 3 < nb) MUL_BLOCK(3, 6, 7, b + 3, 1);
-            scale_block(qtype, panel + b * bb, xt, ldxb, b, cb[0], acc);
-            if (b + 1 < nb) scale_block(qtype, panel + (b + 1) * bb, xt, ldxb, b + 1, cb[1], acc);
+            scale_block(qtype, panel + b * bb, xt, ldxb, b, cb[0], rows, acc);
+            if (b + 1 < nb) scale_block(qtype, panel + (b + 1) * bb, xt, ldxb, b + 1, cb[1], rows, acc);
             if (b + 2 >= nb) break;
             if (t == 0) PREFETCH_WEIGHTS(panel + (b + 4) * bb, 2 * bb, PREFETCH);
             _tile_stored(2, cb[2], 64);
             if (b + 3 < nb) _tile_stored(3, cb[3], 64);
             if (b + 4 < nb) MUL_BLOCK(0, 4, 5, b + 4, 0);
             if (b + 5 < nb) MUL_BLOCK(1, 6, 7, b + 5, 1);
-            scale_block(qtype, panel + (b + 2) * bb, xt, ldxb, b + 2, cb[2], acc);
-            if (b + 3 < nb) scale_block(qtype, panel + (b + 3) * bb, xt, ldxb, b + 3, cb[3], acc);
+            scale_block(qtype, panel + (b + 2) * bb, xt, ldxb, b + 2, cb[2], rows, acc);
+            if (b + 3 < nb) scale_block(qtype, panel + (b + 3) * bb, xt, ldxb, b + 3, cb[3], rows, acc);
         }
-        for (int r = 0; r < 16; r++) _mm512_mask_storeu_ps(out + (t * 16 + r) * ldo, keep, acc[r]);
+        for (int r = 0; r < 16; r++)
+            if (r < rows) _mm512_mask_storeu_ps(out + (t * 16 + r) * ldo, keep, acc[r]);
     }
 }
 #undef MUL_BLOCK
 
 void quant_dot_amx_panel(int qtype, const uint8_t *panel, int64_t nb, const qdot_xblock *xb,
-                         int64_t ldxb, int64_t tiles, float *out, int64_t ldo, int cols) {
+                         int64_t ldxb, int64_t tiles, int rows, float *out, int64_t ldo,
+                         int cols) {
     switch (qtype) {
-    case Q8_0: amx_panel(Q8_0, panel, nb, xb, ldxb, tiles, out, ldo, cols); break;
-    case Q4_0: amx_panel(Q4_0, panel, nb, xb, ldxb, tiles, out, ldo, cols); break;
-    case Q4_1: amx_panel(Q4_1, panel, nb, xb, ldxb, tiles, out, ldo, cols); break;
-    case Q5_0: amx_panel(Q5_0, panel, nb, xb, ldxb, tiles, out, ldo, cols); break;
-    case Q5_1: amx_panel(Q5_1, panel, nb, xb, ldxb, tiles, out, ldo, cols); break;
+    case Q8_0: amx_panel(Q8_0, panel, nb, xb, ldxb, tiles, rows, out, ldo, cols); break;
+    case Q4_0: amx_panel(Q4_0, panel, nb, xb, ldxb, tiles, rows, out, ldo, cols); break;
+    case Q4_1: amx_panel(Q4_1, panel, nb, xb, ldxb, tiles, rows, out, ldo, cols); break;
+    case Q5_0: amx_panel(Q5_0, panel, nb, xb, ldxb, tiles, rows, out, ldo, cols); break;
+    case Q5_1: amx_panel(Q5_1, panel, nb, xb, ldxb, tiles, rows, out, ldo, cols); break;
     }
 }
 
 #else
-int quant_dot_amx_begin(void) { return 0; }
+int quant_dot_amx_begin(int rows) {
+    (void)rows;
+    return 0;
+}
 void quant_dot_amx_end(void) {}
 void quant_dot_amx_panel(int qtype, const uint8_t *panel, int64_t nb, const qdot_xblock *xb,
-                         int64_t ldxb, int64_t tiles, float *out, int64_t ldo, int cols) {
-    (void)qtype, (void)panel, (void)nb, (void)xb, (void)ldxb, (void)tiles, (void)out;
+                         int64_t ldxb, int64_t tiles, int rows, float *out, int64_t ldo,
+                         int cols) {
+    (void)qtype, (void)panel, (void)nb, (void)xb, (void)ldxb, (void)tiles, (void)rows, (void)out;
     (void)ldo, (void)cols;
 }
 #endif
