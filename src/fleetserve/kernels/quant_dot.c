@@ -123,9 +123,10 @@ void quant_dot_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, qdo
 /* Fewest rows of x that go to AMX-INT8 as a partial tile (the rows past whole tiles of
  * 16, or all of a narrow step's) rather than to the vector kernel. A tile block costs
  * about the same at 1 row as at 16 (measured: AMX GFLOP/s grow linearly with the rows),
- * so a partial tile pays only where the vector kernel's passes cost more: Q8_0 from 8
- * rows (AMX 250-295 GFLOP/s vs VNNI 235-275 at 8, 310-370 vs 270-300 at 15); Q4 / Q5
- * never (the nibble unpack per block: VNNI's two passes stayed ahead up to 15 rows).
+ * so a partial tile pays only where the vector kernel's passes cost more: Q8_0 from 10
+ * rows (at 8 even on the projections, behind on the 49152-row LM head: 140-145 vs
+ * 157-188 GFLOP/s; at 12-15 ahead on all, 310-370 vs 270-300 on gate_up); Q4 / Q5 never
+ * (the nibble unpack per block: VNNI's two passes stayed ahead up to 15 rows).
  * docs/benchmarks.md has the table; FLEETSERVE_AMX_MIN_ROWS overrides (measurement). */
 static int amx_min_rows(int qtype) {
     static int v; /* 0: not read yet, -1: no override */
@@ -135,7 +136,7 @@ static int amx_min_rows(int qtype) {
         r = env && atoi(env) > 0 ? atoi(env) : -1;
         __atomic_store_n(&v, r, __ATOMIC_RELEASE);
     }
-    return r > 0 ? r : qtype == Q8_0 ? 8 : 16;
+    return r > 0 ? r : qtype == Q8_0 ? 10 : 16;
 }
 
 /* Panels [p0, p1) of W times the m quantized rows of x: one thread's share. */
