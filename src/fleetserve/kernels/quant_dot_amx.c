@@ -17,9 +17,7 @@
 #define _GNU_SOURCE
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
+#include "amx_perm.h"
 #include "quant_common.h"
 #include "quant_dot.h"
 
@@ -27,28 +25,12 @@
     defined(__AVX512BW__)
 #define PR 16
 #define PREFETCH 4096
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
 } tile_config;
-
-static int amx_permitted(void) {
-    static int state; /* 0: not asked yet, 1: yes, -1: no */
-    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
-    if (s == 0) {
-        const char *env = getenv("FLEETSERVE_AMX");
-        if (env && env[0] == '0')
-            s = -1;
-        else
-            s = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
-    }
-    return s == 1;
-}
 
 int quant_dot_amx_begin(void) {
     if (!amx_permitted()) return 0;
