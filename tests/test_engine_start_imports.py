@@ -1,7 +1,7 @@
 """An engine's start-up imports no more of torch than it uses: building the model on the
 meta device once pulled in torch._dynamo (nn.init and the rotary tables on meta tensors
 take torch's Python reference ops; `to_empty` pulled in sympy), ~2 s of CPU in every engine
-process."""
+process. The API process imports no torch at all (~1 s of CPU at its start)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,23 @@ assert len(out[0].outputs[0].token_ids) == 2
 late = sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "sympy")))
 assert not late, late[:3]
 """
+
+
+_API_IMPORTS = """
+import sys
+import fleetserve.entrypoints.cli
+import fleetserve.entrypoints.openai.api_server
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))
+assert not heavy, heavy[:3]
+"""
+
+
+def test_the_api_server_imports_without_torch() -> None:
+    """The API process imports neither torch nor transformers (engine processes do)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _API_IMPORTS], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_an_engine_starts_without_torch_dynamo_or_sympy(tiny_llama: str) -> None:

@@ -10,7 +10,7 @@ from fleetserve.core.config import SchedulerConfig
 from fleetserve.engine.dtype_choice import DtypeChoice, announce, choose_dtype, cpu_flags
 from fleetserve.lora.config import LoRAConfig, parse_lora_modules
 from fleetserve.models.loader import ModelSource, resolve_model
-from fleetserve.models.quantize import resolve_int8_activations, resolve_quantization
+from fleetserve.models.quant_choice import resolve_int8_activations, resolve_quantization
 from fleetserve.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -105,7 +105,7 @@ class EngineArgs:
         quantization = resolve_quantization(
             self.quantization,
             source.format,
-            model_cfg.dtype,
+            model_cfg.dtype_name,
             self.device,
             self.tensor_parallel_size * self.pipeline_parallel_size,
         )
