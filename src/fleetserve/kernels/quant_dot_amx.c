@@ -32,6 +32,8 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
+/* amx_permitted(): amx_perm.h, shared with gemm_bf16.c. */
+
 int quant_dot_amx_begin(void) {
     if (!amx_permitted()) return 0;
     /* Static: GCC 12 drops stores into a local config that only ldtilecfg reads. */
