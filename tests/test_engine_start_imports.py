@@ -5,9 +5,11 @@ process. The API process imports no torch at all (~1 s of CPU at its start)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from fleetserve.layers.rotary import RotaryEmbedding
@@ -39,6 +41,32 @@ def test_the_api_server_imports_without_torch() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", _API_IMPORTS], capture_output=True, text=True, timeout=120
     )
+    assert proc.returncode == 0, proc.stderr
+
+
+_RESOLVE = """
+import sys
+from fleetserve.engine.arg_utils import EngineArgs
+from fleetserve.tokenizer import Tokenizer
+
+config, source = EngineArgs(model=sys.argv[1]).resolve()
+Tokenizer.from_source(source).encode("hello")
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))
+assert not heavy, heavy[:3]
+print(config.bf16_weights)
+"""
+
+
+@pytest.mark.parametrize("auto_bf16", ["0", "1"])
+def test_resolving_an_engine_config_imports_no_torch(tiny_llama: str, auto_bf16: str) -> None:
+    """What the API process does at start for a float32 HF checkpoint (the config, the
+    tokenizer), with `--dtype auto` free to pick bf16 weights (the kernel library's check)
+    or pinned to float32 as in the test suite."""
+    env = {**os.environ, "FLEETSERVE_AUTO_BF16": auto_bf16}
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESOLVE, tiny_llama],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
 
 

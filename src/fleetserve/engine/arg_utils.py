@@ -179,12 +179,10 @@ class EngineArgs:
             return "the torch attention backend runs no CPU kernels"
         if not model_cfg.architecture.endswith("ForCausalLM"):
             return f"{model_cfg.architecture} is not a causal LM"
-        from fleetserve.kernels import cpu as cpu_kernels
+        from fleetserve.kernels import library  # torch-free: the API process asks too
 
-        if cpu_kernels.load() is None:
+        if library.load() is None:
             return "no C compiler for the CPU kernels"
-        from fleetserve.kernels.bf16 import native
-
-        if not native():
+        if not library.bf16_native():
             return "the kernel library was built without AVX512-BF16"
         return None

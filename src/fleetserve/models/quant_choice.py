@@ -32,13 +32,13 @@ def resolve_quantization(
     The C kernels (and torch) are loaded only where quantized weights may be chosen."""
 
     def usable() -> bool:
-        from fleetserve.kernels import cpu as cpu_kernels
+        from fleetserve.kernels import library
 
         return (
             device == "cpu"
             and dtype_name(dtype) == "float32"
             and world_size == 1
-            and cpu_kernels.load() is not None
+            and library.load() is not None
         )
 
     if requested is None:
