@@ -181,7 +181,7 @@ class EngineArgs:
             return f"{model_cfg.architecture} is not a causal LM"
         from fleetserve.kernels import library  # torch-free: the API process asks too
 
-        if library.load() is None:
+        if library.open_library() is None:
             return "no C compiler for the CPU kernels"
         if not library.bf16_native():
             return "the kernel library was built without AVX512-BF16"

@@ -1,7 +1,8 @@
-"""Build and load the C kernels for the CPU.
+"""The C kernels for the CPU: their signatures (`load()`) and torch wrappers.
 
-The source ships with the package; the first use compiles it with the system C compiler
-into ``$FLEETSERVE_CACHE/kernels`` (default ``~/.cache/fleetserve/kernels``), keyed by a
+kernels/library.py builds and opens the library (without importing torch). The source
+ships with the package; the first use compiles it with the system C compiler into
+``$FLEETSERVE_CACHE/kernels`` (default ``~/.cache/fleetserve/kernels``), keyed by a
 hash of the source, the flags and the CPU, so later starts load it in milliseconds. No
 torch headers are involved: tensors are passed as raw pointers through ctypes. When no
 compiler is found, or ``FLEETSERVE_CPU_KERNELS=0``, ``load()`` returns None and callers
@@ -18,12 +19,53 @@ from typing import Any
 
 import torch
 
-# The library itself (build, cache, load) is torch-free; re-exported for the kernels.
+from fleetserve.kernels import library
+
+# The library's build and cache (torch-free), as they were here before.
 from fleetserve.kernels.library import _build as _build
 from fleetserve.kernels.library import _cache_dir as _cache_dir
 from fleetserve.kernels.library import _cpu_signature as _cpu_signature
-from fleetserve.kernels.library import _lib as _lib
-from fleetserve.kernels.library import load as load
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library with its functions' signatures set, or None when it cannot be
+    used here (kernels/library.py builds and opens it, without torch)."""
+    lib = library.open_library()
+    if lib is None:
+        return None
+    p, i64p = ctypes.c_void_p, ctypes.c_void_p
+    lib.paged_attention.argtypes = [
+        p, ctypes.c_int64, p, p, p,  # q, its row stride, k_cache, v_cache, out
+        ctypes.c_int, i64p, i64p, i64p, i64p, ctypes.c_int64,  # seqs, starts, lens, tables
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # heads, kv heads, hd, bs
+        ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int,  # scale, window, cap, threads
+    ]  # fmt: skip
+    lib.paged_attention.restype = ctypes.c_int
+    i64, i32, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.rms_norm.argtypes = [p, i64, p, p, p, i64, i64, f32, i32]
+    lib.rms_norm_heads.argtypes = [p, i64, i32, p, p, i64, i32, f32, i32]
+    lib.silu_mul.argtypes = [p, i64, p, i64, i64, i32]
+    lib.gelu_tanh_mul.argtypes = [p, i64, p, i64, i64, i32]
+    lib.rotary.argtypes = [p, i64, i32, p, i64, i32, i32, p, p, p, i64, i32]
+    lib.cache_write.argtypes = [p, i64, p, i64, p, p, p, p, i64, i32, i32, i32, i32]
+    lib.gemm_pack_weight.argtypes = [p, i64, i64, p, i32]
+    for fn in (
+        lib.rms_norm, lib.rms_norm_heads, lib.silu_mul, lib.gelu_tanh_mul, lib.rotary,
+        lib.cache_write, lib.gemm_pack_weight,
+    ):  # fmt: skip
+        fn.restype = None
+    lib.gemm_packed.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i32]
+    lib.gemm_packed.restype = ctypes.c_int
+    lib.gemm_panel_width.argtypes = []
+    lib.gemm_panel_width.restype = ctypes.c_int
+    return lib
+
+
+def _lib() -> ctypes.CDLL:
+    lib = load()
+    assert lib is not None, "CPU kernels not available"
+    return lib
 
 
 def _rows(name: str, t: torch.Tensor) -> int:

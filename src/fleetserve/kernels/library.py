@@ -94,8 +94,9 @@ def _run(cmd: list[str]) -> None:
 
 
 @cache
-def load() -> ctypes.CDLL | None:
-    """The kernel library, or None when it cannot be used here."""
+def open_library() -> ctypes.CDLL | None:
+    """The kernel library, built on first use and opened (no function signatures set:
+    kernels/cpu.py's `load()` sets them), or None when it cannot be used here."""
     if os.environ.get("FLEETSERVE_CPU_KERNELS", "1") == "0":
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -103,48 +104,16 @@ def load() -> ctypes.CDLL | None:
         log.warning("no C compiler found: attention runs on the plain-torch path")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        return ctypes.CDLL(str(_build(cc)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         log.warning("CPU kernels unavailable (%s): using the plain-torch path", detail.strip())
         return None
-    p, i64p = ctypes.c_void_p, ctypes.c_void_p
-    lib.paged_attention.argtypes = [
-        p, ctypes.c_int64, p, p, p,  # q, its row stride, k_cache, v_cache, out
-        ctypes.c_int, i64p, i64p, i64p, i64p, ctypes.c_int64,  # seqs, starts, lens, tables
-        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # heads, kv heads, hd, bs
-        ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int,  # scale, window, cap, threads
-    ]  # fmt: skip
-    lib.paged_attention.restype = ctypes.c_int
-    i64, i32, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.rms_norm.argtypes = [p, i64, p, p, p, i64, i64, f32, i32]
-    lib.rms_norm_heads.argtypes = [p, i64, i32, p, p, i64, i32, f32, i32]
-    lib.silu_mul.argtypes = [p, i64, p, i64, i64, i32]
-    lib.gelu_tanh_mul.argtypes = [p, i64, p, i64, i64, i32]
-    lib.rotary.argtypes = [p, i64, i32, p, i64, i32, i32, p, p, p, i64, i32]
-    lib.cache_write.argtypes = [p, i64, p, i64, p, p, p, p, i64, i32, i32, i32, i32]
-    lib.gemm_pack_weight.argtypes = [p, i64, i64, p, i32]
-    for fn in (
-        lib.rms_norm, lib.rms_norm_heads, lib.silu_mul, lib.gelu_tanh_mul, lib.rotary,
-        lib.cache_write, lib.gemm_pack_weight,
-    ):  # fmt: skip
-        fn.restype = None
-    lib.gemm_packed.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i32]
-    lib.gemm_packed.restype = ctypes.c_int
-    lib.gemm_panel_width.argtypes = []
-    lib.gemm_panel_width.restype = ctypes.c_int
-    return lib
-
-
-def _lib() -> ctypes.CDLL:
-    lib = load()
-    assert lib is not None, "CPU kernels not available"
-    return lib
 
 
 def bf16_native() -> bool:
     """Whether the library was built with AVX512-BF16 (`vdpbf16ps`); False without it."""
-    lib = load()
+    lib = open_library()
     if lib is None:
         return False
     lib.bf16_native.argtypes = []

@@ -38,7 +38,7 @@ def resolve_quantization(
             device == "cpu"
             and dtype_name(dtype) == "float32"
             and world_size == 1
-            and library.load() is not None
+            and library.open_library() is not None
         )
 
     if requested is None:
