@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 from fleetserve.config import dtype_name
+from fleetserve.say_once import say_once
 
 if TYPE_CHECKING:
     import torch
@@ -93,18 +95,9 @@ def resolve_int8_activations(requested: bool | None, quantization: str) -> bool:
     return requested
 
 
-_said: set[str] = set()
+_said: set[Hashable] = set()
 
 
 def _say(message: str) -> None:
-    """One INFO line per process and message, shown even where logging is unconfigured
-    (as engine/dtype_choice.py's announcement)."""
-    if message in _said:
-        return
-    _said.add(message)
-    if not logging.getLogger().hasHandlers() and not log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("fleetserve: %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-    log.info("%s", message)
+    """One INFO line per process and message (fleetserve/say_once.py)."""
+    say_once(log, _said, message, message)
