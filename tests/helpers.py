@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleetserve.models.default_model import default_model_path
+
+if TYPE_CHECKING:
+    import torch
+
+    from fleetserve import LLM
 
 
 def smollm2_path() -> str | None:
@@ -109,3 +114,26 @@ def write_tiny_gguf(hf_dir: str, out_path: str) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def prompt_logprobs(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """log p(prompt token j | tokens before it) for j >= 1, and the top-1 id there."""
+    import torch
+
+    from fleetserve import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    assert out.prompt_logprobs is not None
+    rows = out.prompt_logprobs[1:]
+    chosen = torch.tensor([row[t] for row, t in zip(rows, ids[1:], strict=True)])  # type: ignore[index]
+    top1 = [max(row, key=row.__getitem__) for row in rows]  # type: ignore[union-attr]
+    return chosen, top1
+
+
+def top1_agreement(a: LLM, b: LLM, ids: list[int]) -> tuple[float, torch.Tensor]:
+    """How often `a`'s top-1 prompt token matches `b`'s, and |a's logprob - b's| per token."""
+    got, got_top = prompt_logprobs(a, ids)
+    want, want_top = prompt_logprobs(b, ids)
+    agree = sum(x == y for x, y in zip(got_top, want_top, strict=True)) / len(want_top)
+    return agree, (got - want).abs()

@@ -7,6 +7,8 @@ block sizes from 1 up, decodes and prefill chunks with cached context in one cal
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -128,7 +130,7 @@ def test_kernel_refuses_wrong_dtype_or_layout() -> None:
 
 def test_kernel_builds_into_the_cache_folder(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("FLEETSERVE_CACHE", str(tmp_path))
-    cc = cpu_kernels.shutil.which("cc") or cpu_kernels.shutil.which("gcc")
+    cc = shutil.which("cc") or shutil.which("gcc")
     assert cc is not None
     built = cpu_kernels._build(cc)
     assert built.parent == tmp_path / "kernels" and built.exists()

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 import fleetserve.bench
-from fleetserve import LLM, SamplingParams
+from fleetserve import LLM
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.kernels import cpu as cpu_kernels
 from fleetserve.kernels.quant import int8_dot_kernel
 from fleetserve.layers.quant_linear import QuantLinear
 from fleetserve.models.quantize import INT8_ACTIVATIONS_ENV
-from helpers import smollm2_path, write_tiny_gguf
+from helpers import smollm2_path, top1_agreement, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 
@@ -41,23 +41,6 @@ def _llm(path: str, quantization: str, int8_activations: bool) -> LLM:
     )  # fmt: skip
 
 
-def _prompt_logprobs(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
-    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
-    out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
-    assert out.prompt_logprobs is not None
-    rows = out.prompt_logprobs[1:]
-    chosen = torch.tensor([row[t] for row, t in zip(rows, ids[1:], strict=True)])  # type: ignore[index]
-    top1 = [max(row, key=row.__getitem__) for row in rows]  # type: ignore[union-attr]
-    return chosen, top1
-
-
-def _agreement(a: LLM, b: LLM, ids: list[int]) -> tuple[float, torch.Tensor]:
-    got, got_top = _prompt_logprobs(a, ids)
-    want, want_top = _prompt_logprobs(b, ids)
-    agree = sum(x == y for x, y in zip(got_top, want_top, strict=True)) / len(want_top)
-    return agree, (got - want).abs()
-
-
 def test_smollm2_int8_activations_agree_with_float():
     path = smollm2_path()
     if path is None:
@@ -71,7 +54,7 @@ def test_smollm2_int8_activations_agree_with_float():
     # rounding of an activation moves the figure by 1.2 points.
     english = Path(fleetserve.bench.__file__).with_name("data") / "english.txt"
     ids = a8.get_tokenizer().encode(english.read_text())[:320]
-    agree, diff = _agreement(a8, f32, ids)
+    agree, diff = top1_agreement(a8, f32, ids)
     print(
         f"SmolLM2 Q4_1, int8 vs float32 activations over {len(diff)} positions: top-1 "
         f"agreement {agree:.3f}, |dlogprob| mean {diff.mean():.4f} max {diff.max():.4f}"
@@ -87,7 +70,7 @@ def test_w8a8_stays_close_on_tiny_models(tiny_model_factory, arch):
     path = tiny_model_factory(arch)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, 512, (64,), generator=g).tolist()
-    agree, diff = _agreement(_llm(path, "int8", True), _llm(path, "int8", False), ids)
+    agree, diff = top1_agreement(_llm(path, "int8", True), _llm(path, "int8", False), ids)
     print(f"{arch}: W8A8 vs W8A32 top-1 agreement {agree:.3f}, |dlogprob| mean {diff.mean():.4f}")
     # Random tiny models have nearly flat distributions: the hardest case for top-1.
     assert agree >= 0.9, agree

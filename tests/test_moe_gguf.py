@@ -20,6 +20,7 @@ from fleetserve.kernels import cpu as cpu_kernels
 from fleetserve.kernels.quant import QuantWeight
 from fleetserve.layers.quant_linear import QuantLinear
 from fleetserve.models.moe import MoeForCausalLM
+from helpers import prompt_logprobs
 from moe_gguf import write_tiny_moe_gguf
 from test_hf_parity import GREEDY, PROMPTS, hf_greedy, run_engine
 
@@ -55,13 +56,6 @@ def test_float32_gguf_matches_hf(
         assert tokens[str(i)] == expected, f"prompt {i} (len {len(PROMPTS[i])})"
 
 
-def _prompt_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
-    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
-    out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
-    assert out.prompt_logprobs is not None
-    return torch.tensor([row[t] for row, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)])  # type: ignore[index]
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_quantized_experts_match_dequantized(
     arch: str, tiny_model_factory: Callable[..., str], tmp_path: Path
@@ -89,7 +83,7 @@ def test_quantized_experts_match_dequantized(
     for n in (1, 7, 60):  # a decode-sized and a prefill-sized batch of rows per expert
         ids = torch.randint(3, 512, (n + 1,), generator=g).tolist()
         torch.testing.assert_close(
-            _prompt_logprobs(quant, ids), _prompt_logprobs(plain, ids), rtol=0, atol=1e-4
+            prompt_logprobs(quant, ids)[0], prompt_logprobs(plain, ids)[0], rtol=0, atol=1e-4
         )
     quant.engine.shutdown()
     plain.engine.shutdown()

@@ -19,7 +19,7 @@ from fleetserve.kernels import cpu as cpu_kernels
 from fleetserve.layers.quant_linear import QuantEmbedding, QuantLinear
 from fleetserve.models.loader import resolve_model
 from fleetserve.models.quantize import quantize_q8_0
-from helpers import smollm2_path, write_tiny_gguf
+from helpers import prompt_logprobs, smollm2_path, top1_agreement, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 
@@ -45,17 +45,6 @@ def _llm(path: str | None, quantization: str | None) -> LLM:
         path, quantization=quantization, int8_activations=False, max_model_len=512,
         num_kv_blocks=64,
     )  # fmt: skip
-
-
-def _prompt_logprobs(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """log p(prompt token j | tokens before it) for j >= 1, and the top-1 id there."""
-    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
-    out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
-    assert out.prompt_logprobs is not None
-    rows = out.prompt_logprobs[1:]
-    chosen = torch.tensor([row[t] for row, t in zip(rows, ids[1:], strict=True)])  # type: ignore[index]
-    top1 = [max(row, key=row.__getitem__) for row in rows]  # type: ignore[union-attr]
-    return chosen, top1
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +73,8 @@ def test_smollm2_keeps_its_blocks(smollm2_pair):
 def test_smollm2_quantized_logits_match_dequantized(smollm2_pair):
     quant, plain = smollm2_pair
     ids = quant.get_tokenizer().encode(TEXT)
-    got, got_top = _prompt_logprobs(quant, ids)
-    want, want_top = _prompt_logprobs(plain, ids)
+    got, got_top = prompt_logprobs(quant, ids)
+    want, want_top = prompt_logprobs(plain, ids)
     # Same weights, float32 sums in another order: 1e-3 nats is ~10x the largest
     # difference seen (typically ~1e-5).
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
@@ -126,8 +115,8 @@ def test_tiny_gguf_mixed_formats_match_dequantized(tiny_model_factory, tmp_path)
     model = quant.engine.core.executor.runner.model  # type: ignore[attr-defined]
     assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
     assert not isinstance(model.model.layers[0].self_attn.qkv_proj, QuantLinear)
-    got, _ = _prompt_logprobs(quant, ids)
-    want, _ = _prompt_logprobs(plain, ids)
+    got, _ = prompt_logprobs(quant, ids)
+    want, _ = prompt_logprobs(plain, ids)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
@@ -140,10 +129,7 @@ def test_int8_stays_close_on_tiny_models(tiny_model_factory, arch):
     assert plain.engine.config.quantization == "none"
     model = int8.engine.core.executor.runner.model  # type: ignore[attr-defined]
     assert isinstance(model.model.layers[0].mlp.gate_up_proj, QuantLinear)
-    got, got_top = _prompt_logprobs(int8, ids)
-    want, want_top = _prompt_logprobs(plain, ids)
-    agree = sum(a == b for a, b in zip(got_top, want_top, strict=True)) / len(want_top)
-    diff = (got - want).abs()
+    agree, diff = top1_agreement(int8, plain, ids)
     print(
         f"{arch}: top-1 agreement {agree:.3f}, |dlogprob| mean {diff.mean():.4f} max {diff.max():.4f}"
     )

@@ -6,27 +6,31 @@ User-facing mistakes raise ValueError naming the field and its allowed range.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fleetserve.core.config import SchedulerConfig
 from fleetserve.lora.config import LoRAConfig
 from fleetserve.moe_config import MOE_ARCHITECTURES, MoEConfig, moe_from_hf, refuse_unsupported
 from fleetserve.spec_decode.config import SpeculativeConfig
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["SchedulerConfig"]
 
+# Names a dtype may be given by -> its canonical name (torch's attribute). The configs keep
+# the name, so the API process resolves an engine's config without importing torch.
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
 }
+_ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -76,19 +80,30 @@ def layer_windows(hf: dict[str, Any], arch: str, num_layers: int) -> tuple[int |
     return tuple(window if t == "sliding_attention" else None for t in types)
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """The canonical name (float32, float16, bfloat16) of a dtype given by name or as a
+    torch.dtype; "auto" is float32. ValueError for anything else."""
+    if not isinstance(dtype, str):  # a torch.dtype
+        name = str(dtype).removeprefix("torch.")
+        if name not in _ITEM_BYTES:
             raise ValueError(f"dtype must be one of float32, float16, bfloat16, got {dtype}")
-        return dtype
+        return name
     if dtype == "auto":
-        return torch.float32
+        return "float32"
     try:
-        return _DTYPES[str(dtype).lower()]
+        return _DTYPES[dtype.lower()]
     except KeyError:
         raise ValueError(
             f"dtype must be one of {sorted(set(_DTYPES))} or 'auto', got {dtype!r}"
         ) from None
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The torch.dtype of `dtype_name(dtype)`."""
+    import torch
+
+    dt: torch.dtype = getattr(torch, dtype_name(dtype))
+    return dt
 
 
 @dataclass(frozen=True)
@@ -108,7 +123,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
-    dtype: torch.dtype
+    dtype_name: str  # float32 | float16 | bfloat16 (`dtype` is its torch.dtype)
     max_model_len: int
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -182,7 +197,7 @@ class ModelConfig:
             or (arch == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True)))
             or bool(hf.get("attention_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
-            dtype=parse_dtype(dtype),
+            dtype_name=dtype_name(dtype),
             max_model_len=max_model_len,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -194,8 +209,13 @@ class ModelConfig:
         )
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The weights' and activations' torch.dtype (torch is imported on first use)."""
+        return parse_dtype(self.dtype_name)
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = _ITEM_BYTES[self.dtype_name]
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
 
 
@@ -333,7 +353,7 @@ class EngineConfig:
             raise ValueError("int8_activations needs quantization 'gguf' or 'int8'")
         if self.bf16_weights and (
             self.quantization != "none"
-            or self.model.dtype != torch.float32
+            or self.model.dtype_name != "float32"
             or self.device != "cpu"
             or self.parallel.tensor_parallel_size * self.parallel.pipeline_parallel_size > 1
         ):

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from ops_fleet import OPS_API_KEY, OPS_FLEET, OPS_STEP_DELAY_S
-from pipeline_fleet import PIPELINE_FLEET, PIPELINE_STEP_DELAY_S
+from pipeline_fleet import PIPELINE_STEP_DELAY_S, pipeline_fleet_config
 from server_proc import ServerProc
 
 
@@ -44,9 +44,7 @@ def ops_fleet(
 def pipeline_fleet(
     tiny_model_factory: Callable[..., str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProc]:
-    config = PIPELINE_FLEET.format(
-        llama=tiny_model_factory("llama"), llama7=tiny_model_factory("llama", seed=7)
-    )
+    config = pipeline_fleet_config(tiny_model_factory("llama"), tiny_model_factory("llama", seed=7))
     env = {"FLEETSERVE_DEBUG_STEP_DELAY_S": PIPELINE_STEP_DELAY_S}
     srv = ServerProc.fleet(config, tmp_path_factory.mktemp("pipeline-fleet"), env)
     try:

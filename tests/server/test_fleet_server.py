@@ -21,25 +21,29 @@ import openai
 import pytest
 from server_proc import ServerProc, metric, scrape, wait_until
 
-CONFIG = """
-models:
-  - name: tiny
-    model: {model}
-    engine: {{max_num_seqs: 2, num_threads: 1, max_model_len: 512}}
-  - name: minilm
-    kind: embed
-    batching: {{max_batch_size: 8, batch_wait_timeout_s: 0.01}}
-  - name: classifier
-    kind: custom
-    handler: fleet_handlers:Classifier
-    options: {{labels: [even, odd]}}
-    batching: {{max_batch_size: 4, batch_wait_timeout_s: 0.02}}
+from fleetserve.bench.fleet_entries import custom_entry, embed_entry, fleet_file, generate_entry
+
+CLASSES = """\
 classes:
-  interactive: {{priority: 0, max_waiting: 16}}
-  batch: {{priority: 10, max_waiting: 64}}
-  tail: {{priority: 20, max_waiting: 1, max_queue_time_s: 1.0}}
+  interactive: {priority: 0, max_waiting: 16}
+  batch: {priority: 10, max_waiting: 64}
+  tail: {priority: 20, max_waiting: 1, max_queue_time_s: 1.0}
 default_class: interactive
 """
+
+
+def fleet_config(model: str) -> str:
+    classifier = custom_entry(
+        "classifier",
+        "fleet_handlers:Classifier",
+        options="{labels: [even, odd]}",
+        max_batch_size=4,
+        batch_wait_timeout_s=0.02,
+    )
+    tiny = generate_entry("tiny", model, max_num_seqs=2, num_threads=1, max_model_len=512)
+    return fleet_file([tiny, embed_entry(max_batch_size=8), classifier], CLASSES)
+
+
 STEP_DELAY_S = "0.03"
 FLOOD, FLOOD_TOKENS = 8, 30
 
@@ -47,7 +51,7 @@ FLOOD, FLOOD_TOKENS = 8, 30
 @pytest.fixture(scope="module")
 def fleet(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     path = tmp_path_factory.mktemp("fleet") / "fleet.yaml"
-    path.write_text(CONFIG.format(model=tiny_llama))
+    path.write_text(fleet_config(tiny_llama))
     # The custom handler lives in tests/fleet_handlers.py.
     tests_dir = str(Path(__file__).resolve().parent.parent)
     pythonpath = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)

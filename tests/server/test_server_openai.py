@@ -208,3 +208,15 @@ def test_async_client_concurrent(server: ServerProc, client: openai.OpenAI) -> N
             )
 
     assert asyncio.run(main()) == [expected] * 8
+
+
+def test_the_api_process_never_loads_torch(server: ServerProc, client: openai.OpenAI) -> None:
+    """The API process (tokenize, validate, detokenize, HTTP) serves a float32 HF checkpoint
+    without importing torch: only its engine process does (~1 s of CPU at every start)."""
+    greedy(client, max_tokens=4)
+    with open(f"/proc/{server.proc.pid}/maps") as f:
+        maps = f.read()
+    assert "libtorch" not in maps
+    assert server.core_pid is not None
+    with open(f"/proc/{server.core_pid}/maps") as f:
+        assert "libtorch" in f.read()  # the check can see torch where it is loaded

@@ -21,31 +21,21 @@ from typing import Any
 
 import httpx
 
+from fleetserve.bench.fleet_entries import embed_entry, fleet_file, generate_entry, rag_graph_entry
 from fleetserve.bench.local_server import LocalServer, free_port
 
-FLEET = """
-models:
-  - name: chat
-    model: {model}
-    engine: {{max_num_seqs: 4, max_model_len: 512}}
-  - name: minilm
-    kind: embed
-  - name: rag
-    kind: graph
-    graph:
-      nodes:
-        root:
-          type: sequence
-          steps:
-            - {{model: minilm, name: vec, input: {{input: "$request.messages[-1].content"}}}}
-            - model: chat
-              input:
-                max_tokens: {max_tokens}
-                temperature: 0.0
-                messages:
-                  - {{role: system, content: "Context: {{$steps.vec.data[0].embedding[0]}}"}}
-                  - "$request.messages[-1]"
-"""
+
+def fleet(model: str, max_tokens: int) -> str:
+    """The bench's fleet file: a generate model, the embedder and the graph over them."""
+    return fleet_file(
+        [
+            generate_entry("chat", model, max_num_seqs=4, max_model_len=512),
+            embed_entry(),
+            rag_graph_entry("rag", embedder="minilm", chat="chat", max_tokens=max_tokens),
+        ]
+    )
+
+
 QUESTIONS = ["Where is the moon?", "What is a river?", "Name a red fruit.", "Why is ice cold?"]
 
 
@@ -75,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     args = ap.parse_args(argv)
     folder = Path(tempfile.mkdtemp(prefix="fleetserve-graph-bench-"))
-    (folder / "fleet.yaml").write_text(FLEET.format(model=args.model, max_tokens=args.max_tokens))
+    (folder / "fleet.yaml").write_text(fleet(args.model, args.max_tokens))
     port = free_port()
     cmd = [sys.executable, "-m", "fleetserve.entrypoints.cli", "serve", "--config",
            str(folder / "fleet.yaml"), "--host", "127.0.0.1", "--port", str(port),

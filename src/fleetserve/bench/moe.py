@@ -65,7 +65,7 @@ def _blocks(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.nn.Module]
         intermediate_size=args.top_k * inter, num_hidden_layers=1, num_attention_heads=1,
         num_key_value_heads=1, head_dim=h, rms_norm_eps=1e-6, rope_theta=1e4,
         rope_scaling=None, max_position_embeddings=16, tie_word_embeddings=False,
-        attention_bias=False, qk_norm=False, dtype=torch.float32, max_model_len=16,
+        attention_bias=False, qk_norm=False, dtype_name="float32", max_model_len=16,
     )  # fmt: skip
     moe_cfg = MoEConfig(e, args.top_k, inter, True, None, (0,))
     moe, dense = SparseMoeBlock(cfg, moe_cfg), LlamaMLP(cfg)

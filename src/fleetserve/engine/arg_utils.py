@@ -10,7 +10,7 @@ from fleetserve.core.config import SchedulerConfig
 from fleetserve.engine.dtype_choice import DtypeChoice, announce, choose_dtype, cpu_flags
 from fleetserve.lora.config import LoRAConfig, parse_lora_modules
 from fleetserve.models.loader import ModelSource, resolve_model
-from fleetserve.models.quantize import resolve_int8_activations, resolve_quantization
+from fleetserve.models.quant_choice import resolve_int8_activations, resolve_quantization
 from fleetserve.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -105,7 +105,7 @@ class EngineArgs:
         quantization = resolve_quantization(
             self.quantization,
             source.format,
-            model_cfg.dtype,
+            model_cfg.dtype_name,
             self.device,
             self.tensor_parallel_size * self.pipeline_parallel_size,
         )
@@ -179,12 +179,10 @@ class EngineArgs:
             return "the torch attention backend runs no CPU kernels"
         if not model_cfg.architecture.endswith("ForCausalLM"):
             return f"{model_cfg.architecture} is not a causal LM"
-        from fleetserve.kernels import cpu as cpu_kernels
+        from fleetserve.kernels import library  # torch-free: the API process asks too
 
-        if cpu_kernels.load() is None:
+        if library.open_library() is None:
             return "no C compiler for the CPU kernels"
-        from fleetserve.kernels.bf16 import native
-
-        if not native():
+        if not library.bf16_native():
             return "the kernel library was built without AVX512-BF16"
         return None

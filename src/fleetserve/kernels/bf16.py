@@ -12,7 +12,7 @@ from functools import cache
 
 import torch
 
-from fleetserve.kernels import cpu
+from fleetserve.kernels import cpu, library
 
 
 @cache
@@ -29,7 +29,7 @@ def _fn() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
 def native() -> bool:
     """Whether the kernel library runs `vdpbf16ps` here."""
     _fn()
-    return bool(cpu._lib().bf16_native())
+    return library.bf16_native()
 
 
 def gemm_bf16(

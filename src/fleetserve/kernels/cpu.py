@@ -1,7 +1,8 @@
-"""Build and load the C kernels for the CPU.
+"""The C kernels for the CPU: their signatures (`load()`) and torch wrappers.
 
-The source ships with the package; the first use compiles it with the system C compiler
-into ``$FLEETSERVE_CACHE/kernels`` (default ``~/.cache/fleetserve/kernels``), keyed by a
+kernels/library.py builds and opens the library (without importing torch). The source
+ships with the package; the first use compiles it with the system C compiler into
+``$FLEETSERVE_CACHE/kernels`` (default ``~/.cache/fleetserve/kernels``), keyed by a
 hash of the source, the flags and the CPU, so later starts load it in milliseconds. No
 torch headers are involved: tensors are passed as raw pointers through ctypes. When no
 compiler is found, or ``FLEETSERVE_CPU_KERNELS=0``, ``load()`` returns None and callers
@@ -11,109 +12,27 @@ use their plain-torch path.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
+from fleetserve.kernels import library
 
-_SOURCES = [
-    Path(__file__).with_name(n)
-    for n in (
-        "paged_attention.c", "fused_ops.c", "gemm.c", "quant_gemm.c", "quant_panel.c",
-        "quant_dot.c", "quant_dot_simd.c", "quant_dot_amx.c", "quant_avx2.c", "decode_step.c",
-        "moe.c", "lora.c", "gemm_bf16.c",
-    )
-]  # fmt: skip
-# Included by the sources: part of the cache key, not compiled on their own.
-_HEADERS = [
-    Path(__file__).with_name(n)
-    for n in ("gemm_tile.h", "quant_common.h", "quant_dot.h", "fused_rows.h")
-]
-# FLEETSERVE_CPU_MARCH picks another target than this CPU's own, e.g. x86-64-v3 (AVX2)
-# or x86-64 (SSE2 only) to test the narrower code paths here.
-_FLAGS = [
-    "-O3",
-    f"-march={os.environ.get('FLEETSERVE_CPU_MARCH', 'native')}",
-    "-ffast-math",
-    "-fopenmp",
-    "-fPIC",
-    "-std=c11",
-]
-# Linked without -ffast-math on purpose: with it, gcc adds crtfastmath.o, whose constructor
-# turns on flush-to-zero for the whole process that loads the library (torch, numpy and
-# Python's own floats would then lose subnormals).
-_LINK_FLAGS = ["-shared", "-fopenmp"]
-
-
-def _cpu_signature() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("FLEETSERVE_CACHE", os.path.expanduser("~/.cache/fleetserve"))
-    return Path(root) / "kernels"
-
-
-def _build(cc: str) -> Path:
-    src = b"".join(f.read_bytes() for f in [*_SOURCES, *_HEADERS])
-    key = hashlib.sha256(
-        src + " ".join([cc, *_FLAGS, *_LINK_FLAGS, platform.machine(), _cpu_signature()]).encode()
-    ).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_kernels-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent first starts never see half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        with tempfile.TemporaryDirectory(dir=out.parent) as objdir:
-            objs = [str(Path(objdir) / f"{f.stem}.o") for f in _SOURCES]
-            for source, obj in zip(_SOURCES, objs, strict=True):
-                _run([cc, *_FLAGS, "-c", str(source), "-o", obj])
-            _run([cc, *_LINK_FLAGS, *objs, "-o", tmp, "-lm"])
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
-def _run(cmd: list[str]) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+# The library's build and cache (torch-free), as they were here before.
+from fleetserve.kernels.library import _build as _build
+from fleetserve.kernels.library import _cache_dir as _cache_dir
+from fleetserve.kernels.library import _cpu_signature as _cpu_signature
 
 
 @cache
 def load() -> ctypes.CDLL | None:
-    """The kernel library, or None when it cannot be used here."""
-    if os.environ.get("FLEETSERVE_CPU_KERNELS", "1") == "0":
-        return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        log.warning("no C compiler found: attention runs on the plain-torch path")
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(cc)))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        log.warning("CPU kernels unavailable (%s): using the plain-torch path", detail.strip())
+    """The kernel library with its functions' signatures set, or None when it cannot be
+    used here (kernels/library.py builds and opens it, without torch)."""
+    lib = library.open_library()
+    if lib is None:
         return None
     p, i64p = ctypes.c_void_p, ctypes.c_void_p
     lib.paged_attention.argtypes = [

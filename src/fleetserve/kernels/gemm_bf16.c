@@ -15,8 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_perm.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -116,8 +116,6 @@ static uint16_t *thread_scratch(size_t need) {
  * inputs (1 KiB each: pair r of row i at uint32 r * 16 + i; rows past m are zero). A C
  * tile is then 16 weight rows x 16 rows of x in float32, summed over k in the same order
  * whatever m or the team, written out transposed. Tiles 0-3: C; 4-5: A; 6-7: B. */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define PACK_BLOCK 512 /* bf16 values in one packed 16 x 32 block */
 
 typedef struct {
@@ -125,20 +123,6 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } amx_config;
-
-static int amx_permitted(void) {
-    static int state; /* 0: not asked yet, 1: yes, -1: no */
-    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
-    if (s == 0) {
-        const char *env = getenv("FLEETSERVE_AMX");
-        if (env && env[0] == '0')
-            s = -1;
-        else
-            s = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
-    }
-    return s == 1;
-}
 
 static void amx_begin(void) {
     /* Static: a local config only ldtilecfg reads may lose its stores (GCC 12). */

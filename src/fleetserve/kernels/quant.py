@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from fleetserve.kernels import cpu as cpu_kernels
+from fleetserve.kernels import library
 
 
 class QType(enum.IntEnum):
@@ -78,12 +79,9 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def int8_dot_kernel() -> str | None:
-    """The SIMD integer-dot kernel the C library was built with for this CPU ("AVX-512
-    VNNI" or "AVX2"), or None (plain C, or no C kernels)."""
-    if cpu_kernels.load() is None:
-        return None
-    return {2: "AVX-512 VNNI", 1: "AVX2"}.get(int(_lib().quant_dot_kind()))
+# The SIMD integer-dot kernel of this build ("AVX-512 VNNI", "AVX2" or None): asked
+# without torch (the API process's quantization choice); here for the kernels' callers.
+int8_dot_kernel = library.int8_dot_kernel
 
 
 class QuantWeight:

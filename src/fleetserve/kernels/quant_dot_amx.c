@@ -17,9 +17,7 @@
 #define _GNU_SOURCE
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
+#include "amx_perm.h"
 #include "quant_common.h"
 #include "quant_dot.h"
 
@@ -27,8 +25,6 @@
     defined(__AVX512BW__)
 #define PR 16
 #define PREFETCH 4096
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -36,19 +32,7 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-static int amx_permitted(void) {
-    static int state; /* 0: not asked yet, 1: yes, -1: no */
-    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
-    if (s == 0) {
-        const char *env = getenv("FLEETSERVE_AMX");
-        if (env && env[0] == '0')
-            s = -1;
-        else
-            s = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
-    }
-    return s == 1;
-}
+/* amx_permitted(): amx_perm.h, shared with gemm_bf16.c. */
 
 /* C: rows x 16 int32 (tiles 0-3: two blocks in flight while the two before them are
  * scaled); A: rows x 32 int8 (4, 6); B: 8 groups x 16 weight rows x 4 bytes (5, 7).

@@ -10,13 +10,15 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from fleetserve.models.gguf_file import GGUFTensorInfo, read_gguf
 from fleetserve.models.loader import ModelSource, check_slice
+
+if TYPE_CHECKING:  # torch: only where tensors are read (the API process resolves without it)
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +195,8 @@ def _dequantize(tensor: GGUFTensorInfo, data: np.ndarray, rows: int | None = Non
     if values.dtype != np.float32 or not values.flags.writeable:
         # F32/F16 tensors come back as read-only views of the memory map.
         values = np.array(values, dtype=np.float32)
+    import torch
+
     return torch.from_numpy(values)
 
 

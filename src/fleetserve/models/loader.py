@@ -11,10 +11,12 @@ import json
 import os
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
 from safetensors import safe_open
+
+if TYPE_CHECKING:  # torch is imported by whoever reads tensors, not by resolving a model
+    import torch
 
 _INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
@@ -81,7 +83,9 @@ class SafetensorsReader:
     def from_files(cls, files: list[str]) -> SafetensorsReader:
         weight_map: dict[str, str] = {}
         for file in files:
-            with safe_open(file, framework="pt") as f:
+            # Only the header's names: "numpy" reads them without importing torch (the API
+            # process resolves a model this way); tensors are read through "pt" handles.
+            with safe_open(file, framework="numpy") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                     weight_map[name] = file
         return cls(weight_map)
@@ -180,9 +184,6 @@ def _resolve_safetensors(folder: str) -> ModelSource:
 def resolve_model(path: str) -> ModelSource:
     """Open the checkpoint at `path`: a HF safetensors folder, a .gguf file, or a folder with
     exactly one .gguf file. Tensors are read lazily, on request."""
-    # Imported here so that safetensors-only users never pay for importing gguf.
-    from fleetserve.models import gguf_loader
-
     path = os.path.expanduser(str(path))
     if not os.path.exists(path):
         raise FileNotFoundError(
@@ -191,7 +192,7 @@ def resolve_model(path: str) -> ModelSource:
         )
     if os.path.isfile(path):
         if path.endswith(".gguf"):
-            return gguf_loader.resolve_gguf(path)
+            return _resolve_gguf(path)
         raise ValueError(f"model path {path!r} is a file but not a .gguf; pass its folder")
     folder = os.path.abspath(path)
     has_safetensors = any(n.endswith(".safetensors") for n in os.listdir(folder))
@@ -202,4 +203,12 @@ def resolve_model(path: str) -> ModelSource:
         raise ValueError(
             f"{folder} holds several .gguf files ({', '.join(ggufs)}); pass one file's path"
         )
-    return gguf_loader.resolve_gguf(os.path.join(folder, ggufs[0]))
+    return _resolve_gguf(os.path.join(folder, ggufs[0]))
+
+
+def _resolve_gguf(path: str) -> ModelSource:
+    # Imported here so that safetensors-only users (and the API process serving them)
+    # never pay for importing gguf and torch.
+    from fleetserve.models import gguf_loader
+
+    return gguf_loader.resolve_gguf(path)

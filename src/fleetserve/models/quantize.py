@@ -9,7 +9,8 @@
 - ``"none"``: everything in ``dtype`` (a GGUF checkpoint is dequantized at load).
 
 ``None`` (the default) picks ``"gguf"`` for a GGUF checkpoint on one CPU process in
-float32 with the C kernels built, else ``"none"``.
+float32 with the C kernels built, else ``"none"`` (the choice: models/quant_choice.py,
+which imports no torch, for the API process's config).
 
 ``int8_activations`` (with ``"gguf"`` or ``"int8"``): the Q4_0 / Q4_1 / Q8_0 weights are
 laid out for integer dot products, and every matmul with them (decode, verification and
@@ -25,20 +26,15 @@ float32 activations (the reference path).
 
 from __future__ import annotations
 
-import logging
-import os
-
 import numpy as np
 import torch
 from torch import nn
 
-from fleetserve.kernels import cpu as cpu_kernels
 from fleetserve.kernels.quant import (
     BLOCK_SHAPES,
     DOT_QTYPES,
     QType,
     QuantWeight,
-    int8_dot_kernel,
     supported,
 )
 from fleetserve.layers.linear import Linear
@@ -47,88 +43,22 @@ from fleetserve.models.gguf_loader import GGUFWeights
 from fleetserve.models.llama import LlamaForCausalLM
 from fleetserve.models.loader import ModelSource
 from fleetserve.models.moe import ROUTERS, SparseMoeBlock
+from fleetserve.models.quant_choice import (
+    INT8_ACTIVATIONS_ENV,
+    QUANTIZATIONS,
+    resolve_int8_activations,
+    resolve_quantization,
+)
 
-QUANTIZATIONS = ("none", "gguf", "int8")
-INT8_ACTIVATIONS_ENV = "FLEETSERVE_INT8_ACTIVATIONS"
-
-log = logging.getLogger(__name__)
-
-
-def resolve_quantization(
-    requested: str | None, source_format: str, dtype: torch.dtype, device: str, world_size: int
-) -> str:
-    """The quantization a model gets; ValueError when ``requested`` cannot be honoured."""
-    usable = (
-        device == "cpu"
-        and dtype == torch.float32
-        and world_size == 1
-        and cpu_kernels.load() is not None
-    )
-    if requested is None:
-        return "gguf" if source_format == "gguf" and usable else "none"
-    if requested not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {requested!r}")
-    if requested == "none":
-        return requested
-    if requested == "gguf" and source_format != "gguf":
-        raise ValueError("quantization='gguf' needs a .gguf checkpoint; try 'int8'")
-    if world_size != 1:
-        raise ValueError(
-            f"quantization={requested!r} runs in one process: tensor/pipeline parallelism "
-            "of quantized weights is not supported (use quantization='none')"
-        )
-    if not usable:
-        raise ValueError(
-            f"quantization={requested!r} needs device='cpu', dtype='float32' and a C compiler"
-        )
-    return requested
-
-
-def resolve_int8_activations(requested: bool | None, quantization: str) -> bool:
-    """Whether decode-sized matmuls quantize their inputs to int8; ValueError when
-    ``requested`` cannot be honoured. None: the default (module docstring)."""
-    if requested is None:
-        if quantization == "none":
-            return False
-        env = os.environ.get(INT8_ACTIVATIONS_ENV)
-        if env is not None and env not in ("0", "1"):
-            raise ValueError(f"{INT8_ACTIVATIONS_ENV} must be 0 or 1, got {env!r}")
-        kernel = int8_dot_kernel()
-        if env is not None:
-            on, why = env == "1", f"{INT8_ACTIVATIONS_ENV}={env}"
-        elif quantization == "gguf" and kernel == "AVX-512 VNNI":
-            on, why = True, f"{kernel} integer dot products; --no-int8-activations or "
-            why += f"{INT8_ACTIVATIONS_ENV}=0 keeps float32 activations"
-        else:
-            on = False
-            why = (
-                "int8 weights: W8A8 is asked for explicitly" if quantization == "int8"
-                else f"no AVX-512 VNNI build here ({kernel or 'plain C'} integer kernel)"
-            )  # fmt: skip
-        _say(f"int8 activations {'on' if on else 'off'} for {quantization} weights ({why})")
-        return on
-    if requested and quantization == "none":
-        raise ValueError(
-            "int8_activations=True needs quantized weights (quantization='gguf' or 'int8')"
-        )
-    return requested
-
-
-_said: set[str] = set()
-
-
-def _say(message: str) -> None:
-    """One INFO line per process and message, shown even where logging is unconfigured
-    (as engine/dtype_choice.py's announcement)."""
-    if message in _said:
-        return
-    _said.add(message)
-    if not logging.getLogger().hasHandlers() and not log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("fleetserve: %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-    log.info("%s", message)
+__all__ = [
+    "INT8_ACTIVATIONS_ENV",
+    "QUANTIZATIONS",
+    "keep_gguf_quantized",
+    "quantize_int8",
+    "quantize_q8_0",
+    "resolve_int8_activations",
+    "resolve_quantization",
+]
 
 
 def _quant_weight(

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,68 +65,80 @@ class Predicted:
     sub_calls: tuple[SubCall, ...] = field(default_factory=tuple)
 
 
-async def run_fleet_call(
-    registry: Registry,
-    parent: str,
-    method: str,
-    args: list[Any],
-    kwargs: dict[str, Any],
-    timeout_s: float,
-    classes: Sequence[str | None] = (),
-) -> FleetReply:
+@dataclass(frozen=True)
+class FleetCall:
+    """One handler sub-call as it crosses the ingress's handle: the parent request it
+    belongs to, the fleet method and its arguments, what is left of the parent's deadline
+    and the batch's classes (the strictest of them admits it)."""
+
+    parent: str
+    method: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    timeout_s: float
+    classes: tuple[str | None, ...] = ()
+
+
+def _scoped_client(registry: Registry, call: FleetCall) -> GatewayFleetClient:
+    """The registry's fleet client scoped to the call's class and deadline."""
+    cls = strictest(registry, frozenset(call.classes))
+    return GatewayFleetClient(registry).scoped(cls, time.monotonic() + call.timeout_s)
+
+
+def _failed_reply(e: Exception, scoped: GatewayFleetClient) -> FleetReply:
+    """A sub-call's failure as its FleetReply: a FleetCallError's status and message, or a
+    400 for a handler's bad arguments (TypeError, ValueError: an unknown param)."""
+    calls = tuple(scoped.calls)
+    if isinstance(e, FleetCallError):
+        return FleetReply(False, None, e.status, str(e).split(": ", 1)[-1], calls)
+    return FleetReply(False, None, 400, str(e), calls)
+
+
+def _log_calls(call: FleetCall, scoped: GatewayFleetClient) -> None:
+    for sub in scoped.calls:
+        log.info("sub-call of %s: %s", call.parent, sub)
+
+
+async def run_fleet_call(registry: Registry, call: FleetCall) -> FleetReply:
     """At the ingress: one handler sub-call through the callee's Ray client, admitted in
-    the strictest of the batch's `classes`, bounded by `timeout_s` (what is left of the
-    parent's deadline). Cancelling it cancels the callee's requests."""
-    cls = strictest(registry, frozenset(classes))
-    scoped = GatewayFleetClient(registry).scoped(cls, time.monotonic() + timeout_s)
+    the strictest of the batch's classes, bounded by what is left of the parent's
+    deadline. Cancelling it cancels the callee's requests."""
+    scoped = _scoped_client(registry, call)
     try:
-        body = await scoped.call(method, list(args), dict(kwargs))
+        body = await scoped.call(call.method, list(call.args), dict(call.kwargs))
         return FleetReply(True, body, calls=tuple(scoped.calls))
-    except FleetCallError as e:
-        message = str(e).split(": ", 1)[-1]
-        return FleetReply(False, None, e.status, message, tuple(scoped.calls))
-    except (TypeError, ValueError) as e:  # a handler's bad arguments (an unknown param)
-        return FleetReply(False, None, 400, str(e), tuple(scoped.calls))
+    except (FleetCallError, TypeError, ValueError) as e:
+        return _failed_reply(e, scoped)
     finally:
-        for sub in scoped.calls:
-            log.info("sub-call of %s: %s", parent, sub)
+        _log_calls(call, scoped)
 
 
 async def run_fleet_stream(
-    registry: Registry,
-    parent: str,
-    method: str,
-    args: list[Any],
-    kwargs: dict[str, Any],
-    timeout_s: float,
-    classes: Sequence[str | None] = (),
+    registry: Registry, call: FleetCall
 ) -> AsyncIterator[dict[str, Any] | FleetReply]:
-    """At the ingress: one streamed handler sub-call (`method` one of STREAM_METHODS): the
-    callee's chunks as they come, then one FleetReply that closes the stream (ok, or the
-    status and message it ended with) carrying its SubCalls. Closing the generator early
-    (the handler stopped reading) closes the callee's stream, which aborts its requests."""
-    if method not in STREAM_METHODS:
-        yield FleetReply(False, None, 400, f"no streaming fleet method {method!r}; there are "
-                         f"{STREAM_METHODS}")  # fmt: skip
+    """At the ingress: one streamed handler sub-call (its method one of STREAM_METHODS):
+    the callee's chunks as they come, then one FleetReply that closes the stream (ok, or
+    the status and message it ended with) carrying its SubCalls. Closing the generator
+    early (the handler stopped reading) closes the callee's stream, which aborts its
+    requests."""
+    if call.method not in STREAM_METHODS:
+        yield FleetReply(False, None, 400, f"no streaming fleet method {call.method!r}; there "
+                         f"are {STREAM_METHODS}")  # fmt: skip
         return
-    cls = strictest(registry, frozenset(classes))
-    scoped = GatewayFleetClient(registry).scoped(cls, time.monotonic() + timeout_s)
+    scoped = _scoped_client(registry, call)
     reply: FleetReply
     try:
-        stream = getattr(scoped, method)(*args, **kwargs)
+        stream = getattr(scoped, call.method)(*call.args, **call.kwargs)
         try:
             async for chunk in stream:
                 yield chunk
         finally:
             await stream.aclose()
         reply = FleetReply(True, {}, calls=tuple(scoped.calls))
-    except FleetCallError as e:
-        reply = FleetReply(False, None, e.status, str(e).split(": ", 1)[-1], tuple(scoped.calls))
-    except (TypeError, ValueError) as e:  # a handler's bad arguments (an unknown param)
-        reply = FleetReply(False, None, 400, str(e), tuple(scoped.calls))
+    except (FleetCallError, TypeError, ValueError) as e:
+        reply = _failed_reply(e, scoped)
     finally:
-        for sub in scoped.calls:
-            log.info("sub-call of %s: %s", parent, sub)
+        _log_calls(call, scoped)
     yield reply
 
 
@@ -179,9 +191,8 @@ class HandleFleetCall:
         classes: frozenset[str | None],
     ) -> FleetReply:  # fmt: skip
         try:
-            response = self.handle().fleet_call.remote(
-                self.parent, method, args, kwargs, timeout_s, tuple(classes)
-            )
+            call = FleetCall(self.parent, method, args, kwargs, timeout_s, tuple(classes))
+            response = self.handle().fleet_call.remote(call)
         except Exception as e:  # noqa: BLE001 -- no ingress to reach: the sub-call fails
             raise self._unreachable(e) from e
         try:
@@ -201,9 +212,8 @@ class HandleFleetCall:
         handler's pipe) as it comes; the closing FleetReply is the answer."""
         try:
             handle = self.handle().options(stream=True)
-            chunks = handle.fleet_call_stream.remote(
-                self.parent, method, args, kwargs, timeout_s, tuple(classes)
-            )
+            call = FleetCall(self.parent, method, args, kwargs, timeout_s, tuple(classes))
+            chunks = handle.fleet_call_stream.remote(call)
         except Exception as e:  # noqa: BLE001 -- no ingress to reach: the sub-call fails
             raise self._unreachable(e) from e
         try:

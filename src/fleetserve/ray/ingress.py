@@ -20,7 +20,7 @@ from fleetserve.entrypoints.openai.app_factory import ServerState, build_app
 from fleetserve.entrypoints.openai.serving_common import ServingContext
 from fleetserve.metrics import ServerMetrics
 from fleetserve.ray.clients import RayGenerateClient
-from fleetserve.ray.fleet_client import FleetReply, run_fleet_call, run_fleet_stream
+from fleetserve.ray.fleet_client import FleetCall, FleetReply, run_fleet_call, run_fleet_stream
 from fleetserve.ray.microbatch_clients import RayCustomClient, RayEmbedClient
 from fleetserve.ray.router_state import ROUTERS
 from fleetserve.serve.config.fleet_config import parse_fleet_config
@@ -190,33 +190,16 @@ class FleetIngress:
     def __serve_build_asgi_app__(self) -> Any:
         return self._app
 
-    async def fleet_call(
-        self,
-        parent: str,
-        method: str,
-        args: list[Any],
-        kwargs: dict[str, Any],
-        timeout_s: float,
-        classes: tuple[str | None, ...] = (),
-    ) -> FleetReply:
+    async def fleet_call(self, call: FleetCall) -> FleetReply:
         """A custom handler's sub-call (its replica's HandleFleetCall): run here, through
         the callee's client, in the parent's class and within its deadline."""
-        registry = self.state.ctx.registry
-        return await run_fleet_call(registry, parent, method, args, kwargs, timeout_s, classes)
+        return await run_fleet_call(self.state.ctx.registry, call)
 
     async def fleet_call_stream(
-        self,
-        parent: str,
-        method: str,
-        args: list[Any],
-        kwargs: dict[str, Any],
-        timeout_s: float,
-        classes: tuple[str | None, ...] = (),
+        self, call: FleetCall
     ) -> AsyncIterator[dict[str, Any] | FleetReply]:
         """A handler's streamed sub-call (HandleFleetCall with `emit`): the callee's
         chunks, then the closing FleetReply; cancelled by the caller, the callee's stream
         is closed and its engine requests aborted."""
-        registry = self.state.ctx.registry
-        stream = run_fleet_stream(registry, parent, method, args, kwargs, timeout_s, classes)
-        async for item in stream:
+        async for item in run_fleet_stream(self.state.ctx.registry, call):
             yield item

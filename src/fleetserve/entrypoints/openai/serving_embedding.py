@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from fleetserve.engine.embedding import EmbeddingResult
+from fleetserve.engine.embedding_result import EmbeddingResult
 from fleetserve.entrypoints.openai.batch_errors import batch_api_error
 from fleetserve.entrypoints.openai.errors import APIError
 from fleetserve.entrypoints.openai.protocol_embed import MAX_EMBEDDING_INPUTS, EmbeddingRequest

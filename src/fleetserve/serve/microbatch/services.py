@@ -15,11 +15,11 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import numpy as np
 
-from fleetserve.engine.embedding import EmbeddingModel, EmbeddingResult
+from fleetserve.engine.embedding_result import EmbeddingResult
 from fleetserve.serve.microbatch.batcher import MicroBatchConfig, MicroBatcher, MicroBatchError
 from fleetserve.serve.microbatch.custom import (
     Instance,
@@ -28,6 +28,9 @@ from fleetserve.serve.microbatch.custom import (
     validate_instances,
 )
 from fleetserve.serve.microbatch.isolated import DEFAULT_TIMEOUT_S, HandlerProcess
+
+if TYPE_CHECKING:
+    from fleetserve.engine.embedding import EmbeddingModel
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -186,6 +189,8 @@ class EmbedService(_MicroBatchService[EmbedItem, EmbedOutput]):
         return EmbeddingResult(np.stack([v for v, _ in outputs]), [n for _, n in outputs])
 
     def _load(self) -> None:
+        from fleetserve.engine.embedding import EmbeddingModel  # torch: only once one loads
+
         self._model = EmbeddingModel.load(self.model_path)
 
     def _run_batch(self, items: list[EmbedItem]) -> list[EmbedOutput]:

@@ -24,7 +24,7 @@ from typing import Any
 from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import ReplicaGoneError
-from fleetserve.engine.llm_engine import PromptType
+from fleetserve.engine.prompt_rules import PromptType
 from fleetserve.engine.stats import EngineStats
 from fleetserve.engine.wire import CoreNotice
 from fleetserve.outputs import RequestOutput

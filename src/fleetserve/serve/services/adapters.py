@@ -17,7 +17,6 @@ from typing import Any
 from fleetserve.config import EngineConfig
 from fleetserve.core.lora_request import LoRARequest
 from fleetserve.engine.arg_utils import EngineArgs
-from fleetserve.lora.adapter import load_adapter
 
 
 class UnknownAdapterError(LookupError):
@@ -77,6 +76,8 @@ class AdapterTable:
             raise ValueError(f"lora_name {name!r} is the base model's name")
         if name in self._by_name:
             raise ValueError(f"the LoRA adapter {name!r} is already loaded; unload it first")
+        from fleetserve.lora.adapter import load_adapter  # torch: only when one is loaded
+
         await asyncio.to_thread(load_adapter, name, path, self.config.model, lcfg.max_lora_rank)
         if name in self._by_name:  # loaded by a concurrent call meanwhile
             raise ValueError(f"the LoRA adapter {name!r} is already loaded; unload it first")

@@ -43,7 +43,7 @@ from fleetserve.engine.async_engine import (
     EngineDeadError,
     EngineNotReadyError,
 )
-from fleetserve.engine.llm_engine import PromptRules, PromptType
+from fleetserve.engine.prompt_rules import PromptRules, PromptType
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import OutputFold, RequestOutput
 from fleetserve.serve.admission.admit import Admission, ClassObserver, Pending, PreparedPrompt

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from fleetserve.engine.embedding import MINILM_NAME
+from fleetserve.engine.embedding_result import MINILM_NAME
 from fleetserve.metrics import ModelMetrics, ServerMetrics
 from fleetserve.serve.config.fleet_config import FleetConfig, ModelEntry
 from fleetserve.serve.microbatch.batcher import MicroBatchConfig
