@@ -17,10 +17,13 @@ extended by the tokens each step appends, instead of scanning the sequence every
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from fleetserve.spec_decode.base import Proposal, ProposalRequest
 from fleetserve.spec_decode.config import SpeculativeConfig
+from fleetserve.spec_decode.draft_length import DraftLengthChooser
 
 # Drafts proposed after a match of one token, when longer matches are allowed.
 UNIGRAM_MATCH_DRAFTS = 1
@@ -113,17 +116,61 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
         self.indexes: dict[str, NgramIndex] = {}  # per running request
+        # "adaptive": how many drafts a multi-token match gets is chosen each step
+        # (draft_length.py); the last proposal of each request, to learn from its outcome.
+        self.chooser = DraftLengthChooser(self.k) if config.draft_length == "adaptive" else None
+        self.pending: dict[str, tuple[int, list[int]]] = {}
+        self._last_step: float | None = None
 
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
-        out = []
+        matches = []
         for r in requests:
             index = self.indexes.get(r.req_id)
             if index is None:
                 index = self.indexes[r.req_id] = NgramIndex(self.min_n, self.max_n)
-            start, n = index.match(r.token_ids)
+            matches.append(index.match(r.token_ids))
+        if self.chooser is not None:
+            return self._propose_adaptive(requests, matches)
+        out = []
+        for r, (start, n) in zip(requests, matches, strict=True):
             k = num_drafts_for_match(n, self.k, self.max_n) if n else 0
             out.append(Proposal(r.token_ids[start : start + k] if k else []))
         return out
 
+    def _propose_adaptive(
+        self, requests: list[ProposalRequest], matches: list[tuple[int, int]]
+    ) -> list[Proposal]:
+        chooser = self.chooser
+        assert chooser is not None
+        for r in requests:
+            pending = self.pending.pop(r.req_id, None)
+            if pending is not None:
+                chooser.observe_verification(pending[1], r.token_ids[pending[0] :])
+        # A match of one token (when longer ones are allowed) keeps its one draft; the
+        # others share the chosen number.
+        fixed = [num_drafts_for_match(n, self.k, self.max_n) if n else 0 for _, n in matches]
+        num_long = sum(1 for f in fixed if f == self.k)
+        base = len(requests) + sum(f for f in fixed if f != self.k)
+        k_long = chooser.choose(base, float(len(requests)), num_long)
+        out = []
+        for r, (start, _), f in zip(requests, matches, fixed, strict=True):
+            k = k_long if f == self.k else f
+            drafts = r.token_ids[start : start + k] if k else []
+            if drafts:
+                self.pending[r.req_id] = (len(r.token_ids), drafts)
+            out.append(Proposal(drafts))
+        return out
+
+    def note_step(self, num_rows: int, decodes_only: bool) -> None:
+        """Called once per step, before `propose`: the step's rows, and whether they were
+        all decodes and verifications (a prefill chunk's time says nothing of them)."""
+        if self.chooser is None:
+            return
+        now = time.perf_counter()
+        if decodes_only and self._last_step is not None:
+            self.chooser.observe_step(num_rows, now - self._last_step)
+        self._last_step = now
+
     def forget(self, req_id: str) -> None:
         self.indexes.pop(req_id, None)
+        self.pending.pop(req_id, None)
