@@ -23,6 +23,7 @@ only change how many positions one step verifies.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import deque
 
@@ -46,6 +47,10 @@ class DraftLengthChooser:
         self.reached = [0.0] * max_drafts
         self.accepted = [0.0] * max_drafts
         self.times: dict[int, deque[float]] = {}
+        self.medians: dict[int, float] = {}  # of `times`, by row count
+        self.rows: list[int] = []  # the timed row counts, ascending
+        # _floor[i]: the least median from rows[i] up (None: to recompute).
+        self._floor: list[float] | None = None
 
     # ------------------------------------------------------------- observations
     def observe_verification(self, drafts: list[int], new_tokens: list[int]) -> None:
@@ -74,7 +79,10 @@ class DraftLengthChooser:
         q = self.times.get(num_rows)
         if q is None:
             q = self.times[num_rows] = deque(maxlen=TIMES_KEPT)
+            bisect.insort(self.rows, num_rows)
         q.append(seconds)
+        self.medians[num_rows] = statistics.median(q)
+        self._floor = None
 
     # ----------------------------------------------------------------- estimates
     def acceptance(self, j: int) -> float:
@@ -91,21 +99,25 @@ class DraftLengthChooser:
         return total
 
     def step_time(self, num_rows: int) -> float | None:
-        """Estimated seconds of a step of `num_rows` rows (None: nothing measured)."""
-        if not self.times:
+        """Estimated seconds of a step of `num_rows` rows (None: nothing timed)."""
+        rows, known = self.rows, self.medians
+        if not rows:
             return None
-        known = {r: statistics.median(q) for r, q in self.times.items()}
         if num_rows in known:
             return known[num_rows]
-        below = [r for r in known if r < num_rows]
-        if not below:  # fewer rows than any measured: no cheaper than the smallest
-            return known[min(known)]
-        # Not measured: optimistic, a little over the largest measured count below it
-        # (never over a measured larger count), so that it gets tried once.
-        lo = max(below)
-        guess = known[lo] + UNMEASURED_ROW_COST * known[min(known)] * (num_rows - lo)
-        above = [known[r] for r in known if r > num_rows]
-        return min([guess, *above])
+        i = bisect.bisect_left(rows, num_rows)
+        if i == 0:  # fewer rows than any timed: no cheaper than the smallest
+            return known[rows[0]]
+        # Not timed: optimistic, a little over the largest timed count below it (never
+        # over a timed larger count), so that it gets tried once.
+        lo = rows[i - 1]
+        guess = known[lo] + UNMEASURED_ROW_COST * known[rows[0]] * (num_rows - lo)
+        if self._floor is None:
+            floor = [known[r] for r in rows]
+            for j in range(len(floor) - 2, -1, -1):
+                floor[j] = min(floor[j], floor[j + 1])
+            self._floor = floor
+        return min(guess, self._floor[i]) if i < len(rows) else guess
 
     # -------------------------------------------------------------------- choice
     def choose(self, base_rows: int, base_tokens: float, num_long: int) -> int:
