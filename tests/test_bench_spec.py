@@ -1,5 +1,6 @@
 """`fleetserve bench spec` end to end on a tiny checkpoint: both engines run, the greedy
-outputs are compared, and the adaptive draft length is accepted by the command line."""
+outputs are compared, the adaptive draft length is accepted by the command line, and
+`--also` runs a second configuration in the same sitting."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def test_bench_spec_runs_each_workload_and_reports(tiny_llama: str, tmp_path: Pa
         args = p.parse_args(
             ["--model", tiny_llama, "--workload", workload, "--repeats", "1", "--max-tokens",
              "12", "--max-model-len", "512", "--speculative-config", json.dumps(cfg),
-             "--json", str(out)]
+             "--also", '{"num_speculative_tokens": 2}', "--json", str(out)]
         )  # fmt: skip
         assert bench_spec.run(args) == 0  # 0: the greedy outputs were identical
         result = json.loads(out.read_text())
@@ -27,3 +28,10 @@ def test_bench_spec_runs_each_workload_and_reports(tiny_llama: str, tmp_path: Pa
         assert result["workload"] == workload and result["num_requests"] == 3
         assert result["speculative_config"]["draft_length"] == "adaptive"
         assert 0 <= result["drafts_per_verification"] <= 6
+        # --also: a second configuration against the same baseline, in the same sitting.
+        first, second = result["configs"]
+        assert first["speculative_config"] == cfg and first["speedup"] == result["speedup"]
+        assert second["speculative_config"] == {"num_speculative_tokens": 2}
+        assert second["identical_outputs"] is True
+        assert 0 <= second["drafts_per_verification"] <= 2
+        assert set(result["decode_tok_s"]) == {"baseline", "speculative", "speculative 2"}
