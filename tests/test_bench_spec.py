@@ -15,7 +15,7 @@ def test_bench_spec_runs_each_workload_and_reports(tiny_llama: str, tmp_path: Pa
     p = argparse.ArgumentParser()
     bench_spec.add_cli_args(p)
     cfg = {"method": "ngram", "num_speculative_tokens": 6, "draft_length": "adaptive"}
-    for workload in ("summary", "edit"):
+    for workload in ("free", "edit"):
         out = tmp_path / f"{workload}.json"
         args = p.parse_args(
             ["--model", tiny_llama, "--workload", workload, "--repeats", "1", "--max-tokens",

@@ -43,9 +43,17 @@ WORKLOADS = {
     "repeat": "Repeat the following paragraph exactly, word for word.\n\n{p}",
     "edit": "Correct the spelling mistakes in the following paragraph and write the whole "
     "corrected paragraph.\n\n{p}",
-    # Mostly new text (some phrases of the paragraph come back): the bad case for drafts.
+    # Shorter, partly new text (phrases of the paragraph come back).
     "summary": "Summarize the following paragraph in two sentences.\n\n{p}",
+    # New text, no paragraph to copy from (one topic per paragraph): the bad case for
+    # drafts, where only the output's own repeats give n-gram matches.
+    "free": "Write a short story about {topic}.",
 }
+FREE_TOPICS = [
+    "a robot who learns to paint",
+    "a city at the bottom of the sea",
+    "a dog who runs a bakery",
+]
 
 
 def with_typos(paragraph: str, every: int = 9) -> str:
@@ -78,9 +86,13 @@ def _prompts(llm: Any, workload: str) -> list[list[int]]:
     tok = llm.get_tokenizer()
     return [
         tok.apply_chat_template(
-            [{"role": "user", "content": WORKLOADS[workload].format(p=p)}], True
+            [{"role": "user", "content": WORKLOADS[workload].format(p=p, topic=topic)}], True
         )
-        for p in (PARAGRAPHS if workload != "edit" else [with_typos(p) for p in PARAGRAPHS])
+        for p, topic in zip(
+            PARAGRAPHS if workload != "edit" else [with_typos(p) for p in PARAGRAPHS],
+            FREE_TOPICS,
+            strict=True,
+        )
     ]
 
 
