@@ -35,3 +35,12 @@ def test_bench_spec_runs_each_workload_and_reports(tiny_llama: str, tmp_path: Pa
         assert second["identical_outputs"] is True
         assert 0 <= second["drafts_per_verification"] <= 2
         assert set(result["decode_tok_s"]) == {"baseline", "speculative", "speculative 2"}
+    # --batch: every workload's prompts at once (12 requests a pass).
+    out = tmp_path / "batch.json"
+    args = p.parse_args(
+        ["--model", tiny_llama, "--batch", "--repeats", "1", "--max-tokens", "8",
+         "--max-model-len", "512", "--speculative-config", json.dumps(cfg), "--json", str(out)]
+    )  # fmt: skip
+    assert bench_spec.run(args) == 0
+    result = json.loads(out.read_text())
+    assert result["num_requests"] == 3 * len(bench_spec.WORKLOADS) and result["identical_outputs"]

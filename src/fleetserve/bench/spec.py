@@ -4,9 +4,11 @@ An input-grounded workload (the model is asked to repeat, or lightly edit, a par
 is given) runs request after request, alone, through two engines built from the same
 engine flags: one without drafts, one with ``--speculative-config`` (an n-gram lookup by
 default), and one more per ``--also CONFIG`` (settings compared in one sitting). Runs
-alternate between the engines request by request so that machine load hits all alike. Prints
-TTFT, decode tok/s (tokens after the first / time after the first), the speed-up,
-whether the greedy outputs are identical, and the acceptance figures.
+alternate between the engines request by request so that machine load hits all alike.
+Prints TTFT, decode tok/s (tokens after the first / time after the first), the speed-up,
+whether the greedy outputs are identical, and the acceptance figures. ``--batch`` runs
+every workload's prompts at once instead (drafts then share each step with other
+requests' rows), its rate being output tokens per second of the whole batch.
 """
 
 from __future__ import annotations
@@ -73,6 +75,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="passes over the paragraphs")
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument(
+        "--batch",
+        action="store_true",
+        help="run every workload's prompts at once (a batch of 12) instead of one request "
+        "at a time; the rate is then output tokens per second of the whole batch",
+    )
+    p.add_argument(
         "--also",
         action="append",
         default=[],
@@ -110,6 +118,21 @@ def _one(llm: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float
     return ids, ttft, out.metrics["e2e_latency"] - ttft, cpu
 
 
+def _batch(
+    llm: Any, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[list[int]], list[float], float, float]:
+    """Every prompt at once: token ids and TTFT per request, the wall and CPU seconds of
+    the whole batch."""
+    from fleetserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    ids = [o.outputs[0].token_ids for o in outs]
+    return ids, [o.metrics["time_to_first_token"] for o in outs], wall, cpu
+
+
 def _spec_figures(llm: Any, stats0: Any) -> dict[str, float]:
     """Acceptance figures of a speculative engine since `stats0`."""
     s0, s1 = stats0.spec_decode, llm.engine.stats().spec_decode
@@ -145,7 +168,18 @@ def run(args: argparse.Namespace) -> int:
     decode: dict[str, list[float]] = {name: [] for name in engines}
     num_decoded: dict[str, int] = dict.fromkeys(engines, 0)
     cpu: dict[str, float] = dict.fromkeys(engines, 0.0)
+    if args.batch:  # every workload's prompts at once; rate = output tokens / wall
+        prompts = [q for w in sorted(WORKLOADS) for q in _prompts(engines["baseline"], w)]
     for _ in range(args.repeats):
+        if args.batch:
+            for name, llm in engines.items():
+                batch_ids, batch_ttfts, dt, cpu_s = _batch(llm, prompts, args.max_tokens)
+                cpu[name] += cpu_s
+                tokens[name].extend(batch_ids)
+                ttfts[name].extend(batch_ttfts)
+                decode[name].append(dt)
+                num_decoded[name] += sum(len(ids) for ids in batch_ids)
+            continue
         for prompt in prompts:
             for name, llm in engines.items():
                 ids, ttft, dt, cpu_s = _one(llm, prompt, args.max_tokens)
@@ -172,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         })  # fmt: skip
     first = per_config[0]
     result = {
-        "workload": args.workload,
+        "workload": "all, batched" if args.batch else args.workload,
         "num_requests": len(tokens["baseline"]),
         "mean_output_tokens": statistics.mean(len(t) for t in tokens["baseline"]),
         "ttft_ms": {n: 1000 * statistics.median(ttfts[n]) for n in engines},
@@ -180,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
         **{k: v for k, v in first.items() if k not in ("decode_tok_s", "ttft_ms")},
         "configs": per_config,
     }
-    print(f"workload {args.workload}: {result['num_requests']} requests one at a time, "
+    how = f"in batches of {len(prompts)} (every workload)" if args.batch else "one at a time"
+    print(f"workload {result['workload']}: {result['num_requests']} requests {how}, "
           f"{result['mean_output_tokens']:.0f} output tokens on average")  # fmt: skip
     for n in engines:
         print(f"  {n:12s} TTFT {result['ttft_ms'][n]:7.1f} ms   decode {rate[n]:7.1f} tok/s")
