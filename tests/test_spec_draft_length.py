@@ -41,18 +41,28 @@ def test_step_time_estimates() -> None:
     assert c.step_time(3) is None
     for t in (1.0, 1.1, 9.0):  # the median of the kept times: one outlier ignored
         c.observe_step(1, t)
-    c.observe_step(4, 1.6)
     assert c.step_time(1) == 1.1
-    assert c.step_time(4) == 1.6
-    # Not measured: a little over the largest measured count below, never over a
-    # measured larger count; fewer rows than any measured: the smallest.
-    assert c.step_time(2) == pytest.approx(1.1 + 0.05 * 1.1)
-    assert c.step_time(6) == pytest.approx(1.6 + 2 * 0.05 * 1.1)
-    c.observe_step(3, 1.0)  # a larger count measured cheaper: the bound
-    assert c.step_time(2) == 1.0
+    # One count timed: past it, the least per-row cost (5% of the smallest step).
+    assert c.step_time(3) == pytest.approx(1.1 + 2 * 0.05 * 1.1)
+    c.observe_step(5, 2.3)
+    assert c.step_time(5) == 2.3
+    # Between timed counts: linear; fewer rows than any timed: the smallest.
+    assert c.step_time(2) == pytest.approx(1.1 + 0.3)
+    assert c.step_time(4) == pytest.approx(1.1 + 0.9)
+    # Past the largest: the least-squares cost of a row (0.3 from two points).
+    assert c.step_time(7) == pytest.approx(2.3 + 2 * 0.3)
+    c.observe_step(9, 2.3)  # flat from 5 to 9: the fitted slope falls
+    assert c.step_time(10) == pytest.approx(2.3 + _fit([1, 5, 9], [1.1, 2.3, 2.3]))
     c2 = DraftLengthChooser(8)
     c2.observe_step(5, 2.0)
     assert c2.step_time(2) == 2.0
+
+
+def _fit(xs: list[int], ys: list[float]) -> float:
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
 
 
 def timed(chooser: DraftLengthChooser, cost: dict[int, float]) -> DraftLengthChooser:
@@ -73,6 +83,10 @@ def test_choice_follows_acceptance_and_the_cost_of_rows() -> None:
     for _ in range(100):
         c.observe_verification([1] * 16, [1] * 17)  # every draft accepted
     assert c.choose(1, 1.0, 1) == 7  # 8 rows: past them the step costs 3x
+    for _ in range(6):
+        assert c.choose(1, 1.0, 1) == 7
+    assert c.choose(1, 1.0, 1) == 8  # every 8th choice: one more, to keep timing it
+    assert c.choose(1, 1.0, 1) == 7
     for _ in range(300):
         c.observe_verification([1] * 16, [2])  # every first draft rejected
     assert c.choose(1, 1.0, 1) == 0

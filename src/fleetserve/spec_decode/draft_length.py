@@ -16,9 +16,10 @@ keeps both as measured:
 
 and picks, for the requests whose match is longer than one token, the one k (at most
 ``num_speculative_tokens``) that maximises expected tokens per second of step. A row
-count not measured yet is estimated optimistically (a little over the largest measured
-count below it), so the chooser tries it once and then knows. Tokens are unaffected: drafts
-only change how many positions one step verifies.
+count not timed yet is interpolated between the timed ones around it (past the largest:
+a fitted per-row cost, a little optimistic), and every 8th choice proposes one draft more
+than the best, so the chooser keeps timing the next row count up. Tokens are
+unaffected: drafts only change how many positions one step verifies.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ PRIOR_WEIGHT = 4.0
 DECAY = 0.98
 # Step times kept per row count; their median is the estimate.
 TIMES_KEPT = 9
-# A row count not measured yet is assumed to cost this fraction of the smallest measured
-# step per row over the largest measured count below it (optimistic: the chooser tries
-# it, then uses the measured time).
+# Past the largest timed row count, a row costs at least this fraction of the smallest
+# timed step (a little optimistic: larger counts get tried, then timed).
 UNMEASURED_ROW_COST = 0.05
+# Every this many choices, one draft more than the best (the next row count gets timed).
+EXPLORE_EVERY = 8
 
 
 class DraftLengthChooser:
@@ -49,8 +51,8 @@ class DraftLengthChooser:
         self.times: dict[int, deque[float]] = {}
         self.medians: dict[int, float] = {}  # of `times`, by row count
         self.rows: list[int] = []  # the timed row counts, ascending
-        # _floor[i]: the least median from rows[i] up (None: to recompute).
-        self._floor: list[float] | None = None
+        self._row_cost: float | None = None  # fitted per-row cost (None: to recompute)
+        self.num_choices = 0
 
     # ------------------------------------------------------------- observations
     def observe_verification(self, drafts: list[int], new_tokens: list[int]) -> None:
@@ -82,7 +84,7 @@ class DraftLengthChooser:
             bisect.insort(self.rows, num_rows)
         q.append(seconds)
         self.medians[num_rows] = statistics.median(q)
-        self._floor = None
+        self._row_cost = None
 
     # ----------------------------------------------------------------- estimates
     def acceptance(self, j: int) -> float:
@@ -99,7 +101,10 @@ class DraftLengthChooser:
         return total
 
     def step_time(self, num_rows: int) -> float | None:
-        """Estimated seconds of a step of `num_rows` rows (None: nothing timed)."""
+        """Estimated seconds of a step of `num_rows` rows (None: nothing timed): the
+        median where timed, else linear between the timed counts around it; past the
+        largest, that one's time plus the fitted cost of a row (at least
+        UNMEASURED_ROW_COST of the smallest step: a little optimistic)."""
         rows, known = self.rows, self.medians
         if not rows:
             return None
@@ -108,22 +113,22 @@ class DraftLengthChooser:
         i = bisect.bisect_left(rows, num_rows)
         if i == 0:  # fewer rows than any timed: no cheaper than the smallest
             return known[rows[0]]
-        # Not timed: optimistic, a little over the largest timed count below it (never
-        # over a timed larger count), so that it gets tried once.
         lo = rows[i - 1]
-        guess = known[lo] + UNMEASURED_ROW_COST * known[rows[0]] * (num_rows - lo)
-        if self._floor is None:
-            floor = [known[r] for r in rows]
-            for j in range(len(floor) - 2, -1, -1):
-                floor[j] = min(floor[j], floor[j + 1])
-            self._floor = floor
-        return min(guess, self._floor[i]) if i < len(rows) else guess
+        if i < len(rows):
+            hi = rows[i]
+            return known[lo] + (known[hi] - known[lo]) * (num_rows - lo) / (hi - lo)
+        if self._row_cost is None:
+            floor = UNMEASURED_ROW_COST * known[rows[0]]
+            self._row_cost = max(_slope(rows, [known[r] for r in rows]), floor)
+        return known[lo] + self._row_cost * (num_rows - lo)
 
     # -------------------------------------------------------------------- choice
     def choose(self, base_rows: int, base_tokens: float, num_long: int) -> int:
         """Drafts for each of `num_long` requests with a multi-token match, given a step
         of `base_rows` rows (every request's own row, other drafts) that yields
-        `base_tokens` tokens without them: the k maximising tokens per second."""
+        `base_tokens` tokens without them: the k maximising tokens per second (every
+        EXPLORE_EVERY-th choice one more, when allowed, so the row count above gets
+        timed too)."""
         if num_long == 0:
             return 0
         if self.step_time(base_rows) is None:
@@ -135,4 +140,17 @@ class DraftLengthChooser:
             rate = (base_tokens + num_long * self.expected_accepted(k)) / max(t, 1e-9)
             if rate > best_rate * (1 + 1e-9):
                 best_k, best_rate = k, rate
+        self.num_choices += 1
+        if self.num_choices % EXPLORE_EVERY == 0 and best_k < self.max_drafts:
+            return best_k + 1
         return best_k
+
+
+def _slope(xs: list[int], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs (0.0 with fewer than two points)."""
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
