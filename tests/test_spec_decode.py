@@ -27,6 +27,7 @@ PROMPTS = [
     "the old sailor watched a quiet garden near the station",
 ]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+ADAPTIVE = {**NGRAM, "num_speculative_tokens": 8, "draft_length": "adaptive"}
 
 
 def checked_llm(model: str, **kw: Any) -> LLM:
@@ -98,13 +99,15 @@ def test_self_draft_is_accepted_almost_always(tiny_llama: str, backend: str) -> 
     assert stats["spec_decode_mean_accepted_length"] > 4.0
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "adaptive", "draft"])
 def test_prefix_caching_chunked_prefill_preemption_and_n(tiny_llama: str, method: str) -> None:
     shared = "the old sailor watched a quiet garden near the station and the old sailor "
     prompts = [shared + p for p in ("my friend", "the cat found", "every student")]
     ref = token_ids(LLM(tiny_llama, max_model_len=128), prompts, greedy(n=2, max_tokens=40))
     # The target as its own draft: accepted drafts' K/V survive preemption bookkeeping.
-    spec = NGRAM if method == "ngram" else {"model": tiny_llama, "num_speculative_tokens": 3}
+    spec: dict[str, Any] = {"ngram": NGRAM, "adaptive": ADAPTIVE}.get(
+        method, {"model": tiny_llama, "num_speculative_tokens": 3}
+    )
     llm = checked_llm(
         tiny_llama,
         max_model_len=128,
@@ -230,6 +233,34 @@ def test_smollm2_greedy_token_exact() -> None:
         .outputs[0]
         .text
     )
+
+
+def test_adaptive_draft_length_is_token_exact_and_varies_k(tiny_llama: str) -> None:
+    """The adaptive n-gram proposer: the same tokens as plain decoding, batched and
+    alone, while the drafts it proposes for multi-token matches vary in number (it tries
+    row counts it has not timed, then picks by measured time and acceptance)."""
+    from fleetserve.spec_decode.draft_length import DraftLengthChooser
+
+    ref = token_ids(LLM(tiny_llama, max_model_len=128), PROMPTS, greedy(max_tokens=48))
+    llm = checked_llm(tiny_llama, max_model_len=128, speculative_config=ADAPTIVE)
+    chosen: list[int] = []
+    runner = llm.engine.core.executor.runner  # type: ignore[attr-defined]
+    chooser = runner.proposer.chooser
+    assert isinstance(chooser, DraftLengthChooser)
+    choose = chooser.choose
+
+    def record(*a: Any) -> int:
+        chosen.append(choose(*a))
+        return chosen[-1]
+
+    chooser.choose = record  # type: ignore[method-assign,assignment]
+    assert token_ids(llm, PROMPTS, greedy(max_tokens=48)) == ref
+    for prompt, want in zip(PROMPTS, ref, strict=True):  # alone: other row counts
+        assert token_ids(llm, [prompt], greedy(max_tokens=48)) == [want]
+    assert spec_totals(llm)[1] > 0
+    assert len(set(chosen) - {0}) >= 2, chosen
+    assert chooser.times and sum(chooser.reached) > 0
+    assert not runner.proposer.pending  # every request forgotten when it finished
 
 
 def test_draft_model_must_share_the_vocabulary(

@@ -22,7 +22,12 @@ from fleetserve.core.scheduler import Scheduler
 from fleetserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from fleetserve.spec_decode.base import ProposalRequest
 from fleetserve.spec_decode.config import SpeculativeConfig
-from fleetserve.spec_decode.ngram import NgramProposer, find_ngram_continuation, find_ngram_match
+from fleetserve.spec_decode.ngram import (
+    NgramIndex,
+    NgramProposer,
+    find_ngram_continuation,
+    find_ngram_match,
+)
 from fleetserve.spec_decode.rejection_sampler import _argmax_rows
 
 BS = 4
@@ -252,6 +257,46 @@ def test_ngram_match_length_and_unigram_matches_propose_one_draft() -> None:
     # ... unless the config allows unigram matches only.
     assert propose([7, 1, 2, 3, 4, 8, 7], 4, 1) == [1, 2, 3, 4]
     assert propose([1, 2, 3], 4, 4) == []
+
+
+@pytest.mark.parametrize(("min_n", "max_n"), [(1, 4), (2, 3), (1, 1), (3, 8)])
+def test_ngram_index_matches_the_scan_as_the_sequence_grows(min_n: int, max_n: int) -> None:
+    """The incremental index gives find_ngram_match's answer after every extension
+    (one token or several at a time, as verification appends them), and starts afresh
+    on a sequence that does not extend the indexed one."""
+    g = torch.Generator().manual_seed(min_n * 10 + max_n)
+    for vocab in (2, 3, 7):
+        index = NgramIndex(min_n, max_n)
+        seq: list[int] = []
+        for step in range(120):
+            if step == 60:  # another sequence, shorter: indexed afresh
+                seq = seq[:10]
+                seq[-1] = (seq[-1] + 1) % vocab
+            grow = int(torch.randint(0, 5, (1,), generator=g))
+            seq = seq + torch.randint(0, vocab, (grow,), generator=g).tolist()
+            assert index.match(seq) == find_ngram_match(seq, min_n, max_n), (vocab, seq)
+    # The same length but another last token is another sequence too.
+    index = NgramIndex(1, 2)
+    assert index.match([1, 2, 1]) == (1, 1)
+    assert index.match([1, 2, 3]) == find_ngram_match([1, 2, 3], 1, 2) == (-1, 0)
+
+
+def test_ngram_proposer_keeps_an_index_per_request_until_forgotten() -> None:
+    cfg = SpeculativeConfig("ngram", 3, prompt_lookup_max=3)
+    prop = NgramProposer(cfg)
+    greedy = SamplingParams(temperature=0.0)
+    a = [5, 6, 7, 8, 5, 6]
+    b = [1, 2, 3, 1, 2]
+    out = prop.propose([ProposalRequest("a", a, [], greedy), ProposalRequest("b", b, [], greedy)])
+    assert [p.token_ids for p in out] == [[7, 8, 5], [3, 1, 2]]
+    assert set(prop.indexes) == {"a", "b"}
+    out = prop.propose([ProposalRequest("a", a + [7], [], greedy)])
+    assert out[0].token_ids == [8, 5, 6]
+    prop.forget("a")
+    assert set(prop.indexes) == {"b"}
+    # A restarted request (another sequence under the same id) gets a fresh index.
+    out = prop.propose([ProposalRequest("b", [9, 9, 4, 9], [], greedy)])
+    assert out[0].token_ids == [4]  # a unigram match: one draft
 
 
 def test_greedy_verification_argmax_is_torchs() -> None:

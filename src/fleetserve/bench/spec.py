@@ -3,9 +3,12 @@
 An input-grounded workload (the model is asked to repeat, or lightly edit, a paragraph it
 is given) runs request after request, alone, through two engines built from the same
 engine flags: one without drafts, one with ``--speculative-config`` (an n-gram lookup by
-default). Runs alternate between the two so that machine load hits both alike. Prints
-TTFT, decode tok/s (tokens after the first / time after the first), the speed-up,
-whether the greedy outputs are identical, and the acceptance figures.
+default), and one more per ``--also CONFIG`` (settings compared in one sitting). Runs
+alternate between the engines request by request so that machine load hits all alike.
+Prints TTFT, decode tok/s (tokens after the first / time after the first), the speed-up,
+whether the greedy outputs are identical, and the acceptance figures. ``--batch`` runs
+every workload's prompts at once instead (drafts then share each step with other
+requests' rows), its rate being output tokens per second of the whole batch.
 """
 
 from __future__ import annotations
@@ -42,7 +45,17 @@ WORKLOADS = {
     "repeat": "Repeat the following paragraph exactly, word for word.\n\n{p}",
     "edit": "Correct the spelling mistakes in the following paragraph and write the whole "
     "corrected paragraph.\n\n{p}",
+    # Shorter, partly new text (phrases of the paragraph come back).
+    "summary": "Summarize the following paragraph in two sentences.\n\n{p}",
+    # New text, no paragraph to copy from (one topic per paragraph): the bad case for
+    # drafts, where only the output's own repeats give n-gram matches.
+    "free": "Write a short story about {topic}.",
 }
+FREE_TOPICS = [
+    "a robot who learns to paint",
+    "a city at the bottom of the sea",
+    "a dog who runs a bakery",
+]
 
 
 def with_typos(paragraph: str, every: int = 9) -> str:
@@ -61,15 +74,33 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3, help="passes over the paragraphs")
     p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument(
+        "--batch",
+        action="store_true",
+        help="run every workload's prompts at once (a batch of 12) instead of one request "
+        "at a time; the rate is then output tokens per second of the whole batch",
+    )
+    p.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="another speculative config to run in the same sitting (repeatable): every "
+        "engine takes its turn on each request, so machine load hits them alike",
+    )
 
 
 def _prompts(llm: Any, workload: str) -> list[list[int]]:
     tok = llm.get_tokenizer()
     return [
         tok.apply_chat_template(
-            [{"role": "user", "content": WORKLOADS[workload].format(p=p)}], True
+            [{"role": "user", "content": WORKLOADS[workload].format(p=p, topic=topic)}], True
         )
-        for p in (PARAGRAPHS if workload == "repeat" else [with_typos(p) for p in PARAGRAPHS])
+        for p, topic in zip(
+            PARAGRAPHS if workload != "edit" else [with_typos(p) for p in PARAGRAPHS],
+            FREE_TOPICS,
+            strict=True,
+        )
     ]
 
 
@@ -87,27 +118,68 @@ def _one(llm: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float
     return ids, ttft, out.metrics["e2e_latency"] - ttft, cpu
 
 
+def _batch(
+    llm: Any, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[list[int]], list[float], float, float]:
+    """Every prompt at once: token ids and TTFT per request, the wall and CPU seconds of
+    the whole batch."""
+    from fleetserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    ids = [o.outputs[0].token_ids for o in outs]
+    return ids, [o.metrics["time_to_first_token"] for o in outs], wall, cpu
+
+
+def _spec_figures(llm: Any, stats0: Any) -> dict[str, float]:
+    """Acceptance figures of a speculative engine since `stats0`."""
+    s0, s1 = stats0.spec_decode, llm.engine.stats().spec_decode
+    assert s0 is not None and s1 is not None
+    drafts = s1.num_draft_tokens - s0.num_draft_tokens
+    accepted = s1.num_accepted_tokens - s0.num_accepted_tokens
+    verifications = s1.num_drafts - s0.num_drafts
+    return {
+        "acceptance_rate": accepted / drafts if drafts else 0.0,
+        "mean_accepted_length": 1 + accepted / verifications if verifications else 0.0,
+        "drafts_per_verification": drafts / verifications if verifications else 0.0,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     from fleetserve import LLM
 
     engine_args = engine_args_from(args)
     spec = engine_args.speculative_config or json.dumps(DEFAULT_SPEC)
-    base_args = dataclasses.replace(engine_args, speculative_config=None)
-    spec_args = dataclasses.replace(engine_args, speculative_config=spec)
-    engines = {
-        "baseline": LLM(**dataclasses.asdict(base_args)),
-        "speculative": LLM(**dataclasses.asdict(spec_args)),
-    }
+    configs = [spec, *args.also]
+    engines = {"baseline": LLM(**dataclasses.asdict(
+        dataclasses.replace(engine_args, speculative_config=None)))}  # fmt: skip
+    names = ["speculative"] + [f"speculative {i + 2}" for i in range(len(args.also))]
+    for name, cfg in zip(names, configs, strict=True):
+        engines[name] = LLM(**dataclasses.asdict(
+            dataclasses.replace(engine_args, speculative_config=cfg)))  # fmt: skip
     prompts = _prompts(engines["baseline"], args.workload)
     for llm in engines.values():  # warm-up: kernels built, pages faulted in
         _one(llm, prompts[0], 8)
-    stats0 = engines["speculative"].engine.stats()
+    stats0 = {n: engines[n].engine.stats() for n in names}
     tokens: dict[str, list[list[int]]] = {name: [] for name in engines}
     ttfts: dict[str, list[float]] = {name: [] for name in engines}
     decode: dict[str, list[float]] = {name: [] for name in engines}
     num_decoded: dict[str, int] = dict.fromkeys(engines, 0)
     cpu: dict[str, float] = dict.fromkeys(engines, 0.0)
+    if args.batch:  # every workload's prompts at once; rate = output tokens / wall
+        prompts = [q for w in sorted(WORKLOADS) for q in _prompts(engines["baseline"], w)]
     for _ in range(args.repeats):
+        if args.batch:
+            for name, llm in engines.items():
+                batch_ids, batch_ttfts, dt, cpu_s = _batch(llm, prompts, args.max_tokens)
+                cpu[name] += cpu_s
+                tokens[name].extend(batch_ids)
+                ttfts[name].extend(batch_ttfts)
+                decode[name].append(dt)
+                num_decoded[name] += sum(len(ids) for ids in batch_ids)
+            continue
         for prompt in prompts:
             for name, llm in engines.items():
                 ids, ttft, dt, cpu_s = _one(llm, prompt, args.max_tokens)
@@ -116,40 +188,49 @@ def run(args: argparse.Namespace) -> int:
                 ttfts[name].append(ttft)
                 decode[name].append(dt)
                 num_decoded[name] += len(ids) - 1
-    stats1 = engines["speculative"].engine.stats()
     rate = {n: num_decoded[n] / sum(decode[n]) for n in engines}
-    spec0, spec1 = stats0.spec_decode, stats1.spec_decode
-    assert spec0 is not None and spec1 is not None  # the speculative engine's
-    drafts = spec1.num_draft_tokens - spec0.num_draft_tokens
-    accepted = spec1.num_accepted_tokens - spec0.num_accepted_tokens
-    verifications = spec1.num_drafts - spec0.num_drafts
+    per_config = []
+    for name, cfg in zip(names, configs, strict=True):
+        per_config.append({
+            "speculative_config": json.loads(cfg) if isinstance(cfg, str) else cfg,
+            "decode_tok_s": rate[name],
+            "ttft_ms": 1000 * statistics.median(ttfts[name]),
+            "speedup": rate[name] / rate["baseline"],
+            # Output tokens per CPU second of the process, whole requests: at
+            # --num-threads 1 the time other processes take from this one's core does not
+            # count, so under load this ratio moves less than the wall-clock one (which
+            # stays the figure).
+            "cpu_speedup": cpu["baseline"] / cpu[name],
+            "identical_outputs": tokens["baseline"] == tokens[name],
+            **_spec_figures(engines[name], stats0[name]),
+        })  # fmt: skip
+    first = per_config[0]
     result = {
-        "workload": args.workload,
-        "speculative_config": json.loads(spec) if isinstance(spec, str) else spec,
+        "workload": "all, batched" if args.batch else args.workload,
         "num_requests": len(tokens["baseline"]),
         "mean_output_tokens": statistics.mean(len(t) for t in tokens["baseline"]),
         "ttft_ms": {n: 1000 * statistics.median(ttfts[n]) for n in engines},
         "decode_tok_s": rate,
-        "speedup": rate["speculative"] / rate["baseline"],
-        # Output tokens per CPU second of the process, whole requests: at --num-threads 1
-        # the time other processes take from this one's core does not count, so under
-        # load this ratio moves far less than the wall-clock one (which stays the figure).
-        "cpu_speedup": cpu["baseline"] / cpu["speculative"],
-        "identical_outputs": tokens["baseline"] == tokens["speculative"],
-        "acceptance_rate": accepted / drafts if drafts else 0.0,
-        "mean_accepted_length": 1 + accepted / verifications if verifications else 0.0,
+        **{k: v for k, v in first.items() if k not in ("decode_tok_s", "ttft_ms")},
+        "configs": per_config,
     }
-    print(f"workload {args.workload}: {result['num_requests']} requests one at a time, "
+    how = f"in batches of {len(prompts)} (every workload)" if args.batch else "one at a time"
+    print(f"workload {result['workload']}: {result['num_requests']} requests {how}, "
           f"{result['mean_output_tokens']:.0f} output tokens on average")  # fmt: skip
     for n in engines:
         print(f"  {n:12s} TTFT {result['ttft_ms'][n]:7.1f} ms   decode {rate[n]:7.1f} tok/s")
-    print(f"  speed-up {result['speedup']:.2f}x; greedy outputs identical: "
-          f"{result['identical_outputs']}")  # fmt: skip
-    print(f"  CPU-time speed-up {result['cpu_speedup']:.2f}x (process CPU seconds, whole "
-          "requests; steadier than wall clock on a loaded machine at one thread)")  # fmt: skip
-    print(f"  acceptance rate {result['acceptance_rate']:.3f}, mean accepted length "
-          f"{result['mean_accepted_length']:.2f} tokens per verification")  # fmt: skip
+    for i, c in enumerate(per_config):
+        label = (
+            "" if len(per_config) == 1 else f"[{names[i]}: {json.dumps(c['speculative_config'])}] "
+        )
+        print(f"  {label}speed-up {c['speedup']:.2f}x; greedy outputs identical: "
+              f"{c['identical_outputs']}")  # fmt: skip
+        print(f"  CPU-time speed-up {c['cpu_speedup']:.2f}x (process CPU seconds, whole "
+              "requests; steadier than wall clock on a loaded machine at one thread)")  # fmt: skip
+        print(f"  acceptance rate {c['acceptance_rate']:.3f}, mean accepted length "
+              f"{c['mean_accepted_length']:.2f} tokens per verification, "
+              f"{c['drafts_per_verification']:.2f} drafts per verification")  # fmt: skip
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
-    return 0 if result["identical_outputs"] else 1
+    return 0 if all(c["identical_outputs"] for c in per_config) else 1

@@ -29,9 +29,14 @@ class Proposal:
 class Proposer(Protocol):
     """Called by the model runner once per step, after sampling, with every request that
     got tokens in the step (possibly some that a stop condition is about to end).
+    ``note_step`` tells it each step's size (the adaptive n-gram proposer times steps).
     ``forget`` is called when a request finishes, is preempted or (re)starts, so that a
     proposer keeping per-request state starts that request afresh."""
 
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]: ...
+
+    def note_step(self, num_rows: int, decodes_only: bool) -> None:
+        """Called once per step on the last stage, before `propose`: the step's rows and
+        whether every row was a decode or a verification."""
 
     def forget(self, req_id: str) -> None: ...

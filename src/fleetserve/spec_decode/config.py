@@ -4,6 +4,8 @@
 "prompt_lookup_min": M}`` proposes the K tokens that followed the last earlier occurrence
 of the sequence's final n-gram (M <= n <= N); ``{"model": PATH, "num_speculative_tokens": K}``
 proposes them with a smaller draft model that shares the target's tokenizer.
+``"draft_length": "adaptive"`` (n-gram) makes K a ceiling: each step proposes the number
+that the measured acceptance and step times say pays best.
 """
 
 from __future__ import annotations
@@ -13,8 +15,16 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram", "draft_model")
+DRAFT_LENGTHS = ("fixed", "adaptive")
 MAX_SPECULATIVE_TOKENS = 16
-_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+_FIELDS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "model",
+    "draft_length",
+)
 _PREFIX = "speculative_config"
 
 
@@ -31,6 +41,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     model: str | None = None  # the draft model's checkpoint (method "draft_model")
+    # "fixed": a multi-token n-gram match proposes num_speculative_tokens drafts;
+    # "adaptive": at most that many, chosen each step from the measured acceptance by
+    # position and step time by rows (draft_length.py). n-gram only.
+    draft_length: str = "fixed"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -45,6 +59,12 @@ class SpeculativeConfig:
             )
         if self.method == "draft_model" and not self.model:
             raise ValueError(f"{_PREFIX}.model must name the draft model's checkpoint")
+        if self.draft_length not in DRAFT_LENGTHS:
+            raise ValueError(
+                f"{_PREFIX}.draft_length must be one of {DRAFT_LENGTHS}, got {self.draft_length!r}"
+            )
+        if self.draft_length == "adaptive" and self.method != "ngram":
+            raise ValueError(f"{_PREFIX}.draft_length 'adaptive' is only for method 'ngram'")
         if self.method == "ngram" and self.model is not None:
             raise ValueError(f"{_PREFIX}.model is only used with method 'draft_model'")
 
@@ -88,4 +108,5 @@ class SpeculativeConfig:
             prompt_lookup_max=hi,
             prompt_lookup_min=lo,
             model=value.get("model"),
+            draft_length=value.get("draft_length", "fixed"),
         )

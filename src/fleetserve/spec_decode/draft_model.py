@@ -103,6 +103,9 @@ class DraftModelProposer:
         # they were written to (a block given back and replaced holds someone else's).
         self._seen: dict[str, tuple[list[int], list[int]]] = {}
 
+    def note_step(self, num_rows: int, decodes_only: bool) -> None:
+        pass  # the draft model's k is fixed
+
     def forget(self, req_id: str) -> None:
         self._seen.pop(req_id, None)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fleetserve.layers.sampler import (
@@ -52,7 +53,29 @@ def _generator(row: SamplingRow, fallback: torch.Generator) -> torch.Generator:
 def _argmax_rows(logits: torch.Tensor) -> list[int]:
     """Each row's argmax as a list (layers/sampler.py's numpy argmax: ~20x torch's on
     [k + 1, 49k] float32 rows, paid in every verification step)."""
+    if logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2:
+        return np.argmax(logits.detach().numpy(), axis=-1).tolist()  # type: ignore[no-any-return]
     return argmax_rows(logits).tolist()  # type: ignore[no-any-return]
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    """Greedy with nothing that changes the logits of this row or of its drafts' rows."""
+    p = row.params
+    return p.greedy and not p.needs_penalties and len(row.output_token_ids) >= p.min_tokens
+
+
+def _rows_with_drafts(requests: list[DraftedRow]) -> list[SamplingRow]:
+    """Each request's k + 1 rows as the plain sampler sees them: row j has the first j
+    drafts among its outputs (penalties and min_tokens see them)."""
+    rows: list[SamplingRow] = []
+    for r in requests:
+        base = r.row
+        for j in range(len(r.draft_token_ids) + 1):
+            outputs = base.output_token_ids + r.draft_token_ids[:j]
+            rows.append(
+                SamplingRow(base.params, base.prompt_token_ids, outputs, base.eos_token_ids)
+            )
+    return rows
 
 
 def _draw(weights: torch.Tensor, g: torch.Generator) -> int:
@@ -72,26 +95,26 @@ class RejectionSampler:
         """logits: [sum(k_i + 1), vocab], each request's k_i + 1 rows back to back.
         Returns per request the accepted drafts plus one token of the target's, and their
         logprobs when asked for (of the raw target distribution, like the sampler's)."""
-        rows: list[SamplingRow] = []
-        for r in requests:
-            base = r.row
-            for j in range(len(r.draft_token_ids) + 1):
-                outputs = base.output_token_ids + r.draft_token_ids[:j]
-                rows.append(
-                    SamplingRow(base.params, base.prompt_token_ids, outputs, base.eos_token_ids)
-                )
         want_lp = any(r.row.params.logprobs is not None for r in requests)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
-        if any(r.params.needs_penalties for r in rows):
-            logits = apply_penalties(logits.clone(), rows)
-        if any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
-            logits = apply_min_tokens(logits.clone(), rows)
-        argmax = _argmax_rows(logits)
-        random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
         probs = None
-        if random_idx:
-            probs = filter_logits(logits[random_idx], [rows[i] for i in random_idx]).softmax(-1)
-        prob_row = {i: j for j, i in enumerate(random_idx)}
+        prob_row: dict[int, int] = {}
+        if all(_plain_greedy(r.row) for r in requests):
+            # The common case (greedy, no penalties, min_tokens reached): the raw logits'
+            # argmax decides; no per-row SamplingRow to build.
+            argmax = _argmax_rows(logits)
+        else:
+            rows = _rows_with_drafts(requests)
+            if any(r.params.needs_penalties for r in rows):
+                logits = apply_penalties(logits.clone(), rows)
+            if any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
+                logits = apply_min_tokens(logits.clone(), rows)
+            argmax = _argmax_rows(logits)
+            random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+            if random_idx:
+                kept = filter_logits(logits[random_idx], [rows[i] for i in random_idx])
+                probs = kept.softmax(-1)
+            prob_row = {i: j for j, i in enumerate(random_idx)}
 
         out: list[list[int]] = []
         out_lps: list[list[dict[int, float]]] = []

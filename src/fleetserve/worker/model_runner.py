@@ -227,6 +227,12 @@ class ModelRunner:
             pp.send_next(hidden)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
+        if self.proposer is not None:
+            # Steps of decodes and verifications only (no new request, no prefill rows):
+            # an adaptive proposer times them by rows.
+            self.proposer.note_step(
+                len(input_ids), not so.scheduled_new_reqs and len(picks.rows) == len(input_ids)
+            )
         sampled, lp_by_req = self._sample(picks, hidden, meta.head_logits, so.grammar_bitmask)
         prompt_lps = self._prompt_logprobs(ordered, qsl, ctx_lens, hidden)
         req_ids = list(sched)
