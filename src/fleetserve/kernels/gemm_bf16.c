@@ -315,6 +315,7 @@ static int amx_share(const float *x, int64_t ldx, const uint16_t *w, const float
                  (float *)(xp + xp_len + omp_get_thread_num() * acc_len));
     }
     if (configured) _tile_release();
+    if (n % 16 == 0) return 0; /* no tail rows: no loop, no barrier (the same for all) */
 #pragma omp for schedule(static)
     for (int64_t j = nb16 * 16; j < n; j++)
         for (int64_t r = 0; r < m; r++)
