@@ -52,9 +52,10 @@ def test_linear_to_bf16_matches_rounded_reference(m: int) -> None:
 
 
 # (m, n, k): decode-sized rows (vdpbf16ps), AMX tiles with odd 16-row blocks and n tails
-# of 16 and under 16, k not a multiple of 32 (vdpbf16ps at any m), a wide prefill shape.
+# of 16 and under 16, k not a multiple of 32 (vdpbf16ps at any m), a wide prefill shape,
+# rows in several chunks (192 rows of k = 1024 each, the last one partial).
 _SHAPES = [(3, 40, 64), (9, 48, 64), (16, 32, 32), (17, 40, 96), (33, 17, 64),
-           (64, 50, 80), (200, 96, 576)]  # fmt: skip
+           (64, 50, 80), (200, 96, 576), (600, 48, 1024)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("m", "n", "k"), _SHAPES)
@@ -73,6 +74,19 @@ def test_gemm_bf16_against_torch(m: int, n: int, k: int) -> None:
     # torch's bf16 output rounds the sum before the bias is added (half an ulp: 2^-8).
     torch_dot = torch.nn.functional.linear(x.bfloat16(), w).float()
     assert ((got - bias - torch_dot).abs() <= torch_dot.abs() * 2.0**-8 + bound).all()
+
+
+def test_rows_chunked_or_not_give_the_same_sums() -> None:
+    """A row's outputs do not depend on how many rows share the call: many rows are
+    multiplied a chunk at a time (gemm_bf16.c's amx_chunk_blocks), each output over k in
+    one order. Rows of one 1,100-row call (k = 768: chunks of 256 rows) against the same
+    rows in calls of their own (10-40 rows: one chunk), bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1100, 768, generator=g)
+    w = torch.randn(56, 768, generator=g).bfloat16()
+    whole = gemm_bf16(x, w, threads=2)
+    for r0, r1 in ((0, 16), (250, 270), (512, 552), (1090, 1100)):
+        assert torch.equal(whole[r0:r1], gemm_bf16(x[r0:r1], w, threads=1)), (r0, r1)
 
 
 def test_amx_switch_gives_the_same_sums() -> None:

@@ -384,6 +384,23 @@ static int64_t max3(int64_t a, int64_t b, int64_t c) {
 
 static size_t up64(size_t floats) { return (floats + 15) / 16 * 16; }
 
+/* The step's buffers (64-byte aligned), kept by the calling thread from one step to the
+ * next and grown when a step needs more: a prefill chunk of 1024 rows needs ~40 MB, past
+ * glibc's largest mmap threshold (32 MB), so a buffer of its own per step was a fresh
+ * mapping each time, ~9,600 page faults (and as many zeroed pages) a step. Per calling
+ * thread: two threads may run steps of their own at once (ctypes lets go of the GIL). */
+static float *step_buffer(size_t floats) {
+    static _Thread_local float *buf = NULL;
+    static _Thread_local size_t cap = 0;
+    if (floats > cap) {
+        float *grown = aligned_alloc(64, up64(floats) * sizeof(float));
+        if (!grown) return NULL;
+        free(buf);
+        buf = grown, cap = floats;
+    }
+    return buf;
+}
+
 /* x: [m, hidden] the step's embeddings (read only); out: [m, hidden] the final norm's
  * output (no final norm: the residual stream). positions, slot_blocks, slot_offsets [m] int64; q_starts, q_lens, seq_lens
  * [num_seqs] int64 (seq_lens: tokens in the cache after this step's writes); tables
@@ -447,7 +464,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                               : rows_hx + up64(m * (kmax / 32) + 1) +
                                     up64(gemm_x_floats(m, kmax)) + xq_floats) +
                         up64(p->num_heads * max_len) + head_priv;
-    float *buf = aligned_alloc(64, (shared + (size_t)threads * priv) * sizeof(float));
+    float *buf = step_buffer(shared + (size_t)threads * priv);
     if (!buf) {
         free(item_start);
         return -1;
@@ -553,7 +570,6 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
             head_share(p, res, nr, logit_rows, h, &sc, logits, 0);
         }
     }
-    free(buf);
     free(item_start);
     return 0;
 }

@@ -170,18 +170,20 @@ static void put_tile(const float *t, float *out, int64_t ldo, int64_t j0, int64_
  * passes (stored and reloaded exactly: the sums' order is that of one long pass). */
 #define KBLOCK 8
 
-/* Weight rows j0 .. j0 + 16 * na - 1 (na 1 or 2) against every row of x; acc: 1024
- * floats per pair of 16-row blocks of x. */
+/* Weight rows j0 .. j0 + 16 * na - 1 (na 1 or 2) against rows b0 * 16 .. b1 * 16 - 1 of
+ * x (b0 even; rows past m read as zero, written nowhere); acc: 1024 floats per pair of
+ * 16-row blocks of x. */
 static void amx_rows(const uint16_t *w, const uint16_t *xp, const float *bias, float *out,
-                     int64_t ldo, int64_t m, int64_t k, int64_t j0, int na, float *acc) {
-    const int64_t mb = (m + 15) / 16, kc = k / 32, wstride = k * 2;
+                     int64_t ldo, int64_t m, int64_t k, int64_t j0, int na, int64_t b0,
+                     int64_t b1, float *acc) {
+    const int64_t kc = k / 32, wstride = k * 2;
     const uint16_t *w0 = w + j0 * k, *w1 = w + (j0 + 16) * k;
     for (int64_t c0 = 0; c0 < kc; c0 += KBLOCK) {
         const int64_t c1 = c0 + KBLOCK < kc ? c0 + KBLOCK : kc;
-        for (int64_t b = 0; b < mb; b += 2) {
-            const int nb = b + 1 < mb ? 2 : 1;
+        for (int64_t b = b0; b < b1; b += 2) {
+            const int nb = b + 1 < b1 ? 2 : 1;
             const uint16_t *x0 = xp + b * kc * PACK_BLOCK, *x1 = x0 + kc * PACK_BLOCK;
-            float *t = acc + b / 2 * 1024; /* C tiles 0-3 at t + 256 * tile */
+            float *t = acc + (b - b0) / 2 * 1024; /* C tiles 0-3 at t + 256 * tile */
             if (c0 == 0) {
                 _tile_zero(0);
                 _tile_zero(1);
@@ -247,6 +249,19 @@ static uint16_t *team_pack(size_t need) {
     return buf;
 }
 
+/* 16-row blocks of x per chunk of rows: a chunk's packed rows (k * 2 bytes each) are
+ * read again for every pair of weight blocks, so they must stay in the core's L2 beside
+ * the weights streaming past, the parked C tiles and the outputs: one pass over 1024
+ * rows of k = 768 (1.5 MiB packed, a prefill chunk of the default token budget) ran at
+ * ~0.5 TFLOP/s on one core where 512 rows ran at ~1.0. An even count, at least 2 (pairs
+ * of blocks go together); the sums do not depend on it (each output's k order is fixed). */
+#define AMX_CHUNK_BYTES (384 << 10)
+static int64_t amx_chunk_blocks(int64_t k) {
+    int64_t blocks = AMX_CHUNK_BYTES / (k * 2 * 16);
+    blocks -= blocks % 2;
+    return blocks < 2 ? 2 : blocks;
+}
+
 /* This thread's share through AMX (see bf16_share); every thread of the team calls it. */
 static int amx_share(const float *x, int64_t ldx, const uint16_t *w, const float *bias,
                      float *out, int64_t ldo, int64_t m, int64_t n, int64_t k,
@@ -255,7 +270,8 @@ static int amx_share(const float *x, int64_t ldx, const uint16_t *w, const float
     uint16_t *xp = NULL;
     /* After the packed rows, each thread's parked C tiles (1024 floats = 2048 bf16 per
      * pair of 16-row blocks), 64-byte aligned. */
-    const int64_t xp_len = (mb + 1) * kc * PACK_BLOCK, acc_len = (mb + 1) / 2 * 2048;
+    const int64_t chunk = amx_chunk_blocks(k), cb = chunk < mb ? chunk : mb;
+    const int64_t xp_len = (mb + 1) * kc * PACK_BLOCK, acc_len = (cb + 1) / 2 * 2048;
 #pragma omp single copyprivate(xp)
     xp = team_pack((size_t)(xp_len + omp_get_num_threads() * acc_len));
     if (!xp) {
@@ -268,15 +284,22 @@ static int amx_share(const float *x, int64_t ldx, const uint16_t *w, const float
 #pragma omp for schedule(static)
     for (int64_t q = 0; q < mb * kc; q++)
         pack_block(x, ldx, m, q / kc, q % kc, (uint32_t *)(xp + q * PACK_BLOCK));
-    const int64_t nb16 = n / 16;
+    const int64_t nb16 = n / 16, npairs = (nb16 + 1) / 2;
+    const int64_t nchunks = (mb + chunk - 1) / chunk;
     int configured = 0;
+    /* Work items: (chunk of x's rows, pair of 16-row weight blocks), chunk-major, so a
+     * static split hands each thread whole chunks when there are several: its packed
+     * rows stay in its own L2 while the weights stream past them. */
 #pragma omp for schedule(static)
-    for (int64_t q = 0; q < (nb16 + 1) / 2; q++) {
+    for (int64_t q = 0; q < nchunks * npairs; q++) {
         if (!configured) amx_begin(), configured = 1;
-        amx_rows(w, xp, bias, out, ldo, m, k, q * 32, 2 * q + 1 < nb16 ? 2 : 1,
+        const int64_t b0 = q / npairs * chunk, p = q % npairs;
+        const int64_t b1 = b0 + chunk < mb ? b0 + chunk : mb;
+        amx_rows(w, xp, bias, out, ldo, m, k, p * 32, 2 * p + 1 < nb16 ? 2 : 1, b0, b1,
                  (float *)(xp + xp_len + omp_get_thread_num() * acc_len));
     }
     if (configured) _tile_release();
+    if (n % 16 == 0) return 0; /* no tail rows: no loop, no barrier (the same for all) */
 #pragma omp for schedule(static)
     for (int64_t j = nb16 * 16; j < n; j++)
         for (int64_t r = 0; r < m; r++)

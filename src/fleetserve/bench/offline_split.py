@@ -1,0 +1,214 @@
+"""Where an offline run's time goes: each engine step by kind, and what its C step spends.
+
+`python -m fleetserve.bench.offline_split [--workload PATH] [--threads T] [--model PATH]`
+runs a workload (as `fleetserve bench offline`: greedy, ignore_eos) through `LLM.generate`
+and reports:
+
+- per step kind (prefill: only prompt rows; mixed: prompt chunks beside decodes; decode:
+  one row per sequence): steps, rows, seconds inside the C step (`DecodePlan.run`, LM head
+  included), in the rest of the runner (metadata, sampling: the worker's Python), in the
+  engine core's and the engine's Python (scheduler, detokenizer);
+- decode steps by rows (buckets of 8): ms per step;
+- the biggest mixed step and the widest decode step replayed (`--replay`, bf16 or float32
+  weights of a plan whose projections are plain `Linear`s): the whole step against its
+  projections' GEMMs alone, the LM head alone and its attention alone (best of N each),
+  the rest being row-wise work and barriers.
+
+One thread (`--threads 1`) times with the thread's CPU clock: figures that hold on a busy
+machine. More threads time wall-clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fleetserve.bench.offline import bench_model_path
+from fleetserve.bench.workloads import load_workload
+
+
+def _kind(q_lens: torch.Tensor) -> str:
+    decodes = int((q_lens == 1).sum())
+    if decodes == q_lens.shape[0]:
+        return "decode"
+    return "prefill" if decodes == 0 else "mixed"
+
+
+def split(
+    model: str,
+    workload: str,
+    threads: int,
+    max_num_batched_tokens: int | None = None,
+    bf16_weights: bool | None = None,
+) -> dict[str, Any]:
+    """The figures above for `workload` (a JSON file shaped like shared/bench/workload.json).
+    bf16_weights: as LLM's (None: as `--dtype auto` picks)."""
+    from fleetserve import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    reqs = load_workload(workload)
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in reqs)
+    llm = LLM(
+        model=model,
+        max_model_len=longest + 16,
+        max_num_seqs=64,
+        max_num_batched_tokens=max_num_batched_tokens,
+        num_threads=threads,
+        seed=0,
+        bf16_weights=bf16_weights,
+    )
+    engine, core = llm.engine, llm.engine.core
+    runner = core.executor.runner  # type: ignore[attr-defined]
+    plan = runner.model.model.decode_plan
+    if plan is None:
+        raise ValueError("this model has no C step here (FLEETSERVE_FUSED_DECODE=0?)")
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    cur: dict[str, Any] = {}
+    steps: list[dict[str, Any]] = []
+    kept: dict[str, list[Any]] = {}
+    run, execute, core_step, engine_step = plan.run, runner.execute_model, core.step, engine.step
+
+    def timed(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+        def inner(*args: Any) -> Any:
+            t0 = clock()
+            out = f(*args)
+            cur[name] = cur.get(name, 0.0) + clock() - t0
+            if name == "c":
+                kind, m = _kind(args[5]), args[0].shape[0]
+                cur.update(kind=kind, rows=m, ctx=int(args[6].sum()))
+                key = "mixed" if kind != "decode" else "decode"
+                if m >= kept.get(key, [torch.empty(0)])[0].shape[0]:
+                    kept[key] = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            return out
+
+        return inner
+
+    def timed_engine_step() -> Any:
+        cur.clear()
+        out = timed("engine", engine_step)()
+        steps.append(dict(cur))
+        return out
+
+    plan.run, runner.execute_model = timed("c", run), timed("runner", execute)
+    core.step, engine.step = timed("core", core_step), timed_engine_step
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs
+    ]
+    warm = SamplingParams(max_tokens=2)
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], warm, use_tqdm=False)
+    core.block_manager.reset_prefix_cache()
+    steps.clear()
+    kept.clear()
+    t0 = clock()
+    llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs], params, use_tqdm=False)
+    total = clock() - t0
+    plan.run, runner.execute_model, core.step, engine.step = run, execute, core_step, engine_step
+    kinds: dict[str, Counter[str]] = defaultdict(Counter)
+    buckets: dict[int, list[float]] = defaultdict(list)
+    for s in steps:
+        c = kinds[s.get("kind", "none")]
+        c["steps"] += 1
+        c["rows"] += s.get("rows", 0)
+        c["c_step_s"] += s.get("c", 0.0)
+        c["runner_python_s"] += s.get("runner", 0.0) - s.get("c", 0.0)
+        c["engine_python_s"] += s.get("engine", 0.0) - s.get("runner", 0.0)
+        if s.get("kind") == "decode":
+            buckets[s["rows"] // 8 * 8].append(s["c"])
+    return {
+        "threads": threads,
+        "total_s": total,
+        "kinds": {k: dict(v) for k, v in kinds.items()},
+        "decode_ms_by_rows": {
+            f"{b}-{b + 7}": 1000 * sum(v) / len(v) for b, v in sorted(buckets.items())
+        },
+        "replay": {k: replay(runner.model, run, a, clock) for k, a in kept.items()},
+    }
+
+
+def _best(f: Callable[[], Any], clock: Callable[[], float], reps: int = 5) -> float:
+    f()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = clock()
+        f()
+        best = min(best, clock() - t0)
+    return 1000 * best
+
+
+def replay(
+    model: Any, run: Callable[..., torch.Tensor], args: list[Any], clock: Callable[[], float]
+) -> dict[str, float]:
+    """One captured step (run's arguments) in ms: whole, its GEMMs, head and attention
+    alone; {} when its projections are not plain bf16 / float32 `Linear`s."""
+    from fleetserve.kernels import cpu
+    from fleetserve.kernels.bf16 import gemm_bf16
+
+    layers = model.decoder_layers()
+    projs = [
+        (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        for a, mlp in ((d.self_attn, d.mlp) for d in layers)
+    ]
+    if any(getattr(p, "bf16", None) is None for ps in projs for p in ps):
+        return {}
+    m, nr = args[0].shape[0], 0 if args[10] is None else args[10].shape[0]
+    xs = {p.bf16.shape[1]: torch.randn(m, p.bf16.shape[1]) for p in projs[0]}
+    head = getattr(model.lm_head, "bf16", None) if model.lm_head is not None else None
+
+    def gemms() -> None:
+        for ps in projs:
+            for p in ps:
+                gemm_bf16(xs[p.bf16.shape[1]], p.bf16)
+
+    attn0 = layers[0].self_attn
+    q = torch.randn(m, attn0.num_heads, attn0.head_dim)
+    o = torch.empty_like(q)
+
+    def attention() -> None:
+        for d in layers:
+            at = d.self_attn.attn
+            q_starts, q_lens, seq_lens, tables = args[4:8]
+            cpu.paged_attention(
+                q, at.k_cache, at.v_cache, o, q_starts, q_lens, seq_lens, tables,
+                at.k_cache.shape[-1], at.scale,
+            )  # fmt: skip
+
+    out = {
+        "rows": float(m),
+        "step_ms": _best(lambda: run(*args), clock),
+        "gemm_ms": _best(gemms, clock),
+        "attention_ms": _best(attention, clock),
+    }
+    if head is not None and nr:
+        xh = torch.randn(nr, head.shape[1])
+        out["head_ms"] = _best(lambda: gemm_bf16(xh, head), clock)
+    out["rest_ms"] = out["step_ms"] - out["gemm_ms"] - out["attention_ms"] - out.get("head_ms", 0)
+    flops = 2 * m * sum(p.bf16.numel() for ps in projs for p in ps)
+    out["gemm_tflops"] = flops / out["gemm_ms"] / 1e9
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="default: the bench Llama")
+    p.add_argument("--workload", default="/work/shared/bench/workload.json")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    out = split(
+        args.model or bench_model_path(), args.workload, args.threads, args.max_num_batched_tokens
+    )
+    print(json.dumps(out, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

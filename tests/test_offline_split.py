@@ -1,0 +1,45 @@
+"""bench/offline_split.py: step kinds, their time and a replayed step's parts, on a tiny
+model with bf16 weights."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from fleetserve.bench.offline_split import split
+from fleetserve.kernels import cpu as cpu_kernels
+from fleetserve.kernels.bf16 import native
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.load() is None or not native(), reason="no C compiler or no native bf16 here"
+)
+
+
+def test_split_counts_every_step_and_replays_both_kinds(
+    tiny_model_factory: Callable[..., str], tmp_path: Path
+) -> None:
+    # Five prompts of 40 tokens under a 64-token budget: prefill, mixed and decode steps.
+    reqs = [
+        {"prompt_token_ids": [5 + (i * 7 + j) % 90 for j in range(40)], "output_len": 6 + i}
+        for i in range(5)
+    ]
+    workload = tmp_path / "w.json"
+    workload.write_text(json.dumps({"requests": reqs}))
+    out = split(tiny_model_factory("llama"), str(workload), 1, 64, bf16_weights=True)
+    kinds = out["kinds"]
+    assert set(kinds) == {"prefill", "mixed", "decode"}
+    assert sum(k["rows"] for k in kinds.values()) == 5 * 40 + sum(6 + i for i in range(5)) - 5
+    assert all(k["c_step_s"] > 0 and k["runner_python_s"] > 0 for k in kinds.values())
+    assert (
+        out["total_s"]
+        >= sum(k["c_step_s"] + k["runner_python_s"] + k["engine_python_s"] for k in kinds.values())
+        * 0.99
+    )
+    for name in ("mixed", "decode"):
+        r = out["replay"][name]
+        assert r["step_ms"] > 0 and r["gemm_ms"] > 0 and r["attention_ms"] > 0, r
+        assert r["gemm_tflops"] > 0 and "head_ms" in r
+    assert out["replay"]["mixed"]["rows"] > out["replay"]["decode"]["rows"] >= 1
