@@ -291,6 +291,22 @@ static void head_share(const ds_plan *p, const float *normed, int64_t nr, const 
     linear_share(&p->head, hb, H, s, logits, linear_out(&p->head), nr, wide);
 }
 
+/* Greedy sampling fused at the end of the step: this thread's span of each head row's
+ * logits (the vocab split evenly over the team, spans in thread order) scanned for its
+ * argmax, into the row's slots of the spans' results (merged by the caller). */
+static void head_argmax_span(const float *logits, int64_t nr, int64_t vocab, int stride,
+                             float *best, int64_t *idx, int *nan) {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t v0 = vocab * t / nt, v1 = vocab * (t + 1) / nt;
+    for (int64_t j = 0; j < nr; j++) {
+        const int64_t s = j * stride + t; /* slots past the team's size stay empty */
+        if (v1 > v0) {
+            nan[s] = span_argmax(logits + j * vocab + v0, v1 - v0, &best[s], &idx[s]);
+            idx[s] += v0;
+        }
+    }
+}
+
 static int quant_bias(const ds_linear *lin) {
     return lin->bias && lin->num_segments > 0 && lin->seg[0].kind == W_QUANT;
 }
@@ -391,14 +407,17 @@ static size_t up64(size_t floats) { return (floats + 15) / 16 * 16; }
  * wide): the same for the sliding-window layers' own pool (a model with local and
  * global layers), or NULL: windowed layers use the ones above. logit_rows [nr] int64
  * (distinct rows of the step, nr <= m): with the plan's head, logits [nr, vocab] gets the
- * head's output for those rows (nr 0: none). Returns 0; -1: out of memory; -2: no rows. */
+ * head's output for those rows (nr 0: none), and argmax [nr] int64 (NULL: not wanted)
+ * each of those rows' argmax (numpy's: the first maximum, or the first NaN), scanned by
+ * the team before the region ends. Returns 0; -1: out of memory; -2: no rows. */
 int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                 const int64_t *positions, const int64_t *slot_blocks,
                 const int64_t *slot_offsets, int64_t num_seqs, const int64_t *q_starts,
                 const int64_t *q_lens, const int64_t *seq_lens, const int64_t *tables,
                 int64_t max_blocks, const int64_t *w_slot_blocks,
                 const int64_t *w_slot_offsets, const int64_t *w_tables, int64_t w_max_blocks,
-                int64_t nr, const int64_t *logit_rows, float *logits, int threads) {
+                int64_t nr, const int64_t *logit_rows, float *logits, int64_t *argmax,
+                int threads) {
     if (m < 1 || num_seqs < 1) return -2;
     if (p->head.num_segments == 0) nr = 0;
     const ds_rows rw = {m,       num_seqs, max_blocks, positions, slot_blocks, slot_offsets,
@@ -422,8 +441,15 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
     if (threads < 1) threads = 1;
     /* Few one-row sequences: an item per (sequence, kv head) keeps every thread busy. */
     const int split = all_decode && num_seqs < threads ? p->num_kv_heads : 1;
-    int64_t *item_start = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    /* item_start, then (argmax) each head row's per-thread span results */
+    const int64_t spans = argmax && nr > 0 ? nr * threads : 0;
+    int64_t *item_start = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1 + 2 * spans) +
+                                 sizeof(int) * (size_t)spans);
     if (!item_start) return -1;
+    int64_t *span_idx = item_start + num_seqs + 1;
+    float *span_best = (float *)(span_idx + spans);
+    int *span_nan = (int *)(span_idx + 2 * spans);
+    for (int64_t s = 0; s < spans; s++) span_idx[s] = -1;
     const int64_t items = attention_items(&rw, split, p->num_kv_heads, item_start);
     /* Shared: qkv, attn, x (o and down outputs), gate_up; when wide also the residual,
      * the GEMM input and the x tiles. Private per thread: when narrow the residual, GEMM
@@ -552,7 +578,14 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
             memcpy(out, res, (size_t)(m * H) * sizeof(float));
             head_share(p, res, nr, logit_rows, h, &sc, logits, 0);
         }
+        /* The head's shares end in the team's barrier: every logit is written. */
+        if (spans)
+            head_argmax_span(logits, nr, linear_out(&p->head), threads, span_best, span_idx,
+                             span_nan);
     }
+    for (int64_t j = 0; j < (spans ? nr : 0); j++)
+        argmax[j] = argmax_merge(span_best + j * threads, span_idx + j * threads,
+                                 span_nan + j * threads, threads);
     free(buf);
     free(item_start);
     return 0;

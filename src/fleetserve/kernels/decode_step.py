@@ -69,9 +69,11 @@ def _lib() -> ctypes.CDLL:
         raise RuntimeError("the decode step needs the CPU kernels (a C compiler)")
     lib.decode_step.argtypes = [
         _p, _p, _p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _i64, _p, _p, _p, _i64,
-        _i64, _p, _p, ctypes.c_int,
+        _i64, _p, _p, _p, ctypes.c_int,
     ]  # fmt: skip
     lib.decode_step.restype = ctypes.c_int
+    lib.rows_argmax.argtypes = [_p, _i64, _i64, ctypes.c_int, _p]
+    lib.rows_argmax.restype = None
     lib.decode_step_max_rows.argtypes = []
     lib.decode_step_max_rows.restype = ctypes.c_int
     return lib
@@ -248,6 +250,7 @@ class DecodePlan:
         lora: int | None = None,
         logit_rows: torch.Tensor | None = None,
         logits: torch.Tensor | None = None,
+        argmax: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The final-norm hidden states [m, hidden] of the step's m rows: sequences laid
         out back to back, sequence i owning rows q_starts[i] .. q_starts[i] + q_lens[i]
@@ -259,7 +262,9 @@ class DecodePlan:
         address of the step's LoRA rows and slots (lora/fused.py), or None. logit_rows
         (int64 [r], distinct rows of the step: the caller checks) and logits (float32 [r,
         vocab]): the head's output for those rows is written to `logits` (the plan must
-        have a head)."""
+        have a head). argmax (int64 [r], with logits): each of those rows' argmax, as
+        numpy's (the first maximum, or the first NaN), found by the step's threads inside
+        its region: greedy sampling without a scan of the logits in Python."""
         m = x.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.shape.hidden:
             raise ValueError(f"x must be a contiguous float32 [m, {self.shape.hidden}] tensor")
@@ -273,6 +278,13 @@ class DecodePlan:
                 raise ValueError("logits must be contiguous float32, logit_rows at most m rows")
             if logit_rows.dtype != torch.int64 or not logit_rows.is_contiguous():
                 raise ValueError("logit_rows must be a contiguous int64 tensor")
+        if argmax is not None and (
+            logit_rows is None
+            or argmax.dtype != torch.int64
+            or not argmax.is_contiguous()
+            or tuple(argmax.shape) != (nr,)
+        ):
+            raise ValueError(f"argmax must be a contiguous int64 ({nr},) tensor, with logits")
         self._reduce_error = None
         self.steps += 1
         self.head_steps += nr > 0
@@ -288,7 +300,8 @@ class DecodePlan:
             None if window is None else window.block_tables.data_ptr(),
             0 if window is None else window.block_tables.shape[1],
             nr, None if logit_rows is None else logit_rows.data_ptr(),
-            None if logits is None else logits.data_ptr(), torch.get_num_threads(),
+            None if logits is None else logits.data_ptr(),
+            None if argmax is None else argmax.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if self._reduce_error is not None:
             raise RuntimeError("decode_step: the all-reduce failed") from self._reduce_error
@@ -297,3 +310,14 @@ class DecodePlan:
         if rc != 0:
             raise ValueError(f"decode_step needs at least one row and one sequence, got {m}")
         return out
+
+
+def rows_argmax(x: torch.Tensor, spans: int = 1) -> torch.Tensor:
+    """Each row's argmax of a float32 [rows, n] tensor (n >= 1) through the C code the
+    decode step's fused argmax runs, each row cut into `spans` (at most 64) as the step
+    cuts it over its threads: numpy's answer (the first maximum, or the first NaN)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] < 1:
+        raise ValueError("x must be a contiguous float32 [rows, n >= 1] tensor")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib().rows_argmax(x.data_ptr(), x.shape[0], x.shape[1], spans, out.data_ptr())
+    return out

@@ -208,6 +208,11 @@ class LlamaForCausalLM(nn.Module):
             head_out = self.logits_gather(head_out)
         return head_out.float()
 
+    def head_argmax_exact(self) -> bool:
+        """Whether the argmax of the head's output is that of the logits: finish_logits
+        changes nothing (no gather of vocab shards, float32 head)."""
+        return isinstance(self.logits_gather, nn.Identity)
+
     def pack_for_cpu(self) -> None:
         """Repack the projections for the CPU GEMM kernel (see layers/linear.py). A tied
         head gets a packed copy: the embedding still looks rows up in its own table."""
