@@ -156,8 +156,11 @@ class Sampler:
         if any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
             logits = apply_min_tokens(logits.clone(), rows)
             argmax = None
-        tokens = argmax_rows(logits) if argmax is None else argmax.clone()
         random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if argmax is None:
+            tokens = argmax_rows(logits)
+        else:  # written to below only when some row samples
+            tokens = argmax.clone() if random_idx else argmax
         if random_idx:
             sub_rows = [rows[i] for i in random_idx]
             probs = filter_logits(logits[random_idx], sub_rows).softmax(dim=-1)
