@@ -130,7 +130,27 @@ typedef struct {
      * and down projections' partial outputs); NULL: one process. Called by the calling
      * thread (OpenMP's master) while the team waits. */
     void (*reduce)(float *x, int64_t n);
+    /* Opt-in timing (NULL: off): wall seconds added up per (thread, phase), threads
+     * 0 .. profile_threads - 1, [profile_threads][DS_PHASES]; a phase ending in the
+     * team's barrier includes the wait in it. */
+    double *profile;
+    int32_t profile_threads;
 } ds_plan;
+
+/* The phases timed (kernels/decode_step.py's PHASES, in order): row work (norms, the
+ * activation, GEMM inputs' block sums / int8 blocks), each projection, attention (with
+ * the heads' bias, norms, rotary and cache writes), the final norm and LM head, argmax. */
+enum { PH_ROWS, PH_QKV, PH_ATTN, PH_O, PH_GATE_UP, PH_DOWN, PH_HEAD, PH_ARGMAX, DS_PHASES };
+#define MARK(ph)                                                                        \
+    do {                                                                                \
+        if (prof) {                                                                     \
+            const double t_ = omp_get_wtime();                                          \
+            prof[ph] += t_ - t_last;                                                    \
+            t_last = t_;                                                                \
+        }                                                                               \
+    } while (0)
+
+int decode_step_phases(void) { return DS_PHASES; }
 
 /* The step's rows: m tokens of num_seqs sequences laid out back to back (the runner's
  * flattened batch), sequence i owning rows q_starts[i] .. q_starts[i] + q_lens[i]. */
@@ -504,6 +524,10 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                 scores += xq_floats;
             }
         }
+        const int tid = omp_get_thread_num();
+        double *prof = p->profile && tid < p->profile_threads ? p->profile + tid * DS_PHASES
+                                                              : NULL;
+        double t_last = prof ? omp_get_wtime() : 0.0;
         FOR_ROWS(wide, r, m, memcpy(res + r * H, x + r * H, (size_t)H * sizeof(float)));
         /* What the last layer added to the residual stream: its down projection's output,
          * or (Gemma) that output normed into h. */
@@ -515,7 +539,9 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                      rms_row(l ? added + r * H : res + r * H, l ? res + r * H : NULL,
                              h + r * H, L->input_norm, H, p->eps));
             prepare_x(h, m, H, &sc, wide);
+            MARK(PH_ROWS);
             projection_share(p, l, 0, &L->qkv, h, H, &sc, qkv, ldq, m, wide);
+            MARK(PH_QKV);
             if (!all_decode) {
                 /* A sequence's rows read each other's keys: all are written first. */
 #pragma omp for schedule(static)
@@ -527,9 +553,12 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
             for (int64_t it = 0; it < items; it++)
                 attention_item(p, L, qkv, ldq, attn, lr, item_start, it, &seq, split,
                                all_decode, scores);
+            MARK(PH_ATTN);
             prepare_x(attn, m, q_size, &sc, wide);
+            MARK(PH_ROWS);
             projection_share(p, l, 1, &L->o, attn, q_size, &sc, xs, H, m, wide);
             reduce_shared(p, xs, m * H);
+            MARK(PH_O);
             if (L->attn_out_norm)
                 FOR_ROWS(wide, r, m,
                          rms_row(xs + r * H, NULL, h + r * H, L->attn_out_norm, H, p->eps);
@@ -538,7 +567,9 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                 FOR_ROWS(wide, r, m,
                          rms_row(xs + r * H, res + r * H, h + r * H, L->post_norm, H, p->eps));
             prepare_x(h, m, H, &sc, wide);
+            MARK(PH_ROWS);
             projection_share(p, l, 2, &L->gate_up, h, H, &sc, gu, 2 * I, m, wide);
+            MARK(PH_GATE_UP);
             if (p->activation == ACT_GELU_TANH)
                 FOR_ROWS(wide, r, m,
                          gelu_tanh_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
@@ -546,8 +577,10 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                 FOR_ROWS(wide, r, m,
                          silu_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
             prepare_x(h, m, I, &sc, wide);
+            MARK(PH_ROWS);
             projection_share(p, l, 3, &L->down, h, I, &sc, xs, H, m, wide);
             reduce_shared(p, xs, m * H);
+            MARK(PH_DOWN);
             added = xs;
             if (L->mlp_out_norm) {
                 FOR_ROWS(wide, r, m,
@@ -578,10 +611,12 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
             memcpy(out, res, (size_t)(m * H) * sizeof(float));
             head_share(p, res, nr, logit_rows, h, &sc, logits, 0);
         }
+        MARK(PH_HEAD); /* with the last layer's Gemma output norm and the final norm */
         /* The head's shares end in the team's barrier: every logit is written. */
         if (spans)
             head_argmax_span(logits, nr, linear_out(&p->head), threads, span_best, span_idx,
                              span_nan);
+        MARK(PH_ARGMAX);
     }
     for (int64_t j = 0; j < (spans ? nr : 0); j++)
         argmax[j] = argmax_merge(span_best + j * threads, span_idx + j * threads,

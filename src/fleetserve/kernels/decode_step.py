@@ -55,8 +55,13 @@ class _Plan(ctypes.Structure):
         ("head_dim", _i32), ("intermediate", _i32), ("block_size", _i32),
         ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("final_norm", _p),
         ("layers", ctypes.POINTER(_Layer)), ("lora", _p), ("activation", _i32),
-        ("head", _Linear), ("reduce", _p),
+        ("head", _Linear), ("reduce", _p), ("profile", _p), ("profile_threads", _i32),
     ]  # fmt: skip
+
+
+# The phases an opt-in profile times (decode_step.c's PH_*, in order).
+PHASES = ("rows", "qkv", "attention", "o", "gate_up", "down", "head", "argmax")
+_LINEAR_PHASE = {"qkv": "qkv", "o": "o", "gate_up": "gate_up", "down": "down"}
 
 
 # Tensor parallelism's sum across ranks, called back from inside the step (C's `reduce`).
@@ -76,6 +81,10 @@ def _lib() -> ctypes.CDLL:
     lib.rows_argmax.restype = None
     lib.decode_step_max_rows.argtypes = []
     lib.decode_step_max_rows.restype = ctypes.c_int
+    lib.decode_step_phases.argtypes = []
+    lib.decode_step_phases.restype = ctypes.c_int
+    if lib.decode_step_phases() != len(PHASES):
+        raise RuntimeError("decode_step.c's phases and PHASES differ")
     return lib
 
 
@@ -161,6 +170,9 @@ class DecodePlan:
         # Some projection keeps bf16 weights (gemm_bf16.c: AMX tiles past 8 rows where
         # the CPU has them; every step runs here, as for the other kinds).
         self.has_bf16 = False
+        # Weight bytes one step reads per phase (all layers), for a profile's GB/s.
+        self.weight_bytes = dict.fromkeys(PHASES, 0)
+        self._profile: torch.Tensor | None = None
         self._layers = (_Layer * len(layers))()
         for i, w in enumerate(layers):
             dst = self._layers[i]
@@ -172,6 +184,8 @@ class DecodePlan:
             self._linear(dst.o, w.o, None)
             self._linear(dst.gate_up, w.gate_up, None)
             self._linear(dst.down, w.down, None)
+            for name in _LINEAR_PHASE:
+                self.weight_bytes[name] += _bytes(getattr(w, name))
             dst.k_cache = self._ptr(w.k_cache)
             dst.v_cache = self._ptr(w.v_cache)
             dst.window = w.window or 0
@@ -193,6 +207,7 @@ class DecodePlan:
         if head is not None:
             layers_bf16 = self.has_bf16
             self._linear(self._plan.head, head, None)
+            self.weight_bytes["head"] = _bytes(head)
             self.has_bf16 = layers_bf16  # the layers' weights, not the head's
             self.vocab = sum(self._plan.head.seg[j].n for j in range(self._plan.head.num_segments))
         self._reduce = reduce
@@ -200,6 +215,21 @@ class DecodePlan:
         if reduce is not None:
             self._reduce_cb = REDUCE(self._call_reduce)
             self._plan.reduce = ctypes.cast(self._reduce_cb, _p)
+
+    def start_profile(self, threads: int) -> None:
+        """Time each phase of every later step on threads 0 .. threads - 1 (wall
+        seconds added up per thread; a phase ending in a barrier includes its wait)."""
+        self._profile = torch.zeros(threads, len(PHASES), dtype=torch.float64)
+        self._plan.profile = self._profile.data_ptr()
+        self._plan.profile_threads = threads
+
+    def stop_profile(self) -> dict[str, list[float]]:
+        """Seconds per phase and thread since start_profile; timing off again."""
+        if self._profile is None:
+            raise ValueError("no profile was started")
+        out = {name: self._profile[:, i].tolist() for i, name in enumerate(PHASES)}
+        self._plan.profile, self._plan.profile_threads, self._profile = None, 0, None
+        return out
 
     def _call_reduce(self, ptr: ctypes._Pointer[ctypes.c_float], n: int) -> None:
         # An exception cannot cross C: kept, and raised once the step returns.
@@ -321,3 +351,12 @@ def rows_argmax(x: torch.Tensor, spans: int = 1) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _lib().rows_argmax(x.data_ptr(), x.shape[0], x.shape[1], spans, out.data_ptr())
     return out
+
+
+def _bytes(w: Weights) -> int:
+    """Bytes of a projection's weight as the step reads them."""
+    if isinstance(w, PackedWeight):
+        return int(w.data.numel() * w.data.element_size())
+    if isinstance(w, torch.Tensor):
+        return int(w.numel() * w.element_size())
+    return sum(int(q.row_bytes * q.out_features) for q in w)
