@@ -107,6 +107,12 @@ def split(model: str | None, threads: int, tokens: int, phases: bool = False) ->
     plan.run, runner.execute_model = run, execute
     replay = _replay_head(runner.model, run, saved[-1], clock)
     out = {"threads": threads, "split": steps[-1], "head_replay": replay}
+    # Bytes a decode step reads: every projection's and the head's weights, and the KV
+    # cache (float32 keys and values) at the run's mean context.
+    s, layers = plan.shape, len(plan._layers)
+    mean_ctx = len(prompt["prompt_token_ids"]) + tokens / 2
+    kv = layers * 2 * s.num_kv_heads * s.head_dim * 4 * mean_ctx
+    out["bytes_per_token_mb"] = round((sum(plan.weight_bytes.values()) + kv) / 1e6, 2)
     if phases:
         out["phases"] = _phases(engine, plan, threads, prompt, params)
     engine.shutdown()
@@ -179,6 +185,10 @@ def main() -> None:
     args = p.parse_args()
     out = split(args.model, args.threads, args.tokens, args.phases)
     out["read_gbs"] = read_bandwidth_gbs(args.threads)
+    # Step time: CPU time at 1 thread (what the step costs, whatever else runs), wall
+    # time past it.
+    gbs = out["bytes_per_token_mb"] / out["split"]["step_ms"]
+    out["roofline"] = {"step_gbs": round(gbs, 2), "share": round(gbs / out["read_gbs"], 3)}
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:
