@@ -185,6 +185,22 @@ typedef struct {
         }                                                                               \
     } while (0)
 
+/* FOR_ROWS whose output rows only prepare_x reads next. Wide with int8 blocks (`own`:
+ * the scratch has xq), quant_dot_quantize_share splits the same m rows with the same
+ * static schedule, which OpenMP assigns to the same threads in one region: a thread
+ * quantizes exactly the rows it wrote, so the barrier in between is dropped (three a
+ * layer in wide steps). Otherwise as FOR_ROWS. */
+#define FOR_ROWS_TO_X(wide, own, r, m, ...)                                             \
+    do {                                                                                \
+        if ((wide) && (own)) {                                                          \
+            _Pragma("omp for schedule(static) nowait") for (int64_t r = 0; r < (m); r++) { \
+                __VA_ARGS__;                                                            \
+            }                                                                           \
+        } else {                                                                        \
+            FOR_ROWS(wide, r, m, __VA_ARGS__);                                          \
+        }                                                                               \
+    } while (0)
+
 /* Steps of up to this many rows run the decode-sized GEMMs (the quantized kernels switch
  * to their prefill path past it, and the module path with them). */
 int decode_step_max_rows(void) {
@@ -535,9 +551,9 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
         for (int l = 0; l < p->num_layers; l++) {
             const ds_layer *L = &p->layers[l];
             const ds_rows *lr = L->window > 0 && w_tables ? &rw_window : &rw;
-            FOR_ROWS(wide, r, m,
-                     rms_row(l ? added + r * H : res + r * H, l ? res + r * H : NULL,
-                             h + r * H, L->input_norm, H, p->eps));
+            FOR_ROWS_TO_X(wide, sc.xq != NULL, r, m,
+                          rms_row(l ? added + r * H : res + r * H, l ? res + r * H : NULL,
+                                  h + r * H, L->input_norm, H, p->eps));
             prepare_x(h, m, H, &sc, wide);
             MARK(PH_ROWS);
             projection_share(p, l, 0, &L->qkv, h, H, &sc, qkv, ldq, m, wide);
@@ -560,22 +576,24 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
             reduce_shared(p, xs, m * H);
             MARK(PH_O);
             if (L->attn_out_norm)
-                FOR_ROWS(wide, r, m,
-                         rms_row(xs + r * H, NULL, h + r * H, L->attn_out_norm, H, p->eps);
-                         rms_row(h + r * H, res + r * H, h + r * H, L->post_norm, H, p->eps));
+                FOR_ROWS_TO_X(
+                    wide, sc.xq != NULL, r, m,
+                    rms_row(xs + r * H, NULL, h + r * H, L->attn_out_norm, H, p->eps);
+                    rms_row(h + r * H, res + r * H, h + r * H, L->post_norm, H, p->eps));
             else
-                FOR_ROWS(wide, r, m,
-                         rms_row(xs + r * H, res + r * H, h + r * H, L->post_norm, H, p->eps));
+                FOR_ROWS_TO_X(
+                    wide, sc.xq != NULL, r, m,
+                    rms_row(xs + r * H, res + r * H, h + r * H, L->post_norm, H, p->eps));
             prepare_x(h, m, H, &sc, wide);
             MARK(PH_ROWS);
             projection_share(p, l, 2, &L->gate_up, h, H, &sc, gu, 2 * I, m, wide);
             MARK(PH_GATE_UP);
             if (p->activation == ACT_GELU_TANH)
-                FOR_ROWS(wide, r, m,
-                         gelu_tanh_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
+                FOR_ROWS_TO_X(wide, sc.xq != NULL, r, m,
+                              gelu_tanh_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
             else
-                FOR_ROWS(wide, r, m,
-                         silu_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
+                FOR_ROWS_TO_X(wide, sc.xq != NULL, r, m,
+                              silu_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
             prepare_x(h, m, I, &sc, wide);
             MARK(PH_ROWS);
             projection_share(p, l, 3, &L->down, h, I, &sc, xs, H, m, wide);
