@@ -92,3 +92,34 @@ def test_step_argmax_gives_the_greedy_tokens(
     seen.clear()
     off = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert not seen and on == off
+
+
+def test_changed_logits_do_not_take_the_step_argmax(
+    tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy rows whose logits the sampler changes first (penalties; min_tokens banning
+    a stop token) sample from the changed logits, not the step's argmax: the same tokens
+    as with the step's argmax off, and not the unchanged logits' tokens."""
+    llm = LLM(tiny_model_factory("llama"), max_model_len=64, num_kv_blocks=64)
+    runner = _runner(llm)
+    assert runner.head_argmax
+    prompts = [{"prompt_token_ids": [7, 8, 7, 8, 7 + i]} for i in range(2)]
+
+    def run(params: SamplingParams) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    base = run(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    firsts = sorted({b[0] for b in base})
+    cases = [
+        # The first tokens banned until 3 tokens are out: each row's first token changes.
+        SamplingParams(max_tokens=6, temperature=0, min_tokens=3, stop_token_ids=firsts),
+        # Every token seen in the prompt or output pulled up hard (penalty < 1).
+        SamplingParams(max_tokens=12, temperature=0, repetition_penalty=0.01, ignore_eos=True),
+    ]  # fmt: skip
+    for params in cases:
+        on = run(params)
+        monkeypatch.setattr(runner, "head_argmax", False)
+        off = run(params)
+        monkeypatch.undo()
+        assert on == off
+        assert on != [b[: len(on[0])] for b in base], (params, on, base)
