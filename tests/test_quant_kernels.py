@@ -95,4 +95,10 @@ def test_bad_inputs_raise() -> None:
         quant_linear(torch.ones(2, 32), w)
     with pytest.raises(IndexError):
         quant_embedding(torch.tensor([4]), w)
+    # Few ids are checked as Python ints, many by numpy: both refuse either end.
+    for ids in ([0, -1], [3] * 64 + [4], [-1] + [0] * 70, [0] * 70 + [4]):
+        with pytest.raises(IndexError):
+            quant_embedding(torch.tensor(ids), w)
+    assert quant_embedding(torch.tensor([3] * 65), w).shape == (65, 64)
+    assert quant_embedding(torch.zeros(0, dtype=torch.long), w).shape == (0, 64)
     assert quant_linear(torch.ones(0, 64), w).shape == (0, 4)

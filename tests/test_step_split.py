@@ -28,3 +28,12 @@ def test_split_and_head_replay(arch: str, tiny_model_factory: Callable[..., str]
 
 def test_read_bandwidth_is_positive() -> None:
     assert read_bandwidth_gbs(1, megabytes=8) > 0
+
+
+def test_phases_and_bytes_per_token(tiny_model_factory: Callable[..., str]) -> None:
+    out = split(tiny_model_factory("llama"), 1, 16, phases=True)
+    ph = out["phases"]
+    assert ph["steps"] == 16 and len(ph["total_ms_per_step"]) == 1
+    assert all(ph["ms_per_step"][name][0] > 0 for name in ("qkv", "attention", "down", "head"))
+    assert set(ph["weight_gbs"]) == {"qkv", "o", "gate_up", "down", "head"}
+    assert out["bytes_per_token_mb"] > sum(ph["weight_mb"].values()) * 0.99

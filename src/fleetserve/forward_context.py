@@ -72,6 +72,11 @@ class AttentionMetadata:
     # `head_logits` (models/llama_decode.py; before any gather of TP vocab shards).
     logit_rows: list[int] | None = None
     head_logits: torch.Tensor | None = None
+    # Set before the forward: the C step also finds each head row's argmax (the caller's
+    # logits are the head's output unchanged, so that is their argmax), left in
+    # `head_argmax` (int64 [len(logit_rows)]; None: not found).
+    want_head_argmax: bool = False
+    head_argmax: torch.Tensor | None = None
 
 
 _CONTEXT: AttentionMetadata | None = None

@@ -12,7 +12,11 @@ reports, per step:
   step without it followed by the module path's `compute_logits` (interleaved rounds,
   best and median), after checking that both give the same logits;
 - the read bandwidth of the threads used (torch's sum over a 100 MB float32 array, best
-  of 10), against which bytes read per token give the roofline share.
+  of 10), against which bytes read per token give the roofline share;
+- with `--phases`, one more run with the C step timing itself: wall ms per step of each
+  phase (row work, each projection, attention, the LM head, the fused argmax) on each
+  thread, and the projections' weight bytes per ms (GB/s). A phase that ends in the
+  team's barrier includes the wait: at 2 threads the threads' differences are the waits.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ def _clock(threads: int) -> Callable[[], float]:
     return time.thread_time if threads == 1 else time.perf_counter
 
 
-def split(model: str | None, threads: int, tokens: int) -> dict[str, Any]:
+def split(model: str | None, threads: int, tokens: int, phases: bool = False) -> dict[str, Any]:
     from fleetserve.core.sampling_params import SamplingParams
     from fleetserve.engine.arg_utils import EngineArgs
     from fleetserve.engine.llm_engine import LLMEngine
@@ -102,8 +106,41 @@ def split(model: str | None, threads: int, tokens: int) -> dict[str, Any]:
         )
     plan.run, runner.execute_model = run, execute
     replay = _replay_head(runner.model, run, saved[-1], clock)
+    out = {"threads": threads, "split": steps[-1], "head_replay": replay}
+    # Bytes a decode step reads: every projection's and the head's weights, and the KV
+    # cache (float32 keys and values) at the run's mean context.
+    s, layers = plan.shape, len(plan._layers)
+    mean_ctx = len(prompt["prompt_token_ids"]) + tokens / 2
+    kv = layers * 2 * s.num_kv_heads * s.head_dim * 4 * mean_ctx
+    out["bytes_per_token_mb"] = round((sum(plan.weight_bytes.values()) + kv) / 1e6, 2)
+    if phases:
+        out["phases"] = _phases(engine, plan, threads, prompt, params)
     engine.shutdown()
-    return {"threads": threads, "split": steps[-1], "head_replay": replay}
+    return out
+
+
+def _phases(engine: Any, plan: Any, threads: int, prompt: Any, params: Any) -> dict[str, Any]:
+    """One more run with the C step's own phase timing: ms per step per thread, GB/s."""
+    plan.start_profile(threads)
+    steps0 = plan.steps
+    engine.add_request("split-phases", prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    n = plan.steps - steps0
+    secs = plan.stop_profile()
+    ms = {name: [round(1000 * s / n, 4) for s in v] for name, v in secs.items()}
+    gbs = {
+        name: round(plan.weight_bytes[name] / (max(secs[name]) / n) / 1e9, 2)
+        for name in secs
+        if plan.weight_bytes[name] and max(secs[name]) > 0
+    }
+    return {
+        "steps": n,
+        "ms_per_step": ms,
+        "total_ms_per_step": [round(sum(v[t] for v in ms.values()), 4) for t in range(threads)],
+        "weight_mb": {k: round(v / 1e6, 2) for k, v in plan.weight_bytes.items() if v},
+        "weight_gbs": gbs,
+    }
 
 
 def _replay_head(
@@ -144,9 +181,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--json", default=None)
+    p.add_argument("--phases", action="store_true", help="also time the C step's phases")
     args = p.parse_args()
-    out = split(args.model, args.threads, args.tokens)
+    out = split(args.model, args.threads, args.tokens, args.phases)
     out["read_gbs"] = read_bandwidth_gbs(args.threads)
+    # Step time: CPU time at 1 thread (what the step costs, whatever else runs), wall
+    # time past it.
+    gbs = out["bytes_per_token_mb"] / out["split"]["step_ms"]
+    out["roofline"] = {"step_gbs": round(gbs, 2), "share": round(gbs / out["read_gbs"], 3)}
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -130,7 +130,27 @@ typedef struct {
      * and down projections' partial outputs); NULL: one process. Called by the calling
      * thread (OpenMP's master) while the team waits. */
     void (*reduce)(float *x, int64_t n);
+    /* Opt-in timing (NULL: off): wall seconds added up per (thread, phase), threads
+     * 0 .. profile_threads - 1, [profile_threads][DS_PHASES]; a phase ending in the
+     * team's barrier includes the wait in it. */
+    double *profile;
+    int32_t profile_threads;
 } ds_plan;
+
+/* The phases timed (kernels/decode_step.py's PHASES, in order): row work (norms, the
+ * activation, GEMM inputs' block sums / int8 blocks), each projection, attention (with
+ * the heads' bias, norms, rotary and cache writes), the final norm and LM head, argmax. */
+enum { PH_ROWS, PH_QKV, PH_ATTN, PH_O, PH_GATE_UP, PH_DOWN, PH_HEAD, PH_ARGMAX, DS_PHASES };
+#define MARK(ph)                                                                        \
+    do {                                                                                \
+        if (prof) {                                                                     \
+            const double t_ = omp_get_wtime();                                          \
+            prof[ph] += t_ - t_last;                                                    \
+            t_last = t_;                                                                \
+        }                                                                               \
+    } while (0)
+
+int decode_step_phases(void) { return DS_PHASES; }
 
 /* The step's rows: m tokens of num_seqs sequences laid out back to back (the runner's
  * flattened batch), sequence i owning rows q_starts[i] .. q_starts[i] + q_lens[i]. */
@@ -162,6 +182,22 @@ typedef struct {
             for (int64_t r = 0; r < (m); r++) {                                         \
                 __VA_ARGS__;                                                            \
             }                                                                           \
+        }                                                                               \
+    } while (0)
+
+/* FOR_ROWS whose output rows only prepare_x reads next. Wide with int8 blocks (`own`:
+ * the scratch has xq), quant_dot_quantize_share splits the same m rows with the same
+ * static schedule, which OpenMP assigns to the same threads in one region: a thread
+ * quantizes exactly the rows it wrote, so the barrier in between is dropped (three a
+ * layer in wide steps). Otherwise as FOR_ROWS. */
+#define FOR_ROWS_TO_X(wide, own, r, m, ...)                                             \
+    do {                                                                                \
+        if ((wide) && (own)) {                                                          \
+            _Pragma("omp for schedule(static) nowait") for (int64_t r = 0; r < (m); r++) { \
+                __VA_ARGS__;                                                            \
+            }                                                                           \
+        } else {                                                                        \
+            FOR_ROWS(wide, r, m, __VA_ARGS__);                                          \
         }                                                                               \
     } while (0)
 
@@ -291,6 +327,22 @@ static void head_share(const ds_plan *p, const float *normed, int64_t nr, const 
     linear_share(&p->head, hb, H, s, logits, linear_out(&p->head), nr, wide);
 }
 
+/* Greedy sampling fused at the end of the step: this thread's span of each head row's
+ * logits (the vocab split evenly over the team, spans in thread order) scanned for its
+ * argmax, into the row's slots of the spans' results (merged by the caller). */
+static void head_argmax_span(const float *logits, int64_t nr, int64_t vocab, int stride,
+                             float *best, int64_t *idx, int *nan) {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t v0 = vocab * t / nt, v1 = vocab * (t + 1) / nt;
+    for (int64_t j = 0; j < nr; j++) {
+        const int64_t s = j * stride + t; /* slots past the team's size stay empty */
+        if (v1 > v0) {
+            nan[s] = span_argmax(logits + j * vocab + v0, v1 - v0, &best[s], &idx[s]);
+            idx[s] += v0;
+        }
+    }
+}
+
 static int quant_bias(const ds_linear *lin) {
     return lin->bias && lin->num_segments > 0 && lin->seg[0].kind == W_QUANT;
 }
@@ -408,14 +460,17 @@ static float *step_buffer(size_t floats) {
  * wide): the same for the sliding-window layers' own pool (a model with local and
  * global layers), or NULL: windowed layers use the ones above. logit_rows [nr] int64
  * (distinct rows of the step, nr <= m): with the plan's head, logits [nr, vocab] gets the
- * head's output for those rows (nr 0: none). Returns 0; -1: out of memory; -2: no rows. */
+ * head's output for those rows (nr 0: none), and argmax [nr] int64 (NULL: not wanted)
+ * each of those rows' argmax (numpy's: the first maximum, or the first NaN), scanned by
+ * the team before the region ends. Returns 0; -1: out of memory; -2: no rows. */
 int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                 const int64_t *positions, const int64_t *slot_blocks,
                 const int64_t *slot_offsets, int64_t num_seqs, const int64_t *q_starts,
                 const int64_t *q_lens, const int64_t *seq_lens, const int64_t *tables,
                 int64_t max_blocks, const int64_t *w_slot_blocks,
                 const int64_t *w_slot_offsets, const int64_t *w_tables, int64_t w_max_blocks,
-                int64_t nr, const int64_t *logit_rows, float *logits, int threads) {
+                int64_t nr, const int64_t *logit_rows, float *logits, int64_t *argmax,
+                int threads) {
     if (m < 1 || num_seqs < 1) return -2;
     if (p->head.num_segments == 0) nr = 0;
     const ds_rows rw = {m,       num_seqs, max_blocks, positions, slot_blocks, slot_offsets,
@@ -439,8 +494,15 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
     if (threads < 1) threads = 1;
     /* Few one-row sequences: an item per (sequence, kv head) keeps every thread busy. */
     const int split = all_decode && num_seqs < threads ? p->num_kv_heads : 1;
-    int64_t *item_start = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    /* item_start, then (argmax) each head row's per-thread span results */
+    const int64_t spans = argmax && nr > 0 ? nr * threads : 0;
+    int64_t *item_start = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1 + 2 * spans) +
+                                 sizeof(int) * (size_t)spans);
     if (!item_start) return -1;
+    int64_t *span_idx = item_start + num_seqs + 1;
+    float *span_best = (float *)(span_idx + spans);
+    int *span_nan = (int *)(span_idx + 2 * spans);
+    for (int64_t s = 0; s < spans; s++) span_idx[s] = -1;
     const int64_t items = attention_items(&rw, split, p->num_kv_heads, item_start);
     /* Shared: qkv, attn, x (o and down outputs), gate_up; when wide also the residual,
      * the GEMM input and the x tiles. Private per thread: when narrow the residual, GEMM
@@ -495,6 +557,10 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                 scores += xq_floats;
             }
         }
+        const int tid = omp_get_thread_num();
+        double *prof = p->profile && tid < p->profile_threads ? p->profile + tid * DS_PHASES
+                                                              : NULL;
+        double t_last = prof ? omp_get_wtime() : 0.0;
         FOR_ROWS(wide, r, m, memcpy(res + r * H, x + r * H, (size_t)H * sizeof(float)));
         /* What the last layer added to the residual stream: its down projection's output,
          * or (Gemma) that output normed into h. */
@@ -502,11 +568,13 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
         for (int l = 0; l < p->num_layers; l++) {
             const ds_layer *L = &p->layers[l];
             const ds_rows *lr = L->window > 0 && w_tables ? &rw_window : &rw;
-            FOR_ROWS(wide, r, m,
-                     rms_row(l ? added + r * H : res + r * H, l ? res + r * H : NULL,
-                             h + r * H, L->input_norm, H, p->eps));
+            FOR_ROWS_TO_X(wide, sc.xq != NULL, r, m,
+                          rms_row(l ? added + r * H : res + r * H, l ? res + r * H : NULL,
+                                  h + r * H, L->input_norm, H, p->eps));
             prepare_x(h, m, H, &sc, wide);
+            MARK(PH_ROWS);
             projection_share(p, l, 0, &L->qkv, h, H, &sc, qkv, ldq, m, wide);
+            MARK(PH_QKV);
             if (!all_decode) {
                 /* A sequence's rows read each other's keys: all are written first. */
 #pragma omp for schedule(static)
@@ -518,27 +586,36 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
             for (int64_t it = 0; it < items; it++)
                 attention_item(p, L, qkv, ldq, attn, lr, item_start, it, &seq, split,
                                all_decode, scores);
+            MARK(PH_ATTN);
             prepare_x(attn, m, q_size, &sc, wide);
+            MARK(PH_ROWS);
             projection_share(p, l, 1, &L->o, attn, q_size, &sc, xs, H, m, wide);
             reduce_shared(p, xs, m * H);
+            MARK(PH_O);
             if (L->attn_out_norm)
-                FOR_ROWS(wide, r, m,
-                         rms_row(xs + r * H, NULL, h + r * H, L->attn_out_norm, H, p->eps);
-                         rms_row(h + r * H, res + r * H, h + r * H, L->post_norm, H, p->eps));
+                FOR_ROWS_TO_X(
+                    wide, sc.xq != NULL, r, m,
+                    rms_row(xs + r * H, NULL, h + r * H, L->attn_out_norm, H, p->eps);
+                    rms_row(h + r * H, res + r * H, h + r * H, L->post_norm, H, p->eps));
             else
-                FOR_ROWS(wide, r, m,
-                         rms_row(xs + r * H, res + r * H, h + r * H, L->post_norm, H, p->eps));
+                FOR_ROWS_TO_X(
+                    wide, sc.xq != NULL, r, m,
+                    rms_row(xs + r * H, res + r * H, h + r * H, L->post_norm, H, p->eps));
             prepare_x(h, m, H, &sc, wide);
+            MARK(PH_ROWS);
             projection_share(p, l, 2, &L->gate_up, h, H, &sc, gu, 2 * I, m, wide);
+            MARK(PH_GATE_UP);
             if (p->activation == ACT_GELU_TANH)
-                FOR_ROWS(wide, r, m,
-                         gelu_tanh_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
+                FOR_ROWS_TO_X(wide, sc.xq != NULL, r, m,
+                              gelu_tanh_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
             else
-                FOR_ROWS(wide, r, m,
-                         silu_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
+                FOR_ROWS_TO_X(wide, sc.xq != NULL, r, m,
+                              silu_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
             prepare_x(h, m, I, &sc, wide);
+            MARK(PH_ROWS);
             projection_share(p, l, 3, &L->down, h, I, &sc, xs, H, m, wide);
             reduce_shared(p, xs, m * H);
+            MARK(PH_DOWN);
             added = xs;
             if (L->mlp_out_norm) {
                 FOR_ROWS(wide, r, m,
@@ -569,7 +646,16 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
             memcpy(out, res, (size_t)(m * H) * sizeof(float));
             head_share(p, res, nr, logit_rows, h, &sc, logits, 0);
         }
+        MARK(PH_HEAD); /* with the last layer's Gemma output norm and the final norm */
+        /* The head's shares end in the team's barrier: every logit is written. */
+        if (spans)
+            head_argmax_span(logits, nr, linear_out(&p->head), threads, span_best, span_idx,
+                             span_nan);
+        MARK(PH_ARGMAX);
     }
+    for (int64_t j = 0; j < (spans ? nr : 0); j++)
+        argmax[j] = argmax_merge(span_best + j * threads, span_idx + j * threads,
+                                 span_nan + j * threads, threads);
     free(item_start);
     return 0;
 }

@@ -55,8 +55,13 @@ class _Plan(ctypes.Structure):
         ("head_dim", _i32), ("intermediate", _i32), ("block_size", _i32),
         ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("final_norm", _p),
         ("layers", ctypes.POINTER(_Layer)), ("lora", _p), ("activation", _i32),
-        ("head", _Linear), ("reduce", _p),
+        ("head", _Linear), ("reduce", _p), ("profile", _p), ("profile_threads", _i32),
     ]  # fmt: skip
+
+
+# The phases an opt-in profile times (decode_step.c's PH_*, in order).
+PHASES = ("rows", "qkv", "attention", "o", "gate_up", "down", "head", "argmax")
+_LINEAR_PHASE = {"qkv": "qkv", "o": "o", "gate_up": "gate_up", "down": "down"}
 
 
 # Tensor parallelism's sum across ranks, called back from inside the step (C's `reduce`).
@@ -69,11 +74,17 @@ def _lib() -> ctypes.CDLL:
         raise RuntimeError("the decode step needs the CPU kernels (a C compiler)")
     lib.decode_step.argtypes = [
         _p, _p, _p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _i64, _p, _p, _p, _i64,
-        _i64, _p, _p, ctypes.c_int,
+        _i64, _p, _p, _p, ctypes.c_int,
     ]  # fmt: skip
     lib.decode_step.restype = ctypes.c_int
+    lib.rows_argmax.argtypes = [_p, _i64, _i64, ctypes.c_int, _p]
+    lib.rows_argmax.restype = None
     lib.decode_step_max_rows.argtypes = []
     lib.decode_step_max_rows.restype = ctypes.c_int
+    lib.decode_step_phases.argtypes = []
+    lib.decode_step_phases.restype = ctypes.c_int
+    if lib.decode_step_phases() != len(PHASES):
+        raise RuntimeError("decode_step.c's phases and PHASES differ")
     return lib
 
 
@@ -159,6 +170,9 @@ class DecodePlan:
         # Some projection keeps bf16 weights (gemm_bf16.c: AMX tiles past 8 rows where
         # the CPU has them; every step runs here, as for the other kinds).
         self.has_bf16 = False
+        # Weight bytes one step reads per phase (all layers), for a profile's GB/s.
+        self.weight_bytes = dict.fromkeys(PHASES, 0)
+        self._profile: torch.Tensor | None = None
         self._layers = (_Layer * len(layers))()
         for i, w in enumerate(layers):
             dst = self._layers[i]
@@ -170,6 +184,8 @@ class DecodePlan:
             self._linear(dst.o, w.o, None)
             self._linear(dst.gate_up, w.gate_up, None)
             self._linear(dst.down, w.down, None)
+            for name in _LINEAR_PHASE:
+                self.weight_bytes[name] += _bytes(getattr(w, name))
             dst.k_cache = self._ptr(w.k_cache)
             dst.v_cache = self._ptr(w.v_cache)
             dst.window = w.window or 0
@@ -191,6 +207,7 @@ class DecodePlan:
         if head is not None:
             layers_bf16 = self.has_bf16
             self._linear(self._plan.head, head, None)
+            self.weight_bytes["head"] = _bytes(head)
             self.has_bf16 = layers_bf16  # the layers' weights, not the head's
             self.vocab = sum(self._plan.head.seg[j].n for j in range(self._plan.head.num_segments))
         self._reduce = reduce
@@ -198,6 +215,21 @@ class DecodePlan:
         if reduce is not None:
             self._reduce_cb = REDUCE(self._call_reduce)
             self._plan.reduce = ctypes.cast(self._reduce_cb, _p)
+
+    def start_profile(self, threads: int) -> None:
+        """Time each phase of every later step on threads 0 .. threads - 1 (wall
+        seconds added up per thread; a phase ending in a barrier includes its wait)."""
+        self._profile = torch.zeros(threads, len(PHASES), dtype=torch.float64)
+        self._plan.profile = self._profile.data_ptr()
+        self._plan.profile_threads = threads
+
+    def stop_profile(self) -> dict[str, list[float]]:
+        """Seconds per phase and thread since start_profile; timing off again."""
+        if self._profile is None:
+            raise ValueError("no profile was started")
+        out = {name: self._profile[:, i].tolist() for i, name in enumerate(PHASES)}
+        self._plan.profile, self._plan.profile_threads, self._profile = None, 0, None
+        return out
 
     def _call_reduce(self, ptr: ctypes._Pointer[ctypes.c_float], n: int) -> None:
         # An exception cannot cross C: kept, and raised once the step returns.
@@ -248,6 +280,7 @@ class DecodePlan:
         lora: int | None = None,
         logit_rows: torch.Tensor | None = None,
         logits: torch.Tensor | None = None,
+        argmax: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The final-norm hidden states [m, hidden] of the step's m rows: sequences laid
         out back to back, sequence i owning rows q_starts[i] .. q_starts[i] + q_lens[i]
@@ -259,7 +292,9 @@ class DecodePlan:
         address of the step's LoRA rows and slots (lora/fused.py), or None. logit_rows
         (int64 [r], distinct rows of the step: the caller checks) and logits (float32 [r,
         vocab]): the head's output for those rows is written to `logits` (the plan must
-        have a head)."""
+        have a head). argmax (int64 [r], with logits): each of those rows' argmax, as
+        numpy's (the first maximum, or the first NaN), found by the step's threads inside
+        its region: greedy sampling without a scan of the logits in Python."""
         m = x.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.shape.hidden:
             raise ValueError(f"x must be a contiguous float32 [m, {self.shape.hidden}] tensor")
@@ -273,6 +308,13 @@ class DecodePlan:
                 raise ValueError("logits must be contiguous float32, logit_rows at most m rows")
             if logit_rows.dtype != torch.int64 or not logit_rows.is_contiguous():
                 raise ValueError("logit_rows must be a contiguous int64 tensor")
+        if argmax is not None and (
+            logit_rows is None
+            or argmax.dtype != torch.int64
+            or not argmax.is_contiguous()
+            or tuple(argmax.shape) != (nr,)
+        ):
+            raise ValueError(f"argmax must be a contiguous int64 ({nr},) tensor, with logits")
         self._reduce_error = None
         self.steps += 1
         self.head_steps += nr > 0
@@ -288,7 +330,8 @@ class DecodePlan:
             None if window is None else window.block_tables.data_ptr(),
             0 if window is None else window.block_tables.shape[1],
             nr, None if logit_rows is None else logit_rows.data_ptr(),
-            None if logits is None else logits.data_ptr(), torch.get_num_threads(),
+            None if logits is None else logits.data_ptr(),
+            None if argmax is None else argmax.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if self._reduce_error is not None:
             raise RuntimeError("decode_step: the all-reduce failed") from self._reduce_error
@@ -297,3 +340,23 @@ class DecodePlan:
         if rc != 0:
             raise ValueError(f"decode_step needs at least one row and one sequence, got {m}")
         return out
+
+
+def rows_argmax(x: torch.Tensor, spans: int = 1) -> torch.Tensor:
+    """Each row's argmax of a float32 [rows, n] tensor (n >= 1) through the C code the
+    decode step's fused argmax runs, each row cut into `spans` (at most 64) as the step
+    cuts it over its threads: numpy's answer (the first maximum, or the first NaN)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] < 1:
+        raise ValueError("x must be a contiguous float32 [rows, n >= 1] tensor")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib().rows_argmax(x.data_ptr(), x.shape[0], x.shape[1], spans, out.data_ptr())
+    return out
+
+
+def _bytes(w: Weights) -> int:
+    """Bytes of a projection's weight as the step reads them."""
+    if isinstance(w, PackedWeight):
+        return int(w.data.numel() * w.data.element_size())
+    if isinstance(w, torch.Tensor):
+        return int(w.numel() * w.element_size())
+    return sum(int(q.row_bytes * q.out_features) for q in w)

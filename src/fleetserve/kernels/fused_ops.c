@@ -11,6 +11,9 @@
  * Rows of an input may be strided (a slice of a fused projection's output); the rows of
  * every output are contiguous. Same build as paged_attention.c (see kernels/cpu.py).
  */
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -157,4 +160,92 @@ void cache_write(const float *k, int64_t k_stride, const float *v, int64_t v_str
                              v + t * v_stride + (int64_t)h * head_dim, k_cache, v_cache,
                              slot_blocks[t], slot_offsets[t], h, num_kv_heads, head_dim,
                              block_size);
+}
+
+/* numpy's argmax of x[0, n) (n >= 1): the first maximum, or the first NaN if there is
+ * one. NaN is found by its bits: under -ffast-math a float compare may not see it. */
+static int is_nan_bits(float v) {
+    uint32_t b;
+    memcpy(&b, &v, sizeof b);
+    return (b & 0x7fffffffu) > 0x7f800000u;
+}
+
+int span_argmax(const float *x, int64_t n, float *best, int64_t *idx) {
+    float m = x[0];
+    int nan = 0;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    if (n >= 16) {
+        const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+        __m512 vm = _mm512_loadu_ps(x);
+        __mmask16 nm = 0;
+        for (; i + 16 <= n; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            nm |= _mm512_cmpgt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), inf);
+            vm = _mm512_max_ps(vm, v);
+        }
+        nan = nm != 0;
+        m = _mm512_reduce_max_ps(vm);
+    }
+#endif
+    for (; i < n; i++) {
+        nan |= is_nan_bits(x[i]);
+        m = x[i] > m ? x[i] : m;
+    }
+    i = 0;
+    if (nan) {
+        while (!is_nan_bits(x[i])) i++;
+    } else {
+#ifdef __AVX512F__
+        const __m512 vm = _mm512_set1_ps(m);
+        for (; i + 16 <= n; i += 16) {
+            const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), vm, _CMP_EQ_OQ);
+            if (eq) {
+                i += __builtin_ctz(eq);
+                break;
+            }
+        }
+#endif
+        while (x[i] != m) i++;
+    }
+    *best = x[i];
+    *idx = i;
+    return nan;
+}
+
+/* The argmax of a row from its spans' span_argmax results, spans in index order (idx
+ * -1: an empty span): the first span's NaN, else the first of the largest. */
+int64_t argmax_merge(const float *best, const int64_t *idx, const int *nan, int spans) {
+    for (int s = 0; s < spans; s++)
+        if (idx[s] >= 0 && nan[s]) return idx[s];
+    int64_t r = -1;
+    float m = 0.f;
+    for (int s = 0; s < spans; s++)
+        if (idx[s] >= 0 && (r < 0 || best[s] > m)) {
+            m = best[s];
+            r = idx[s];
+        }
+    return r;
+}
+
+/* out[r] = argmax of row r of x [rows, n] (numpy's), n >= 1, each row cut into `spans`
+ * (<= 64) as the decode step cuts a row over its team: the standalone twin of the step's
+ * fused argmax (the same span and merge code), for tests. */
+void rows_argmax(const float *x, int64_t rows, int64_t n, int spans, int64_t *out) {
+    float best[64];
+    int64_t idx[64];
+    int nan[64];
+    spans = spans < 1 ? 1 : spans > 64 ? 64 : spans;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int s = 0; s < spans; s++) {
+            const int64_t v0 = n * s / spans, v1 = n * (s + 1) / spans;
+            idx[s] = -1;
+            nan[s] = 0;
+            if (v1 > v0) {
+                nan[s] = span_argmax(x + r * n + v0, v1 - v0, &best[s], &idx[s]);
+                idx[s] += v0;
+            }
+        }
+        out[r] = argmax_merge(best, idx, nan, spans);
+    }
 }

@@ -28,4 +28,11 @@ void cache_write_head(const float *kh, const float *vh, float *k_cache, float *v
                       int64_t block, int64_t offset, int h, int num_kv_heads, int head_dim,
                       int block_size);
 
+/* numpy's argmax of x[0, n), n >= 1 (the first maximum; the first NaN if any): index
+ * and value out; returns 1 when it is a NaN. */
+int span_argmax(const float *x, int64_t n, float *best, int64_t *idx);
+
+/* A row's argmax from its spans' span_argmax results in index order (idx -1: empty). */
+int64_t argmax_merge(const float *best, const int64_t *idx, const int *nan, int spans);
+
 #endif

@@ -216,14 +216,24 @@ def quant_linear(
 
 def quant_embedding(ids: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     """Rows ``ids`` of the matrix in float32: [*ids.shape, in_features]."""
-    flat = ids.reshape(-1)
+    # Each torch call skipped where it would change nothing: this runs every step, right
+    # after the step's weights have gone through the caches (a call costs ~10x then).
+    flat = ids if ids.dim() == 1 else ids.reshape(-1)
     if flat.dtype != torch.int64:
         flat = flat.to(torch.int64)
-    flat = flat.contiguous()
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
     n = weight.out_features
-    # numpy's min/max: a few us against ~30 for two torch reductions (every step).
+    # A decode step's few ids checked as Python ints (two numpy reductions cost ~0.1 ms
+    # right after a step's weights went through the caches); many ids by numpy's min/max
+    # (a few us against ~30 for two torch reductions).
     view = flat.numpy()
-    if flat.numel() and (int(view.min()) < 0 or int(view.max()) >= n):
+    if flat.numel() <= 64:
+        ids_list = view.tolist()
+        bad = bool(ids_list) and (min(ids_list) < 0 or max(ids_list) >= n)
+    else:
+        bad = int(view.min()) < 0 or int(view.max()) >= n
+    if bad:
         raise IndexError(f"ids must be in [0, {n})")
     out = torch.empty(flat.numel(), weight.in_features)
     if flat.numel():
@@ -231,7 +241,7 @@ def quant_embedding(ids: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
             weight.qtype_id, weight.data.data_ptr(), weight.row_bytes, flat.data_ptr(),
             flat.numel(), weight.in_features, out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
-    return out.view(*ids.shape, weight.in_features)
+    return out if ids.dim() == 1 else out.view(*ids.shape, weight.in_features)
 
 
 _XBLOCK = np.dtype(

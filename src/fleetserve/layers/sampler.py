@@ -138,19 +138,29 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, rows: list[SamplingRow]
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        argmax: torch.Tensor | None = None,
     ) -> tuple[list[int], list[dict[int, float]] | None]:
-        """logits: [num_rows, vocab] float32. Returns token ids and per-row logprobs."""
+        """logits: [num_rows, vocab] float32; argmax: their rows' argmax if already
+        known (the C step's head finds it), int64 [num_rows]. Returns token ids and
+        per-row logprobs."""
         want_lp = [r.params.logprobs for r in rows]
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if any(n is not None for n in want_lp) else None
         )
         if any(r.params.needs_penalties for r in rows):
             logits = apply_penalties(logits.clone(), rows)
+            argmax = None
         if any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
             logits = apply_min_tokens(logits.clone(), rows)
-        tokens = argmax_rows(logits)
+            argmax = None
         random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if argmax is None:
+            tokens = argmax_rows(logits)
+        else:  # written to below only when some row samples
+            tokens = argmax.clone() if random_idx else argmax
         if random_idx:
             sub_rows = [rows[i] for i in random_idx]
             probs = filter_logits(logits[random_idx], sub_rows).softmax(dim=-1)

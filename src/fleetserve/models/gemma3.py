@@ -188,6 +188,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
+    def head_argmax_exact(self) -> bool:
+        # A softcap's tanh can round two logits to the same value: not the same argmax.
+        return self.final_softcap is None and super().head_argmax_exact()
+
     def rebuild_rope(self, device: torch.device) -> None:
         model: Gemma3Model = self.model  # type: ignore[assignment]
         with torch.device(device):

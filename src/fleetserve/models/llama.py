@@ -206,7 +206,12 @@ class LlamaForCausalLM(nn.Module):
         `compute_logits` does after the head, also applied to the C step's head output."""
         if not isinstance(self.logits_gather, nn.Identity):  # one module call less a step
             head_out = self.logits_gather(head_out)
-        return head_out.float()
+        return head_out if head_out.dtype == torch.float32 else head_out.float()
+
+    def head_argmax_exact(self) -> bool:
+        """Whether the argmax of the head's output is that of the logits: finish_logits
+        changes nothing (no gather of vocab shards, float32 head)."""
+        return isinstance(self.logits_gather, nn.Identity)
 
     def pack_for_cpu(self) -> None:
         """Repack the projections for the CPU GEMM kernel (see layers/linear.py). A tied

@@ -194,7 +194,7 @@ def run_decode(
         w = meta.sliding
         assert w.paged is not None, "built beside `paged`, from the same lengths"
         window = WindowSlots(w.slot_blocks, w.slot_offsets, w.paged.block_tables)
-    rows = logits = None
+    rows = logits = argmax = None
     wanted = meta.logit_rows
     if plan.vocab and wanted:
         if not 0 <= min(wanted) <= max(wanted) < x.shape[0] or len(set(wanted)) < len(wanted):
@@ -202,9 +202,12 @@ def run_decode(
         # The head's rows in the step.
         rows = torch.tensor(wanted, dtype=torch.int64)
         logits = torch.empty(len(wanted), plan.vocab)
+        if meta.want_head_argmax:
+            argmax = torch.empty(len(wanted), dtype=torch.int64)
     out = plan.run(
         x, positions, meta.slot_blocks, meta.slot_offsets, paged.q_starts, paged.q_lens,
-        paged.seq_lens, paged.block_tables, window, lora, rows, logits,
+        paged.seq_lens, paged.block_tables, window, lora, rows, logits, argmax,
     )  # fmt: skip
     meta.head_logits = logits
+    meta.head_argmax = argmax
     return out

@@ -37,25 +37,37 @@ def build_attention_metadata(
         positions.extend(range(c, c + n))
         # Where each new token's K/V goes: (block, offset within it).
         slot_blocks.extend(ids[p // bs] for p in range(c, c + n))
-    pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
     nd = num_decodes
     paged = None
     decode_groups: list[DecodeGroup] = []
     prefill_tables: list[torch.Tensor | None] = []
     if cpu_kernels:
         # The C kernel attends every sequence from the cache, prefill chunks without
-        # context included (their K/V are written before attention runs).
+        # context included (their K/V are written before attention runs). Every int64
+        # array of the step in one tensor, handed out as views: one tensor built a step
+        # (each torch call costs ~10x its warm time right after a step's weights went
+        # through the caches).
         nblk = -(-max(seq_lens) // bs)
-        tables = [ids[:nblk] for ids in block_tables]
+        m, n = len(positions), len(q_lens)
+        flat = positions + slot_blocks + [p % bs for p in positions]
+        flat += qsl[:-1] + list(q_lens) + seq_lens
+        for ids in block_tables:
+            row = ids[:nblk]
+            flat += row
+            flat += [0] * (nblk - len(row))
+        every = torch.tensor(flat, dtype=torch.long)
+        pos_t, blocks_t, offsets_t = every[:m], every[m : 2 * m], every[2 * m : 3 * m]
+        o = 3 * m
         paged = PagedSeqs(
-            q_starts=torch.tensor(qsl[:-1], dtype=torch.long),
-            q_lens=torch.tensor(q_lens, dtype=torch.long),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long),
-            block_tables=torch.tensor(
-                [row + [0] * (nblk - len(row)) for row in tables], dtype=torch.long
-            ),
+            q_starts=every[o : o + n],
+            q_lens=every[o + n : o + 2 * n],
+            seq_lens=every[o + 2 * n : o + 3 * n],
+            block_tables=every[o + 3 * n :].view(n, nblk),
         )
     else:
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        blocks_t = torch.tensor(slot_blocks, dtype=torch.long, device=dev)
+        offsets_t = pos_t % bs
         for start in range(0, nd, decode_group_size):
             end = min(start + decode_group_size, nd)
             nblk = -(-max(seq_lens[start:end]) // bs)
@@ -76,8 +88,8 @@ def build_attention_metadata(
             # softcapped layer attends every chunk through it.
             prefill_tables.append(torch.tensor(block_tables[i], dtype=torch.long, device=dev))
     meta = AttentionMetadata(
-        slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
-        slot_offsets=pos_t % bs,
+        slot_blocks=blocks_t,
+        slot_offsets=offsets_t,
         query_start_loc=qsl,
         seq_lens=seq_lens,
         context_lens=list(ctx_lens),

@@ -109,6 +109,9 @@ class ModelRunner:
         )
         if self.lora is not None and self.fused_decode and parallel is None:
             self.lora.bind_decode_step(self.model)
+        # The C step's head also finds each row's argmax when that is the logits' argmax.
+        head_exact = getattr(self.model, "head_argmax_exact", None)
+        self.head_argmax = bool(head_exact and head_exact())
         self.requests: dict[str, RequestState] = {}
         self.forward_steps = 0  # model forwards run (beside the plan's C steps)
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
@@ -219,6 +222,8 @@ class ModelRunner:
         picks = _sampled_rows(ordered, qsl, meta.seq_lens, spec)
         if last_stage:
             meta.logit_rows = picks.rows  # the C step's LM head computes these
+            # and their argmax (greedy rows' tokens), unless all go to the verifier
+            meta.want_head_argmax = self.head_argmax and bool(picks.plain)
         with set_forward_context(meta), set_lora_rows(lora_groups):
             hidden = self.model(x, pos_t)
         self.forward_steps += 1
@@ -233,7 +238,9 @@ class ModelRunner:
             self.proposer.note_step(
                 len(input_ids), not so.scheduled_new_reqs and len(picks.rows) == len(input_ids)
             )
-        sampled, lp_by_req = self._sample(picks, hidden, meta.head_logits, so.grammar_bitmask)
+        sampled, lp_by_req = self._sample(
+            picks, hidden, meta.head_logits, so.grammar_bitmask, meta.head_argmax
+        )
         prompt_lps = self._prompt_logprobs(ordered, qsl, ctx_lens, hidden)
         req_ids = list(sched)
         want_logprobs = any(s.params.logprobs is not None for s in ordered)
@@ -261,13 +268,15 @@ class ModelRunner:
         hidden: torch.Tensor,
         head_logits: torch.Tensor | None,
         grammar: GrammarBitmask | None = None,
+        head_argmax: torch.Tensor | None = None,
     ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, float]]]]:
         """Tokens (and logprobs) of each request whose step reaches its end: sampled from
         its last row, or, with drafts, verified against the rows of the pending token and
         of each draft (row j predicts the token after draft j). A constrained request's
         rows lose the tokens its grammar forbids first (so logprobs are those of the
         allowed tokens, as in vLLM). head_logits: the head's output for `picks.rows`
-        when the C step computed it (None: computed here from `hidden`)."""
+        when the C step computed it (None: computed here from `hidden`); head_argmax:
+        its rows' argmax found by the C step (None: not found)."""
         plain, verify, rows = picks.plain, picks.verify, picks.rows
         sampled: dict[str, list[int]] = {}
         lps_out: dict[str, list[dict[int, float]]] = {}
@@ -292,8 +301,13 @@ class ModelRunner:
                     mask_rows.extend(range(first, first + len(d) + 1))
                 base += len(d) + 1
             apply_token_bitmask(logits, logit_rows, grammar.wait(), mask_rows)
+            if logit_rows:
+                head_argmax = None  # masked: not the argmax of these logits
         if plain:
-            tokens, lps = self.sampler(logits[: len(plain)], [s.sampling_row() for _, s in plain])
+            argmax = None if head_argmax is None else head_argmax[: len(plain)]
+            tokens, lps = self.sampler(
+                logits[: len(plain)], [s.sampling_row() for _, s in plain], argmax
+            )
             for j, (_, s) in enumerate(plain):
                 sampled[s.req_id] = [tokens[j]]
                 if lps is not None:
