@@ -27,6 +27,9 @@
  * -fopenmp) and called through ctypes; it links the libgomp that torch has loaded, so
  * it shares torch's OpenMP threads.
  */
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -46,7 +49,9 @@ typedef uint32_t vu32 __attribute__((vector_size(VL * 4)));
 
 /* The cache holds float32 or bf16 (`bf16`, a constant where these are inlined). A bf16
  * value is the high half of a float32: widening is a zero-extend and a shift (vpmovzxwd,
- * vpslld), in registers; the same vector code compiles to plain C where there is no SIMD. */
+ * vpslld), in registers. Intrinsics on AVX-512 and AVX2 (gcc's generic conversion of
+ * the vector type takes two half-width vpmovzxwd and an insert); the vector type's own
+ * conversion elsewhere (plain C where there is no SIMD). */
 static inline __attribute__((always_inline)) const void *kv_at(const void *base, int64_t i,
                                                                const int bf16) {
     return (const char *)base + i * (bf16 ? 2 : 4);
@@ -55,8 +60,17 @@ static inline __attribute__((always_inline)) const void *kv_at(const void *base,
 static inline __attribute__((always_inline)) vf kv_vec(const void *base, int64_t i,
                                                        const int bf16) {
     if (bf16) {
-        const vu32 w = __builtin_convertvector(*(const vhu *)((const uint16_t *)base + i), vu32);
+        const uint16_t *h = (const uint16_t *)base + i;
+#if defined(__AVX512F__)
+        const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h));
+        return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+#elif defined(__AVX2__)
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h));
+        return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+#else
+        const vu32 w = __builtin_convertvector(*(const vhu *)h, vu32);
         return (vf)(w << 16);
+#endif
     }
     return *(const vfu *)((const float *)base + i);
 }
@@ -84,8 +98,12 @@ static inline __attribute__((always_inline)) void block_scores(const float *q, c
                                                                float *s, int64_t s_stride,
                                                                const int G, const int bf16) {
     if (block_size == 16) {
-        enum { NV = 16 / VL };
-        const int CH = G == 1 ? 4 : (G * NV <= 4 ? 2 : 1); /* chains over d */
+        enum { NV = 16 / VL, ACCS = VL == 16 ? 16 : 8 };
+        /* Independent chains over d: as many as the accumulators allow (16 of AVX-512's
+         * 32 registers, 8 of AVX2's 16), up to 4; an FMA's latency is ~4 of its issue
+         * slots, so fewer chains leave the FMA ports idle (3 heads per kv head took 2
+         * chains, 6 accumulators, before). */
+        const int CH = ACCS / (G * NV) >= 4 ? 4 : (ACCS / (G * NV) >= 2 ? 2 : 1);
         vf a[4][4][NV];
         for (int h = 0; h < G; h++)
             for (int c = 0; c < CH; c++)
