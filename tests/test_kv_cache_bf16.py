@@ -149,3 +149,29 @@ def test_torch_backend_reads_a_bf16_cache(tiny_model_factory: Callable[..., str]
         for ra, rb in zip(lpa, lpb, strict=True):
             for tok in ra.keys() & rb.keys():
                 assert abs(ra[tok] - rb[tok]) < 1e-3
+
+
+def test_flag_and_fleet_file(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--kv-cache-dtype` reaches EngineArgs; a fleet file's `engine:` takes the field; next
+    to --config the flag is refused, as every model flag is."""
+    import argparse
+
+    from fleetserve.entrypoints.cli import main
+    from fleetserve.entrypoints.engine_args_cli import add_engine_args, engine_args_from
+    from fleetserve.serve.config.fleet_config import parse_fleet_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_args_from(p.parse_args(["--kv-cache-dtype", "bfloat16"])).kv_cache_dtype == (
+        "bfloat16"
+    )
+    assert engine_args_from(p.parse_args([])).kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--kv-cache-dtype", "float16"])
+    cfg = parse_fleet_config({"models": [{"name": "m", "engine": {"kv_cache_dtype": "float32"}}]})
+    assert cfg.models[0].engine_args().kv_cache_dtype == "float32"
+    good = tmp_path / "good.yaml"
+    good.write_text("models:\n  - name: chat\n")
+    capsys.readouterr()
+    assert main(["serve", "--config", str(good), "--kv-cache-dtype", "bfloat16"]) == 2
+    assert "leave out --kv-cache-dtype" in capsys.readouterr().err
