@@ -2,7 +2,8 @@
 
 Random caches and block tables (blocks scattered on purpose), query heads sharing kv
 heads in several ratios, head sizes that are and are not multiples of the vector width,
-block sizes from 1 up, decodes and prefill chunks with cached context in one call.
+block sizes from 1 up, decodes and prefill chunks with cached context in one call; the
+caches in float32 and in bf16 (widened as read: the reference gets the same bf16 values).
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def dense_reference(
         (5, 5, 33, 16),
     ],  # fmt: skip
 )
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_dense_attention(
-    heads: int, kv_heads: int, head_dim: int, block_size: int
+    heads: int, kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype
 ) -> None:
     g = torch.Generator().manual_seed(heads * 1000 + head_dim)
     # (query rows, cached context): decodes, then prefill chunks that follow context,
@@ -59,8 +61,9 @@ def test_kernel_matches_dense_attention(
     # Keys are stored d-major within a block (the kernel layout); k_rows is the same
     # cache token-major, for the reference.
     k_rows = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g)
-    k_cache = k_rows.transpose(2, 3).contiguous()
-    v_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g)
+    k_rows = k_rows.to(kv_dtype).float()
+    k_cache = k_rows.transpose(2, 3).contiguous().to(kv_dtype)
+    v_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g).to(kv_dtype)
     free = torch.randperm(num_blocks, generator=g).tolist()
     total_q = sum(q for q, _ in shapes)
     # q read in place from a slice of a wider row (as from the fused qkv projection).
@@ -90,7 +93,8 @@ def test_kernel_matches_dense_attention(
     for (q_len, ctx), table, start in zip(shapes, tables, starts, strict=True):
         seq_len = q_len + ctx
         keys = k_rows[table].transpose(1, 2).reshape(-1, kv_heads, head_dim)[:seq_len]
-        values = v_cache[table].transpose(1, 2).reshape(-1, kv_heads, head_dim)[:seq_len]
+        values = v_cache[table].float().transpose(1, 2).reshape(-1, kv_heads, head_dim)
+        values = values[:seq_len]
         want = dense_reference(q[start : start + q_len], keys, values, ctx, scale)
         torch.testing.assert_close(out[start : start + q_len], want, atol=2e-5, rtol=1e-4)
 
@@ -120,6 +124,14 @@ def test_kernel_refuses_wrong_dtype_or_layout() -> None:
     # Keys token-major (the torch backend's layout) instead of d-major.
     with pytest.raises(ValueError, match="keys d-major"):
         cpu_kernels.paged_attention(q, v_cache.clone(), v_cache, torch.empty_like(q), *args)
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu_kernels.paged_attention(
+            q, k_cache.bfloat16(), v_cache, torch.empty_like(q), *args
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="k_cache must be"):
+        cpu_kernels.paged_attention(
+            q, k_cache.half(), v_cache.half(), torch.empty_like(q), *args
+        )  # fmt: skip
     with pytest.raises(ValueError, match="block_size 8 does not match"):
         cpu_kernels.paged_attention(q, k_cache, v_cache, torch.empty_like(q), *args[:4], 8, 0.5)
     with pytest.raises(ValueError, match="block_tables must be"):

@@ -98,6 +98,38 @@ def test_cache_write_matches_index_put() -> None:
         cpu_kernels.cache_write(k, v, k_cache, v_cache, slot_blocks, slot_offsets[:-1])
 
 
+def test_cache_write_to_bf16_rounds_as_torch() -> None:
+    """A bf16 cache gets each value rounded to nearest even, exactly as torch's
+    `.to(torch.bfloat16)` (ties, tiny and huge values, infinities; NaN stays NaN)."""
+    g = torch.Generator().manual_seed(1)
+    blocks, kv_heads, bs, hd, tokens = 5, 2, 4, 16, 9
+    kv = torch.randn(tokens, 2 * kv_heads * hd, generator=g) * 3
+    # Exact ties (odd and even lower halves), subnormals, overflow to inf, inf, NaN.
+    specials = torch.tensor(
+        [1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 1e-40, -3e-39, 3.4e38, float("inf"),
+         float("-inf"), float("nan"), 0.0, -0.0, 65504.0, 1e-3, 7.0, -7.5, 2**-126],
+    )  # fmt: skip
+    kv[0, : specials.numel()] = specials
+    kv[3, kv_heads * hd : kv_heads * hd + specials.numel()] = specials
+    k = kv[:, : kv_heads * hd].view(tokens, kv_heads, hd)
+    v = kv[:, kv_heads * hd :].view(tokens, kv_heads, hd)
+    slots = torch.randperm(blocks * bs, generator=g)[:tokens]
+    slot_blocks, slot_offsets = slots // bs, slots % bs
+    k_shape, v_shape = cpu_kernels.kv_cache_shapes(blocks, kv_heads, bs, hd)
+    k_cache = torch.zeros(k_shape, dtype=torch.bfloat16)
+    v_cache = torch.zeros(v_shape, dtype=torch.bfloat16)
+    cpu_kernels.cache_write(k, v, k_cache, v_cache, slot_blocks, slot_offsets)
+    k_ref = torch.zeros(v_shape, dtype=torch.bfloat16)
+    v_ref = torch.zeros(v_shape, dtype=torch.bfloat16)
+    k_ref[slot_blocks, :, slot_offsets] = k.bfloat16()
+    v_ref[slot_blocks, :, slot_offsets] = v.bfloat16()
+    # Compared as bits (-0.0 is not 0.0), but for NaN, whose payload torch does not fix.
+    for got, want in ((k_cache, k_ref.transpose(2, 3).contiguous()), (v_cache, v_ref)):
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan) and int(nan.sum()) == 1
+        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
 def test_bad_layouts_are_refused() -> None:
     w = torch.ones(8)
     with pytest.raises(ValueError, match="x must be"):

@@ -215,7 +215,12 @@ class ModelConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        elem = _ITEM_BYTES[self.dtype_name]
+        """K and V bytes per token over every layer, in the model's dtype."""
+        return self.kv_bytes_per_token_in(self.dtype_name)
+
+    def kv_bytes_per_token_in(self, kv_dtype: str | torch.dtype) -> int:
+        """K and V bytes per token over every layer, in a cache of `kv_dtype`."""
+        elem = _ITEM_BYTES[dtype_name(kv_dtype)]
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
 
 
@@ -228,8 +233,12 @@ class CacheConfig:
     # Sliding-window layers give back the blocks that slid out of their window (False
     # keeps them, as full-attention layers do: the A/B of docs/benchmarks.md).
     free_window_blocks: bool = True
+    # What the KV cache holds: "auto" (the compute dtype: bf16 for a model with bf16
+    # weights, else the model's dtype), "float32" or "bfloat16" (EngineConfig.kv_dtype).
+    kv_cache_dtype: str = "auto"
 
     DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+    KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
@@ -240,11 +249,19 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory!r}")
+        if self.kv_cache_dtype not in self.KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {self.KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
 
-    def resolve_num_blocks(self, model: ModelConfig, max_num_seqs: int) -> int:
+    def resolve_num_blocks(
+        self, model: ModelConfig, max_num_seqs: int, kv_dtype: torch.dtype | None = None
+    ) -> int:
+        """Blocks of the KV cache; `kv_dtype` (EngineConfig.kv_dtype) sizes a block
+        (None: the model's dtype)."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        per_block = model.kv_bytes_per_token * self.block_size
+        per_block = model.kv_bytes_per_token_in(kv_dtype or model.dtype) * self.block_size
         if self.kv_cache_memory is not None:
             budget = self.kv_cache_memory
         else:
@@ -332,7 +349,8 @@ class EngineConfig:
     # (integer dot products, kernels/quant_dot.h); resolved from EngineArgs.
     int8_activations: bool = False
     # Linear layers keep bf16 weights and multiply through kernels/gemm_bf16.c (float32
-    # activations, norms, attention and KV cache; the C step with them): a float32 model
+    # activations, norms and attention; the KV cache bf16 unless `cache.kv_cache_dtype`
+    # says otherwise; the C step with them): a float32 model
     # on the CPU, one process, unquantized (issue 25 item 1; `dtype auto` picks it on
     # CPUs with native bf16: engine/dtype_choice.py).
     bf16_weights: bool = False
@@ -360,6 +378,16 @@ class EngineConfig:
             raise ValueError(
                 "bf16_weights needs an unquantized float32 model on the CPU in one process"
             )
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: `cache.kv_cache_dtype`, where "auto" is the compute
+        dtype (bf16 with bf16 weights, as HF's bf16 model keeps its cache; else the
+        model's dtype)."""
+        name = self.cache.kv_cache_dtype
+        if name == "auto":
+            return parse_dtype("bfloat16") if self.bf16_weights else self.model.dtype
+        return parse_dtype(name)
 
 
 def model_root(model_path: str, served_name: str) -> str:

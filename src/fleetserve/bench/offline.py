@@ -41,6 +41,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None)
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+        help="fleetserve's KV cache (auto: the compute dtype, bf16 with bf16 weights)",
+    )  # fmt: skip
     p.add_argument("--num-threads", type=int, default=2, help="in all (split among TP x PP ranks)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
@@ -97,6 +101,7 @@ def run_fleetserve(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=prefix_caching,
         num_threads=args.num_threads,
         seed=args.seed,
@@ -126,7 +131,8 @@ def run_fleetserve(
     wall = time.perf_counter() - t0
     if parallel:
         # Summed over ranks: each holds its own KV heads of its own layers.
-        kv_bytes = bm.num_blocks * bm.block_size * llm.engine.config.model.kv_bytes_per_token
+        cfg = llm.engine.config
+        kv_bytes = bm.num_blocks * bm.block_size * cfg.model.kv_bytes_per_token_in(cfg.kv_dtype)
         rank_stats = executor.collect_stats()
     else:
         kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in executor.runner.kv_caches)

@@ -26,6 +26,8 @@ class EngineArgs:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
+    # "auto" (the compute dtype: bf16 with bf16 weights), "float32" or "bfloat16".
+    kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
@@ -128,6 +130,7 @@ class EngineArgs:
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,
                 kv_cache_memory=self.kv_cache_memory,
+                kv_cache_dtype=self.kv_cache_dtype,
                 enable_prefix_caching=self.enable_prefix_caching,
                 free_window_blocks=self.free_window_blocks,
             ),

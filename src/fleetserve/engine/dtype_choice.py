@@ -4,8 +4,9 @@ and why, said once at start-up.
 On a CPU with native bf16 (AVX512-BF16 `vdpbf16ps`, AMX-BF16 tiles) a float32 or bfloat16
 checkpoint runs with bf16 weights (`EngineConfig.bf16_weights`): linear layers keep bf16
 weights and round their inputs to bf16, with float32 sums (kernels/gemm_bf16.c at every
-row count, in the C step too: `vdpbf16ps` for decode-sized steps, AMX tiles for wider ones);
-norms, attention, the residual stream and the KV cache stay float32. Measured faster than
+row count, in the C step too: `vdpbf16ps` for decode-sized steps, AMX tiles for wider ones)
+and the KV cache holds bf16 (`kv_cache_dtype` auto; attention widens it to float32 as it
+reads); norms, attention's sums and the residual stream stay float32. Measured faster than
 float32 end to end on the bench Llama, batched and one stream (docs/benchmarks.md, issue
 25). Everywhere else float32: fleetserve's C kernels compute in float32, GGUF and int8
 weights keep their quantized paths, and a float16 checkpoint is not narrowed to bf16's
@@ -80,8 +81,8 @@ def choose_dtype(checkpoint_dtype: str | None, flags: frozenset[str], device: st
             return DtypeChoice("float32", f"{stored}: {has}, but {AUTO_BF16_ENV}=0")
         why = (
             f"{has}: linear layers in bf16 (bf16 dot products for decode steps, AMX "
-            "bf16 tiles for wider ones where present, float32 sums; norms, attention and KV cache "
-            "float32), measured faster than float32; --dtype float32 forces float32"
+            "bf16 tiles for wider ones where present, float32 sums; a bf16 KV cache; norms and "
+            "attention float32), measured faster than float32; --dtype float32 forces float32"
         )
         return DtypeChoice("float32", f"{stored}: {why}", bf16_weights=True)
     fp16 = [f for f in FP16_FLAGS if f in flags]

@@ -20,6 +20,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="what the KV cache holds; auto: the compute dtype (bfloat16 with bf16 weights)",
+    )
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
@@ -101,6 +107,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -83,7 +83,7 @@ class MultiprocExecutor(Executor):
         self.config = config
         self.world_size = par.world_size
         self.num_blocks = config.cache.resolve_num_blocks(
-            config.model, config.scheduler.max_num_seqs
+            config.model, config.scheduler.max_num_seqs, config.kv_dtype
         )
         # The output rank is TP rank 0 of the last stage (see distributed/parallel_state.py).
         self.output_rank = (par.pipeline_parallel_size - 1) * par.tensor_parallel_size

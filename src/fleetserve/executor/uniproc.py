@@ -19,7 +19,7 @@ class UniprocExecutor(Executor):
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.num_blocks = config.cache.resolve_num_blocks(
-            config.model, config.scheduler.max_num_seqs
+            config.model, config.scheduler.max_num_seqs, config.kv_dtype
         )
         self.runner = ModelRunner(config, source, self.num_blocks)
 

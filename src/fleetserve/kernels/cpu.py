@@ -39,7 +39,8 @@ def load() -> ctypes.CDLL | None:
         p, ctypes.c_int64, p, p, p,  # q, its row stride, k_cache, v_cache, out
         ctypes.c_int, i64p, i64p, i64p, i64p, ctypes.c_int64,  # seqs, starts, lens, tables
         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # heads, kv heads, hd, bs
-        ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int,  # scale, window, cap, threads
+        ctypes.c_float, ctypes.c_int, ctypes.c_float,  # scale, window, cap
+        ctypes.c_int, ctypes.c_int,  # kv_bf16, threads
     ]  # fmt: skip
     lib.paged_attention.restype = ctypes.c_int
     i64, i32, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -48,7 +49,7 @@ def load() -> ctypes.CDLL | None:
     lib.silu_mul.argtypes = [p, i64, p, i64, i64, i32]
     lib.gelu_tanh_mul.argtypes = [p, i64, p, i64, i64, i32]
     lib.rotary.argtypes = [p, i64, i32, p, i64, i32, i32, p, p, p, i64, i32]
-    lib.cache_write.argtypes = [p, i64, p, i64, p, p, p, p, i64, i32, i32, i32, i32]
+    lib.cache_write.argtypes = [p, i64, p, i64, p, p, p, p, i64, i32, i32, i32, i32, i32]
     lib.gemm_pack_weight.argtypes = [p, i64, i64, p, i32]
     for fn in (
         lib.rms_norm, lib.rms_norm_heads, lib.silu_mul, lib.gelu_tanh_mul, lib.rotary,
@@ -156,7 +157,7 @@ def cache_write(
     """Write this step's keys and values into their cache slots, in the kernel layout
     (see `paged_attention`): ``k_cache[slot_blocks, :, :, slot_offsets] = k`` and
     ``v_cache[slot_blocks, :, slot_offsets] = v``. k, v: [tokens, kv_heads, head_dim]
-    with each token's heads contiguous."""
+    with each token's heads contiguous; a bf16 cache gets them rounded to nearest even."""
     tokens, kv_heads, head_dim = k.shape
     _check_heads(k=k, v=v)
     block_size = _check_caches(k_cache, v_cache, kv_heads, head_dim)
@@ -166,8 +167,13 @@ def cache_write(
     _lib().cache_write(
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
         v_cache.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(), tokens,
-        kv_heads, head_dim, block_size, torch.get_num_threads(),
+        kv_heads, head_dim, block_size, int(k_cache.dtype == torch.bfloat16),
+        torch.get_num_threads(),
     )  # fmt: skip
+
+
+# What the kernels' caches may hold: bf16 is widened to float32 as it is read.
+KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def kv_cache_shapes(
@@ -185,8 +191,10 @@ def _check_caches(
 ) -> int:
     """The block size of a (k, v) cache pair in the kernel layout; ValueError otherwise."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
+        if t.dtype not in KV_DTYPES or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous float32 or bfloat16 CPU tensor")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache must have one dtype")
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
     num_blocks, _, block_size, _ = v_cache.shape
@@ -222,8 +230,8 @@ def paged_attention(
     the fused qkv output, each token's heads contiguous); k_cache: [num_blocks,
     num_kv_heads, head_dim, block_size] (d-major within a block); v_cache: [num_blocks,
     num_kv_heads, block_size, head_dim] (`kv_cache_shapes`); q_starts/q_lens/seq_lens:
-    int64 [num_seqs]; block_tables: int64 [num_seqs, max_blocks]. All float32 on the
-    CPU, contiguous but for q.
+    int64 [num_seqs]; block_tables: int64 [num_seqs, max_blocks]. On the CPU, contiguous
+    but for q; q/out float32, the caches float32 or bfloat16 (both the same).
     """
     lib = _lib()
     if q.device.type != "cpu" or q.dim() != 3:
@@ -268,6 +276,7 @@ def paged_attention(
         scale,
         sliding_window or 0,
         softcap or 0.0,
+        int(k_cache.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
     if rc != 0:

@@ -74,12 +74,12 @@ int gemm_share_max_rows(void);
 int64_t gemm_x_floats(int64_t m, int64_t k);
 int gemm_bf16_share(const float *x, int64_t ldx, const uint16_t *w, const float *bias,
                     float *out, int64_t ldo, int64_t m, int64_t n, int64_t k);
-void attend_tile_dispatch(const float *q, int64_t q_stride, const float *k_cache,
-                          const float *v_cache, float *out, const int64_t *table,
+void attend_tile_dispatch(const float *q, int64_t q_stride, const void *k_cache,
+                          const void *v_cache, float *out, const int64_t *table,
                           int64_t q_start, int64_t q_len, int64_t seq_len, int64_t r0,
                           int64_t r1, int h0, int h1, int num_heads, int num_kv_heads,
                           int head_dim, int block_size, float scale, int window,
-                          float softcap, float *scores);
+                          float softcap, int kv_bf16, float *scores);
 
 /* The plan: mirrored field for field by kernels/decode_step.py (ctypes). */
 enum { W_QUANT = 0, W_PACKED = 1, W_BF16 = 2 };
@@ -107,12 +107,13 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm, *q_norm, *k_norm; /* q/k_norm NULL: none */
     ds_linear qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* kv_cache_shapes (cpu.py): keys d-major in a block */
+    void *k_cache, *v_cache; /* kv_cache_shapes (cpu.py): keys d-major in a block */
     int32_t window;           /* sliding window W (keys p - W + 1 .. p); 0: none */
     /* Gemma 3: norms of the attention's and the MLP's outputs (NULL: none), this layer's
      * rotary tables (NULL: the plan's). */
     const float *attn_out_norm, *mlp_out_norm;
     const float *cos, *sin;
+    int32_t kv_bf16; /* the caches hold bf16 (else float32) */
 } ds_layer;
 
 typedef struct {
@@ -374,7 +375,7 @@ static void prepare_heads(const ds_plan *p, const ds_layer *L, float *qkv, int64
         rotate_row(q, group, hd, c, s);
         rotate_row(k, 1, hd, c, s);
         cache_write_head(k, v, L->k_cache, L->v_cache, rw->slot_blocks[t], rw->slot_offsets[t],
-                         h, p->num_kv_heads, hd, p->block_size);
+                         h, p->num_kv_heads, hd, p->block_size, L->kv_bf16);
     }
 }
 
@@ -385,7 +386,7 @@ static void attend_rows(const ds_plan *p, const ds_layer *L, const float *qkv, i
     attend_tile_dispatch(qkv, ldq, L->k_cache, L->v_cache, attn, rw->tables + i * rw->max_blocks,
                          rw->q_starts[i], rw->q_lens[i], rw->seq_lens[i], r0, r1, h0, h1,
                          p->num_heads, p->num_kv_heads, p->head_dim, p->block_size, p->scale,
-                         L->window, 0.f, scores);
+                         L->window, 0.f, L->kv_bf16, scores);
 }
 
 /* Query rows per attention item of a multi-row sequence (as paged_attention.c). */

@@ -46,6 +46,7 @@ class _Layer(ctypes.Structure):
         ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
         ("k_cache", _p), ("v_cache", _p), ("window", _i32),
         ("attn_out_norm", _p), ("mlp_out_norm", _p), ("cos", _p), ("sin", _p),
+        ("kv_bf16", _i32),
     ]  # fmt: skip
 
 
@@ -186,8 +187,9 @@ class DecodePlan:
             self._linear(dst.down, w.down, None)
             for name in _LINEAR_PHASE:
                 self.weight_bytes[name] += _bytes(getattr(w, name))
-            dst.k_cache = self._ptr(w.k_cache)
-            dst.v_cache = self._ptr(w.v_cache)
+            dst.k_cache = self._ptr(w.k_cache, cpu_kernels.KV_DTYPES)
+            dst.v_cache = self._ptr(w.v_cache, cpu_kernels.KV_DTYPES)
+            dst.kv_bf16 = int(w.k_cache.dtype == torch.bfloat16)
             dst.window = w.window or 0
             for name in ("attn_out_norm", "mlp_out_norm", "cos", "sin"):
                 t = getattr(w, name)
@@ -239,8 +241,10 @@ class DecodePlan:
         except BaseException as e:  # noqa: BLE001
             self._reduce_error = self._reduce_error or e
 
-    def _ptr(self, t: torch.Tensor) -> int:
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+    def _ptr(self, t: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> int:
+        """`t`'s data (kept alive with the plan); float32 unless `dtypes` (the KV caches:
+        float32 or bf16) say otherwise."""
+        if t.dtype not in dtypes or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError("the decode step's tensors must be contiguous float32 CPU tensors")
         self._keep.append(t)
         return t.data_ptr()

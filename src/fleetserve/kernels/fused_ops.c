@@ -78,13 +78,31 @@ NOINLINE void rotate_row(float *x, int heads, int head_dim, const float *c,
 
 /* Kv head h of one token into slot `offset` of cache block `block` (paged_attention.c's
  * layout: keys d-major within a block, values token-major). */
-NOINLINE void cache_write_head(const float *kh, const float *vh, float *k_cache,
-                                    float *v_cache, int64_t block, int64_t offset, int h,
-                                    int num_kv_heads, int head_dim, int block_size) {
+/* float32 to bf16, rounded to nearest even (as torch's .to(torch.bfloat16)); a NaN stays
+ * a (quiet) NaN. Integer ops only: -ffast-math does not touch them. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+NOINLINE void cache_write_head(const float *kh, const float *vh, void *k_cache,
+                                    void *v_cache, int64_t block, int64_t offset, int h,
+                                    int num_kv_heads, int head_dim, int block_size,
+                                    int bf16) {
     const int64_t head_block = (block * num_kv_heads + h) * block_size * head_dim;
-    float *kt = k_cache + head_block + offset;
+    if (bf16) {
+        uint16_t *kt = (uint16_t *)k_cache + head_block + offset;
+        uint16_t *vt = (uint16_t *)v_cache + head_block + offset * head_dim;
+        for (int d = 0; d < head_dim; d++) kt[(int64_t)d * block_size] = to_bf16(kh[d]);
+        for (int d = 0; d < head_dim; d++) vt[d] = to_bf16(vh[d]);
+        return;
+    }
+    float *kt = (float *)k_cache + head_block + offset;
     for (int d = 0; d < head_dim; d++) kt[(int64_t)d * block_size] = kh[d];
-    memcpy(v_cache + head_block + offset * head_dim, vh, (size_t)head_dim * sizeof(float));
+    memcpy((float *)v_cache + head_block + offset * head_dim, vh,
+           (size_t)head_dim * sizeof(float));
 }
 
 
@@ -146,12 +164,13 @@ void rotary(float *q, int64_t q_stride, int num_heads, float *k, int64_t k_strid
 }
 
 /* The caches in paged_attention.c's layout: k [num_blocks, num_kv_heads, head_dim,
- * block_size] (d-major), v [num_blocks, num_kv_heads, block_size, head_dim]. Token t
- * goes to block slot_blocks[t], slot slot_offsets[t] of each kv head. */
+ * block_size] (d-major), v [num_blocks, num_kv_heads, block_size, head_dim]; float32, or
+ * bf16 when `bf16`. Token t goes to block slot_blocks[t], slot slot_offsets[t] of each kv
+ * head. */
 void cache_write(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                 float *k_cache, float *v_cache, const int64_t *slot_blocks,
+                 void *k_cache, void *v_cache, const int64_t *slot_blocks,
                  const int64_t *slot_offsets, int64_t tokens, int num_kv_heads, int head_dim,
-                 int block_size, int threads) {
+                 int block_size, int bf16, int threads) {
     /* Split by kv head: each thread writes its own heads' parts of the blocks. */
 #pragma omp parallel for num_threads(threads) schedule(static) if (tokens > 1)
     for (int h = 0; h < num_kv_heads; h++)
@@ -159,7 +178,7 @@ void cache_write(const float *k, int64_t k_stride, const float *v, int64_t v_str
             cache_write_head(k + t * k_stride + (int64_t)h * head_dim,
                              v + t * v_stride + (int64_t)h * head_dim, k_cache, v_cache,
                              slot_blocks[t], slot_offsets[t], h, num_kv_heads, head_dim,
-                             block_size);
+                             block_size, bf16);
 }
 
 /* numpy's argmax of x[0, n) (n >= 1): the first maximum, or the first NaN if there is

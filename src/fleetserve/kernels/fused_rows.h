@@ -23,10 +23,11 @@ void gelu_tanh_row(const float *g, const float *u, float *o, int64_t n);
 void rotate_row(float *x, int heads, int head_dim, const float *c, const float *s);
 
 /* Kv head h of one token into slot `offset` of cache block `block` (paged_attention.c's
- * layout: keys d-major within a block, values token-major). */
-void cache_write_head(const float *kh, const float *vh, float *k_cache, float *v_cache,
+ * layout: keys d-major within a block, values token-major); the caches hold float32, or
+ * bf16 (rounded to nearest even) when `bf16`. */
+void cache_write_head(const float *kh, const float *vh, void *k_cache, void *v_cache,
                       int64_t block, int64_t offset, int h, int num_kv_heads, int head_dim,
-                      int block_size);
+                      int block_size, int bf16);
 
 /* numpy's argmax of x[0, n), n >= 1 (the first maximum; the first NaN if any): index
  * and value out; returns 1 when it is a NaN. */

@@ -1,7 +1,8 @@
 /* Paged attention for the CPU: each query row reads its request's keys and values
  * straight from the paged KV cache, block by block, with no gathered copy.
  *
- * Layout (float32, contiguous but for q's rows):
+ * Layout (float32, contiguous but for q's rows; the caches float32 or bf16, see
+ * kv_vec below):
  *   q, out       [num_tokens, num_heads, head_dim]; q's token rows q_stride floats apart
  *                (a slice of the fused qkv projection), each row's heads contiguous
  *   k cache      [num_blocks, num_kv_heads, head_dim, block_size]: d-major within a
@@ -26,6 +27,9 @@
  * -fopenmp) and called through ctypes; it links the libgomp that torch has loaded, so
  * it shares torch's OpenMP threads.
  */
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -40,6 +44,47 @@
 #endif
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vfu __attribute__((vector_size(VL * 4), aligned(4))); /* unaligned access */
+typedef uint16_t vhu __attribute__((vector_size(VL * 2), aligned(2)));
+typedef uint32_t vu32 __attribute__((vector_size(VL * 4)));
+
+/* The cache holds float32 or bf16 (`bf16`, a constant where these are inlined). A bf16
+ * value is the high half of a float32: widening is a zero-extend and a shift (vpmovzxwd,
+ * vpslld), in registers. Intrinsics on AVX-512 and AVX2 (gcc's generic conversion of
+ * the vector type takes two half-width vpmovzxwd and an insert); the vector type's own
+ * conversion elsewhere (plain C where there is no SIMD). */
+static inline __attribute__((always_inline)) const void *kv_at(const void *base, int64_t i,
+                                                               const int bf16) {
+    return (const char *)base + i * (bf16 ? 2 : 4);
+}
+
+static inline __attribute__((always_inline)) vf kv_vec(const void *base, int64_t i,
+                                                       const int bf16) {
+    if (bf16) {
+        const uint16_t *h = (const uint16_t *)base + i;
+#if defined(__AVX512F__)
+        const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h));
+        return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+#elif defined(__AVX2__)
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h));
+        return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+#else
+        const vu32 w = __builtin_convertvector(*(const vhu *)h, vu32);
+        return (vf)(w << 16);
+#endif
+    }
+    return *(const vfu *)((const float *)base + i);
+}
+
+static inline __attribute__((always_inline)) float kv_one(const void *base, int64_t i,
+                                                          const int bf16) {
+    if (bf16) {
+        const uint32_t w = (uint32_t)((const uint16_t *)base)[i] << 16;
+        float f;
+        memcpy(&f, &w, sizeof f);
+        return f;
+    }
+    return ((const float *)base)[i];
+}
 
 /* Scores of G query heads against the first nk keys of one block whose keys are
  * stored d-major (kt[d * block_size + j]): s[h * s_stride + j] = scale * q_h . key_j,
@@ -47,14 +92,18 @@ typedef float vfu __attribute__((vector_size(VL * 4), aligned(4))); /* unaligned
  * once for all of them. A 16-key block (the default block size) is one or two vectors
  * of keys per head, summed in independent chains over d; G is a constant (1..4) where
  * this is inlined, so the sums live in registers. Other block sizes take a plain loop. */
-static inline __attribute__((always_inline)) void block_scores(const float *q, const float *kt,
+static inline __attribute__((always_inline)) void block_scores(const float *q, const void *kt,
                                                                int nk, const int head_dim,
                                                                int block_size, float scale,
                                                                float *s, int64_t s_stride,
-                                                               const int G) {
+                                                               const int G, const int bf16) {
     if (block_size == 16) {
-        enum { NV = 16 / VL };
-        const int CH = G == 1 ? 4 : (G * NV <= 4 ? 2 : 1); /* chains over d */
+        enum { NV = 16 / VL, ACCS = VL == 16 ? 16 : 8 };
+        /* Independent chains over d: as many as the accumulators allow (16 of AVX-512's
+         * 32 registers, 8 of AVX2's 16), up to 4; an FMA's latency is ~4 of its issue
+         * slots, so fewer chains leave the FMA ports idle (3 heads per kv head took 2
+         * chains, 6 accumulators, before). */
+        const int CH = ACCS / (G * NV) >= 4 ? 4 : (ACCS / (G * NV) >= 2 ? 2 : 1);
         vf a[4][4][NV];
         for (int h = 0; h < G; h++)
             for (int c = 0; c < CH; c++)
@@ -63,14 +112,14 @@ static inline __attribute__((always_inline)) void block_scores(const float *q, c
         for (; d + CH <= head_dim; d += CH)
             for (int c = 0; c < CH; c++) {
                 vf kv[NV];
-                for (int u = 0; u < NV; u++) kv[u] = *(const vfu *)(kt + (d + c) * 16 + u * VL);
+                for (int u = 0; u < NV; u++) kv[u] = kv_vec(kt, (d + c) * 16 + u * VL, bf16);
                 for (int h = 0; h < G; h++)
                     for (int u = 0; u < NV; u++) a[h][c][u] += q[h * head_dim + d + c] * kv[u];
             }
         for (; d < head_dim; d++)
             for (int h = 0; h < G; h++)
                 for (int u = 0; u < NV; u++)
-                    a[h][0][u] += q[h * head_dim + d] * *(const vfu *)(kt + d * 16 + u * VL);
+                    a[h][0][u] += q[h * head_dim + d] * kv_vec(kt, d * 16 + u * VL, bf16);
         for (int h = 0; h < G; h++) {
             float tmp[16];
             float *dst = nk == 16 ? s + h * s_stride : tmp;
@@ -89,9 +138,9 @@ static inline __attribute__((always_inline)) void block_scores(const float *q, c
         for (int j = 0; j < nk; j++) sh[j] = 0.f;
         for (int d = 0; d < head_dim; d++) {
             const float qd = qh[d];
-            const float *row = kt + (int64_t)d * block_size;
+            const int64_t row = (int64_t)d * block_size;
 #pragma omp simd
-            for (int j = 0; j < nk; j++) sh[j] += qd * row[j];
+            for (int j = 0; j < nk; j++) sh[j] += qd * kv_one(kt, row + j, bf16);
         }
         for (int j = 0; j < nk; j++) sh[j] *= scale;
     }
@@ -103,18 +152,18 @@ static inline __attribute__((always_inline)) void block_scores(const float *q, c
  * registers (G is a constant where this is inlined) and are added to og once per
  * block. */
 static inline __attribute__((always_inline)) void block_values(const float *p, int64_t p_stride,
-                                                               const float *vb, int nk,
+                                                               const void *vb, int nk,
                                                                const int head_dim, float *og,
-                                                               const int G) {
+                                                               const int G, const int bf16) {
     if (head_dim % VL == 0 && head_dim <= 8 * VL) {
         const int nv = head_dim / VL;
         vf a[4][8];
         for (int h = 0; h < G; h++)
             for (int u = 0; u < nv; u++) a[h][u] = (vf){0};
         for (int j = 0; j < nk; j++) {
-            const float *row = vb + (int64_t)j * head_dim;
+            const int64_t row = (int64_t)j * head_dim;
             vf vr[8];
-            for (int u = 0; u < nv; u++) vr[u] = *(const vfu *)(row + u * VL);
+            for (int u = 0; u < nv; u++) vr[u] = kv_vec(vb, row + u * VL, bf16);
             for (int h = 0; h < G; h++) {
                 const float pj = p[h * p_stride + j];
                 for (int u = 0; u < nv; u++) a[h][u] += pj * vr[u];
@@ -127,10 +176,10 @@ static inline __attribute__((always_inline)) void block_values(const float *p, i
     for (int h = 0; h < G; h++)
         for (int j = 0; j < nk; j++) {
             const float pj = p[h * p_stride + j];
-            const float *row = vb + (int64_t)j * head_dim;
+            const int64_t row = (int64_t)j * head_dim;
             float *o = og + h * head_dim;
 #pragma omp simd
-            for (int d = 0; d < head_dim; d++) o[d] += pj * row[d];
+            for (int d = 0; d < head_dim; d++) o[d] += pj * kv_one(vb, row + d, bf16);
         }
 }
 
@@ -139,20 +188,20 @@ static inline __attribute__((always_inline)) void block_values(const float *p, i
 
 /* The query heads [0, group) sharing one kv head, against one block: in chunks of at
  * most 4 heads (fewer for values of wide heads), each chunk size a constant. */
-static inline __attribute__((always_inline)) void group_scores(const float *q, const float *kt,
+static inline __attribute__((always_inline)) void group_scores(const float *q, const void *kt,
                                                                int nk, const int head_dim,
                                                                int block_size, float scale,
                                                                float *s, int64_t s_stride,
-                                                               int group) {
+                                                               int group, const int bf16) {
     int h = 0;
     for (; h + 4 <= group; h += 4)
         block_scores(q + h * head_dim, kt, nk, head_dim, block_size, scale, s + h * s_stride,
-                     s_stride, 4);
+                     s_stride, 4, bf16);
     switch (group - h) {
 #define REST(n)                                                                          \
     case n:                                                                              \
         block_scores(q + h * head_dim, kt, nk, head_dim, block_size, scale,              \
-                     s + h * s_stride, s_stride, n);                                     \
+                     s + h * s_stride, s_stride, n, bf16);                               \
         break;
         REST(1) REST(2) REST(3)
 #undef REST
@@ -160,14 +209,14 @@ static inline __attribute__((always_inline)) void group_scores(const float *q, c
 }
 
 static inline __attribute__((always_inline)) void group_values(const float *p, int64_t p_stride,
-                                                               const float *vb, int nk,
+                                                               const void *vb, int nk,
                                                                const int head_dim, float *og,
-                                                               int group) {
+                                                               int group, const int bf16) {
     const int nv = head_dim % VL == 0 ? head_dim / VL : 8;
     const int chunk = nv >= VALUE_ACCS ? 1 : (VALUE_ACCS / nv > 4 ? 4 : VALUE_ACCS / nv);
     int h = 0;
 #define CHUNK(n)                                                                         \
-    block_values(p + h * p_stride, p_stride, vb, nk, head_dim, og + h * head_dim, n)
+    block_values(p + h * p_stride, p_stride, vb, nk, head_dim, og + h * head_dim, n, bf16)
     if (chunk == 4)
         for (; h + 4 <= group; h += 4) CHUNK(4);
     if (chunk >= 2)
@@ -181,16 +230,17 @@ static inline __attribute__((always_inline)) void group_values(const float *p, i
  * same heads are prefetched: the hardware prefetcher stops at such a jump. When it does
  * follow, the hardware prefetcher streams on by itself, and software prefetches only
  * get in its way (a decode micro-benchmark ran at 21 GB/s with them, 33 without). */
-static inline const float *block_heads(const float *cache, const int64_t *table, int64_t t0,
-                                       int64_t n_keys, int h0, int h1, int num_kv_heads,
-                                       int block_size, int head_dim) {
+static inline __attribute__((always_inline)) const void *block_heads(
+    const void *cache, const int64_t *table, int64_t t0, int64_t n_keys, int h0, int h1,
+    int num_kv_heads, int block_size, int head_dim, const int bf16) {
     const int64_t span = (int64_t)block_size * head_dim;
     const int64_t b = t0 / block_size;
     if (t0 + block_size < n_keys && table[b + 1] != table[b] + 1) {
-        const float *next = cache + (table[b + 1] * num_kv_heads + h0) * span;
-        for (int64_t i = 0; i < (h1 - h0) * span; i += 16) __builtin_prefetch(next + i);
+        const char *next = kv_at(cache, (table[b + 1] * num_kv_heads + h0) * span, bf16);
+        const int64_t bytes = (h1 - h0) * span * (bf16 ? 2 : 4);
+        for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(next + i);
     }
-    return cache + (table[b] * num_kv_heads + h0) * span;
+    return kv_at(cache, (table[b] * num_kv_heads + h0) * span, bf16);
 }
 
 /* Attend query rows [r0, r1) of one sequence for the query heads of kv heads [h0, h1).
@@ -201,10 +251,10 @@ static inline const float *block_heads(const float *cache, const int64_t *table,
  * Always inlined into attend_tile_dispatch so that common head sizes get a copy with
  * head_dim a constant: fixed-length loops the compiler unrolls into vector registers. */
 static inline __attribute__((always_inline)) void attend_tile(
-    const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, float *out,
+    const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, float *out,
     const int64_t *table, int64_t q_start, int64_t q_len, int64_t seq_len, int64_t r0,
     int64_t r1, int h0, int h1, int num_heads, int num_kv_heads, const int head_dim,
-    int block_size, float scale, int window, float softcap, float *scores) {
+    int block_size, float scale, int window, float softcap, float *scores, const int bf16) {
     const int group = num_heads / num_kv_heads;
     const int heads = (h1 - h0) * group; /* query heads handled here */
     const int64_t span = (int64_t)block_size * head_dim;
@@ -222,12 +272,12 @@ static inline __attribute__((always_inline)) void attend_tile(
          * (a kv head's keys stay in L1 across the query heads that share it). */
         for (int64_t t0 = t_lo; t0 < n_keys; t0 += block_size) {
             const int nk = (int)(t0 + block_size < n_keys ? block_size : n_keys - t0);
-            const float *kb = block_heads(k_cache, table, t0, n_keys, h0, h1, num_kv_heads,
-                                          block_size, head_dim);
+            const void *kb = block_heads(k_cache, table, t0, n_keys, h0, h1, num_kv_heads,
+                                         block_size, head_dim, bf16);
             for (int kv = 0; kv < h1 - h0; kv++)
-                group_scores(qr + kv * group * head_dim, kb + kv * span, nk, head_dim,
-                             block_size, scale, scores + kv * group * n_keys + t0, n_keys,
-                             group);
+                group_scores(qr + kv * group * head_dim, kv_at(kb, kv * span, bf16), nk,
+                             head_dim, block_size, scale, scores + kv * group * n_keys + t0,
+                             n_keys, group, bf16);
         }
         /* Softmax per head. */
         for (int h = 0; h < heads; h++) {
@@ -251,40 +301,49 @@ static inline __attribute__((always_inline)) void attend_tile(
         /* Pass 2: out_h = sum_t p_h[t] * v_t, a block at a time. */
         for (int64_t t0 = t_lo; t0 < n_keys; t0 += block_size) {
             const int nk = (int)(t0 + block_size < n_keys ? block_size : n_keys - t0);
-            const float *vb = block_heads(v_cache, table, t0, n_keys, h0, h1, num_kv_heads,
-                                          block_size, head_dim);
+            const void *vb = block_heads(v_cache, table, t0, n_keys, h0, h1, num_kv_heads,
+                                         block_size, head_dim, bf16);
             for (int kv = 0; kv < h1 - h0; kv++)
-                group_values(scores + kv * group * n_keys + t0, n_keys, vb + kv * span, nk,
-                             head_dim, orow + kv * group * head_dim, group);
+                group_values(scores + kv * group * n_keys + t0, n_keys,
+                             kv_at(vb, kv * span, bf16), nk, head_dim,
+                             orow + kv * group * head_dim, group, bf16);
         }
     }
 }
 
 /* Not static: the decode step (decode_step.c) attends its rows through it too; never
- * inlined, so both callers run one machine copy (see fused_rows.h). */
-__attribute__((noinline)) void attend_tile_dispatch(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                                 float *out, const int64_t *table, int64_t q_start,
-                                 int64_t q_len, int64_t seq_len, int64_t r0, int64_t r1,
-                                 int h0, int h1, int num_heads, int num_kv_heads, int head_dim,
-                                 int block_size, float scale, int window, float softcap,
-                                 float *scores) {
-#define ATTEND(HD)                                                                          \
-    attend_tile(q, q_stride, k_cache, v_cache, out, table, q_start, q_len, seq_len, r0, r1, h0, h1,   \
-                num_heads, num_kv_heads, HD, block_size, scale, window, softcap, scores)
-    switch (head_dim) {
-        case 64: ATTEND(64); break;
-        case 128: ATTEND(128); break;
-        default: ATTEND(head_dim);
+ * inlined, so both callers run one machine copy (see fused_rows.h). The caches hold
+ * float32, or bf16 when `kv_bf16` (widened to float32 as they are read). */
+__attribute__((noinline)) void attend_tile_dispatch(
+    const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, float *out,
+    const int64_t *table, int64_t q_start, int64_t q_len, int64_t seq_len, int64_t r0,
+    int64_t r1, int h0, int h1, int num_heads, int num_kv_heads, int head_dim, int block_size,
+    float scale, int window, float softcap, int kv_bf16, float *scores) {
+#define ATTEND(HD, BF)                                                                      \
+    attend_tile(q, q_stride, k_cache, v_cache, out, table, q_start, q_len, seq_len, r0, r1, \
+                h0, h1, num_heads, num_kv_heads, HD, block_size, scale, window, softcap,    \
+                scores, BF)
+#define HEADS(BF)                                                                           \
+    switch (head_dim) {                                                                     \
+        case 64: ATTEND(64, BF); break;                                                     \
+        case 128: ATTEND(128, BF); break;                                                   \
+        default: ATTEND(head_dim, BF);                                                      \
     }
+    if (kv_bf16) {
+        HEADS(1)
+    } else {
+        HEADS(0)
+    }
+#undef HEADS
 #undef ATTEND
 }
 
 /* Returns 0, or -1 if a score buffer could not be allocated. */
-int paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, float *out,
-                    int num_seqs, const int64_t *q_starts, const int64_t *q_lens,
+int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                    float *out, int num_seqs, const int64_t *q_starts, const int64_t *q_lens,
                     const int64_t *seq_lens, const int64_t *tables, int64_t max_blocks,
                     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                    int window, float softcap, int num_threads) {
+                    int window, float softcap, int kv_bf16, int num_threads) {
     /* Work items, numbered through a prefix sum: a decode (one query row) is one item
      * over all kv heads; a longer query is one item per (tile of rows, kv head). */
     int64_t *item_start = malloc(sizeof(int64_t) * (num_seqs + 1));
@@ -321,7 +380,7 @@ int paged_attention(const float *q, int64_t q_stride, const float *k_cache, cons
             attend_tile_dispatch(q, q_stride, k_cache, v_cache, out, tables + (int64_t)seq * max_blocks,
                                  q_starts[seq], q_lens[seq], seq_lens[seq], r0, r1, h0, h1,
                                  num_heads, num_kv_heads, head_dim, block_size, scale, window,
-                                 softcap, scores);
+                                 softcap, kv_bf16, scores);
         }
         free(scores);
     }

@@ -65,8 +65,16 @@ class Attention(torch.nn.Module):
                 p.block_tables, meta.block_size, self.scale, self.sliding_window, self.softcap,
             )  # fmt: skip
             return out
-        k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
-        v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+        if k_cache.dtype != k.dtype:
+            # A cache of another dtype (a bf16 cache under a float32 model): every key and
+            # value is attended as stored, the chunk's own ones too (as the C kernel does).
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+            k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
+            v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        else:
+            k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
+            v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
         q = q.contiguous()
         out = torch.empty_like(q)
         nd = meta.num_decodes
@@ -90,10 +98,13 @@ class Attention(torch.nn.Module):
         return out
 
     # ------------------------------------------------------ plain-torch backend
-    def _gather(self, cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """Blocks of `table` ([rows, nblk]) as [rows, kv_heads, nblk * block_size, hd]."""
+    def _gather(self, cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Blocks of `table` ([rows, nblk]) as [rows, kv_heads, nblk * block_size, hd], in
+        `dtype` (the queries'; a cache of another dtype is widened or narrowed here)."""
         rows, nblk = table.shape
         blocks = cache.index_select(0, table.flatten())  # [rows * nblk, kvh, bs, hd]
+        if blocks.dtype != dtype:
+            blocks = blocks.to(dtype)
         blocks = blocks.view(rows, nblk, self.num_kv_heads, -1, self.head_dim)
         return blocks.transpose(1, 2).reshape(rows, self.num_kv_heads, -1, self.head_dim)
 
@@ -104,8 +115,8 @@ class Attention(torch.nn.Module):
             rows = g.end - g.start
             # The query heads sharing a kv head attend as rows of one [group, hd] query.
             qd = q[g.start : g.end].view(rows, self.num_kv_heads, group, self.head_dim)
-            kd = self._gather(self.k_cache, g.block_table)
-            vd = self._gather(self.v_cache, g.block_table)
+            kd = self._gather(self.k_cache, g.block_table, q.dtype)
+            vd = self._gather(self.v_cache, g.block_table, q.dtype)
             mask = g.kv_mask
             if self.sliding_window is not None:
                 lens = mask.sum(-1, keepdim=True)  # [rows, 1, 1, 1]
@@ -124,8 +135,8 @@ class Attention(torch.nn.Module):
         assert table is not None
         ctx, q_len = meta.context_lens[i], end - start
         seq_len = ctx + q_len
-        ki = self._gather(self.k_cache, table[None])[0, :, :seq_len]  # [kvh, seq_len, hd]
-        vi = self._gather(self.v_cache, table[None])[0, :, :seq_len]
+        ki = self._gather(self.k_cache, table[None], q.dtype)[0, :, :seq_len]  # [kvh, seq_len, hd]
+        vi = self._gather(self.v_cache, table[None], q.dtype)[0, :, :seq_len]
         # Query row j sits at position ctx + j and sees keys 0..ctx + j.
         keys = torch.arange(seq_len, device=q.device)[None, :]
         q_pos = ctx + torch.arange(q_len, device=q.device)[:, None]

@@ -90,7 +90,7 @@ class ModelRunner:
             self.model,
             num_blocks,
             self.block_size,
-            mcfg.dtype,
+            config.kv_dtype,
             self.device,
             self.use_cpu_kernel,
             self.num_sliding_blocks,

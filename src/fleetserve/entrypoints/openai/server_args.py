@@ -152,10 +152,10 @@ def default_served_name(model_path: str) -> str:
 _MODEL_FLAGS = (
     "served_model_name", "max_waiting_requests", "data_parallel_size", "routing", "model",
     "dtype", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
-    "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching", "scheduling_policy",
-    "seed", "device", "num_threads", "attention_backend", "tensor_parallel_size",
-    "pipeline_parallel_size", "expert_parallel", "migration_limit", "replace_failed",
-    "hang_timeout", "sigterm_grace", "tool_parser",
+    "kv_cache_dtype", "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching",
+    "scheduling_policy", "seed", "device", "num_threads", "attention_backend",
+    "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel", "migration_limit",
+    "replace_failed", "hang_timeout", "sigterm_grace", "tool_parser",
 )  # fmt: skip
 
 
