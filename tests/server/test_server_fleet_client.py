@@ -5,7 +5,10 @@ sub-calls (the callee's engine requests end)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import time
 
 import httpx
 import openai
@@ -156,23 +159,52 @@ def _tiny_idle(fleet: ServerProc) -> bool:
     )
 
 
+def _tiny_state(fleet: ServerProc) -> dict[str, float]:
+    """tiny's finished requests by reason, running and waiting (for a failure's message)."""
+    values = scrape(fleet.url)
+    state = {
+        reason: metric(values, "fleetserve:request_success_total", model_name="tiny",
+                       finished_reason=reason)
+        for reason in ("abort", "length", "stop")
+    }  # fmt: skip
+    for name in ("running", "waiting"):
+        state[name] = metric(values, f"fleetserve:num_requests_{name}", model_name="tiny")
+    return state
+
+
+async def _leave_once_tiny_runs(fleet: ServerProc) -> bool:
+    """Ask `streamer` for a long completion and leave (drop the connection) once its
+    sub-call runs in tiny's engine; False if it never got there in 15 s."""
+    body = {"instances": [{"prompt": "The sea", "max_tokens": 450}]}
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        call = asyncio.ensure_future(client.post(f"{fleet.url}/v1/models/streamer:predict",
+                                                 json=body))  # fmt: skip
+        end = time.monotonic() + 15.0
+        running = False
+        while not call.done() and time.monotonic() < end and not running:
+            await asyncio.sleep(0.05)
+            running = _tiny_state(fleet)["running"] == 1
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+    return running
+
+
 def test_a_client_that_leaves_cancels_the_parents_sub_calls(fleet: ServerProc) -> None:
     aborted = "fleetserve:request_success_total"
     # Earlier tests' aborted sub-calls counted first (a late one would shift `before`).
     assert wait_until(lambda: _tiny_idle(fleet), 10.0)
     before = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
-    # The sub-call would run 9+ s (450 tokens at 0.02 s a step); the client leaves at 3 s
-    # (time for a loaded machine to start it), well inside the handler's timeout_s (20 s):
-    # only its leaving can end the sub-call. Not ended, it would finish as "length".
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{fleet.url}/v1/models/streamer:predict", timeout=3.0,
-                   json={"instances": [{"prompt": "The sea", "max_tokens": 450}]})  # fmt: skip
+    # The sub-call would run 9+ s (450 tokens at 0.02 s a step); the client leaves once it
+    # runs in tiny's engine, well inside the handler's timeout_s (20 s): only its leaving can
+    # end the sub-call. Not ended, it would finish as "length".
+    assert asyncio.run(_leave_once_tiny_runs(fleet)), _tiny_state(fleet)
 
     def sub_call_aborted() -> bool:
         now = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
         return now == before + 1
 
-    assert wait_until(sub_call_aborted, 5.0)
+    assert wait_until(sub_call_aborted, 5.0), (before, _tiny_state(fleet))
     r = predict(fleet, [{"prompt": "The sea", "max_tokens": 3}], model="streamer")
     assert r.status_code == 200, r.text
 
@@ -196,4 +228,4 @@ def test_a_parent_past_its_request_deadline_is_a_504_and_ends_its_sub_calls(
         now = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
         return now >= before + 1 and _tiny_idle(fleet)
 
-    assert wait_until(sub_call_ended, 4.0)
+    assert wait_until(sub_call_ended, 4.0), (before, _tiny_state(fleet))
