@@ -294,11 +294,19 @@ def test_every_dashboard_query_runs_and_returns_data(stack: Stack) -> None:
     assert ok, [e for e, q in substituted.items() if not stack.query(q)["result"]]
     # The HTTP panel's series: by route template (not the raw path) and status class.
     (http,) = [p for p in board["panels"] if p["title"].startswith("HTTP requests")]
-    series = stack.query(substituted[http["targets"][0]["expr"]])["result"]
-    got = {(s["metric"]["route"], s["metric"]["status_class"]) for s in series}
+    # A series newly born (the 5xx one, from the shed request) needs two scrapes before a
+    # rate() sees it, so wait for every wanted one rather than reading once.
     want = {("/v1/completions", "2xx"), ("/v1/completions", "5xx"),
             ("/v1/models/{name}:predict", "2xx")}  # fmt: skip
-    assert want <= got, got
+    got: set[tuple[str, str]] = set()
+
+    def http_series() -> bool:
+        series = stack.query(substituted[http["targets"][0]["expr"]])["result"]
+        got.clear()
+        got.update((s["metric"]["route"], s["metric"]["status_class"]) for s in series)
+        return want <= got
+
+    assert wait_until(http_series, timeout_s=30, interval_s=1.0), got
     # Variables: label_values(metric{...}, label) is Grafana's; its series query must work.
     for v in board["templating"]["list"]:
         if v["type"] == "query":
