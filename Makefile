@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-PROMPT ?= What is the capital of France?
+PROMPT ?= What is the capital of France? Answer in one sentence.
 
 .PHONY: setup system-deps demo demo-fleet serve test test-slow lint bench clean
 # Programs some tests drive (they skip without them), as command:Debian package.
