@@ -9,6 +9,7 @@ from fleetserve.bench.fleet_entries import (
     embed_entry,
     fleet_file,
     generate_entry,
+    graph_entry,
     rag_graph_entry,
 )
 
@@ -32,57 +33,32 @@ CASCADES = """\
       escalate: {min_mean_logprob: -1000000.0}}
 """
 # test_server_graph.py: graphs over the classifier, the embedder and `tiny`.
-GRAPHS = """\
-  - name: route
-    kind: graph
-    graph:
-      nodes:
-        root:
-          type: switch
-          steps:
-            - {model: classifier, name: short, when: "$request.instances[0].text =~ ^a",
-               input: {instances: [{text: short}]}}
-            - {model: classifier, name: long, input: {instances: [{text: longer}]}}
-  - name: both
-    kind: graph
-    graph:
-      nodes:
-        root:
-          type: ensemble
-          steps:
-            - {model: classifier}
-            - {model: minilm, input: {input: "$request.instances[0].text"}}
-  - name: ab
-    kind: graph
-    graph:
-      nodes:
-        root:
-          type: splitter
-          seed: 1
-          steps:
-            - {model: classifier, name: a, weight: 1}
-            - {model: classifier, name: b, weight: 1}
-  - name: tell
-    kind: graph
-    graph:
-      nodes:
-        root:
-          type: sequence
-          steps:
-            - {model: classifier}
-            - {model: tiny, input: {prompt: "Label: {$steps.classifier.predictions[0].label}",
-                                     max_tokens: 5, temperature: 0.0}}
-  - name: slow
-    kind: graph
-    graph:
-      timeout_s: 1.0
-      nodes:
-        root:
-          type: sequence
-          steps:
-            - {model: tiny, input: {prompt: "The sea", max_tokens: 400, ignore_eos: true}}
-            - {model: classifier, input: {instances: [{text: x}]}}
-"""
+GRAPHS = "".join(
+    [
+        graph_entry("route", "switch", [
+            '{model: classifier, name: short, when: "$request.instances[0].text =~ ^a",\n'
+            " input: {instances: [{text: short}]}}",
+            "{model: classifier, name: long, input: {instances: [{text: longer}]}}",
+        ]),
+        graph_entry("both", "ensemble", [
+            "{model: classifier}",
+            '{model: minilm, input: {input: "$request.instances[0].text"}}',
+        ]),
+        graph_entry("ab", "splitter", [
+            "{model: classifier, name: a, weight: 1}",
+            "{model: classifier, name: b, weight: 1}",
+        ], seed=1),
+        graph_entry("tell", "sequence", [
+            "{model: classifier}",
+            '{model: tiny, input: {prompt: "Label: {$steps.classifier.predictions[0].label}",\n'
+            "                       max_tokens: 5, temperature: 0.0}}",
+        ]),
+        graph_entry("slow", "sequence", [
+            '{model: tiny, input: {prompt: "The sea", max_tokens: 400, ignore_eos: true}}',
+            "{model: classifier, input: {instances: [{text: x}]}}",
+        ], timeout_s=1.0),
+    ]
+)  # fmt: skip
 CLASSES = """\
 classes:
   interactive: {priority: 0}

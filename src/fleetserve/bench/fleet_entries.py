@@ -70,25 +70,45 @@ def custom_entry(
     return "\n".join(lines) + "\n" + _batching(max_batch_size, batch_wait_timeout_s)
 
 
+def graph_entry(
+    name: str,
+    root_type: str,
+    steps: Iterable[str],
+    *,
+    timeout_s: float | None = None,
+    seed: int | None = None,
+) -> str:
+    """A graph of one root node (`sequence`, `switch`, `ensemble`, `splitter`): each step is
+    the YAML of one list item (a flow mapping, or block lines indented from the item's
+    first); timeout_s for the whole graph, seed for a splitter."""
+    lines = [f"  - name: {name}", "    kind: graph", "    graph:"]
+    if timeout_s is not None:
+        lines.append(f"      timeout_s: {timeout_s}")
+    lines += ["      nodes:", "        root:", f"          type: {root_type}"]
+    if seed is not None:
+        lines.append(f"          seed: {seed}")
+    lines.append("          steps:")
+    for step in steps:
+        first, *rest = step.split("\n")
+        lines.append(f"            - {first}")
+        lines.extend(f"              {line}" for line in rest)
+    return "\n".join(lines) + "\n"
+
+
 def rag_graph_entry(name: str, *, embedder: str, chat: str, max_tokens: int) -> str:
     """The embed-then-answer graph: embed the last message with `embedder`, then ask `chat`
     (greedy, `max_tokens`) with the vector's first value as its system "context"."""
-    return f"""  - name: {name}
-    kind: graph
-    graph:
-      nodes:
-        root:
-          type: sequence
-          steps:
-            - {{model: {embedder}, name: vec, input: {{input: "$request.messages[-1].content"}}}}
-            - model: {chat}
-              input:
-                max_tokens: {max_tokens}
-                temperature: 0.0
-                messages:
-                  - {{role: system, content: "Context: {{$steps.vec.data[0].embedding[0]}}"}}
-                  - "$request.messages[-1]"
-"""
+    embed = f'{{model: {embedder}, name: vec, input: {{input: "$request.messages[-1].content"}}}}'
+    answer = [
+        f"model: {chat}",
+        "input:",
+        f"  max_tokens: {max_tokens}",
+        "  temperature: 0.0",
+        "  messages:",
+        '    - {role: system, content: "Context: {$steps.vec.data[0].embedding[0]}"}',
+        '    - "$request.messages[-1]"',
+    ]
+    return graph_entry(name, "sequence", [embed, "\n".join(answer)])
 
 
 def fleet_file(entries: Iterable[str], tail: str = "") -> str:

@@ -21,8 +21,6 @@ machine. More threads time wall-clock.
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +28,7 @@ from typing import Any
 import torch
 
 from fleetserve.bench.offline import bench_model_path
+from fleetserve.bench.step_split import emit, thread_clock
 from fleetserve.bench.workloads import load_workload
 
 
@@ -68,7 +67,7 @@ def split(
     plan = runner.model.model.decode_plan
     if plan is None:
         raise ValueError("this model has no C step here (FLEETSERVE_FUSED_DECODE=0?)")
-    clock = time.thread_time if threads == 1 else time.perf_counter
+    clock = thread_clock(threads)
     cur: dict[str, Any] = {}
     steps: list[dict[str, Any]] = []
     kept: dict[str, list[Any]] = {}
@@ -204,10 +203,7 @@ def main() -> None:
     out = split(
         args.model or bench_model_path(), args.workload, args.threads, args.max_num_batched_tokens
     )
-    print(json.dumps(out, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    emit(out, args.json)
 
 
 if __name__ == "__main__":

@@ -104,25 +104,23 @@ def _prompts(llm: Any, workload: str) -> list[list[int]]:
     ]
 
 
-def _one(llm: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float, float, float]:
-    """Token ids, TTFT, decode seconds (wall) and the process's CPU seconds for the
-    whole request (its prefill included: the same for both engines)."""
-    from fleetserve import SamplingParams
+@dataclasses.dataclass
+class _Tally:
+    """One engine's measurements over the runs: token ids and TTFT per request, decode
+    seconds per run (wall), decoded tokens and process CPU seconds in all."""
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    cpu0 = time.process_time()
-    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
-    cpu = time.process_time() - cpu0
-    ids = out.outputs[0].token_ids
-    ttft = out.metrics["time_to_first_token"]
-    return ids, ttft, out.metrics["e2e_latency"] - ttft, cpu
+    tokens: list[list[int]] = dataclasses.field(default_factory=list)
+    ttfts: list[float] = dataclasses.field(default_factory=list)
+    decode_s: list[float] = dataclasses.field(default_factory=list)
+    num_decoded: int = 0
+    cpu_s: float = 0.0
 
 
-def _batch(
-    llm: Any, prompts: list[list[int]], max_tokens: int
-) -> tuple[list[list[int]], list[float], float, float]:
-    """Every prompt at once: token ids and TTFT per request, the wall and CPU seconds of
-    the whole batch."""
+def _run(llm: Any, prompts: list[list[int]], max_tokens: int, tally: _Tally) -> None:
+    """`prompts` at once, greedy, into `tally`. One prompt: its decode time is the request's
+    after its first token (TTFT apart); several: the wall time of the whole batch and every
+    output token. CPU seconds are the process's for the whole run (prefill included: the
+    same for every engine)."""
     from fleetserve import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -130,7 +128,16 @@ def _batch(
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     ids = [o.outputs[0].token_ids for o in outs]
-    return ids, [o.metrics["time_to_first_token"] for o in outs], wall, cpu
+    ttfts = [o.metrics["time_to_first_token"] for o in outs]
+    if len(prompts) == 1:
+        tally.decode_s.append(outs[0].metrics["e2e_latency"] - ttfts[0])
+        tally.num_decoded += len(ids[0]) - 1
+    else:
+        tally.decode_s.append(wall)
+        tally.num_decoded += sum(len(i) for i in ids)
+    tally.tokens.extend(ids)
+    tally.ttfts.extend(ttfts)
+    tally.cpu_s += cpu
 
 
 def _spec_figures(llm: Any, stats0: Any) -> dict[str, float]:
@@ -161,34 +168,20 @@ def run(args: argparse.Namespace) -> int:
             dataclasses.replace(engine_args, speculative_config=cfg)))  # fmt: skip
     prompts = _prompts(engines["baseline"], args.workload)
     for llm in engines.values():  # warm-up: kernels built, pages faulted in
-        _one(llm, prompts[0], 8)
+        _run(llm, prompts[:1], 8, _Tally())
     stats0 = {n: engines[n].engine.stats() for n in names}
-    tokens: dict[str, list[list[int]]] = {name: [] for name in engines}
-    ttfts: dict[str, list[float]] = {name: [] for name in engines}
-    decode: dict[str, list[float]] = {name: [] for name in engines}
-    num_decoded: dict[str, int] = dict.fromkeys(engines, 0)
-    cpu: dict[str, float] = dict.fromkeys(engines, 0.0)
+    tallies = {name: _Tally() for name in engines}
     if args.batch:  # every workload's prompts at once; rate = output tokens / wall
         prompts = [q for w in sorted(WORKLOADS) for q in _prompts(engines["baseline"], w)]
+    groups = [prompts] if args.batch else [[p] for p in prompts]
     for _ in range(args.repeats):
-        if args.batch:
+        for group in groups:  # every engine takes its turn on each group
             for name, llm in engines.items():
-                batch_ids, batch_ttfts, dt, cpu_s = _batch(llm, prompts, args.max_tokens)
-                cpu[name] += cpu_s
-                tokens[name].extend(batch_ids)
-                ttfts[name].extend(batch_ttfts)
-                decode[name].append(dt)
-                num_decoded[name] += sum(len(ids) for ids in batch_ids)
-            continue
-        for prompt in prompts:
-            for name, llm in engines.items():
-                ids, ttft, dt, cpu_s = _one(llm, prompt, args.max_tokens)
-                cpu[name] += cpu_s
-                tokens[name].append(ids)
-                ttfts[name].append(ttft)
-                decode[name].append(dt)
-                num_decoded[name] += len(ids) - 1
-    rate = {n: num_decoded[n] / sum(decode[n]) for n in engines}
+                _run(llm, group, args.max_tokens, tallies[name])
+    tokens = {n: t.tokens for n, t in tallies.items()}
+    ttfts = {n: t.ttfts for n, t in tallies.items()}
+    cpu = {n: t.cpu_s for n, t in tallies.items()}
+    rate = {n: t.num_decoded / sum(t.decode_s) for n, t in tallies.items()}
     per_config = []
     for name, cfg in zip(names, configs, strict=True):
         per_config.append({

@@ -46,8 +46,17 @@ def read_bandwidth_gbs(threads: int, megabytes: int = 100) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def _clock(threads: int) -> Callable[[], float]:
+def thread_clock(threads: int) -> Callable[[], float]:
+    """One thread: the thread's CPU clock (holds on a busy machine); more: wall-clock."""
     return time.thread_time if threads == 1 else time.perf_counter
+
+
+def emit(out: dict[str, Any], json_path: str | None) -> None:
+    """A split's figures: printed as JSON, and written to `json_path` when given."""
+    print(json.dumps(out, indent=1))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 def split(model: str | None, threads: int, tokens: int, phases: bool = False) -> dict[str, Any]:
@@ -63,7 +72,7 @@ def split(model: str | None, threads: int, tokens: int, phases: bool = False) ->
     plan = runner.model.model.decode_plan
     if plan is None:
         raise ValueError("this model has no C step here (FLEETSERVE_FUSED_DECODE=0?)")
-    clock = _clock(threads)
+    clock = thread_clock(threads)
     spent = {"c": 0.0, "worker": 0.0}
     saved: list[list[Any]] = []
     run, execute = plan.run, runner.execute_model
@@ -189,10 +198,7 @@ def main() -> None:
     # time past it.
     gbs = out["bytes_per_token_mb"] / out["split"]["step_ms"]
     out["roofline"] = {"step_gbs": round(gbs, 2), "share": round(gbs / out["read_gbs"], 3)}
-    print(json.dumps(out, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    emit(out, args.json)
 
 
 if __name__ == "__main__":
