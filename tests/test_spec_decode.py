@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from fleetserve import LLM, SamplingParams
 from helpers import smollm2_path
@@ -97,6 +98,45 @@ def test_self_draft_is_accepted_almost_always(tiny_llama: str, backend: str) -> 
     stats = llm.engine.stats().as_metrics()
     assert stats["spec_decode_acceptance_rate"] == accepted / drafts
     assert stats["spec_decode_mean_accepted_length"] > 4.0
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_draft_cache_is_in_the_kv_budget(
+    tiny_llama: str, draft_llama: str, kv_dtype: torch.dtype
+) -> None:
+    """kv_cache_memory holds the target's cache and the draft's (the same block ids, the
+    target's cache dtype); the draft only proposes, so tokens stay the plain run's, and
+    in a bf16 cache a self-draft is still accepted almost always."""
+    budget = 1 << 20
+    kw: dict[str, Any] = dict(
+        max_model_len=128, block_size=4, kv_cache_memory=budget,
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+    )  # fmt: skip
+    plain = LLM(tiny_llama, **kw)
+    ref = token_ids(plain, PROMPTS, greedy(max_tokens=48))
+    per_token = plain.engine.config.model.kv_bytes_per_token_in(kv_dtype)
+    for draft in (tiny_llama, draft_llama):
+        llm = checked_llm(
+            tiny_llama, speculative_config={"model": draft, "num_speculative_tokens": 4}, **kw
+        )
+        assert token_ids(llm, PROMPTS, greedy(max_tokens=48)) == ref, draft
+        runner = llm.engine.core.executor.runner  # type: ignore[attr-defined]
+        target = [t for pair in runner.kv_caches for t in pair]
+        drafts = [t for pair in runner.proposer.kv_caches for t in pair]
+        assert {t.dtype for t in target + drafts} == {kv_dtype}
+        target_bytes = sum(t.numel() * t.element_size() for t in target)
+        draft_bytes = sum(t.numel() * t.element_size() for t in drafts)
+        num_blocks = llm.engine.core.block_manager.num_blocks
+        draft_per_token = draft_bytes // (num_blocks * 4)
+        assert llm.engine.config.cache.draft_kv_bytes_per_token == draft_per_token
+        assert target_bytes == num_blocks * 4 * per_token
+        # Both caches fit the budget, and one more block of both would not.
+        assert num_blocks == budget // (4 * (per_token + draft_per_token))
+        assert target_bytes + draft_bytes <= budget
+        drafted, accepted = spec_totals(llm)
+        if draft == tiny_llama:
+            assert draft_per_token == per_token
+            assert accepted >= 0.95 * drafted
 
 
 @pytest.mark.parametrize("method", ["ngram", "adaptive", "draft"])

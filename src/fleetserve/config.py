@@ -236,6 +236,9 @@ class CacheConfig:
     # What the KV cache holds: "auto" (the compute dtype: bf16 for a model with bf16
     # weights, else the model's dtype), "float32" or "bfloat16" (EngineConfig.kv_dtype).
     kv_cache_dtype: str = "auto"
+    # K/V bytes per token of a speculative draft model's cache (in the same dtype), which
+    # holds the same block ids beside the target's: a block costs both (0: no draft).
+    draft_kv_bytes_per_token: int = 0
 
     DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
     KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
@@ -249,6 +252,11 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory!r}")
+        if not isinstance(self.draft_kv_bytes_per_token, int) or self.draft_kv_bytes_per_token < 0:
+            raise ValueError(
+                "draft_kv_bytes_per_token must be an integer >= 0, got "
+                f"{self.draft_kv_bytes_per_token!r}"
+            )
         if self.kv_cache_dtype not in self.KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {self.KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
@@ -258,10 +266,12 @@ class CacheConfig:
         self, model: ModelConfig, max_num_seqs: int, kv_dtype: torch.dtype | None = None
     ) -> int:
         """Blocks of the KV cache; `kv_dtype` (EngineConfig.kv_dtype) sizes a block
-        (None: the model's dtype)."""
+        (None: the model's dtype), with a draft model's K/V for the same tokens where
+        there is one (the memory budget holds both caches)."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        per_block = model.kv_bytes_per_token_in(kv_dtype or model.dtype) * self.block_size
+        per_token = model.kv_bytes_per_token_in(kv_dtype or model.dtype)
+        per_block = (per_token + self.draft_kv_bytes_per_token) * self.block_size
         if self.kv_cache_memory is not None:
             budget = self.kv_cache_memory
         else:

@@ -159,9 +159,9 @@ class EngineArgs:
             lora=lora,
         )
         if spec is not None and spec.method == "draft_model":
-            from fleetserve.spec_decode.draft_model import check_draft_model
+            from fleetserve.spec_decode.draft_model import check_draft_model, with_draft_kv_budget
 
-            check_draft_model(config, source)
+            config = with_draft_kv_budget(config, check_draft_model(config, source))
         return config, source
 
     def _bf16_blocker(

@@ -17,6 +17,8 @@ position whose token differs from what the draft model saw there.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fleetserve.config import EngineConfig, ModelConfig
@@ -43,8 +45,9 @@ def draft_model_config(config: EngineConfig, source: ModelSource) -> ModelConfig
     )
 
 
-def check_draft_model(config: EngineConfig, target: ModelSource) -> None:
-    """Refuse a draft model whose token ids would mean other tokens than the target's."""
+def check_draft_model(config: EngineConfig, target: ModelSource) -> ModelConfig:
+    """Refuse a draft model whose token ids would mean other tokens than the target's;
+    the draft's ModelConfig when it can serve."""
     spec = config.speculative
     assert spec is not None and spec.model is not None
     if config.parallel.world_size > 1:
@@ -73,6 +76,15 @@ def check_draft_model(config: EngineConfig, target: ModelSource) -> None:
             f"{_FIELD}: the draft model's tokenizer differs from the target's "
             f"(e.g. {differ}); they must share a tokenizer"
         )
+    return dcfg
+
+
+def with_draft_kv_budget(config: EngineConfig, draft: ModelConfig) -> EngineConfig:
+    """`config` whose KV budget also holds the draft's cache: the draft keeps K/V for the
+    same block ids in the target's cache dtype (EngineConfig.kv_dtype)."""
+    per_token = draft.kv_bytes_per_token_in(config.kv_dtype)
+    cache = dataclasses.replace(config.cache, draft_kv_bytes_per_token=per_token)
+    return dataclasses.replace(config, cache=cache)
 
 
 class DraftModelProposer:
@@ -87,9 +99,13 @@ class DraftModelProposer:
         self.max_model_len = config.scheduler.max_model_len
         self.model = load_model(mcfg, source, self.device)
         self.use_cpu_kernel = use_cpu_kernel(mcfg, self.device, config.attention_backend)
+        # The target's cache dtype (bf16 beside bf16 weights or when asked): the draft
+        # only proposes, the target verifies, so tokens stay the target's; its bytes are
+        # in the KV budget (CacheConfig.draft_kv_bytes_per_token).
         self.kv_caches = bind_kv_caches(
-            self.model, num_blocks, self.block_size, mcfg.dtype, self.device, self.use_cpu_kernel
-        )
+            self.model, num_blocks, self.block_size, config.kv_dtype, self.device,
+            self.use_cpu_kernel,
+        )  # fmt: skip
         pack_for_cpu(self.model, self.use_cpu_kernel)
         # The draft's steps (its prompt catch-up and k one-row proposals) through the C
         # step too, where it applies (models/llama_decode.py).
