@@ -45,6 +45,30 @@ def test_the_api_server_imports_without_torch() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+_RAY_IMPORTS = """
+import sys
+import fleetserve.entrypoints.batch_ray
+import fleetserve.ray.app
+import fleetserve.ray.batch
+import fleetserve.ray.batch_engine
+import fleetserve.ray.deployments
+import fleetserve.ray.serve_cli
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))
+assert not heavy, heavy[:3]
+"""
+
+
+def test_the_ray_fleet_and_batch_modules_import_without_torch() -> None:
+    """The Ray side the same: the Serve app (ingress, generate and micro-batch replicas)
+    and `batch run --ray`'s driver import no torch; a replica or batch actor loads it
+    only with the model that needs it (tests/test_ray_fleet.py checks the processes)."""
+    pytest.importorskip("ray")
+    proc = subprocess.run(
+        [sys.executable, "-c", _RAY_IMPORTS], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
 _RESOLVE = """
 import sys
 from fleetserve.engine.arg_utils import EngineArgs

@@ -154,6 +154,24 @@ def test_every_endpoint_through_serve(fleet: tuple[Any, str], tiny_llama: str) -
     }
 
 
+def test_only_the_model_processes_load_torch(fleet: tuple[Any, str]) -> None:
+    """The ingress, a generate replica's actor (its engine runs in a child process) and a
+    custom model's replica serve without torch, as the local server's API process does;
+    the embedding replica and each engine process load it (after the requests above)."""
+
+    def maps_torch(pid: int) -> bool:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
+
+    wants = {"ingress": False, "model-tiny": False, "model-classifier": False}
+    for deployment, want in {**wants, "model-minilm": True}.items():
+        pids = list(replica_pids(deployment).values())
+        assert pids, deployment
+        assert [maps_torch(pid) for pid in pids] == [want] * len(pids), deployment
+    for pid in replica_pids("model-tiny").values():
+        assert maps_torch(engine_core_pid(pid))
+
+
 def test_errors_and_auth_match_the_local_server(fleet: tuple[Any, str]) -> None:
     _, base_url = fleet
     r = httpx.post(f"{base_url}/v1/completions", json={"model": "tiny", "prompt": "x"})

@@ -32,7 +32,7 @@ from fleetserve.batch.lines import (
 )
 from fleetserve.batch.runner import LineAnswer
 from fleetserve.engine.arg_utils import EngineArgs
-from fleetserve.engine.embedding import MINILM_NAME
+from fleetserve.engine.embedding_result import MINILM_NAME
 from fleetserve.entrypoints.openai.errors import APIError, error_body, from_value_error
 from fleetserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from fleetserve.entrypoints.openai.protocol_embed import EmbeddingRequest

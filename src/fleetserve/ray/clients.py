@@ -41,7 +41,7 @@ from fleetserve.config import model_root
 from fleetserve.core.lora_request import LoRARequest
 from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.engine.async_engine import EngineDeadError, ReplicaGoneError
-from fleetserve.engine.llm_engine import PromptRules, PromptType
+from fleetserve.engine.prompt_rules import PromptRules, PromptType
 from fleetserve.lora.metrics import LoRAMetrics
 from fleetserve.metrics import ModelMetrics
 from fleetserve.outputs import OutputFold, RequestOutput

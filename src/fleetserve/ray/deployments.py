@@ -33,7 +33,7 @@ from fleetserve.engine.async_engine import (
     ReplicaGoneError,
 )
 from fleetserve.engine.delta_stream import ReplicaRefusedError
-from fleetserve.engine.embedding import MINILM_NAME
+from fleetserve.engine.embedding_result import MINILM_NAME
 from fleetserve.engine.stats import EngineStats
 from fleetserve.entrypoints.openai.fleet_client import SubCall
 from fleetserve.outputs import RequestOutput

@@ -9,7 +9,7 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
-from fleetserve.engine.embedding import EmbeddingResult
+from fleetserve.engine.embedding_result import EmbeddingResult
 from fleetserve.ray.fleet_client import Predicted
 from fleetserve.ray.router_state import num_known_replicas
 from fleetserve.ray.streams import short
