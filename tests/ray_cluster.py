@@ -174,3 +174,23 @@ def replica_nodes(deployment: str, app: str = "fleetserve") -> list[str]:
 
 def scrape(base_url: str) -> str:
     return httpx.get(f"{base_url}/metrics", timeout=10).text
+
+
+def engine_core_pid(actor_pid: int) -> int:
+    """The engine process a generate replica's actor started (a child running core_proc)."""
+    import psutil
+
+    (core,) = [
+        p.pid
+        for p in psutil.Process(actor_pid).children()
+        if "fleetserve.engine.core_proc" in " ".join(p.cmdline())
+    ]
+    return core
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -158,6 +158,24 @@ def _committed(ckpt: Path) -> dict[str, str]:
     return dict(rows)
 
 
+def kill_once_committed(
+    cmd: list[str], ckpt: Path, lines: int, timeout_s: float, env: dict[str, str] | None = None
+) -> dict[str, str]:
+    """Runs `cmd` in a session of its own, SIGKILLs the whole session (a preempted node)
+    once `lines` lines are committed to its checkpoint, and returns the committed ones."""
+    proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(_committed(ckpt)) < lines:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "no line was committed in time"
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    return _committed(ckpt)
+
+
 def test_sigkill_mid_run_then_rerun_is_exactly_once(
     tiny_llama: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -172,17 +190,7 @@ def test_sigkill_mid_run_then_rerun_is_exactly_once(
     ckpt = Path(f"{out}.ckpt")
     cmd = _cmd(inp, out, tiny_llama, "--max-num-seqs", "2", "--concurrency", "2")
     # Its own session, so that SIGKILL reaches the engine process too (a preempted node).
-    proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while len(_committed(ckpt)) < 4:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "no line was committed in time"
-            time.sleep(0.02)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-    before = _committed(ckpt)
+    before = kill_once_committed(cmd, ckpt, 4, timeout_s=240)
     assert 4 <= len(before) < n, "the run must be killed mid-way"
     assert not out.exists()
 

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ import pytest
 
 from fleetserve.entrypoints.cli import main
 from ray_cluster import SRC_DIR, TESTS_DIR
-from test_batch_cli import _committed, _req, _write
+from test_batch_cli import _req, _write, kill_once_committed
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -165,17 +163,7 @@ def test_sigkill_mid_ray_run_then_rerun_is_exactly_once(
                    "--concurrency", "2")  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC_DIR, os.environ.get("PYTHONPATH", "")])}
     # Its own session, so that SIGKILL takes the whole driver (a preempted node).
-    proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while len(_committed(ckpt)) < 4:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "no line was committed in time"
-            time.sleep(0.02)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-    before = _committed(ckpt)
+    before = kill_once_committed(cmd, ckpt, 4, timeout_s=300, env=env)
     assert 4 <= len(before) < n, "the run must be killed mid-way"
     assert not out.exists()
 

@@ -22,6 +22,8 @@ import openai
 import pytest
 
 from ray_cluster import (
+    engine_core_pid,
+    pid_alive,
     ray_cluster,
     replica_actors,
     replica_nodes,
@@ -313,26 +315,6 @@ def outstanding_per_replica(base_url: str) -> list[float]:
     text = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
     prefix = 'fleetserve:replica_outstanding_requests{model_name="tiny"'
     return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)]
-
-
-def engine_core_pid(actor_pid: int) -> int:
-    """The engine process a generate replica's actor started (a child running core_proc)."""
-    import psutil
-
-    (core,) = [
-        p.pid
-        for p in psutil.Process(actor_pid).children()
-        if "fleetserve.engine.core_proc" in " ".join(p.cmdline())
-    ]
-    return core
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.parametrize("victim", ["engine_core", "actor"])

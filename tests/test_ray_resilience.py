@@ -29,7 +29,14 @@ import httpx
 import openai
 import pytest
 
-from ray_cluster import ray_cluster, replica_pids, wait_healthy, wait_until
+from ray_cluster import (
+    engine_core_pid,
+    pid_alive,
+    ray_cluster,
+    replica_pids,
+    wait_healthy,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -184,26 +191,6 @@ def outstanding_per_replica(base_url: str, model: str) -> list[float]:
 def running(model: str) -> int:
     status = serve.status().applications["fleetserve"].deployments[f"model-{model}"]
     return int(status.replica_states.get("RUNNING", 0))
-
-
-def engine_core_pid(actor_pid: int) -> int:
-    """The engine process a generate replica's actor started (a child running core_proc)."""
-    import psutil
-
-    (core,) = [
-        p.pid
-        for p in psutil.Process(actor_pid).children()
-        if "fleetserve.engine.core_proc" in " ".join(p.cmdline())
-    ]
-    return core
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def busy_engine(base_url: str, before: dict[str, int]) -> int:

@@ -14,8 +14,9 @@ Scope of a client (`GatewayFleetClient.scoped`): the caller's class (each sub-ca
 admitted in it, as the parent was) and the caller's deadline (a monotonic time: every
 sub-call is bounded by what is left of it, 504 past it, its engine requests aborted). Each
 finished sub-call is recorded in `calls` (SubCall: model, method, status, ms) for the
-parent's access-log line. `FleetClient` is the typed protocol every backend keeps (this
-client, the handler process's ProcFleetClient, graphs' executor).
+parent's access-log line. `FleetClient` (serve/pipelines/graph_executor.py) is the typed
+protocol every backend keeps (this client, the handler process's ProcFleetClient, graphs'
+executor).
 """
 
 from __future__ import annotations
@@ -38,28 +39,13 @@ from fleetserve.entrypoints.openai.serving_common import (
     new_id,
     parse,
 )
+from fleetserve.serve.pipelines.graph_executor import FleetClient
 from fleetserve.serve.services.service_registry import Registry
 
 METHODS = ("chat", "complete", "embed", "predict")
 STREAM_METHODS = ("chat_stream", "complete_stream")  # over a handler's pipe: chunk by chunk
 log = logging.getLogger("fleetserve.access")
 T = TypeVar("T")
-
-
-class FleetClient(Protocol):
-    """What a handler (or a graph step) calls other models with: each returns the JSON body
-    the HTTP endpoint would return, as a dict, and raises an error with `status` (the HTTP
-    status the endpoint would answer) when it fails."""
-
-    async def chat(
-        self, model: str, messages: list[dict[str, Any]], **params: Any
-    ) -> dict[str, Any]: ...
-
-    async def complete(self, model: str, prompt: Any, **params: Any) -> dict[str, Any]: ...
-
-    async def embed(self, model: str, inputs: Any, **params: Any) -> dict[str, Any]: ...
-
-    async def predict(self, model: str, instances: list[dict[str, Any]]) -> dict[str, Any]: ...
 
 
 class StreamingFleetClient(FleetClient, Protocol):

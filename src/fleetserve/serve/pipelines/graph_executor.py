@@ -29,8 +29,11 @@ _CALL_KEYS = ("model", "stream", "stream_options")
 
 
 class FleetClient(Protocol):
-    """The calls a graph step makes; each returns the endpoint's JSON body as a dict and
-    raises an error with `status` (FleetCallError) when the endpoint would answer one."""
+    """What a handler or a graph step calls other models with: each returns the JSON body
+    the HTTP endpoint would return, as a dict, and raises an error with `status` (the HTTP
+    status the endpoint would answer; FleetCallError) when it fails. Every backend keeps
+    it (entrypoints/openai/fleet_client.py's GatewayFleetClient, the handler process's
+    ProcFleetClient)."""
 
     async def chat(
         self, model: str, messages: list[dict[str, Any]], **params: Any
