@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from fleetserve.models.default_model import default_model_path
 
 if TYPE_CHECKING:
+    import openai
     import torch
 
     from fleetserve import LLM
@@ -137,3 +138,23 @@ def top1_agreement(a: LLM, b: LLM, ids: list[int]) -> tuple[float, torch.Tensor]
     want, want_top = prompt_logprobs(b, ids)
     agree = sum(x == y for x, y in zip(got_top, want_top, strict=True)) / len(want_top)
     return agree, (got - want).abs()
+
+
+async def stream_completion(
+    c: openai.AsyncOpenAI, **create: Any
+) -> tuple[str, str | None, tuple[int, int] | None, int]:
+    """One streamed completion (`create`: completions.create's arguments, usage included):
+    its text (the chunks joined), finish reason, (prompt, completion) tokens and the
+    number of text chunks."""
+    chunks: list[str] = []
+    finish, usage = None, None
+    stream = await c.completions.create(
+        stream=True, stream_options={"include_usage": True}, **create
+    )
+    async for event in stream:
+        for choice in event.choices:
+            chunks.append(choice.text)
+            finish = choice.finish_reason or finish
+        if event.usage is not None:
+            usage = (event.usage.prompt_tokens, event.usage.completion_tokens)
+    return "".join(chunks), finish, usage, len(chunks)

@@ -21,6 +21,7 @@ import numpy as np
 import openai
 import pytest
 
+from helpers import stream_completion
 from ray_cluster import (
     engine_core_pid,
     pid_alive,
@@ -269,19 +270,10 @@ def migration_bodies(n: int) -> list[dict[str, Any]]:
 
 async def stream_one(c: openai.AsyncOpenAI, body: dict[str, Any]) -> dict[str, Any]:
     """One streamed completion: its text (the chunks joined), usage and finish reason."""
-    chunks: list[str] = []
-    finish, usage = None, None
-    stream = await c.completions.create(
-        model="tiny", stream=True, stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True}, **body,
-    )  # fmt: skip
-    async for event in stream:
-        for choice in event.choices:
-            chunks.append(choice.text)
-            finish = choice.finish_reason or finish
-        if event.usage is not None:
-            usage = (event.usage.prompt_tokens, event.usage.completion_tokens)
-    return {"text": "".join(chunks), "finish": finish, "usage": usage}
+    text, finish, usage, _ = await stream_completion(
+        c, model="tiny", extra_body={"ignore_eos": True}, **body
+    )
+    return {"text": text, "finish": finish, "usage": usage}
 
 
 def run_streams(base_url: str, bodies: list[dict[str, Any]], during: Any = None) -> list[Any]:

@@ -29,6 +29,7 @@ import httpx
 import openai
 import pytest
 
+from helpers import stream_completion
 from ray_cluster import (
     engine_core_pid,
     pid_alive,
@@ -126,19 +127,11 @@ async def stream_one(
     c: openai.AsyncOpenAI, model: str, body: dict[str, Any], cls: str
 ) -> dict[str, Any]:
     """One streamed completion: its text (the chunks joined), usage and finish reason."""
-    chunks: list[str] = []
-    finish, usage = None, None
-    stream = await c.completions.create(
-        model=model, stream=True, stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True}, extra_headers={"X-Fleetserve-Class": cls}, **body,
+    text, finish, usage, _ = await stream_completion(
+        c, model=model, extra_body={"ignore_eos": True},
+        extra_headers={"X-Fleetserve-Class": cls}, **body,
     )  # fmt: skip
-    async for event in stream:
-        for choice in event.choices:
-            chunks.append(choice.text)
-            finish = choice.finish_reason or finish
-        if event.usage is not None:
-            usage = (event.usage.prompt_tokens, event.usage.completion_tokens)
-    return {"text": "".join(chunks), "finish": finish, "usage": usage, "end": time.monotonic()}
+    return {"text": text, "finish": finish, "usage": usage, "end": time.monotonic()}
 
 
 def run_streams(

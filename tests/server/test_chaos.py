@@ -17,6 +17,8 @@ import openai
 import pytest
 from server_proc import ServerProc, metric, pid_alive, scrape, wait_until
 
+from helpers import stream_completion
+
 # Every engine step takes at least this long, so that streams are still running when a
 # replica is taken away (the tiny model alone would finish them in a blink).
 STEP_DELAY_S = "0.02"
@@ -43,19 +45,8 @@ async def stream_one(c: openai.AsyncOpenAI, body: dict[str, Any]) -> dict[str, A
     """One streamed completion: its text (the chunks joined), usage and finish reason."""
     extra = {"ignore_eos": body["ignore_eos"]}
     kwargs = {k: v for k, v in body.items() if k != "ignore_eos"}
-    chunks: list[str] = []
-    finish, usage = None, None
-    stream = await c.completions.create(
-        model="tiny", stream=True, stream_options={"include_usage": True}, extra_body=extra,
-        **kwargs,
-    )  # fmt: skip
-    async for event in stream:
-        for choice in event.choices:
-            chunks.append(choice.text)
-            finish = choice.finish_reason or finish
-        if event.usage is not None:
-            usage = (event.usage.prompt_tokens, event.usage.completion_tokens)
-    return {"text": "".join(chunks), "finish": finish, "usage": usage, "chunks": len(chunks)}
+    text, finish, usage, n = await stream_completion(c, model="tiny", extra_body=extra, **kwargs)
+    return {"text": text, "finish": finish, "usage": usage, "chunks": n}
 
 
 def run_streams(
