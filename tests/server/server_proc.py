@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -92,3 +93,46 @@ def metric(values: dict[str, float], name: str, **labels: str) -> float:
         if key_name == name and all(f'{k}="{val}"' in rest for k, val in labels.items()):
             total += v
     return total
+
+
+def start_prometheus(config_yaml: str, folder: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A real Prometheus on a free 127.0.0.1 port with `config_yaml` (its storage under
+    `folder`), once it is ready: the process and its HTTP API's base URL (.../api/v1).
+    Until its storage is open Prometheus answers 503 "Service Unavailable" (plain text, not
+    the API's JSON) to every query, so this waits for /-/ready."""
+    path = folder / "prometheus.yml"
+    path.write_text(config_yaml)
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={path}",
+            f"--storage.tsdb.path={folder / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{base}/-/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    if not wait_until(ready, timeout_s=60, interval_s=0.2):
+        stop_process(proc)
+        raise AssertionError("Prometheus did not become ready in 60 s")
+    return proc, f"{base}/api/v1"
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL past 15 s."""
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)

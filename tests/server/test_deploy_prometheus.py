@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from server_proc import ServerProc, free_port, metric, scrape, wait_until
+from server_proc import ServerProc, metric, scrape, start_prometheus, stop_process, wait_until
 
 from fleetserve.deploy import grafana
 from fleetserve.deploy.k8s import RenderOptions, render_fleet
@@ -97,38 +97,6 @@ class Stack:
         return body["data"]  # type: ignore[no-any-return]
 
 
-def _start_prometheus(config: dict[str, Any], folder: Path) -> tuple[subprocess.Popen, str]:
-    path = folder / "prometheus.yml"
-    path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={path}",
-            f"--storage.tsdb.path={folder / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--log.level=warn",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        # Until its storage is open Prometheus answers 503 "Service Unavailable" (plain
-        # text, not the API's JSON) to every query.
-        try:
-            return httpx.get(f"{base}/-/ready", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    if not wait_until(ready, timeout_s=60, interval_s=0.2):
-        proc.kill()
-        proc.wait(5)
-        raise AssertionError("Prometheus did not become ready in 60 s")
-    return proc, f"{base}/api/v1"
-
-
 @pytest.fixture(scope="module")
 def stack(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     folder = tmp_path_factory.mktemp("deploy")
@@ -140,7 +108,7 @@ def stack(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     }  # fmt: skip
     servers: dict[str, ServerProc] = {}
     targets = []
-    prom: subprocess.Popen | None = None
+    prom: subprocess.Popen[bytes] | None = None
     try:
         for model in ("tiny", "clf"):
             dep = find(objs, "Deployment", model)
@@ -163,7 +131,7 @@ def stack(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         (monitor,) = [o for o in objs if o["kind"] == "ServiceMonitor"]
         job = implied_scrape_config(monitor, targets, interval="1s")
         config = {"global": {"scrape_timeout": "1s"}, "scrape_configs": [job]}
-        prom, api = _start_prometheus(config, folder)
+        prom, api = start_prometheus(yaml.safe_dump(config), folder)
         st = Stack(objs, servers, api)
 
         def all_up() -> bool:
@@ -177,12 +145,7 @@ def stack(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield st
     finally:
         if prom is not None:
-            prom.terminate()
-            try:
-                prom.wait(15)
-            except subprocess.TimeoutExpired:
-                prom.kill()
-                prom.wait(5)
+            stop_process(prom)
         for srv in servers.values():
             srv.stop()
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
-from server_proc import ServerProc, free_port, metric, scrape, wait_until
+from server_proc import ServerProc, metric, scrape, start_prometheus, stop_process, wait_until
 
 NAMES = (
     "fleetserve:num_requests_running",
@@ -74,21 +73,7 @@ scrape_configs:
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs the prometheus binary")
 def test_prometheus_scrapes_server(server: ServerProc, tmp_path: Path) -> None:
-    config = tmp_path / "prometheus.yml"
-    config.write_text(PROM_CONFIG.format(port=server.port))
-    prom_port = free_port()
-    prom = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{prom_port}",
-            "--log.level=warn",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    api = f"http://127.0.0.1:{prom_port}/api/v1"
+    prom, api = start_prometheus(PROM_CONFIG.format(port=server.port), tmp_path)
 
     def query(promql: str) -> float | None:
         try:
@@ -117,9 +102,4 @@ def test_prometheus_scrapes_server(server: ServerProc, tmp_path: Path) -> None:
         hist = "sum(fleetserve:e2e_request_latency_seconds_count)"
         assert (query(hist) or 0) >= 2
     finally:
-        prom.terminate()
-        try:
-            prom.wait(15)
-        except subprocess.TimeoutExpired:
-            prom.kill()
-            prom.wait(5)
+        stop_process(prom)
