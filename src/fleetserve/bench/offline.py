@@ -241,6 +241,23 @@ def _print(r: dict[str, Any]) -> None:
     )
 
 
+def _against(
+    ours: dict[str, Any], peer: dict[str, Any], results: dict[str, Any], label: str
+) -> tuple[float, int]:
+    """A peer's run printed and kept in `results`; our output tok/s over its, and how many
+    greedy outputs are the same (both printed)."""
+    _print(peer)
+    results["runs"].append(peer)
+    same = sum(a == b for a, b in zip(ours["outputs"], peer["outputs"], strict=True))
+    ratio = ours["output_tok_per_s"] / peer["output_tok_per_s"]
+    print(
+        f"fleetserve / {label} output tok/s: {ratio:.2f}x; identical greedy outputs: "
+        f"{same}/{len(ours['outputs'])}",
+        flush=True,
+    )
+    return ratio, same
+
+
 def _compare_vllm(
     model: str,
     reqs: list[BenchRequest],
@@ -251,17 +268,9 @@ def _compare_vllm(
     res = run_vllm_offline(model, reqs, args, _max_model_len(args, reqs))
     peer = _figures(f"vllm {res['version']} {res['dtype']}", reqs, res["wall_s"], res["outputs"])
     peer.update(startup_s=res["startup_s"], dtype=res["dtype"])
-    _print(peer)
-    results["runs"].append(peer)
-    same = sum(a == b for a, b in zip(ours["outputs"], peer["outputs"], strict=True))
-    ratio = ours["output_tok_per_s"] / peer["output_tok_per_s"]
+    ratio, same = _against(ours, peer, results, f"vLLM ({res['dtype']})")
     results["speedup_vs_vllm"] = ratio
     results["identical_greedy_outputs_vllm"] = same
-    print(
-        f"fleetserve / vLLM ({res['dtype']}) output tok/s: {ratio:.2f}x; identical greedy "
-        f"outputs: {same}/{len(reqs)}",
-        flush=True,
-    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -293,18 +302,9 @@ def run(args: argparse.Namespace) -> int:
         results["prefix_caching_speedup"] = speedup
         print(f"prefix caching speedup: {speedup:.2f}x", flush=True)
     if args.compare == "hf":
-        hf = run_hf(model, reqs, args)
-        _print(hf)
-        results["runs"].append(hf)
-        same = sum(a == b for a, b in zip(ours["outputs"], hf["outputs"], strict=True))
-        ratio = ours["output_tok_per_s"] / hf["output_tok_per_s"]
+        ratio, same = _against(ours, run_hf(model, reqs, args), results, "HF")
         results["speedup_vs_hf"] = ratio
         results["identical_greedy_outputs"] = same
-        print(
-            f"fleetserve / HF output tok/s: {ratio:.2f}x; identical greedy outputs: "
-            f"{same}/{len(reqs)}",
-            flush=True,
-        )
     if args.compare == "vllm":
         _compare_vllm(model, reqs, args, ours, results)
     if args.json:
