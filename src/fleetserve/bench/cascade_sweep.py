@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -30,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from fleetserve.bench.local_server import LocalServer, free_port
+from fleetserve.bench.local_server import serve_fleet_file
 
 THRESHOLDS = (float("-inf"), -3.0, -2.0, -1.5, -1.0, -0.75, -0.5, -0.25, -0.1, float("inf"))
 
@@ -186,14 +184,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts)
     prompts = prompts[: args.limit] if args.limit else prompts
-    folder = Path(tempfile.mkdtemp(prefix="fleetserve-cascade-bench-"))
     fleet = FLEET.format(small=args.small, large=args.large, check=args.check)
-    (folder / "fleet.yaml").write_text(fleet)
-    port = free_port()
-    cmd = [sys.executable, "-m", "fleetserve.entrypoints.cli", "serve", "--config",
-           str(folder / "fleet.yaml"), "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning"]  # fmt: skip
-    server = LocalServer(cmd, port, name="cascade-bench").wait_ready(600.0)
+    server = serve_fleet_file(fleet, "cascade-bench")
     try:
         small: list[TierAnswer] = []
         large: list[TierAnswer] = []

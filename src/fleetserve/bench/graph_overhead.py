@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from fleetserve.bench.fleet_entries import embed_entry, fleet_file, generate_entry, rag_graph_entry
-from fleetserve.bench.local_server import LocalServer, free_port
+from fleetserve.bench.local_server import serve_fleet_file
 
 
 def fleet(model: str, max_tokens: int) -> str:
@@ -64,13 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=8)
     args = ap.parse_args(argv)
-    folder = Path(tempfile.mkdtemp(prefix="fleetserve-graph-bench-"))
-    (folder / "fleet.yaml").write_text(fleet(args.model, args.max_tokens))
-    port = free_port()
-    cmd = [sys.executable, "-m", "fleetserve.entrypoints.cli", "serve", "--config",
-           str(folder / "fleet.yaml"), "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning"]  # fmt: skip
-    server = LocalServer(cmd, port, name="graph-bench").wait_ready(600.0)
+    server = serve_fleet_file(fleet(args.model, args.max_tokens), "graph-bench")
     try:
         times: dict[str, list[float]] = {"by hand": [], "graph": []}
         with httpx.Client(base_url=server.url, timeout=120) as c:

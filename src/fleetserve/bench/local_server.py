@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import httpx
 import psutil
@@ -32,6 +33,19 @@ def fleetserve_serve_cmd(port: int, *flags: str) -> list[str]:
     benchmarks measure from outside), then `flags`."""
     return [sys.executable, "-m", "fleetserve.entrypoints.cli", "serve", "--host", "127.0.0.1",
             "--port", str(port), "--access-log", "off", *flags]  # fmt: skip
+
+
+def serve_fleet_file(fleet_yaml: str, name: str, *flags: str) -> LocalServer:
+    """`fleetserve serve --config` over `fleet_yaml` (written to a fresh temp folder) on a
+    free 127.0.0.1 port, warnings only in its log, once ready (600 s at most): the fleet
+    benches' server. `name` labels its output and folder."""
+    folder = Path(tempfile.mkdtemp(prefix=f"fleetserve-{name}-"))
+    (folder / "fleet.yaml").write_text(fleet_yaml)
+    port = free_port()
+    cmd = [sys.executable, "-m", "fleetserve.entrypoints.cli", "serve", "--config",
+           str(folder / "fleet.yaml"), "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "warning", *flags]  # fmt: skip
+    return LocalServer(cmd, port, name=name).wait_ready(600.0)
 
 
 def vllm_serve_cmd(

@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-import tempfile
 import time
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from fleetserve.bench.local_server import LocalServer, free_port
+from fleetserve.bench.local_server import serve_fleet_file
 
 FLEET = """
 models:
@@ -105,17 +102,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    folder = Path(tempfile.mkdtemp(prefix="fleetserve-rag-bench-"))
-    (folder / "fleet.yaml").write_text(
-        FLEET.format(
-            model=args.model, max_tokens=args.max_tokens, top_k=args.top_k, **_placement(args.ray)
-        )
+    fleet = FLEET.format(
+        model=args.model, max_tokens=args.max_tokens, top_k=args.top_k, **_placement(args.ray)
     )
-    port = free_port()
-    cmd = [sys.executable, "-m", "fleetserve.entrypoints.cli", "serve", "--config",
-           str(folder / "fleet.yaml"), "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", *(["--ray"] if args.ray else [])]  # fmt: skip
-    server = LocalServer(cmd, port, name="rag-bench").wait_ready(600.0)
+    server = serve_fleet_file(fleet, "rag-bench", *(["--ray"] if args.ray else []))
     try:
         return measure(server.url, args)
     finally:
