@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,10 +160,16 @@ def _committed(ckpt: Path) -> dict[str, str]:
 
 
 def kill_once_committed(
-    cmd: list[str], ckpt: Path, lines: int, timeout_s: float, env: dict[str, str] | None = None
+    cmd: list[str],
+    ckpt: Path,
+    lines: int,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    running: Callable[[int], None] | None = None,
 ) -> dict[str, str]:
     """Runs `cmd` in a session of its own, SIGKILLs the whole session (a preempted node)
-    once `lines` lines are committed to its checkpoint, and returns the committed ones."""
+    once `lines` lines are committed to its checkpoint, and returns the committed ones.
+    `running(pid)` looks at the live process just before the kill."""
     proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + timeout_s
@@ -170,6 +177,8 @@ def kill_once_committed(
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
             assert time.monotonic() < deadline, "no line was committed in time"
             time.sleep(0.02)
+        if running is not None:
+            running(proc.pid)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
