@@ -247,15 +247,20 @@ def _check_entry(entry: dict[int, float], row: torch.Tensor, token: int, k: int)
 
 @pytest.mark.parametrize("setting", ["chunked_prefill", "small_kv_cache"])
 def test_logprobs_match_hf(arch_model: str, setting: str) -> None:
-    kw, _ = SETTINGS[setting]
+    check_logprobs_match_hf(arch_model, SETTINGS[setting][0])
+
+
+def check_logprobs_match_hf(model: str, kw: dict[str, Any]) -> None:
+    """Greedy tokens, their top-5 logprobs and the prompt's, engine settings `kw`, against
+    HF's float32 forward over prompt + output."""
     params = SamplingParams(
         temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5, prompt_logprobs=5
     )
-    tokens, _, lps = run_engine(arch_model, params, **kw)
+    tokens, _, lps = run_engine(model, params, **kw)
     for i, prompt in enumerate(PROMPTS):
         out = tokens[str(i)]
-        assert out == hf_greedy(arch_model)[i]
-        ref = hf_logprobs(arch_model, prompt + out)
+        assert out == hf_greedy(model)[i]
+        ref = hf_logprobs(model, prompt + out)
         got = lps[str(i)]
         assert len(got["logprobs"]) == NUM_TOKENS
         for j, entry in enumerate(got["logprobs"]):

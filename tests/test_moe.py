@@ -19,10 +19,9 @@ from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.kernels import cpu as cpu_kernels
 from test_hf_parity import (
     GREEDY,
-    NUM_TOKENS,
     PROMPTS,
     SETTINGS,
-    _check_entry,
+    check_logprobs_match_hf,
     hf_greedy,
     hf_logprobs,
     hf_model,
@@ -74,20 +73,7 @@ def test_moe_torch_path_matches_hf(moe_model: str) -> None:
 
 
 def test_moe_logprobs_match_hf(moe_model: str) -> None:
-    kw, _ = SETTINGS["chunked_prefill"]
-    params = SamplingParams(
-        temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5, prompt_logprobs=5
-    )
-    tokens, _, lps = run_engine(moe_model, params, **kw)
-    for i, prompt in enumerate(PROMPTS):
-        out = tokens[str(i)]
-        assert out == hf_greedy(moe_model)[i]
-        ref = hf_logprobs(moe_model, prompt + out)
-        got = lps[str(i)]
-        for j, entry in enumerate(got["logprobs"]):
-            _check_entry(entry, ref[len(prompt) - 1 + j], out[j], 5)
-        for j in range(1, len(prompt)):
-            _check_entry(got["prompt_logprobs"][j], ref[j - 1], prompt[j], 5)
+    check_logprobs_match_hf(moe_model, SETTINGS["chunked_prefill"][0])
 
 
 def test_moe_checkpoints_route_to_every_expert(moe_model: str) -> None:
