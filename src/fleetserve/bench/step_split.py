@@ -51,14 +51,6 @@ def thread_clock(threads: int) -> Callable[[], float]:
     return time.thread_time if threads == 1 else time.perf_counter
 
 
-def emit(out: dict[str, Any], json_path: str | None) -> None:
-    """A split's figures: printed as JSON, and written to `json_path` when given."""
-    print(json.dumps(out, indent=1))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(out, f, indent=1)
-
-
 def split(model: str | None, threads: int, tokens: int, phases: bool = False) -> dict[str, Any]:
     from fleetserve.core.sampling_params import SamplingParams
     from fleetserve.engine.arg_utils import EngineArgs
@@ -182,6 +174,14 @@ def _replay_head(
         for name, v in times.items()
         for stat, fn in (("best", min), ("median", statistics.median))
     }
+
+
+def emit(out: dict[str, Any], json_path: str | None) -> None:
+    """A split's figures: printed as JSON, and written to `json_path` when given."""
+    print(json.dumps(out, indent=1))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 def main() -> None:
