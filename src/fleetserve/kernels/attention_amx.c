@@ -46,8 +46,10 @@
 #define ATTN_AMX 0
 #endif
 
-/* Items of fewer query rows take the FMA loop (a tile costs 16 rows' products). */
-#define AMX_ATTN_MIN_ROWS 2
+/* Items of fewer query rows take the FMA loop: a tile costs 16 rows' products, and
+ * 2-row items ran as fast either way (32 sequences x 2 rows after 40 or 300 keys, 1
+ * thread); from 3 rows the tiles are ahead (1.4x at 3, 1.7x at 4, 3x at 8). */
+#define AMX_ATTN_MIN_ROWS 3
 
 /* -1: not read yet (FLEETSERVE_ATTENTION_AMX at first use), 0: off, 1: on. */
 static int attn_amx_mode = -1;
@@ -173,28 +175,57 @@ static inline __attribute__((always_inline)) void score_chunk(const uint16_t *qb
     if (ng > 3) _tile_stored(3, s0 + 48 * lk, lk * 4);
 }
 
-/* Softmax of one row of scores s[0 .. lk) whose own keys are [a, b): P (bf16) gets the
- * rounded exps there and 0 elsewhere; returns the sum of the rounded values. */
+/* 2^t for the t of one row (t <= 0 where it counts): 2^floor(t) * 2^f, f = t - floor(t)
+ * in [0, 1) (`vreduceps`), 2^f by a degree-4 polynomial fitted for relative error
+ * (2.6e-6 at most, far under P's bf16 rounding), 2^floor(t) by `vscalefps` (underflows
+ * to 0 below the float range). */
+static inline __m512 exp2_row(__m512 t) {
+    const __m512 f = _mm512_reduce_ps(t, 0x09); /* round down, no precision exception */
+    __m512 p = _mm512_set1_ps(1.353416724e-2f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.201146191e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.414427561e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.930038346e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000002593f));
+    return _mm512_scalef_ps(p, t);
+}
+
+/* Lanes t .. t + 15 that fall in [a, b). */
+static inline __mmask16 lanes(int64_t t, int64_t a, int64_t b) {
+    const int64_t lo = a - t > 0 ? a - t : 0, hi = b - t < 16 ? b - t : 16;
+    if (hi <= lo) return 0;
+    return (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+/* Softmax of one row of raw scores s[0 .. lk) whose own keys are [a, b): P (bf16) gets
+ * the rounded exps there and 0 elsewhere; returns the sum of the rounded values. The
+ * scale (and softcap) are applied here; s is changed only with a softcap. */
 static float softmax_row(float *s, uint16_t *p, int64_t lk, int64_t a, int64_t b, float scale,
                          float softcap) {
-    for (int64_t t = a; t < b; t++) s[t] *= scale;
-    if (softcap > 0.f)
-        for (int64_t t = a; t < b; t++) s[t] = softcap * tanhf(s[t] / softcap);
-    float m = s[a];
-    for (int64_t t = a + 1; t < b; t++) m = s[t] > m ? s[t] : m;
-#pragma omp simd
-    for (int64_t t = a; t < b; t++) s[t] = expf(s[t] - m);
-    for (int64_t t = 0; t < a; t++) s[t] = 0.f;
-    for (int64_t t = b; t < lk; t++) s[t] = 0.f;
+    if (softcap > 0.f) {
+        for (int64_t t = a; t < b; t++) s[t] = softcap * tanhf(s[t] * scale / softcap);
+        scale = 1.f;
+    }
+    const int64_t c_lo = a / 32 * 32, c_hi = (b + 31) / 32 * 32;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = a / 16 * 16; t < b; t += 16)
+        mx = _mm512_mask_max_ps(mx, lanes(t, a, b), mx, _mm512_loadu_ps(s + t));
+    /* exp(scale * (s - max)) = 2^(s * c1 - c0): one fmsub per 16 scores. */
+    const float c1 = scale * 1.44269504f;
+    const __m512 sc = _mm512_set1_ps(c1), m = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * c1);
+    const __m512i zero = _mm512_setzero_si512(), hi16 = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t t = 0; t < c_lo; t += 32) _mm512_storeu_si512(p + t, zero);
+    for (int64_t t = c_hi; t < lk; t += 32) _mm512_storeu_si512(p + t, zero);
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t t = 0; t < lk; t += 32) {
-        const __m512i h =
-            (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + t + 16), _mm512_loadu_ps(s + t));
+    for (int64_t t = c_lo; t < c_hi; t += 32) {
+        const __m512 e0 = _mm512_maskz_mov_ps(
+            lanes(t, a, b), exp2_row(_mm512_fmsub_ps(_mm512_loadu_ps(s + t), sc, m)));
+        const __m512 e1 = _mm512_maskz_mov_ps(
+            lanes(t + 16, a, b), exp2_row(_mm512_fmsub_ps(_mm512_loadu_ps(s + t + 16), sc, m)));
+        const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
         _mm512_storeu_si512(p + t, h);
         /* The rounded values back to float32: low and high halves of each 32-bit pair. */
         acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
-        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_and_si512(
-                                     h, _mm512_set1_epi32((int)0xffff0000u))));
+        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_and_si512(h, hi16)));
     }
     return _mm512_reduce_add_ps(acc);
 }
@@ -231,8 +262,15 @@ static void amx_head(const float *q, int64_t q_stride, const uint16_t *kc, const
     /* 2. Scores, 16 keys at a time. */
     for (int64_t t0 = t_lo; t0 < n_end; t0 += 16) {
         const uint16_t *kt = kc + (table[t0 / bs] * num_kv_heads + h) * span + t0 % bs;
-        for (int pr = 0; pr < hd / 2; pr++)
-            pair16(kt + (int64_t)2 * pr * bs, kt + (int64_t)(2 * pr + 1) * bs, kp + pr * 32, idx);
+        if (bs == 16) /* dims 2p and 2p + 1: 64 contiguous bytes */
+            for (int pr = 0; pr < hd / 2; pr++)
+                _mm512_store_si512(kp + pr * 32,
+                                   _mm512_permutexvar_epi16(
+                                       idx, _mm512_loadu_si512(kt + (int64_t)pr * 32)));
+        else
+            for (int pr = 0; pr < hd / 2; pr++)
+                pair16(kt + (int64_t)2 * pr * bs, kt + (int64_t)(2 * pr + 1) * bs, kp + pr * 32,
+                       idx);
         for (int g0 = 0; g0 < G; g0 += 4)
             score_chunk(qb, kp, S, lk, t0 - t_lo, g0, G - g0 < 4 ? G - g0 : 4, hd);
     }
@@ -249,17 +287,20 @@ static void amx_head(const float *q, int64_t q_stride, const uint16_t *kc, const
             sums[g * 16 + i] = softmax_row(S + ((int64_t)g * 16 + i) * lk, p, lk, k_lo - t_lo,
                                            n_keys - t_lo, scale, softcap);
         }
-    /* 4a. V paired: 32 keys x 16 columns a B tile; keys past n_end zero. */
-    for (int64_t c32 = 0; c32 < lk / 32; c32++)
-        for (int r = 0; r < 16; r++) {
-            const int64_t ta = t_lo + c32 * 32 + 2 * r, tb = ta + 1;
-            const uint16_t *va =
-                ta < n_end ? vc + (table[ta / bs] * num_kv_heads + h) * span + ta % bs * hd : zero;
-            const uint16_t *vb =
-                tb < n_end ? vc + (table[tb / bs] * num_kv_heads + h) * span + tb % bs * hd : zero;
+    /* 4a. V paired: 32 keys x 16 columns a B tile; keys past n_end zero. A run of 16
+     * keys never crosses a block (t_lo and the block size are multiples of 16). */
+    for (int64_t t16 = t_lo; t16 < t_lo + lk; t16 += 16) {
+        const uint16_t *v0 =
+            t16 < n_end ? vc + (table[t16 / bs] * num_kv_heads + h) * span + t16 % bs * hd : zero;
+        uint16_t *dst = vp + (t16 - t_lo) / 32 * nct * 512 + (t16 - t_lo) % 32 / 2 * 32;
+        for (int r = 0; r < 8; r++) {
+            const int64_t ta = t16 + 2 * r;
+            const uint16_t *va = ta < n_end ? v0 + 2 * r * hd : zero;
+            const uint16_t *vb = ta + 1 < n_end ? v0 + (2 * r + 1) * hd : zero;
             for (int ct = 0; ct < nct; ct++)
-                pair16(va + ct * 16, vb + ct * 16, vp + ((c32 * nct + ct) * 16 + r) * 32, idx);
+                pair16(va + ct * 16, vb + ct * 16, dst + ct * 512 + r * 32, idx);
         }
+    }
     /* 4b. O = P V per head, 4 column tiles at a time. */
     for (int g = 0; g < G; g++) {
         const uint16_t *pg = P + (int64_t)g * 16 * lk;
