@@ -128,6 +128,7 @@ def check(amx: bool, out: torch.Tensor, want_bf16_q: torch.Tensor, want: torch.T
         (16, 4, 128, 16),  # 4 per kv head, two column passes of P V
         (12, 2, 64, 32),  # 6 per kv head (two score passes), 32-key blocks
         (8, 1, 96, 16),  # 8 per kv head, three 32-dim chunks (odd count)
+        (4, 1, 256, 16),  # Gemma 3's head size: four column passes of P V
     ],  # fmt: skip
 )
 def test_tiles_match_float64_attention(
