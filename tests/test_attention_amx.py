@@ -188,3 +188,14 @@ def test_shapes_the_tiles_do_not_take_use_the_fma_loop(amx: bool) -> None:
     for shape in ((8, 2, 48, 16), (8, 2, 64, 8)):
         for out, _, want_f32_q in run_case(*shape, SHAPES, seed=shape[2]):
             torch.testing.assert_close(out, want_f32_q.float(), atol=2e-5, rtol=1e-4)
+
+
+def test_bench_tool_runs(amx: bool, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    if not amx:
+        pytest.skip("no AMX-BF16 here: the tool refuses to compare")
+    from fleetserve.bench import attention_tiles
+
+    monkeypatch.setattr(attention_tiles, "SHAPES", [(2, 20, 5)])
+    monkeypatch.setattr("sys.argv", ["attention_tiles", "--calls", "1"])
+    attention_tiles.main()
+    assert "(2, 20, 5)" in capsys.readouterr().out
