@@ -11,6 +11,10 @@ call (the FMA loop), and the switch back to the FMA loop (which keeps its float3
 
 from __future__ import annotations
 
+import functools
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -199,3 +203,19 @@ def test_bench_tool_runs(amx: bool, monkeypatch, capsys) -> None:  # type: ignor
     monkeypatch.setattr("sys.argv", ["attention_tiles", "--calls", "1"])
     attention_tiles.main()
     assert "(2, 20, 5)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("env", ["FLEETSERVE_ATTENTION_AMX", "FLEETSERVE_AMX"])
+def test_environment_switches_the_tiles_off(amx: bool, env: str) -> None:
+    """Either variable at 0 keeps the FMA loop for the whole process (read at first use;
+    the library opened without torch, so the child starts in a moment)."""
+    code = (
+        "from fleetserve.kernels import library\n"
+        "lib = library.open_library()\n"
+        "print(lib.attention_amx_active())\n"
+    )
+    run = functools.partial(
+        subprocess.run, [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert run(env={**os.environ, env: "0"}).stdout.strip() == "0"
+    assert run(env={**os.environ, env: "1"}).stdout.strip() == str(int(amx))
