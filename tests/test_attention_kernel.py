@@ -9,6 +9,7 @@ caches in float32 and in bf16 (widened as read: the reference gets the same bf16
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,6 +17,17 @@ import torch
 from fleetserve.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
+
+
+@pytest.fixture(autouse=True)
+def fma_loop() -> Iterator[None]:
+    """These tests hold the FMA loop (float32 q) to float32 tolerances: prefill tiles over
+    a bf16 cache would take AMX tiles (bf16 q and P, tests/test_attention_amx.py)."""
+    cpu_kernels.set_attention_amx(False)
+    try:
+        yield
+    finally:
+        cpu_kernels.set_attention_amx(None)
 
 
 def dense_reference(

@@ -82,7 +82,8 @@ def choose_dtype(checkpoint_dtype: str | None, flags: frozenset[str], device: st
         why = (
             f"{has}: linear layers in bf16 (bf16 dot products for decode steps, AMX "
             "bf16 tiles for wider ones where present, float32 sums; a bf16 KV cache; norms and "
-            "attention float32), measured faster than float32; --dtype float32 forces float32"
+            "attention float32, prefill attention's products bf16 on AMX tiles where present), "
+            "measured faster than float32; --dtype float32 forces float32"
         )
         return DtypeChoice("float32", f"{stored}: {why}", bf16_weights=True)
     fp16 = [f for f in FP16_FLAGS if f in flags]

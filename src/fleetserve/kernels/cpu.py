@@ -60,6 +60,10 @@ def load() -> ctypes.CDLL | None:
     lib.gemm_packed.restype = ctypes.c_int
     lib.gemm_panel_width.argtypes = []
     lib.gemm_panel_width.restype = ctypes.c_int
+    lib.attention_amx_set.argtypes = [i32]
+    lib.attention_amx_set.restype = None
+    lib.attention_amx_active.argtypes = []
+    lib.attention_amx_active.restype = i32
     return lib
 
 
@@ -205,6 +209,20 @@ def _check_caches(
             f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
         )
     return block_size
+
+
+def set_attention_amx(mode: bool | None) -> None:
+    """Whether query tiles of several rows over a bf16 cache run as AMX-BF16 tile products
+    (kernels/attention_amx.c): True (where the CPU and Linux allow), False (the FMA loop),
+    None (back to the environment: FLEETSERVE_ATTENTION_AMX=0 or FLEETSERVE_AMX=0 turn it
+    off). For tests and A/B runs; process-wide."""
+    _lib().attention_amx_set(-1 if mode is None else int(mode))
+
+
+def attention_amx_active() -> bool:
+    """Whether such tiles run on AMX in this process now (False without the library)."""
+    lib = load()
+    return lib is not None and bool(lib.attention_amx_active())
 
 
 def paged_attention(

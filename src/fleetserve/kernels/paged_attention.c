@@ -311,9 +311,18 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
 }
 
+/* attention_amx.c: tiles of several query rows against a bf16 cache as AMX-BF16 tile
+ * products; 1 when it did the item, 0 when the loop below must. */
+int attend_tile_amx(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                    float *out, const int64_t *table, int64_t q_start, int64_t q_len,
+                    int64_t seq_len, int64_t r0, int64_t r1, int h0, int h1, int num_heads,
+                    int num_kv_heads, int head_dim, int block_size, float scale, int window,
+                    float softcap);
+
 /* Not static: the decode step (decode_step.c) attends its rows through it too; never
  * inlined, so both callers run one machine copy (see fused_rows.h). The caches hold
- * float32, or bf16 when `kv_bf16` (widened to float32 as they are read). */
+ * float32, or bf16 when `kv_bf16` (widened to float32 as they are read). Rows of a
+ * multi-row query over a bf16 cache go to AMX tiles where attend_tile_amx takes them. */
 __attribute__((noinline)) void attend_tile_dispatch(
     const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, float *out,
     const int64_t *table, int64_t q_start, int64_t q_len, int64_t seq_len, int64_t r0,
@@ -329,6 +338,11 @@ __attribute__((noinline)) void attend_tile_dispatch(
         case 128: ATTEND(128, BF); break;                                                   \
         default: ATTEND(head_dim, BF);                                                      \
     }
+    if (kv_bf16 && q_len > 1 &&
+        attend_tile_amx(q, q_stride, k_cache, v_cache, out, table, q_start, q_len, seq_len, r0,
+                        r1, h0, h1, num_heads, num_kv_heads, head_dim, block_size, scale,
+                        window, softcap))
+        return;
     if (kv_bf16) {
         HEADS(1)
     } else {
