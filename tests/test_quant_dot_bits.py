@@ -6,7 +6,8 @@ their offset) with x's int8 quants; acc = fma(float(is), fl(d_w * d_x), acc); fo
 / Q5_1 then acc = fma(m_w, fl(d_x * float(sum q_x)), acc). This file replays that
 sequence in exact rational arithmetic, rounded to float32 once per operation, and asks
 for the same bits at the row counts that take each kernel and split (1-row and 2-row
-chains, 3-8 row passes, even passes past 8, AMX tiles of 16 and their tails). A kernel
+chains, 3-8 row passes, even passes past 8, AMX tiles of 16 and their tails, Q4 / Q5 with
+and without their quants unpacked at load). A kernel
 change that reorders or fuses the float steps changes greedy tokens against the module
 path and earlier runs; this is where it shows. The portable C kernel (x86-64 builds
 and non-x86) scales in another order and is not pinned here.
@@ -14,6 +15,7 @@ and non-x86) scales in another order and is not pinned here.
 
 from __future__ import annotations
 
+import os
 from fractions import Fraction
 
 import numpy as np
@@ -104,16 +106,30 @@ def _replay(qtype: QType, blocks: np.ndarray, x: torch.Tensor) -> np.ndarray:
     return out
 
 
+def _amx_int8() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return " amx_int8" in f.read() and os.environ.get("FLEETSERVE_AMX", "1") != "0"
+
+
+@pytest.mark.parametrize("copy", [True, False], ids=["amx-copy", "packed"])
 @pytest.mark.parametrize("qtype", DOT_QTYPES)
-def test_kernels_follow_the_documented_float_order(qtype: QType) -> None:
+def test_kernels_follow_the_documented_float_order(
+    qtype: QType, copy: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """copy: Q4 / Q5 weights with their quants unpacked to bytes at load (quant_dot.h's
+    QDOT_AMX: AMX tiles read them from 10 rows), or only the packed panels (nibbles
+    unpacked per block on AMX, VNNI below 16 rows): the same bits either way."""
+    monkeypatch.setenv("FLEETSERVE_AMX_COPY", "1" if copy else "0")
     n, k = 20, 128  # a whole panel of 16 and a trimmed one; 4 blocks
     w = np.random.default_rng(40 + int(qtype)).normal(0.0, 0.05, (n, k)).astype(np.float32)
     blocks = quantize(w, GGMLQuantizationType(qtype))
     weight = QuantWeight(qtype, blocks, k, int8_activations=True)
-    x = torch.randn(35, k, generator=torch.Generator().manual_seed(int(qtype)))
+    made = copy and qtype != QType.Q8_0 and _amx_int8() and int8_dot_kernel() == "AVX-512 VNNI"
+    assert (weight.amx_copy_bytes > 0) == made
+    x = torch.randn(42, k, generator=torch.Generator().manual_seed(int(qtype)))
     x[4, 32:64] = 0  # an all-zero block: d_x 0
     x[6] *= 1e-36  # tiny scales: subnormal products
     want = _replay(qtype, blocks, x)
-    for m in (1, 2, 3, 5, 8, 9, 16, 17, 35):
+    for m in (1, 2, 3, 5, 8, 9, 10, 12, 15, 16, 17, 26, 35, 42):
         got = quant_linear(x[:m], weight).numpy()
         np.testing.assert_array_equal(got.view(np.int32), want[:m].view(np.int32), err_msg=str(m))

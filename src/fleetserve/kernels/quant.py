@@ -54,6 +54,9 @@ DOT_QTYPES = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0)
 # quant_dot.h's QDOT: the storage format id of a weight in the dot layout is its GGML
 # type id plus this flag.
 _QDOT = 0x100
+# quant_dot.h's QDOT_AMX: a dot-layout Q4 / Q5 weight whose buffer also holds its quants
+# unpacked to bytes (read by AMX-INT8 on steps of >= 15 rows; FLEETSERVE_AMX_COPY=1).
+_QDOT_AMX = 0x200
 
 
 @cache
@@ -68,6 +71,10 @@ def _lib() -> ctypes.CDLL:
     lib.quant_dequantize_rows.restype = None
     lib.quant_panel_layout.argtypes = [i32]
     lib.quant_panel_layout.restype = i32
+    lib.quant_dot_amx_copy_bytes.argtypes = [i32, i64, i64]
+    lib.quant_dot_amx_copy_bytes.restype = i64
+    lib.quant_dot_amx_copy.argtypes = [i32, p, i64, i64, p, i32]
+    lib.quant_dot_amx_copy.restype = None
     lib.quant_repack.argtypes = [i32, p, i64, i64, p, i32]
     lib.quant_repack.restype = None
     lib.quant_dot_repack.argtypes = [i32, p, i64, i64, p, i32]
@@ -133,14 +140,30 @@ class QuantWeight:
         # The id the C kernels know this storage format by.
         self.qtype_id = int(self.qtype) | (_QDOT if int8_activations else 0)
         self.panelled = bool(lib.quant_panel_layout(self.qtype_id))
+        # Bytes of the AMX copy (quant_dot.h's QDOT_AMX) kept after the panels; 0: none.
+        self.amx_copy_bytes = 0
         if self.panelled:
             src = np.ascontiguousarray(data.numpy() if isinstance(data, torch.Tensor) else data)
-            self.data = cpu_kernels.empty_huge(-(-n // 16) * 16, self.row_bytes, dtype=torch.uint8)
+            panel_rows = -(-n // 16) * 16
+            if int8_activations:
+                self.amx_copy_bytes = int(
+                    lib.quant_dot_amx_copy_bytes(self.qtype_id, n, in_features)
+                )
+            extra = -(-self.amx_copy_bytes // self.row_bytes)
+            self.data = cpu_kernels.empty_huge(
+                panel_rows + extra, self.row_bytes, dtype=torch.uint8
+            )
             repack = lib.quant_dot_repack if int8_activations else lib.quant_repack
             repack(
                 self.qtype_id, src.ctypes.data, n, self.row_bytes, self.data.data_ptr(),
                 torch.get_num_threads(),
             )  # fmt: skip
+            if self.amx_copy_bytes:
+                lib.quant_dot_amx_copy(
+                    self.qtype_id, self.data.data_ptr(), n, self.row_bytes,
+                    self.data.data_ptr() + panel_rows * self.row_bytes, torch.get_num_threads(),
+                )  # fmt: skip
+                self.qtype_id |= _QDOT_AMX
         else:
             self.data = cpu_kernels.empty_huge(*shape, dtype=torch.uint8)
             if isinstance(data, np.ndarray):

@@ -53,7 +53,7 @@ static inline int fifth_bit(uint32_t qh_spread, int g, int j, int hi) {
 /* rows: n rows of row_bytes in GGUF order; out: ceil(n / 16) panels, zero rows past n. */
 void quant_dot_repack(int fmt, const uint8_t *rows, int64_t n, int64_t row_bytes, uint8_t *out,
                       int threads) {
-    const int qtype = fmt & ~QDOT;
+    const int qtype = qdot_qtype(fmt);
     const int64_t bb = gguf_block_bytes(qtype), nb = row_bytes / bb, head = head_bytes(qtype);
     const int64_t groups = (bb - head / 16) / 4; /* 4-byte groups of quants per block */
     const int64_t panels = (n + PR - 1) / PR;
@@ -126,9 +126,11 @@ void quant_dot_quantize_x(const float *x, int64_t ldx, int64_t m, int64_t k, qdo
  * so a partial tile pays only where the vector kernel's passes cost more: Q8_0 from 10
  * rows (at 8 even on the projections, behind on the 49152-row LM head: 140-145 vs
  * 157-188 GFLOP/s; at 12-15 ahead on all, 310-370 vs 270-300 on gate_up); Q4 / Q5 never
- * (the nibble unpack per block: VNNI's two passes stayed ahead up to 15 rows).
- * docs/benchmarks.md has the table; FLEETSERVE_AMX_MIN_ROWS overrides (measurement). */
-static int amx_min_rows(int qtype) {
+ * when their nibbles are unpacked per block (VNNI's two passes stayed ahead up to 15
+ * rows), from `copied` rows when the weight has its unpacked copy (QDOT_AMX: B tiles
+ * loaded as Q8_0's are). docs/benchmarks.md has the tables; FLEETSERVE_AMX_MIN_ROWS
+ * overrides (measurement). */
+static int amx_min_rows(int qtype, int copied) {
     static int v; /* 0: not read yet, -1: no override */
     int r = __atomic_load_n(&v, __ATOMIC_ACQUIRE);
     if (r == 0) {
@@ -136,14 +138,37 @@ static int amx_min_rows(int qtype) {
         r = env && atoi(env) > 0 ? atoi(env) : -1;
         __atomic_store_n(&v, r, __ATOMIC_RELEASE);
     }
-    return r > 0 ? r : qtype == Q8_0 ? 10 : 16;
+    return r > 0 ? r : qtype == Q8_0 ? 10 : copied ? 15 : 16;
+}
+
+int64_t quant_dot_amx_copy_bytes(int fmt, int64_t n, int64_t k) {
+    const int qtype = qdot_qtype(fmt);
+    const char *env = getenv("FLEETSERVE_AMX_COPY");
+    if (qtype == Q8_0 || !quant_dot_layout(fmt | QDOT) || !env || env[0] != '1') return 0;
+    if (!quant_dot_amx_begin(16)) return 0;
+    quant_dot_amx_end();
+    return (n + PR - 1) / PR * (k / 32) * quant_dot_amx_copy_block(qtype);
+}
+
+void quant_dot_amx_copy(int fmt, const uint8_t *w, int64_t n, int64_t row_bytes, uint8_t *out,
+                        int threads) {
+    const int qtype = qdot_qtype(fmt);
+    const int64_t panels = (n + PR - 1) / PR, nb = row_bytes / gguf_block_bytes(qtype);
+    const int64_t cb = nb * quant_dot_amx_copy_block(qtype);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        quant_dot_amx_unpack_panel(qtype, w + p * PR * row_bytes, nb, out + p * cb);
 }
 
 /* Panels [p0, p1) of W times the m quantized rows of x: one thread's share. */
 void quant_dot_panels(int fmt, const qdot_xblock *xb, int64_t m, int64_t nb, const uint8_t *w,
                       int64_t row_bytes, float *out, int64_t ldo, int64_t n, int64_t p0,
                       int64_t p1) {
-    const int qtype = fmt & ~QDOT, step = quant_dot_rows_per_call();
+    const int qtype = qdot_qtype(fmt), step = quant_dot_rows_per_call();
+    /* The unpacked copy (QDOT_AMX) after the ceil(n / 16) panels: panel p's at copy + p * cb. */
+    const uint8_t *copy = fmt & QDOT_AMX ? w + (n + PR - 1) / PR * PR * row_bytes : NULL;
+    const int64_t cb = copy ? nb * quant_dot_amx_copy_block(qtype) : 0;
+#define CPANEL(p) (copy ? copy + (p) * cb : NULL)
     /* Whole tiles of 16 rows on AMX where there is one (quant_dot_amx.c: the same
      * results), then the rest as one partial tile from amx_min_rows() rows, else (or
      * without AMX) on the vector kernel. */
@@ -151,20 +176,22 @@ void quant_dot_panels(int fmt, const qdot_xblock *xb, int64_t m, int64_t nb, con
     int amx = tiles > 0;
     for (int64_t p = p0; p < p1 && tiles; p++) {
         const int cols = (int)(n - p * PR < PR ? n - p * PR : PR);
-        quant_dot_amx_panel(qtype, w + p * PR * row_bytes, nb, xb, nb, tiles, 16, out + p * PR,
-                            ldo, cols);
+        quant_dot_amx_panel(qtype, w + p * PR * row_bytes, CPANEL(p), nb, xb, nb, tiles, 16,
+                            out + p * PR, ldo, cols);
     }
     int64_t rest = m - 16 * tiles;
     const int64_t r0 = 16 * tiles;
-    if (rest >= amx_min_rows(qtype) && p1 > p0 && quant_dot_amx_begin((int)rest)) {
+    if (rest >= amx_min_rows(qtype, copy != NULL) && p1 > p0 &&
+        quant_dot_amx_begin((int)rest)) {
         amx = 1;
         for (int64_t p = p0; p < p1; p++) {
             const int cols = (int)(n - p * PR < PR ? n - p * PR : PR);
-            quant_dot_amx_panel(qtype, w + p * PR * row_bytes, nb, xb + r0 * nb, nb, 1,
-                                (int)rest, out + r0 * ldo + p * PR, ldo, cols);
+            quant_dot_amx_panel(qtype, w + p * PR * row_bytes, CPANEL(p), nb, xb + r0 * nb, nb,
+                                1, (int)rest, out + r0 * ldo + p * PR, ldo, cols);
         }
         rest = 0;
     }
+#undef CPANEL
     if (amx) quant_dot_amx_end();
     /* The rest in passes of even size (9 rows: 5 + 4, not 8 + 1: a one-row pass
      * unpacks and reads the whole panel again for little work). */
@@ -247,7 +274,7 @@ static void quant_dot_block(int qtype, const uint8_t *pb, int64_t head, int r, f
  * group holds row j's inputs 4g .. 4g + 3, one per byte. */
 void quant_dot_decode(int fmt, const uint8_t *w, int64_t row_bytes, int64_t p, int64_t k,
                       float *dst, int64_t ld) {
-    const int qtype = fmt & ~QDOT;
+    const int qtype = qdot_qtype(fmt);
     const int64_t bb = PR * gguf_block_bytes(qtype), head = head_bytes(qtype);
     const uint8_t *panel = w + p * PR * row_bytes;
     float row[32];
@@ -262,7 +289,7 @@ void quant_dot_decode(int fmt, const uint8_t *w, int64_t row_bytes, int64_t p, i
 /* Row j of a matrix in the dot layout as k floats (embedding lookups, references). */
 void quant_dot_row(int fmt, const uint8_t *w, int64_t row_bytes, int64_t j, int64_t k,
                    float *dst) {
-    const int qtype = fmt & ~QDOT;
+    const int qtype = qdot_qtype(fmt);
     const int64_t bb = PR * gguf_block_bytes(qtype), head = head_bytes(qtype);
     const uint8_t *panel = w + (j / PR) * PR * row_bytes;
     for (int64_t b = 0; b < k / 32; b++)

@@ -23,6 +23,15 @@
 #include <stdint.h>
 
 #define QDOT 0x100
+/* With QDOT on a Q4_0 / Q4_1 / Q5_0 / Q5_1 weight: its buffer holds, after the ceil(n / 16)
+ * panels, the same panels' quants unpacked to one byte each (quant_dot_amx_copy), so
+ * AMX-INT8 loads them as B tiles without unpacking nibbles per block and tile of x. Per
+ * panel block, 576 bytes: d[16] half | m[16] half (Q4_1 / Q5_1; else not read) |
+ * q[8][16][4] bytes 0..15 (0..31 for Q5), rows 0-3 the low nibbles of groups 0-3, rows 4-7
+ * the high ones (the B tile's order).
+ * Only wide steps read it (whole tiles of 16 rows of x, partial tiles from
+ * amx_min_rows()); narrower ones keep reading the packed panels. */
+#define QDOT_AMX 0x200
 /* One block of 32 inputs of one row of x: x ~= d * q, s = sum(q) (for the weights'
  * offsets: Q4_0's -8, Q5_0's -16, Q4_1's m, and the +128 that makes Q8_0 unsigned for
  * vpdpbusd). The products the kernels' scale step needs are made once here, when x is
@@ -72,8 +81,11 @@ static inline __attribute__((always_inline)) __m512 qdot_scale(__m512i is, int32
 }
 #endif
 
+/* The GGML type of a dot-layout format id (QDOT and QDOT_AMX off). */
+static inline int qdot_qtype(int fmt) { return fmt & ~(QDOT | QDOT_AMX); }
+
 static inline int quant_dot_layout(int fmt) {
-    const int base = fmt & ~QDOT;
+    const int base = qdot_qtype(fmt);
     /* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 */
     return (fmt & QDOT) && (base == 2 || base == 3 || base == 6 || base == 7 || base == 8);
 }
@@ -91,6 +103,14 @@ void quant_dot_share(int fmt, const qdot_xblock *xb, const uint8_t *w, int64_t r
 void quant_dot_panels(int fmt, const qdot_xblock *xb, int64_t m, int64_t nb, const uint8_t *w,
                       int64_t row_bytes, float *out, int64_t ldo, int64_t n, int64_t p0,
                       int64_t p1);
+/* Bytes of the unpacked copy of n rows of k inputs in format fmt (QDOT_AMX's), or 0 where
+ * there is none to make: not asked for (FLEETSERVE_AMX_COPY=1 asks: 1.8x the packed
+ * bytes again, for 2-6% on 16-row steps: docs/benchmarks.md), Q8_0 (its quants are bytes
+ * already), no AMX-INT8 in the build or the process (FLEETSERVE_AMX=0). */
+int64_t quant_dot_amx_copy_bytes(int fmt, int64_t n, int64_t k);
+/* The copy of ceil(n / 16) panels w (the dot layout) into out. */
+void quant_dot_amx_copy(int fmt, const uint8_t *w, int64_t n, int64_t row_bytes, uint8_t *out,
+                        int threads);
 int quant_dot_gemm(int fmt, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes,
                    float *out, int64_t ldo, int64_t m, int64_t n, int64_t k, int threads);
 void quant_dot_decode(int fmt, const uint8_t *w, int64_t row_bytes, int64_t p, int64_t k,
@@ -104,9 +124,12 @@ int quant_dot_kind(void);
  * thread's tiles for that row count (0: no AMX here). */
 int quant_dot_amx_begin(int rows);
 void quant_dot_amx_end(void);
-void quant_dot_amx_panel(int qtype, const uint8_t *panel, int64_t nb, const qdot_xblock *xb,
-                         int64_t ldxb, int64_t tiles, int rows, float *out, int64_t ldo,
-                         int cols);
+/* copy: the panel's unpacked copy (QDOT_AMX), or NULL: its nibbles unpacked here. */
+void quant_dot_amx_panel(int qtype, const uint8_t *panel, const uint8_t *copy, int64_t nb,
+                         const qdot_xblock *xb, int64_t ldxb, int64_t tiles, int rows,
+                         float *out, int64_t ldo, int cols);
+int64_t quant_dot_amx_copy_block(int qtype);
+void quant_dot_amx_unpack_panel(int qtype, const uint8_t *panel, int64_t nb, uint8_t *copy);
 void quant_dot_panel(int qtype, const uint8_t *panel, int64_t nb, const qdot_xblock *xb,
                      int64_t ldxb, int rows, float *out, int64_t ldo, int cols);
 

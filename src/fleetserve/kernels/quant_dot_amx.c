@@ -73,6 +73,15 @@ static inline int64_t head_bytes(int qtype) {
     }
 }
 
+/* Bytes of a panel block in the unpacked copy (QDOT_AMX): d[16] and m[16] (Q4_0 / Q5_0:
+ * bytes not read), 512 quants: 9 cache lines, B tiles on line boundaries. */
+static inline int64_t copy_block(int qtype) {
+    (void)qtype;
+    return 576;
+}
+
+int64_t quant_dot_amx_copy_block(int qtype) { return copy_block(qtype); }
+
 /* A Q4 / Q5 panel block's quants as bytes, B's layout: rows 0-3 the low nibbles of groups
  * 0-3 (inputs 4g + j), rows 4-7 the high ones (16 + 4g + j). */
 static inline void unpack(int qtype, const uint8_t *qs, uint8_t *dst) {
@@ -114,7 +123,8 @@ static inline __attribute__((always_inline)) void scale_block(int qtype, const u
 #define UNPACKED_BLOCKS 128
 
 /* Block `blk`'s products for x tile xt into C tile C (A tile A, B tile B): Q4 / Q5 quants
- * from the panel's unpacked copy (`once`), or unpacked now into wb's slot. */
+ * from the weight's unpacked copy (`pre`: QDOT_AMX), from the panel's copy unpacked for
+ * all its tiles of x (`once`), or unpacked now into wb's slot. */
 #define MUL_BLOCK(C, A, B, blk, slot)                                                   \
     do {                                                                                \
         _tile_zero(C);                                                                  \
@@ -122,6 +132,9 @@ static inline __attribute__((always_inline)) void scale_block(int qtype, const u
         if (q8) {                                                                       \
             _tile_loadd(B, panel + (blk) * bb + head, 64);                              \
             _tile_dpbssd(C, A, B);                                                      \
+        } else if (pre) {                                                               \
+            _tile_loadd(B, copy + (blk) * cbb + chead, 64);                             \
+            _tile_dpbsud(C, A, B);                                                      \
         } else {                                                                        \
             if (!once) unpack(qtype, panel + (blk) * bb + head, wb + (slot) * 512);     \
             _tile_loadd(B, wb + (once ? (blk) : (slot)) * 512, 64);                     \
@@ -135,14 +148,21 @@ static inline __attribute__((always_inline)) void scale_block(int qtype, const u
  * (2-3), the next pair's multiplies start on 2-3 (0-1), then the stored pair is scaled
  * while they run, so the tile unit and the vector scaling overlap in program order (not
  * only as far as the out-of-order window reaches). Blocks are scaled in order. */
-static inline __attribute__((always_inline)) void amx_panel(int qtype, const uint8_t *panel,
-                                                            int64_t nb, const qdot_xblock *xb,
-                                                            int64_t ldxb, int64_t tiles, int rows,
-                                                            float *out, int64_t ldo, int cols) {
+static inline __attribute__((always_inline)) void amx_panel(int qtype, int pre,
+                                                            const uint8_t *panel,
+                                                            const uint8_t *copy, int64_t nb,
+                                                            const qdot_xblock *xb, int64_t ldxb,
+                                                            int64_t tiles, int rows, float *out,
+                                                            int64_t ldo, int cols) {
     const int64_t bb = block_bytes(qtype), head = head_bytes(qtype);
+    const int64_t cbb = copy_block(qtype), chead = cbb - 512;
     const __mmask16 keep = (__mmask16)((1u << cols) - 1);
     const int q8 = qtype == Q8_0;
-    const int once = !q8 && tiles > 1 && nb <= UNPACKED_BLOCKS;
+    /* The scales (d, m: the same offsets in the panel and its copy) and the prefetched
+     * bytes come from what the tiles read. */
+    const uint8_t *sp = pre ? copy : panel;
+    const int64_t sbb = pre ? cbb : bb;
+    const int once = !q8 && !pre && tiles > 1 && nb <= UNPACKED_BLOCKS;
     uint8_t wb[UNPACKED_BLOCKS * 512] __attribute__((aligned(64)));
     int32_t cb[4][16 * 16] __attribute__((aligned(64)));
     if (once)
@@ -152,25 +172,25 @@ static inline __attribute__((always_inline)) void amx_panel(int qtype, const uin
         const qdot_xblock *xt = xb + t * 16 * ldxb;
         __m512 acc[16];
         for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
-        if (t == 0) PREFETCH_WEIGHTS(panel, 2 * bb, PREFETCH);
+        if (t == 0) PREFETCH_WEIGHTS(sp, 2 * sbb, PREFETCH);
         if (nb > 0) MUL_BLOCK(0, 4, 5, 0, 0);
         if (nb > 1) MUL_BLOCK(1, 6, 7, 1, 1);
         for (int64_t b = 0; b < nb; b += 4) {
-            if (t == 0) PREFETCH_WEIGHTS(panel + (b + 2) * bb, 2 * bb, PREFETCH);
+            if (t == 0) PREFETCH_WEIGHTS(sp + (b + 2) * sbb, 2 * sbb, PREFETCH);
             _tile_stored(0, cb[0], 64);
             if (b + 1 < nb) _tile_stored(1, cb[1], 64);
             if (b + 2 < nb) MUL_BLOCK(2, 4, 5, b + 2, 0);
             if (b + 3 < nb) MUL_BLOCK(3, 6, 7, b + 3, 1);
-            scale_block(qtype, panel + b * bb, xt, ldxb, b, cb[0], rows, acc);
-            if (b + 1 < nb) scale_block(qtype, panel + (b + 1) * bb, xt, ldxb, b + 1, cb[1], rows, acc);
+            scale_block(qtype, sp + b * sbb, xt, ldxb, b, cb[0], rows, acc);
+            if (b + 1 < nb) scale_block(qtype, sp + (b + 1) * sbb, xt, ldxb, b + 1, cb[1], rows, acc);
             if (b + 2 >= nb) break;
-            if (t == 0) PREFETCH_WEIGHTS(panel + (b + 4) * bb, 2 * bb, PREFETCH);
+            if (t == 0) PREFETCH_WEIGHTS(sp + (b + 4) * sbb, 2 * sbb, PREFETCH);
             _tile_stored(2, cb[2], 64);
             if (b + 3 < nb) _tile_stored(3, cb[3], 64);
             if (b + 4 < nb) MUL_BLOCK(0, 4, 5, b + 4, 0);
             if (b + 5 < nb) MUL_BLOCK(1, 6, 7, b + 5, 1);
-            scale_block(qtype, panel + (b + 2) * bb, xt, ldxb, b + 2, cb[2], rows, acc);
-            if (b + 3 < nb) scale_block(qtype, panel + (b + 3) * bb, xt, ldxb, b + 3, cb[3], rows, acc);
+            scale_block(qtype, sp + (b + 2) * sbb, xt, ldxb, b + 2, cb[2], rows, acc);
+            if (b + 3 < nb) scale_block(qtype, sp + (b + 3) * sbb, xt, ldxb, b + 3, cb[3], rows, acc);
         }
         for (int r = 0; r < 16; r++)
             if (r < rows) _mm512_mask_storeu_ps(out + (t * 16 + r) * ldo, keep, acc[r]);
@@ -178,15 +198,27 @@ static inline __attribute__((always_inline)) void amx_panel(int qtype, const uin
 }
 #undef MUL_BLOCK
 
-void quant_dot_amx_panel(int qtype, const uint8_t *panel, int64_t nb, const qdot_xblock *xb,
-                         int64_t ldxb, int64_t tiles, int rows, float *out, int64_t ldo,
-                         int cols) {
+void quant_dot_amx_panel(int qtype, const uint8_t *panel, const uint8_t *copy, int64_t nb,
+                         const qdot_xblock *xb, int64_t ldxb, int64_t tiles, int rows,
+                         float *out, int64_t ldo, int cols) {
+#define ARGS panel, copy, nb, xb, ldxb, tiles, rows, out, ldo, cols
     switch (qtype) {
-    case Q8_0: amx_panel(Q8_0, panel, nb, xb, ldxb, tiles, rows, out, ldo, cols); break;
-    case Q4_0: amx_panel(Q4_0, panel, nb, xb, ldxb, tiles, rows, out, ldo, cols); break;
-    case Q4_1: amx_panel(Q4_1, panel, nb, xb, ldxb, tiles, rows, out, ldo, cols); break;
-    case Q5_0: amx_panel(Q5_0, panel, nb, xb, ldxb, tiles, rows, out, ldo, cols); break;
-    case Q5_1: amx_panel(Q5_1, panel, nb, xb, ldxb, tiles, rows, out, ldo, cols); break;
+    case Q8_0: amx_panel(Q8_0, 0, ARGS); break;
+    case Q4_0: copy ? amx_panel(Q4_0, 1, ARGS) : amx_panel(Q4_0, 0, ARGS); break;
+    case Q4_1: copy ? amx_panel(Q4_1, 1, ARGS) : amx_panel(Q4_1, 0, ARGS); break;
+    case Q5_0: copy ? amx_panel(Q5_0, 1, ARGS) : amx_panel(Q5_0, 0, ARGS); break;
+    case Q5_1: copy ? amx_panel(Q5_1, 1, ARGS) : amx_panel(Q5_1, 0, ARGS); break;
+    }
+#undef ARGS
+}
+
+void quant_dot_amx_unpack_panel(int qtype, const uint8_t *panel, int64_t nb, uint8_t *copy) {
+    const int64_t bb = block_bytes(qtype), head = head_bytes(qtype), cbb = copy_block(qtype);
+    uint8_t q[512] __attribute__((aligned(64)));
+    for (int64_t b = 0; b < nb; b++) {
+        memcpy(copy + b * cbb, panel + b * bb, 64); /* d, and m or bytes not read */
+        unpack(qtype, panel + b * bb + head, q);
+        memcpy(copy + b * cbb + cbb - 512, q, 512);
     }
 }
 
@@ -196,10 +228,17 @@ int quant_dot_amx_begin(int rows) {
     return 0;
 }
 void quant_dot_amx_end(void) {}
-void quant_dot_amx_panel(int qtype, const uint8_t *panel, int64_t nb, const qdot_xblock *xb,
-                         int64_t ldxb, int64_t tiles, int rows, float *out, int64_t ldo,
-                         int cols) {
-    (void)qtype, (void)panel, (void)nb, (void)xb, (void)ldxb, (void)tiles, (void)rows, (void)out;
-    (void)ldo, (void)cols;
+void quant_dot_amx_panel(int qtype, const uint8_t *panel, const uint8_t *copy, int64_t nb,
+                         const qdot_xblock *xb, int64_t ldxb, int64_t tiles, int rows,
+                         float *out, int64_t ldo, int cols) {
+    (void)qtype, (void)panel, (void)copy, (void)nb, (void)xb, (void)ldxb, (void)tiles;
+    (void)rows, (void)out, (void)ldo, (void)cols;
+}
+int64_t quant_dot_amx_copy_block(int qtype) {
+    (void)qtype;
+    return 576;
+}
+void quant_dot_amx_unpack_panel(int qtype, const uint8_t *panel, int64_t nb, uint8_t *copy) {
+    (void)qtype, (void)panel, (void)nb, (void)copy;
 }
 #endif

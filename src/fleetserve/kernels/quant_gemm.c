@@ -245,7 +245,7 @@ static void deq_row(int qtype, const uint8_t *w, int64_t row_bytes, int64_t j, i
 
 /* Elements per block of each supported type, 0 for anything else. */
 int quant_block_size(int qtype) {
-    switch (qtype) {
+    switch (qtype & ~QDOT_AMX) {
     case Q8_0: case Q4_0: case Q4_1: case Q5_0: case Q5_1: return 32;
     case Q8_0 | QDOT: case Q4_0 | QDOT: case Q4_1 | QDOT: case Q5_0 | QDOT: case Q5_1 | QDOT:
         return 32;
