@@ -173,6 +173,9 @@ class DecodePlan:
         self.has_bf16 = False
         # Weight bytes one step reads per phase (all layers), for a profile's GB/s.
         self.weight_bytes = dict.fromkeys(PHASES, 0)
+        # KV cache bytes a step's attention reads per cached position (all layers; a
+        # sliding-window layer's reads stop at its window).
+        self.kv_bytes_per_position = 0
         self._profile: torch.Tensor | None = None
         self._layers = (_Layer * len(layers))()
         for i, w in enumerate(layers):
@@ -190,6 +193,9 @@ class DecodePlan:
             dst.k_cache = self._ptr(w.k_cache, cpu_kernels.KV_DTYPES)
             dst.v_cache = self._ptr(w.v_cache, cpu_kernels.KV_DTYPES)
             dst.kv_bf16 = int(w.k_cache.dtype == torch.bfloat16)
+            self.kv_bytes_per_position += (
+                2 * shape.num_kv_heads * shape.head_dim * w.k_cache.element_size()
+            )
             dst.window = w.window or 0
             for name in ("attn_out_norm", "mlp_out_norm", "cos", "sin"):
                 t = getattr(w, name)
