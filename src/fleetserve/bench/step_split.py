@@ -18,6 +18,8 @@ reports, per step:
   phase (row work, each projection, attention, the LM head, the fused argmax) on each
   thread, and the projections' weight bytes per ms (GB/s). A phase that ends in the
   team's barrier includes the wait: at 2 threads the threads' differences are the waits.
+  `--cpu-clock` times each thread's CPU time instead (a loaded machine's preemptions
+  left out).
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ def _clock(threads: int) -> Callable[[], float]:
     return time.thread_time if threads == 1 else time.perf_counter
 
 
-def split(model: str | None, threads: int, tokens: int, phases: bool = False) -> dict[str, Any]:
+def split(
+    model: str | None, threads: int, tokens: int, phases: bool = False, cpu_clock: bool = False
+) -> dict[str, Any]:
     from fleetserve.core.sampling_params import SamplingParams
     from fleetserve.engine.arg_utils import EngineArgs
     from fleetserve.engine.llm_engine import LLMEngine
@@ -107,14 +111,17 @@ def split(model: str | None, threads: int, tokens: int, phases: bool = False) ->
     token_bytes = bytes_per_token(engine, mean_ctx) or 0.0
     out["bytes_per_token_mb"] = round(token_bytes / 1e6, 2)
     if phases:
-        out["phases"] = _phases(engine, plan, threads, prompt, params)
+        out["phases"] = _phases(engine, plan, threads, prompt, params, cpu_clock)
     engine.shutdown()
     return out
 
 
-def _phases(engine: Any, plan: Any, threads: int, prompt: Any, params: Any) -> dict[str, Any]:
-    """One more run with the C step's own phase timing: ms per step per thread, GB/s."""
-    plan.start_profile(threads)
+def _phases(
+    engine: Any, plan: Any, threads: int, prompt: Any, params: Any, cpu_clock: bool = False
+) -> dict[str, Any]:
+    """One more run with the C step's own phase timing: ms per step per thread, GB/s
+    (`cpu_clock`: each thread's CPU time, else wall)."""
+    plan.start_profile(threads, cpu=cpu_clock)
     steps0 = plan.steps
     engine.add_request("split-phases", prompt, params)
     while engine.has_unfinished_requests():
@@ -175,8 +182,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--json", default=None)
     p.add_argument("--phases", action="store_true", help="also time the C step's phases")
+    p.add_argument(
+        "--cpu-clock", action="store_true", help="phases in each thread's CPU time, not wall"
+    )
     args = p.parse_args()
-    out = split(args.model, args.threads, args.tokens, args.phases)
+    out = split(args.model, args.threads, args.tokens, args.phases, args.cpu_clock)
     out["read_gbs"] = read_bandwidth_gbs(args.threads, max(8, round(out["bytes_per_token_mb"])))
     # Step time: CPU time at 1 thread (what the step costs, whatever else runs), wall
     # time past it.
