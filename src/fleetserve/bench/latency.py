@@ -226,7 +226,15 @@ def _roofline(args: argparse.Namespace, fs: dict[str, Any], results: dict[str, A
     print(format_probes(probes))
     results["read_probes"] = [asdict(p) for p in probes]
     if token_mb:
-        print(roofline_lines(fs["decode_tok_s"], token_mb, fs["num_threads"], probes))
+        print(
+            roofline_lines(
+                fs["decode_tok_s"],
+                fs["decode_cpu_ms_per_token"],
+                token_mb,
+                fs["num_threads"],
+                probes,
+            )  # fmt: skip
+        )
 
 
 def _agree(a: list[int], b: list[int]) -> int:

@@ -33,13 +33,15 @@ DEFAULT_SET_MB = 100
 
 @dataclass(frozen=True)
 class Probe:
-    """One probe: `size` ("dram" | "set"), its buffer's MB, threads, GB/s."""
+    """One probe: `size` ("dram" | "set"), its buffer's MB, threads, GB/s (wall: best and
+    median pass; cpu: the best pass over its slowest thread's CPU time)."""
 
     size: str
     megabytes: float
     threads: int
     best_gbs: float
     median_gbs: float
+    cpu_gbs: float
 
 
 def _probe_fn() -> Any:
@@ -58,11 +60,12 @@ def read_bandwidth(
     """Streams `megabytes` (MB of 1e6 bytes) on `threads` threads `reps` times."""
     if megabytes <= 0 or threads < 1 or reps < 1:
         raise ValueError("megabytes must be > 0, threads and reps >= 1")
-    best = (ctypes.c_double * 2)()
+    best = (ctypes.c_double * 3)()
     n = _probe_fn()(int(megabytes * 1e6), threads, reps, int(huge), best)
     if n < 0:
         raise MemoryError(f"read probe: could not allocate {megabytes} MB")
-    return Probe(size, round(n / 1e6, 1), threads, n / best[0] / 1e9, n / best[1] / 1e9)
+    gbs = [n / s / 1e9 for s in best]
+    return Probe(size, round(n / 1e6, 1), threads, *gbs)
 
 
 def l3_bytes() -> int:
@@ -103,7 +106,8 @@ def probe_all(
 def format_probes(probes: list[Probe]) -> str:
     return "\n".join(
         f"read probe {p.size} ({p.megabytes:.0f} MB), {p.threads} thread(s): best "
-        f"{p.best_gbs:.1f} GB/s, median {p.median_gbs:.1f}"
+        f"{p.best_gbs:.1f} GB/s, median {p.median_gbs:.1f}; best on the CPU clock "
+        f"{p.cpu_gbs:.1f}"
         for p in probes
     )
 
@@ -120,15 +124,26 @@ def bytes_per_token(engine: Any, mean_context: float) -> float | None:
     return float(sum(plan.weight_bytes.values()) + plan.kv_bytes_per_position * mean_context)
 
 
-def roofline_lines(tok_s: float, token_mb: float, threads: int, probes: list[Probe]) -> str:
-    """tok/s x MB/token as GB/s, and its share of each probe of the same thread count."""
+def roofline_lines(
+    tok_s: float, cpu_ms: float, token_mb: float, threads: int, probes: list[Probe]
+) -> str:
+    """tok/s x MB/token as GB/s against each probe of the same thread count: wall tok/s
+    against the probe's best wall pass; at one thread also CPU ms/token against the
+    probe's best CPU-clock pass (both leave out time spent preempted)."""
     gbs = tok_s * token_mb / 1e3
-    shares = ", ".join(
-        f"{gbs / p.best_gbs:.0%} of {p.size} best {p.best_gbs:.1f} (median {p.median_gbs:.1f})"
-        for p in probes
-        if p.threads == threads
-    )
-    return f"roofline: {tok_s:.1f} tok/s x {token_mb:.1f} MB/token = {gbs:.1f} GB/s; {shares}"
+    mine = [p for p in probes if p.threads == threads]
+    lines = [
+        f"roofline: {tok_s:.1f} tok/s x {token_mb:.1f} MB/token = {gbs:.1f} GB/s; "
+        + ", ".join(f"{gbs / p.best_gbs:.0%} of {p.size} {p.best_gbs:.1f}" for p in mine)
+    ]
+    if threads == 1 and cpu_ms > 0:
+        cpu_gbs = token_mb / cpu_ms
+        lines.append(
+            f"roofline (CPU clock): {token_mb:.1f} MB / {cpu_ms:.2f} CPU ms = {cpu_gbs:.1f} "
+            "GB/s; "
+            + ", ".join(f"{cpu_gbs / p.cpu_gbs:.0%} of {p.size} {p.cpu_gbs:.1f}" for p in mine)
+        )
+    return "\n".join(lines)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:

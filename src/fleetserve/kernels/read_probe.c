@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -60,8 +61,17 @@ int read_probe_avx512(void) {
 #endif
 }
 
+static double thread_cpu_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 /* Reads `bytes` (rounded down to 512 per thread) `reps` times on `threads` threads after
- * one warm pass; best[0] the best pass's seconds, best[1] the median's (reps <= 64), and
+ * one warm pass; best[0] the best pass's wall seconds, best[1] the median's (reps <= 64),
+ * best[2] the best pass's CPU seconds of its slowest thread (time a preempted thread
+ * spent off its core left out: on a loaded machine the figure to hold a step's CPU time
+ * per token against; past one thread it assumes the threads ran at the same time), and
  * returns the bytes one pass reads (-1: out of memory). `huge`: the buffer on 2 MiB
  * transparent huge pages (madvise) as the step's weights are (kernels/huge_pages.py),
  * else on 4 KiB pages. */
@@ -79,7 +89,7 @@ int64_t read_probe(int64_t bytes, int threads, int reps, int huge, double *best)
 #else
     (void)huge;
 #endif
-    double secs[64];
+    double secs[64], cpu[64] = {0};
     volatile float sink = 0.f;
 #pragma omp parallel num_threads(threads)
     {
@@ -92,7 +102,11 @@ int64_t read_probe(int64_t bytes, int threads, int reps, int huge, double *best)
             double t0 = 0.0;
 #pragma omp master
             t0 = omp_get_wtime();
+            const double c0 = thread_cpu_seconds();
             s += sum_span(mine, per);
+            const double c1 = thread_cpu_seconds() - c0;
+#pragma omp critical
+            cpu[r] = c1 > cpu[r] ? c1 : cpu[r];
 #pragma omp barrier
 #pragma omp master
             secs[r] = omp_get_wtime() - t0;
@@ -102,8 +116,11 @@ int64_t read_probe(int64_t bytes, int threads, int reps, int huge, double *best)
     }
     (void)sink;
     free(buf);
-    double lo = secs[0];
-    for (int r = 1; r < reps; r++) lo = secs[r] < lo ? secs[r] : lo;
+    double lo = secs[0], cpu_lo = cpu[0];
+    for (int r = 1; r < reps; r++) {
+        lo = secs[r] < lo ? secs[r] : lo;
+        cpu_lo = cpu[r] < cpu_lo ? cpu[r] : cpu_lo;
+    }
     /* median by insertion sort: reps is small */
     for (int i = 1; i < reps; i++) {
         const double v = secs[i];
@@ -115,6 +132,7 @@ int64_t read_probe(int64_t bytes, int threads, int reps, int huge, double *best)
         secs[j + 1] = v;
     }
     best[0] = lo;
+    best[2] = cpu_lo;
     best[1] = reps % 2 ? secs[reps / 2] : 0.5 * (secs[reps / 2 - 1] + secs[reps / 2]);
     return per * threads * (int64_t)sizeof(float);
 }
