@@ -36,3 +36,11 @@ def test_large_tensor_starts_on_a_huge_page() -> None:
 def test_tiny_tensor_is_plain() -> None:
     t = huge_pages.empty_huge(3, 5)
     assert t.shape == (3, 5) and t.dtype == torch.float32
+
+
+def test_switch_off_gives_plain_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEETSERVE_HUGE_PAGES", "0")
+    t = huge_pages.empty_huge(1024, 1024)  # 4 MiB: would come from a chunk
+    assert t._base is None and t.shape == (1024, 1024)
+    monkeypatch.setenv("FLEETSERVE_HUGE_PAGES", "1")
+    assert huge_pages.empty_huge(1024, 1024)._base is not None

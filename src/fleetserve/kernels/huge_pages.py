@@ -9,12 +9,16 @@ aligned interior only, and one under 4 MiB (each layer's projections on a small 
 0.2-1.1 MB on SmolLM2-135M) none at all. `empty_huge` therefore carves such tensors out
 of shared 2 MiB-aligned chunks advised whole (`_Arena`), and gives larger ones a
 2 MiB-aligned allocation of their own.
+
+FLEETSERVE_HUGE_PAGES=0 leaves `empty_huge` to plain ``torch.empty`` (A/B runs: the same
+code on 4 KiB pages).
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import platform
 import threading
 from functools import cache
@@ -98,7 +102,8 @@ def empty_huge(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         numel *= d
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = numel * itemsize
-    if _madvise() is None or nbytes < 64 << 10:  # no THP here, or too small to matter
+    off = os.environ.get("FLEETSERVE_HUGE_PAGES", "1") == "0"
+    if off or _madvise() is None or nbytes < 64 << 10:  # no THP, or too small to matter
         return torch.empty(*shape, dtype=dtype)
     raw = _arena.take(nbytes) if nbytes <= _CHUNK // 2 else _aligned_bytes(nbytes)
     return raw.view(dtype).view(*shape)
