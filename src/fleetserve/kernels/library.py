@@ -22,9 +22,10 @@ log = logging.getLogger(__name__)
 _SOURCES = [
     Path(__file__).with_name(n)
     for n in (
+        "read_probe.c",  # bench roofline's read probe
         "paged_attention.c", "fused_ops.c", "gemm.c", "quant_gemm.c", "quant_panel.c",
         "quant_dot.c", "quant_dot_simd.c", "quant_dot_amx.c", "quant_avx2.c", "decode_step.c",
-        "moe.c", "lora.c", "gemm_bf16.c", "read_probe.c",
+        "moe.c", "lora.c", "gemm_bf16.c",
     )
 ]  # fmt: skip
 # Included by the sources: part of the cache key, not compiled on their own.
