@@ -93,6 +93,25 @@ def test_latency_compare_runs_both_llamacpp_rows(tiny_model_factory, tmp_path, c
     assert "llama.cpp llama-bench abc1234" in printed and "pp24" in printed
 
 
+def test_binding_row_failure_keeps_the_llama_bench_row(tiny_model_factory, tmp_path, capsys):
+    """llama-cpp-python dying (here SIGSEGV, as its AMX build does on this VM) leaves its
+    row out with the reason; fleetserve's and llama-bench's figures are still written."""
+    gguf = str(tmp_path / "tiny.gguf")
+    write_tiny_gguf(tiny_model_factory("llama"), gguf)
+    rows = json.dumps([_row(24, 0, 300.0), _row(0, 6, 150.0)])
+    bench = _executable(tmp_path / "llama-bench", f"echo '{rows}'")
+    python = _executable(tmp_path / "python", "cat > /dev/null; kill -SEGV $$")
+    out = tmp_path / "lat.json"
+    argv = ["bench", "latency", "--model", gguf, "--num-tokens", "6", "--repeats", "1",
+            "--num-threads", "1", "--pp-tokens", "24", "--compare", "llamacpp",
+            "--llama-bench", bench, "--llamacpp-python", python, "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["llama_bench"]["decode_tok_s"] == 150.0 and "llamacpp" not in res
+    assert "exit code -11" in res["llamacpp_error"]
+    assert "llama-cpp-python row left out" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(
     "FLEETSERVE_LLAMA_BENCH" not in os.environ,
     reason="set FLEETSERVE_LLAMA_BENCH to a llama-bench binary",

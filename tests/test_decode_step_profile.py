@@ -27,6 +27,9 @@ def test_profile_times_every_phase(tiny_model_factory: Callable[..., str]) -> No
     qkv_rows = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     assert plan.weight_bytes["qkv"] == cfg.num_hidden_layers * qkv_rows * cfg.hidden_size // 32 * 34
     assert plan.weight_bytes["head"] > 0 and plan.weight_bytes["attention"] == 0
+    # Keys and values of every layer per cached position, float32 here.
+    kv_heads, layers = cfg.num_key_value_heads, cfg.num_hidden_layers
+    assert plan.kv_bytes_per_position == layers * 2 * kv_heads * cfg.head_dim * 4
     prompts = [{"prompt_token_ids": [5, 6, 7, 8 + i]} for i in range(2)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -42,3 +45,9 @@ def test_profile_times_every_phase(tiny_model_factory: Callable[..., str]) -> No
     # Off again: the next steps add nothing anywhere.
     llm.generate(prompts, params, use_tqdm=False)
     assert plan._plan.profile is None
+    # Each thread's CPU time instead of wall: the same phases, the same tokens.
+    plan.start_profile(1, cpu=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    secs = plan.stop_profile()
+    assert got == want and all(secs[name][0] > 0 for name in ("qkv", "attention", "head"))
+    assert plan._plan.profile_cpu == 1

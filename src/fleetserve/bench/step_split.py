@@ -11,12 +11,15 @@ reports, per step:
 - one captured decode step replayed with the LM head inside the step against the same
   step without it followed by the module path's `compute_logits` (interleaved rounds,
   best and median), after checking that both give the same logits;
-- the read bandwidth of the threads used (torch's sum over a 100 MB float32 array, best
-  of 10), against which bytes read per token give the roofline share;
+- the read bandwidth of the threads used (bench/roofline.py's probe over a buffer the
+  size of the bytes a token reads, best of 10), against which bytes read per token give
+  the roofline share;
 - with `--phases`, one more run with the C step timing itself: wall ms per step of each
   phase (row work, each projection, attention, the LM head, the fused argmax) on each
   thread, and the projections' weight bytes per ms (GB/s). A phase that ends in the
   team's barrier includes the wait: at 2 threads the threads' differences are the waits.
+  `--cpu-clock` times each thread's CPU time instead (a loaded machine's preemptions
+  left out).
 """
 
 from __future__ import annotations
@@ -30,20 +33,15 @@ from typing import Any
 
 import torch
 
+from fleetserve.bench.roofline import bytes_per_token, read_bandwidth
+
 
 def read_bandwidth_gbs(threads: int, megabytes: int = 100) -> float:
-    """Best of 10 sums over a float32 array of `megabytes` on `threads` threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    x = torch.ones(megabytes * 2**20 // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(10):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    torch.set_num_threads(before)
-    return x.numel() * 4 / best / 1e9
+    """Best of 10 streaming reads of `megabytes` on `threads` threads (bench/roofline.py's
+    probe: AVX-512 loads, 2 MiB pages as the step's weights); at one thread on the CPU
+    clock, as the step's time is taken there."""
+    p = read_bandwidth(megabytes, threads)
+    return p.cpu_gbs if threads == 1 else p.best_gbs
 
 
 def thread_clock(threads: int) -> Callable[[], float]:
@@ -51,7 +49,9 @@ def thread_clock(threads: int) -> Callable[[], float]:
     return time.thread_time if threads == 1 else time.perf_counter
 
 
-def split(model: str | None, threads: int, tokens: int, phases: bool = False) -> dict[str, Any]:
+def split(
+    model: str | None, threads: int, tokens: int, phases: bool = False, cpu_clock: bool = False
+) -> dict[str, Any]:
     from fleetserve.core.sampling_params import SamplingParams
     from fleetserve.engine.arg_utils import EngineArgs
     from fleetserve.engine.llm_engine import LLMEngine
@@ -109,20 +109,22 @@ def split(model: str | None, threads: int, tokens: int, phases: bool = False) ->
     replay = _replay_head(runner.model, run, saved[-1], clock)
     out = {"threads": threads, "split": steps[-1], "head_replay": replay}
     # Bytes a decode step reads: every projection's and the head's weights, and the KV
-    # cache (float32 keys and values) at the run's mean context.
-    s, layers = plan.shape, len(plan._layers)
+    # cache at the run's mean context.
     mean_ctx = len(prompt["prompt_token_ids"]) + tokens / 2
-    kv = layers * 2 * s.num_kv_heads * s.head_dim * 4 * mean_ctx
-    out["bytes_per_token_mb"] = round((sum(plan.weight_bytes.values()) + kv) / 1e6, 2)
+    token_bytes = bytes_per_token(engine, mean_ctx) or 0.0
+    out["bytes_per_token_mb"] = round(token_bytes / 1e6, 2)
     if phases:
-        out["phases"] = _phases(engine, plan, threads, prompt, params)
+        out["phases"] = _phases(engine, plan, threads, prompt, params, cpu_clock)
     engine.shutdown()
     return out
 
 
-def _phases(engine: Any, plan: Any, threads: int, prompt: Any, params: Any) -> dict[str, Any]:
-    """One more run with the C step's own phase timing: ms per step per thread, GB/s."""
-    plan.start_profile(threads)
+def _phases(
+    engine: Any, plan: Any, threads: int, prompt: Any, params: Any, cpu_clock: bool = False
+) -> dict[str, Any]:
+    """One more run with the C step's own phase timing: ms per step per thread, GB/s
+    (`cpu_clock`: each thread's CPU time, else wall)."""
+    plan.start_profile(threads, cpu=cpu_clock)
     steps0 = plan.steps
     engine.add_request("split-phases", prompt, params)
     while engine.has_unfinished_requests():
@@ -191,9 +193,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--json", default=None)
     p.add_argument("--phases", action="store_true", help="also time the C step's phases")
+    p.add_argument(
+        "--cpu-clock", action="store_true", help="phases in each thread's CPU time, not wall"
+    )
     args = p.parse_args()
-    out = split(args.model, args.threads, args.tokens, args.phases)
-    out["read_gbs"] = read_bandwidth_gbs(args.threads)
+    out = split(args.model, args.threads, args.tokens, args.phases, args.cpu_clock)
+    out["read_gbs"] = read_bandwidth_gbs(args.threads, max(8, round(out["bytes_per_token_mb"])))
     # Step time: CPU time at 1 thread (what the step costs, whatever else runs), wall
     # time past it.
     gbs = out["bytes_per_token_mb"] / out["split"]["step_ms"]

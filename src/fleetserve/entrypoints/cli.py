@@ -24,6 +24,7 @@ _BENCH = {
     "embed": ("fleetserve.bench.embed", "embedding throughput, batched vs one at a time"),
     "spec": ("fleetserve.bench.spec", "one stream's decode speed with and without speculation"),
     "latency": ("fleetserve.bench.latency", "one stream: TTFT and decode tok/s (vs llama.cpp)"),
+    "roofline": ("fleetserve.bench.roofline", "read bandwidth of 1 and 2 cores: one stream's roof"),
     "perplexity": ("fleetserve.bench.perplexity", "perplexity of each weight quantization"),
     "batch": ("fleetserve.bench.batch", "`batch run` against the offline LLM.generate ceiling"),
     "chaos": ("fleetserve.bench.chaos", "replicas killed under streaming load: lost, latency"),
@@ -74,7 +75,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         sub,
         "bench",
         "benchmarks (offline | serve | sla | embed | spec | latency | perplexity | batch | chaos "
-        "| kernels | moe | stream-cpu | kv-window | lora | structured | cascade | rag)",
+        "| kernels | moe | stream-cpu | kv-window | lora | structured | cascade | rag | roofline)",
         _BENCH,
         argv,
     )

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from fleetserve.kernels import library
+from fleetserve.kernels import huge_pages, library
 
 # The library's build and cache (torch-free), as they were here before.
 from fleetserve.kernels.library import _build as _build
@@ -301,64 +301,9 @@ def paged_attention(
         raise MemoryError("paged_attention: could not allocate its score buffers")
 
 
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-@cache
-def _madvise() -> Any:
-    if platform.system() != "Linux":
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def empty_huge(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``torch.empty`` on the CPU whose 2 MiB-aligned interior is backed by transparent
-    huge pages where the kernel allows them (THP "madvise" mode): tensors streamed
-    through once per step (packed weights, the KV cache) then take a TLB miss per 2 MiB
-    instead of per 4 KiB, and the hardware prefetchers run on across 4 KiB boundaries.
-    Must be called before the memory is first written."""
-    t = torch.empty(*shape, dtype=dtype)
-    _advise_huge(t)
-    return t
-
-
-def _advise_huge(t: torch.Tensor) -> None:
-    """Advise the 2 MiB-aligned interior of `t`'s memory onto transparent huge pages."""
-    madvise = _madvise()
-    nbytes = t.numel() * t.element_size()
-    if madvise is not None and nbytes >= 2 * _HUGE_PAGE:
-        addr = t.data_ptr()
-        start = -(-addr // _HUGE_PAGE) * _HUGE_PAGE
-        end = (addr + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-        if end > start:
-            madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: errors are harmless
-
-
-def zeroed_huge(*shape: int, dtype: torch.dtype, prefault: bool = True) -> torch.Tensor:
-    """A zero tensor in fresh anonymous memory (zero by the OS's word, whatever its size),
-    advised onto transparent huge pages as `empty_huge`. `prefault`: write it now, so that
-    its page faults are paid here and not inside the first requests that touch it (the
-    KV cache: 1.2 s for the bench's 1.15 GB); without it, pages nothing writes are never
-    faulted in (a test's engine that serves a few short requests)."""
-    import mmap
-
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
-    buf = mmap.mmap(-1, nbytes)  # the tensor keeps the mapping alive
-    t = torch.frombuffer(buf, dtype=dtype, count=numel).view(*shape)
-    _advise_huge(t)
-    if prefault:
-        t.zero_()
-    return t
+# Tensors on transparent huge pages (kernels/huge_pages.py), used by the weights here.
+empty_huge = huge_pages.empty_huge
+zeroed_huge = huge_pages.zeroed_huge
 
 
 def kv_prefault() -> bool:

@@ -57,6 +57,7 @@ class _Plan(ctypes.Structure):
         ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("final_norm", _p),
         ("layers", ctypes.POINTER(_Layer)), ("lora", _p), ("activation", _i32),
         ("head", _Linear), ("reduce", _p), ("profile", _p), ("profile_threads", _i32),
+        ("profile_cpu", _i32),
     ]  # fmt: skip
 
 
@@ -173,6 +174,9 @@ class DecodePlan:
         self.has_bf16 = False
         # Weight bytes one step reads per phase (all layers), for a profile's GB/s.
         self.weight_bytes = dict.fromkeys(PHASES, 0)
+        # KV cache bytes a step's attention reads per cached position (all layers; a
+        # sliding-window layer's reads stop at its window).
+        self.kv_bytes_per_position = 0
         self._profile: torch.Tensor | None = None
         self._layers = (_Layer * len(layers))()
         for i, w in enumerate(layers):
@@ -190,6 +194,9 @@ class DecodePlan:
             dst.k_cache = self._ptr(w.k_cache, cpu_kernels.KV_DTYPES)
             dst.v_cache = self._ptr(w.v_cache, cpu_kernels.KV_DTYPES)
             dst.kv_bf16 = int(w.k_cache.dtype == torch.bfloat16)
+            self.kv_bytes_per_position += (
+                2 * shape.num_kv_heads * shape.head_dim * w.k_cache.element_size()
+            )
             dst.window = w.window or 0
             for name in ("attn_out_norm", "mlp_out_norm", "cos", "sin"):
                 t = getattr(w, name)
@@ -218,12 +225,15 @@ class DecodePlan:
             self._reduce_cb = REDUCE(self._call_reduce)
             self._plan.reduce = ctypes.cast(self._reduce_cb, _p)
 
-    def start_profile(self, threads: int) -> None:
+    def start_profile(self, threads: int, cpu: bool = False) -> None:
         """Time each phase of every later step on threads 0 .. threads - 1 (wall
-        seconds added up per thread; a phase ending in a barrier includes its wait)."""
+        seconds added up per thread; a phase ending in a barrier includes its wait).
+        `cpu`: each thread's CPU seconds instead (a preempted thread's time off the CPU
+        left out: a loaded machine's profile; a barrier's wait counts while it spins)."""
         self._profile = torch.zeros(threads, len(PHASES), dtype=torch.float64)
         self._plan.profile = self._profile.data_ptr()
         self._plan.profile_threads = threads
+        self._plan.profile_cpu = int(cpu)
 
     def stop_profile(self) -> dict[str, list[float]]:
         """Seconds per phase and thread since start_profile; timing off again."""

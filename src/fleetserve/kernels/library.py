@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [
     Path(__file__).with_name(n)
     for n in (
+        "read_probe.c",  # bench roofline's read probe
         "paged_attention.c", "fused_ops.c", "gemm.c", "quant_gemm.c", "quant_panel.c",
         "quant_dot.c", "quant_dot_simd.c", "quant_dot_amx.c", "quant_avx2.c", "decode_step.c",
         "moe.c", "lora.c", "gemm_bf16.c", "attention_amx.c",
