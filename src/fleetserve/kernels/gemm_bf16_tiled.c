@@ -141,8 +141,9 @@ static void rows_pair(const uint16_t *x0, const uint16_t *x1, const uint16_t *ti
 }
 #endif
 
-/* Outputs 16b .. 16b + 15 of every row, without AMX. */
-static void rows_nblock(const uint16_t *xb, int64_t m, int64_t k, const uint16_t *tiles,
+/* Outputs 16b .. 16b + 15 of every row, without AMX (xb's rows ldb values apart). */
+static void rows_nblock(const uint16_t *xb, int64_t ldb, int64_t m, int64_t k,
+                        const uint16_t *tiles,
                         const uint16_t *next, const float *bias, float *out, int64_t ldo,
                         int64_t j0) {
     const int64_t kc = k / 32, full = m - m % 4;
@@ -150,7 +151,7 @@ static void rows_nblock(const uint16_t *xb, int64_t m, int64_t k, const uint16_t
     const __m512 b = bias ? _mm512_loadu_ps(bias + j0) : _mm512_setzero_ps();
     for (int64_t r = 0; r < m; r += r < full ? 2 : 1) {
         const int split = r >= full;
-        rows_pair(xb + r * k, xb + (r + !split) * k, tiles, kc, split, r ? NULL : next, b,
+        rows_pair(xb + r * ldb, xb + (r + !split) * ldb, tiles, kc, split, r ? NULL : next, b,
                   out + r * ldo + j0, split ? NULL : out + (r + 1) * ldo + j0);
     }
 #else
@@ -160,7 +161,7 @@ static void rows_nblock(const uint16_t *xb, int64_t m, int64_t k, const uint16_t
         for (int j = 0; j < 16; j++) {
             float acc = 0.0f;
             for (int64_t q = 0; q < k; q++)
-                acc += widen_bf16(xb[r * k + q]) *
+                acc += widen_bf16(xb[r * ldb + q]) *
                        widen_bf16(tiles[(q / 32) * TILE + (q % 32) / 2 * 32 + j * 2 + q % 2]);
             out[r * ldo + j0 + j] = acc + (bias ? bias[j0 + j] : 0.0f);
         }
@@ -201,16 +202,16 @@ static inline void prefetch_tile(const uint16_t *t) {
 
 /* n-blocks 2p and 2p + 1 (na 2) or 2p alone (na 1) against row blocks b0 .. b1 - 1 of
  * xb (16 rows each, zero past m); acc: 1024 floats per pair of row blocks. */
-static void amx_pair(const uint16_t *wt, const uint16_t *xb, const float *bias, float *out,
-                     int64_t ldo, int64_t m, int64_t k, int64_t p, int na, int64_t b0,
-                     int64_t b1, float *acc) {
-    const int64_t kc = k / 32, xstride = k * 2;
+static void amx_pair(const uint16_t *wt, const uint16_t *xb, int64_t ldb, const float *bias,
+                     float *out, int64_t ldo, int64_t m, int64_t k, int64_t p, int na,
+                     int64_t b0, int64_t b1, float *acc) {
+    const int64_t kc = k / 32, xstride = ldb * 2;
     const uint16_t *w0 = wt + 2 * p * kc * TILE, *w1 = w0 + kc * TILE;
     for (int64_t c0 = 0; c0 < kc; c0 += KBLOCK) {
         const int64_t c1 = c0 + KBLOCK < kc ? c0 + KBLOCK : kc;
         for (int64_t b = b0; b < b1; b += 2) {
             const int nb = b + 1 < b1 ? 2 : 1;
-            const uint16_t *x0 = xb + b * 16 * k, *x1 = x0 + 16 * k;
+            const uint16_t *x0 = xb + b * 16 * ldb, *x1 = x0 + 16 * ldb;
             float *t = acc + (b - b0) / 2 * 1024; /* C tiles 0-3 at t + 256 * tile */
             if (c0 == 0) {
                 _tile_zero(0);
@@ -299,7 +300,11 @@ static int tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const fl
 #else
     const size_t acc_floats = 0;
 #endif
-    const size_t rows_len = (size_t)(mb * 16 * k);
+    /* Rows of x 64 bytes longer than k values: an A tile's 16 rows then fall in different
+     * L1 sets where k * 2 is a multiple of 4 KiB (k = 2048: 64 x 768 x 2048 ran at
+     * 0.50 TFLOP/s, the rows kernel's packed blocks at 0.58). */
+    const int64_t ldb = k + 32;
+    const size_t rows_len = (size_t)(mb * 16 * ldb);
     uint16_t *xb = NULL;
 #pragma omp single copyprivate(xb)
     xb = team_rows(rows_len + 32, acc_floats * (size_t)omp_get_num_threads());
@@ -312,7 +317,7 @@ static int tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const fl
     }
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < mb * 16; r++) {
-        uint16_t *dst = xb + r * k;
+        uint16_t *dst = xb + r * ldb;
         if (r >= m) {
             memset(dst, 0, (size_t)k * sizeof(uint16_t));
             continue;
@@ -330,7 +335,7 @@ static int tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const fl
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nblocks; b++) {
             const uint16_t *tiles = wt + b * kc * TILE;
-            rows_nblock(xb, m, k, tiles, b + 1 < nblocks ? tiles + kc * TILE : NULL, bias, out,
+            rows_nblock(xb, ldb, m, k, tiles, b + 1 < nblocks ? tiles + kc * TILE : NULL, bias, out,
                         ldo, b * 16);
         }
         return 0;
@@ -347,7 +352,7 @@ static int tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const fl
         if (!configured) tiles_begin(), configured = 1;
         const int64_t b0 = q / npairs * chunk, p = q % npairs;
         const int64_t b1 = b0 + chunk < mb ? b0 + chunk : mb;
-        amx_pair(wt, xb, bias, out, ldo, m, k, p, 2 * p + 1 < nblocks ? 2 : 1, b0, b1, acc);
+        amx_pair(wt, xb, ldb, bias, out, ldo, m, k, p, 2 * p + 1 < nblocks ? 2 : 1, b0, b1, acc);
     }
     if (configured) _tile_release();
 #endif
