@@ -304,10 +304,10 @@ static int tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const fl
      * L1 sets where k * 2 is a multiple of 4 KiB (k = 2048: 64 x 768 x 2048 ran at
      * 0.50 TFLOP/s, the rows kernel's packed blocks at 0.58). */
     const int64_t ldb = k + 32;
-    const size_t rows_len = (size_t)(mb * 16 * ldb);
+    const size_t rows_len = (size_t)(mb * 16 * ldb), acc_at = (rows_len + 32 + 31) / 32 * 32;
     uint16_t *xb = NULL;
 #pragma omp single copyprivate(xb)
-    xb = team_rows(rows_len + 32, acc_floats * (size_t)omp_get_num_threads());
+    xb = team_rows(acc_at, acc_floats * (size_t)omp_get_num_threads());
     if (!xb) {
         if (abort_on_oom) {
             fprintf(stderr, "fleetserve: gemm_bf16 (tiled): cannot allocate the bf16 rows\n");
@@ -341,8 +341,7 @@ static int tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const fl
         return 0;
     }
 #if TILED_AMX
-    float *acc = (float *)(xb + (rows_len + 32 + 31) / 32 * 32) +
-                 (size_t)omp_get_thread_num() * acc_floats;
+    float *acc = (float *)(xb + acc_at) + (size_t)omp_get_thread_num() * acc_floats;
     const int64_t npairs = (nblocks + 1) / 2, nchunks = (mb + chunk - 1) / chunk;
     int configured = 0;
     /* Work items (chunk of rows, pair of n-blocks), chunk-major: with several chunks a
