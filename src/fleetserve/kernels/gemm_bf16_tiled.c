@@ -188,7 +188,8 @@ static void tiles_begin(void) {
 /* Chunks per pass: the pass's weight tiles (2 n-blocks x KBLOCK KiB) stay in L1 for every
  * row block of the chunk of rows, C tiles parked in `acc` between passes (stored and
  * reloaded exactly). Weight tiles PREFETCH chunks ahead are asked for while the first
- * pair of row blocks multiplies, so the stream overlaps the tile products. */
+ * pair of row blocks multiplies, so the stream overlaps the tile products. Both, and
+ * CHUNK_BYTES below, can be set with -D for A/B builds (bench/bf16_tiles.py numbers). */
 #ifndef KBLOCK
 #define KBLOCK 8
 #endif
