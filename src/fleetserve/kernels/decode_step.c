@@ -76,6 +76,8 @@ int gemm_share_max_rows(void);
 int64_t gemm_x_floats(int64_t m, int64_t k);
 int gemm_bf16_share(const float *x, int64_t ldx, const uint16_t *w, const float *bias,
                     float *out, int64_t ldo, int64_t m, int64_t n, int64_t k);
+int gemm_bf16_tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const float *bias,
+                          float *out, int64_t ldo, int64_t m, int64_t n, int64_t k);
 void attend_tile_dispatch(const float *q, int64_t q_stride, const void *k_cache,
                           const void *v_cache, float *out, const int64_t *table,
                           int64_t q_start, int64_t q_len, int64_t seq_len, int64_t r0,
@@ -84,13 +86,14 @@ void attend_tile_dispatch(const float *q, int64_t q_stride, const void *k_cache,
                           float softcap, int kv_bf16, float *scores);
 
 /* The plan: mirrored field for field by kernels/decode_step.py (ctypes). */
-enum { W_QUANT = 0, W_PACKED = 1, W_BF16 = 2 };
+enum { W_QUANT = 0, W_PACKED = 1, W_BF16 = 2, W_BF16_TILED = 3 };
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 #define MAX_SEGMENTS 3
 
 typedef struct {
     int32_t kind;  /* W_QUANT: GGUF blocks (quant.py), W_PACKED: gemm.c panels, W_BF16:
-                    * [n, k] bf16 rows (gemm_bf16.c, any row count) */
+                    * [n, k] bf16 rows (gemm_bf16.c, any row count), W_BF16_TILED: the
+                    * same as AMX B tiles (gemm_bf16_tiled.c) */
     int32_t qtype; /* W_QUANT only */
     const void *data;
     int64_t row_bytes; /* W_QUANT only */
@@ -241,6 +244,9 @@ static void linear_share(const ds_linear *lin, const float *x, int64_t ldx, cons
             break;
         case W_BF16: /* as the module path's gemm_bf16, for every row count */
             gemm_bf16_share(x, ldx, g->data, bias, out + off, ldo, m, g->n, lin->k);
+            break;
+        case W_BF16_TILED:
+            gemm_bf16_tiled_share(x, ldx, g->data, bias, out + off, ldo, m, g->n, lin->k);
             break;
         case W_QUANT:
             /* The dot layout multiplies every row count in integers (as quant_gemm). */

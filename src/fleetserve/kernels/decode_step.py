@@ -18,10 +18,11 @@ import numpy as np
 import torch
 
 from fleetserve.kernels import cpu as cpu_kernels
+from fleetserve.kernels.bf16 import TiledBf16
 from fleetserve.kernels.cpu import PackedWeight
 from fleetserve.kernels.quant import QuantWeight
 
-W_QUANT, W_PACKED, W_BF16 = 0, 1, 2
+W_QUANT, W_PACKED, W_BF16, W_BF16_TILED = 0, 1, 2, 3
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the MLP's gate activation (ACT_* in C)
 MAX_SEGMENTS = 3
 _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
@@ -91,8 +92,9 @@ def _lib() -> ctypes.CDLL:
 
 
 # One projection's weight: the segments of its output features in order (each a
-# QuantWeight), one PackedWeight, or one [n, k] bfloat16 tensor (gemm_bf16.c).
-Weights = list[QuantWeight] | PackedWeight | torch.Tensor
+# QuantWeight), one PackedWeight, one [n, k] bfloat16 tensor (gemm_bf16.c) or one bf16
+# weight laid out as AMX B tiles (TiledBf16, gemm_bf16_tiled.c).
+Weights = list[QuantWeight] | PackedWeight | torch.Tensor | TiledBf16
 
 
 @dataclass(frozen=True)
@@ -212,7 +214,7 @@ class DecodePlan:
         )  # fmt: skip
         # Output features of the head (0: no head in the step).
         self.vocab = 0
-        self.head_bf16 = isinstance(head, torch.Tensor)
+        self.head_bf16 = isinstance(head, torch.Tensor | TiledBf16)
         if head is not None:
             layers_bf16 = self.has_bf16
             self._linear(self._plan.head, head, None)
@@ -262,6 +264,11 @@ class DecodePlan:
     def _linear(self, dst: _Linear, w: Weights, bias: torch.Tensor | None) -> None:
         if isinstance(w, PackedWeight):
             dst.seg[0] = _Segment(W_PACKED, 0, w.data.data_ptr(), 0, w.out_features)
+            dst.num_segments, dst.k = 1, w.in_features
+            self._keep.append(w)
+        elif isinstance(w, TiledBf16):
+            dst.seg[0] = _Segment(W_BF16_TILED, 0, w.data_ptr(), 0, w.out_features)
+            self.has_bf16 = True
             dst.num_segments, dst.k = 1, w.in_features
             self._keep.append(w)
         elif isinstance(w, torch.Tensor):
@@ -371,6 +378,6 @@ def _bytes(w: Weights) -> int:
     """Bytes of a projection's weight as the step reads them."""
     if isinstance(w, PackedWeight):
         return int(w.data.numel() * w.data.element_size())
-    if isinstance(w, torch.Tensor):
+    if isinstance(w, torch.Tensor | TiledBf16):
         return int(w.numel() * w.element_size())
     return sum(int(q.row_bytes * q.out_features) for q in w)

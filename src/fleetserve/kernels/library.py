@@ -25,7 +25,7 @@ _SOURCES = [
         "read_probe.c",  # bench roofline's read probe
         "paged_attention.c", "fused_ops.c", "gemm.c", "quant_gemm.c", "quant_panel.c",
         "quant_dot.c", "quant_dot_simd.c", "quant_dot_amx.c", "quant_avx2.c", "decode_step.c",
-        "moe.c", "lora.c", "gemm_bf16.c", "attention_amx.c",
+        "moe.c", "lora.c", "gemm_bf16.c", "attention_amx.c", "gemm_bf16_tiled.c",
     )
 ]  # fmt: skip
 # Included by the sources: part of the cache key, not compiled on their own.

@@ -1,0 +1,377 @@
+/* bf16 weights laid out once at load as AMX B tiles (issue 25): the same products as
+ * gemm_bf16.c, which keeps serving [n, k] rows that do not tile (n % 16 or k % 32).
+ *
+ * Layout (kernels/bf16.py `tile_bf16`): for n-block b (weight rows 16b .. 16b + 15) and
+ * input chunk c (inputs 32c .. 32c + 31), one 1 KiB tile at (b * k / 32 + c) * 512 bf16
+ * values; in it, pair p of weight row j (inputs 32c + 2p and 32c + 2p + 1) at
+ * p * 32 + j * 2. That is a `tdpbf16ps` B operand as it stands: x rounded to bf16 is the
+ * A operand as plain rows (no packing), a C tile is 16 rows of x x 16 outputs, copied out
+ * row by row. Each weight tile is one contiguous read, and an n-block's tiles follow one
+ * another along k, so a step's weights stream in order.
+ *
+ * Every output's float32 sum runs in the order gemm_bf16.c's own paths give it: AMX sums
+ * each 32-input chunk in turn (the products are exact, the roles of A and B swapped);
+ * without AMX, `vdpbf16ps` lanes are the tile's pairs (lane p of output j adds pair p of
+ * every chunk, as dot_rows4 / dot_row do), reduced across lanes in _mm512_reduce_add_ps's
+ * tree. So tokens and logprobs do not change with the layout (tests/test_bf16_tiled.py). */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#include "amx_perm.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define TILED_NATIVE 1
+#else
+#define TILED_NATIVE 0
+#endif
+
+#if TILED_NATIVE && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define TILED_AMX 1
+#else
+#define TILED_AMX 0
+#endif
+
+#define TILE 512       /* bf16 values in one 16 x 32 weight tile */
+#define AMX_MIN_ROWS 9 /* as gemm_bf16.c: fewer rows take `vdpbf16ps` */
+
+static inline uint16_t round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float widen_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* x's rows rounded to bf16, m rounded up to 16 rows (zero past m), shared by the team:
+ * the thread that takes the `single` grows its own buffer and hands it round. After the
+ * rows, `extra` floats per thread (64-byte aligned). */
+static uint16_t *team_rows(size_t values, size_t extra_floats) {
+    static _Thread_local uint16_t *buf = NULL;
+    static _Thread_local size_t cap = 0;
+    const size_t need = values + extra_floats * 2;
+    if (need > cap) {
+        uint16_t *grown = aligned_alloc(64, (need * sizeof(uint16_t) + 63) / 64 * 64);
+        if (!grown) return NULL;
+        free(buf);
+        buf = grown, cap = need;
+    }
+    return buf;
+}
+
+#if TILED_NATIVE
+/* The four 128-bit steps of _mm512_reduce_add_ps (GCC's tree: lane i + lane i + 8, then
+ * + 4, then + 2, then + 1), across 16 vectors of lanes at once: out[j] is the reduction of
+ * the lanes v[0..15][j]. The empty asm keeps -ffast-math from re-associating the tree. */
+static inline __m512 reduce_lanes(__m512 v[16]) {
+    for (int i = 0; i < 8; i++) {
+        v[i] = _mm512_add_ps(v[i + 8], v[i]);
+        __asm__("" : "+v"(v[i]));
+    }
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm512_add_ps(v[i + 4], v[i]);
+        __asm__("" : "+v"(v[i]));
+    }
+    __m512 a = _mm512_add_ps(v[0], v[2]), b = _mm512_add_ps(v[1], v[3]);
+    __asm__("" : "+v"(a), "+v"(b));
+    return _mm512_add_ps(a, b);
+}
+
+/* Lanes h * 8 .. h * 8 + 7 (pairs h * 8 .. h * 8 + 7 of each chunk) against an n-block's
+ * tiles, two chains of 8 vectors. Not split: rows x0 and x1 (may be the same), each over
+ * every chunk (dot_rows4's one chain per row), one load of each tile row for both. Split:
+ * row x0's even chunks in `a`, its odd ones in `b` (dot_row's two chains). next: the next
+ * n-block's tiles, asked into L2 a tile a chunk (NULL: none), so the weights stream ahead
+ * of the passes over this block. */
+static inline void lanes8x2(const uint16_t *x0, const uint16_t *x1, const uint16_t *tiles,
+                            int64_t kc, int h, int split, const uint16_t *next, __m512 *a,
+                            __m512 *b) {
+    for (int l = 0; l < 8; l++) a[l] = b[l] = _mm512_setzero_ps();
+    const uint32_t *p0 = (const uint32_t *)x0 + h * 8, *p1 = (const uint32_t *)x1 + h * 8;
+    const uint16_t *t = tiles + h * 8 * 32;
+    if (!split) {
+        for (int64_t c = 0; c < kc; c++) {
+            if (next)
+                for (int q = 0; q < TILE; q += 32)
+                    _mm_prefetch((const char *)(next + c * TILE + q), _MM_HINT_T1);
+#pragma GCC unroll 8
+            for (int l = 0; l < 8; l++) {
+                const __m512bh w = (__m512bh)_mm512_loadu_si512(t + c * TILE + l * 32);
+                a[l] = _mm512_dpbf16_ps(a[l], (__m512bh)_mm512_set1_epi32((int)p0[c * 16 + l]), w);
+                b[l] = _mm512_dpbf16_ps(b[l], (__m512bh)_mm512_set1_epi32((int)p1[c * 16 + l]), w);
+            }
+        }
+        return;
+    }
+    for (int64_t c = 0; c < kc; c++) {
+        if (next)
+            for (int q = 0; q < TILE; q += 32)
+                _mm_prefetch((const char *)(next + c * TILE + q), _MM_HINT_T1);
+        __m512 *acc = c % 2 ? b : a;
+#pragma GCC unroll 8
+        for (int l = 0; l < 8; l++)
+            acc[l] = _mm512_dpbf16_ps(acc[l], (__m512bh)_mm512_set1_epi32((int)p0[c * 16 + l]),
+                                      (__m512bh)_mm512_loadu_si512(t + c * TILE + l * 32));
+    }
+}
+
+/* 16 outputs of rows x0 and x1 (split: of x0 alone, into o0; see lanes8x2), plus bias. */
+static void rows_pair(const uint16_t *x0, const uint16_t *x1, const uint16_t *tiles,
+                      int64_t kc, int split, const uint16_t *next, __m512 bias, float *o0,
+                      float *o1) {
+    __m512 v0[16], v1[16];
+    for (int h = 0; h < 2; h++) {
+        lanes8x2(x0, x1, tiles, kc, h, split, h ? NULL : next, v0 + h * 8, v1 + h * 8);
+        if (split)
+            for (int l = 0; l < 8; l++) v0[h * 8 + l] = _mm512_add_ps(v0[h * 8 + l], v1[h * 8 + l]);
+    }
+    _mm512_storeu_ps(o0, _mm512_add_ps(reduce_lanes(v0), bias));
+    if (!split && o1) _mm512_storeu_ps(o1, _mm512_add_ps(reduce_lanes(v1), bias));
+}
+#endif
+
+/* Outputs 16b .. 16b + 15 of every row, without AMX (xb's rows ldb values apart). */
+static void rows_nblock(const uint16_t *xb, int64_t ldb, int64_t m, int64_t k,
+                        const uint16_t *tiles,
+                        const uint16_t *next, const float *bias, float *out, int64_t ldo,
+                        int64_t j0) {
+    const int64_t kc = k / 32, full = m - m % 4;
+#if TILED_NATIVE
+    const __m512 b = bias ? _mm512_loadu_ps(bias + j0) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < m; r += r < full ? 2 : 1) {
+        const int split = r >= full;
+        rows_pair(xb + r * ldb, xb + (r + !split) * ldb, tiles, kc, split, r ? NULL : next, b,
+                  out + r * ldo + j0, split ? NULL : out + (r + 1) * ldo + j0);
+    }
+#else
+    (void)next;
+    (void)full;
+    for (int64_t r = 0; r < m; r++)
+        for (int j = 0; j < 16; j++) {
+            float acc = 0.0f;
+            for (int64_t q = 0; q < k; q++)
+                acc += widen_bf16(xb[r * ldb + q]) *
+                       widen_bf16(tiles[(q / 32) * TILE + (q % 32) / 2 * 32 + j * 2 + q % 2]);
+            out[r * ldo + j0 + j] = acc + (bias ? bias[j0 + j] : 0.0f);
+        }
+#endif
+}
+
+#if TILED_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void tiles_begin(void) {
+    /* Static: a local config only ldtilecfg reads may lose its stores (GCC 12). */
+    static const tile_config c __attribute__((aligned(64))) = {
+        .palette = 1,
+        .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+        .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+    };
+    _tile_loadconfig(&c);
+}
+
+/* Chunks per pass: the pass's weight tiles (2 n-blocks x KBLOCK KiB) stay in L1 for every
+ * row block of the chunk of rows, C tiles parked in `acc` between passes (stored and
+ * reloaded exactly). Weight tiles PREFETCH chunks ahead are asked for while the first
+ * pair of row blocks multiplies, so the stream overlaps the tile products. Both, and
+ * CHUNK_BYTES below, can be set with -D for A/B builds (bench/bf16_tiles.py numbers). */
+#ifndef KBLOCK
+#define KBLOCK 8
+#endif
+#ifndef PREFETCH
+#define PREFETCH 8
+#endif
+
+static inline void prefetch_tile(const uint16_t *t) {
+    for (int q = 0; q < TILE; q += 32) _mm_prefetch((const char *)(t + q), _MM_HINT_T0);
+}
+
+/* n-blocks 2p and 2p + 1 (na 2) or 2p alone (na 1) against row blocks b0 .. b1 - 1 of
+ * xb (16 rows each, zero past m); acc: 1024 floats per pair of row blocks. */
+static void amx_pair(const uint16_t *wt, const uint16_t *xb, int64_t ldb, const float *bias,
+                     float *out, int64_t ldo, int64_t m, int64_t k, int64_t p, int na,
+                     int64_t b0, int64_t b1, float *acc) {
+    const int64_t kc = k / 32, xstride = ldb * 2;
+    const uint16_t *w0 = wt + 2 * p * kc * TILE, *w1 = w0 + kc * TILE;
+    for (int64_t c0 = 0; c0 < kc; c0 += KBLOCK) {
+        const int64_t c1 = c0 + KBLOCK < kc ? c0 + KBLOCK : kc;
+        for (int64_t b = b0; b < b1; b += 2) {
+            const int nb = b + 1 < b1 ? 2 : 1;
+            const uint16_t *x0 = xb + b * 16 * ldb, *x1 = x0 + 16 * ldb;
+            float *t = acc + (b - b0) / 2 * 1024; /* C tiles 0-3 at t + 256 * tile */
+            if (c0 == 0) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+            } else {
+                _tile_loadd(0, t, 64);
+                if (nb == 2) _tile_loadd(1, t + 256, 64);
+                if (na == 2) _tile_loadd(2, t + 512, 64);
+                if (na == 2 && nb == 2) _tile_loadd(3, t + 768, 64);
+            }
+#ifndef NO_OUT_PREFETCH
+            /* The outputs' lines asked for (for writing) while the last k-block runs: their
+             * stores then do not wait on the reads for ownership (1024 x 2304 x 768, one
+             * core: 0.59-0.64 -> 0.78-0.84 TFLOP/s). */
+            if (c1 == kc)
+                for (int i = 0; i < 16 * nb && b * 16 + i < m; i++) {
+                    float *o = out + (b * 16 + i) * ldo + 2 * p * 16;
+                    _mm_prefetch((const char *)o, _MM_HINT_ET0);
+                    if (na == 2) _mm_prefetch((const char *)(o + 16), _MM_HINT_ET0);
+                }
+#endif
+            for (int64_t c = c0; c < c1; c++) {
+                if (b == b0 && c + PREFETCH < kc) {
+                    prefetch_tile(w0 + (c + PREFETCH) * TILE);
+                    if (na == 2) prefetch_tile(w1 + (c + PREFETCH) * TILE);
+                }
+                _tile_loadd(4, x0 + c * 32, xstride);
+                _tile_loadd(6, w0 + c * TILE, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (nb == 2) {
+                    _tile_loadd(5, x1 + c * 32, xstride);
+                    _tile_dpbf16ps(1, 5, 6);
+                }
+                if (na == 2) {
+                    _tile_loadd(7, w1 + c * TILE, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                    if (nb == 2) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, t, 64);
+            if (nb == 2) _tile_stored(1, t + 256, 64);
+            if (na == 2) _tile_stored(2, t + 512, 64);
+            if (na == 2 && nb == 2) _tile_stored(3, t + 768, 64);
+            if (c1 < kc) continue;
+            for (int q = 0; q < 2 * 2; q++) { /* tile q: row block b + q % 2, n-block q / 2 */
+                const int64_t r0 = (b + q % 2) * 16, j0 = (2 * p + q / 2) * 16;
+                if (q % 2 >= nb || q / 2 >= na) continue;
+                const __m512 bv = bias ? _mm512_loadu_ps(bias + j0) : _mm512_setzero_ps();
+                for (int i = 0; i < 16 && r0 + i < m; i++)
+                    _mm512_storeu_ps(out + (r0 + i) * ldo + j0,
+                                     _mm512_add_ps(_mm512_load_ps(t + q * 256 + i * 16), bv));
+            }
+        }
+    }
+}
+
+/* Row blocks per chunk of rows: as gemm_bf16.c's amx_chunk_blocks, the chunk's bf16 rows
+ * stay in the core's L2 while the weights stream past (an even count), but at least 256
+ * rows: each chunk streams all the weights again (1024 x 768 x 2048: 96-row chunks read
+ * 3 MiB of weights 11 times; 256-row chunks 0.83-0.93 -> 0.97-0.99 TFLOP/s on one core). */
+#ifndef CHUNK_BYTES
+#define CHUNK_BYTES (384 << 10)
+#endif
+static int64_t chunk_blocks(int64_t k) {
+    int64_t blocks = CHUNK_BYTES / (k * 2 * 16);
+    blocks -= blocks % 2;
+    return blocks < 16 ? 16 : blocks;
+}
+#endif
+
+/* This thread's share of out[m, n] = bf16(x) @ w^T (+ bias) over tiled weights; every
+ * thread of the team calls it, and it ends in the team's barrier. Returns 0, or -1 when
+ * the rows' buffer could not grow (abort_on_oom: the process aborts instead, as the C
+ * step cannot return an error from inside its team). */
+static int tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const float *bias,
+                       float *out, int64_t ldo, int64_t m, int64_t n, int64_t k,
+                       int abort_on_oom) {
+    const int64_t mb = (m + 15) / 16, nblocks = n / 16, kc = k / 32;
+    int use_amx = 0;
+#if TILED_AMX
+    use_amx = m >= AMX_MIN_ROWS && amx_permitted();
+    const int64_t chunk = chunk_blocks(k), cb = chunk < mb ? chunk : mb;
+    const size_t acc_floats = use_amx ? (size_t)((cb + 1) / 2 * 1024) : 0;
+#else
+    const size_t acc_floats = 0;
+#endif
+    /* Rows of x 64 bytes longer than k values: an A tile's 16 rows then fall in different
+     * L1 sets where k * 2 is a multiple of 4 KiB (k = 2048: 64 x 768 x 2048 ran at
+     * 0.50 TFLOP/s, the rows kernel's packed blocks at 0.58). */
+    const int64_t ldb = k + 32;
+    const size_t rows_len = (size_t)(mb * 16 * ldb), acc_at = (rows_len + 32 + 31) / 32 * 32;
+    uint16_t *xb = NULL;
+#pragma omp single copyprivate(xb)
+    xb = team_rows(acc_at, acc_floats * (size_t)omp_get_num_threads());
+    if (!xb) {
+        if (abort_on_oom) {
+            fprintf(stderr, "fleetserve: gemm_bf16 (tiled): cannot allocate the bf16 rows\n");
+            abort();
+        }
+        return -1; /* every thread sees the same NULL: none waits at a barrier below */
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < mb * 16; r++) {
+        uint16_t *dst = xb + r * ldb;
+        if (r >= m) {
+            memset(dst, 0, (size_t)k * sizeof(uint16_t));
+            continue;
+        }
+        const float *src = x + r * ldx;
+        int64_t i = 0;
+#if TILED_NATIVE
+        for (; i + 32 <= k; i += 32)
+            _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16),
+                                                                     _mm512_loadu_ps(src + i)));
+#endif
+        for (; i < k; i++) dst[i] = round_bf16(src[i]);
+    }
+    if (!use_amx) {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nblocks; b++) {
+            const uint16_t *tiles = wt + b * kc * TILE;
+            rows_nblock(xb, ldb, m, k, tiles, b + 1 < nblocks ? tiles + kc * TILE : NULL, bias, out,
+                        ldo, b * 16);
+        }
+        return 0;
+    }
+#if TILED_AMX
+    float *acc = (float *)(xb + acc_at) + (size_t)omp_get_thread_num() * acc_floats;
+    const int64_t npairs = (nblocks + 1) / 2, nchunks = (mb + chunk - 1) / chunk;
+    int configured = 0;
+    /* Work items (chunk of rows, pair of n-blocks), chunk-major: with several chunks a
+     * static split gives each thread whole chunks, whose rows stay in its L2. */
+#pragma omp for schedule(static)
+    for (int64_t q = 0; q < nchunks * npairs; q++) {
+        if (!configured) tiles_begin(), configured = 1;
+        const int64_t b0 = q / npairs * chunk, p = q % npairs;
+        const int64_t b1 = b0 + chunk < mb ? b0 + chunk : mb;
+        amx_pair(wt, xb, ldb, bias, out, ldo, m, k, p, 2 * p + 1 < nblocks ? 2 : 1, b0, b1, acc);
+    }
+    if (configured) _tile_release();
+#endif
+    return 0;
+}
+
+/* The C step's share (decode_step.c's W_BF16_TILED). */
+int gemm_bf16_tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const float *bias,
+                          float *out, int64_t ldo, int64_t m, int64_t n, int64_t k) {
+    return tiled_share(x, ldx, wt, bias, out, ldo, m, n, k, 1);
+}
+
+/* x: [m, k] float32 with row stride ldx; wt: the tiles of an [n, k] weight (n % 16 == 0,
+ * k % 32 == 0, 64-byte aligned); bias: NULL or [n]; out: [m, n] float32 with row stride
+ * ldo. Returns 0, or -1 when the rows' buffer cannot be allocated. */
+int gemm_bf16_tiled(const float *x, int64_t ldx, const uint16_t *wt, const float *bias,
+                    float *out, int64_t ldo, int64_t m, int64_t n, int64_t k, int threads) {
+    int rc = 0;
+#pragma omp parallel num_threads(threads) reduction(min : rc)
+    rc = tiled_share(x, ldx, wt, bias, out, ldo, m, n, k, 0);
+    return rc;
+}
