@@ -260,7 +260,11 @@ class Scheduler:
         if num_new <= 0:
             return
         num_spec = max(0, num_new - num_unseen)
-        lookahead = self._lookahead(req, req.num_computed_tokens, num_new)
+        lookahead = (
+            self._lookahead(req, req.num_computed_tokens, num_new)
+            if self.config.num_lookahead_tokens
+            else 0
+        )
         while not bm.allocate_slots(req, num_new + lookahead):
             if num_spec or lookahead:
                 # Drafts and lookahead are optional: drop them before preempting.
