@@ -428,6 +428,8 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         max_len = self.config.max_model_len
+        # Without drafts or lookahead slots no request holds blocks past its tokens.
+        may_hold_tail = result.spec_token_ids is not None or self.config.num_lookahead_tokens
         for idx, req_id in enumerate(result.req_ids):
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -459,7 +461,7 @@ class Scheduler:
             # Only now are the accepted drafts among the request's tokens (block hashes
             # cover verified tokens only).
             self.block_manager.cache_full_blocks(req)
-            if not req.finished:
+            if not req.finished and (may_hold_tail or drafts):
                 self._after_verify(req, result, idx)
             prompt_lps = result.prompt_logprobs.get(req_id)
             if not new_tokens and prompt_lps is None:

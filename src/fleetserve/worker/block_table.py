@@ -35,6 +35,8 @@ class BlockTable:
         """Keep the row's first `num_kept` blocks, then append `new_ids`."""
         row = self.rows[req_id]
         held = int(self.num_blocks[row])
+        if num_kept >= held and not new_ids:
+            return
         if num_kept < held:
             self.table[row, num_kept:held] = 0
             held = num_kept

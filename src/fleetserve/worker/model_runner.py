@@ -174,15 +174,14 @@ class ModelRunner:
             kept = cached.num_kept_block_ids
             if kept is not None:
                 del st.block_ids[kept:]
-            if kept is not None or cached.new_block_ids:
-                self.block_table.extend(rid, len(st.block_ids), cached.new_block_ids)
+            self.block_table.extend(rid, len(st.block_ids), cached.new_block_ids)
             st.block_ids.extend(cached.new_block_ids)
             if st.window_block_ids is not None:
                 kept_w = cached.num_kept_window_block_ids
                 new_w = cached.new_window_block_ids or []
                 if kept_w is not None:
                     del st.window_block_ids[kept_w:]
-                if self.window_table is not None and (kept_w is not None or new_w):
+                if self.window_table is not None:
                     self.window_table.extend(rid, len(st.window_block_ids), new_w)
                 st.window_block_ids.extend(new_w)
             st.num_computed_tokens = cached.num_computed_tokens
