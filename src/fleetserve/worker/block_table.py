@@ -15,7 +15,7 @@ import numpy as np
 class BlockTable:
     def __init__(self, num_rows: int = 8, num_cols: int = 16) -> None:
         self.table = np.zeros((num_rows, num_cols), dtype=np.int64)
-        self.num_blocks = np.zeros(num_rows, dtype=np.int64)
+        self.num_blocks = [0] * num_rows  # a list: read per request per step
         self.rows: dict[str, int] = {}
         self._free = list(range(num_rows - 1, -1, -1))  # popped from the end: lowest first
 
@@ -34,7 +34,7 @@ class BlockTable:
     def extend(self, req_id: str, num_kept: int, new_ids: list[int]) -> None:
         """Keep the row's first `num_kept` blocks, then append `new_ids`."""
         row = self.rows[req_id]
-        held = int(self.num_blocks[row])
+        held = self.num_blocks[row]
         if num_kept >= held and not new_ids:
             return
         if num_kept < held:
@@ -58,7 +58,7 @@ class BlockTable:
     def _grow_rows(self) -> None:
         n, cols = self.table.shape
         self.table = np.concatenate([self.table, np.zeros((n, cols), dtype=np.int64)])
-        self.num_blocks = np.concatenate([self.num_blocks, np.zeros(n, dtype=np.int64)])
+        self.num_blocks.extend([0] * n)
         self._free.extend(range(2 * n - 1, n - 1, -1))
 
     def _grow_cols(self, want: int) -> None:
