@@ -171,19 +171,23 @@ class ModelRunner:
             rid = cached.req_id
             st = self.requests[rid]
             st.token_ids.extend(cached.new_token_ids)
-            kept = cached.num_kept_block_ids
-            if kept is not None:
-                del st.block_ids[kept:]
-            self.block_table.extend(rid, len(st.block_ids), cached.new_block_ids)
-            st.block_ids.extend(cached.new_block_ids)
+            # The table's row changes only with the block list (a decode inside its last
+            # block changes neither).
+            kept, new_ids = cached.num_kept_block_ids, cached.new_block_ids
+            if (kept is not None and kept < len(st.block_ids)) or new_ids:
+                if kept is not None:
+                    del st.block_ids[kept:]
+                self.block_table.extend(rid, len(st.block_ids), new_ids)
+                st.block_ids.extend(new_ids)
             if st.window_block_ids is not None:
                 kept_w = cached.num_kept_window_block_ids
                 new_w = cached.new_window_block_ids or []
-                if kept_w is not None:
-                    del st.window_block_ids[kept_w:]
-                if self.window_table is not None:
-                    self.window_table.extend(rid, len(st.window_block_ids), new_w)
-                st.window_block_ids.extend(new_w)
+                if (kept_w is not None and kept_w < len(st.window_block_ids)) or new_w:
+                    if kept_w is not None:
+                        del st.window_block_ids[kept_w:]
+                    if self.window_table is not None:
+                        self.window_table.extend(rid, len(st.window_block_ids), new_w)
+                    st.window_block_ids.extend(new_w)
             st.num_computed_tokens = cached.num_computed_tokens
 
     # ---------------------------------------------------------------- execute
@@ -298,7 +302,8 @@ class ModelRunner:
         q_lens: list[int],
         num_decodes: int,
     ) -> tuple[AttentionMetadata, torch.Tensor]:
-        rows = np.fromiter((table.rows[s.req_id] for s in ordered), np.int64, len(ordered))
+        row_of = table.rows
+        rows = np.array([row_of[s.req_id] for s in ordered], dtype=np.int64)
         return build_cpu_metadata(table, rows, ctx_lens, q_lens, num_decodes, self.block_size)
 
     def path_counts(self) -> dict[str, int]:
