@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetserve.bench.offline_python import measure
+from fleetserve.bench.offline_python import beside, measure
 from fleetserve.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
@@ -35,3 +35,16 @@ def test_parts_add_up_and_the_stub_runs_the_same_steps(
         assert parts["runner_metadata"] > 0 and parts["runner_sample"] > 0
         assert sum(parts.values()) == pytest.approx(out["python_ms"], rel=0.02, abs=0.5)
     assert real["c_step_ms"] > 0 and stub["c_step_ms"] is None
+
+
+def test_beside_times_a_64_row_decode_step_both_ways(
+    tiny_model_factory: Callable[..., str], tmp_path: Path
+) -> None:
+    reqs = [{"prompt_token_ids": [5 + i, 6, 7, 8 + i % 50], "output_len": 3} for i in range(64)]
+    workload = tmp_path / "w.json"
+    workload.write_text(json.dumps({"requests": reqs}))
+    out = beside(tiny_model_factory("llama"), str(workload), 1, 0.2, 3)
+    assert out["alone_ms"] > 0 and out["beside_ms"] > 0 and out["work_ms"] == 0.2
+    workload.write_text(json.dumps({"requests": reqs[:63]}))
+    with pytest.raises(ValueError, match="64-row"):
+        beside(tiny_model_factory("llama"), str(workload), 1, 0.2, 1)

@@ -8,6 +8,9 @@ metadata and sampling, the model's Python around the C step (embedding lookup, t
 step's arguments), the scheduler's update, the output processor (detokenizing), the rest
 (LLM's loop). Everything but `c_step` runs while the step's other threads wait.
 
+`--beside MS` times a captured 64-row decode step alone and beside MS of pure Python
+in another thread: whether preparing the next step during this one would pay.
+
 `--stub` replaces the C step by a stand-in that reads 48 MB (as a step's weights evict
 the caches), writes a fixed token as every row's argmax and returns: the same steps,
 rows and Python (tokens do not steer a greedy, ignore_eos run's schedule) in seconds
@@ -141,6 +144,73 @@ def _parts(a: dict[str, float], threads: int, stub: bool) -> dict[str, Any]:
     }
 
 
+def beside(model: str, workload: str, threads: int, work_ms: float, reps: int) -> dict[str, Any]:
+    """Would a prepare-ahead pay? The workload's first 64-row decode step (captured from a
+    short run) timed alone and while a Python thread runs `work_ms` of pure Python beside
+    it, as the next step's scheduling would (the C step releases the GIL); alternated,
+    medians of `reps` in ms. It pays only if `beside_ms` < `alone_ms` + `work_ms`."""
+    import statistics
+    import threading
+
+    from fleetserve import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    reqs = load_workload(workload)
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in reqs)
+    llm = LLM(model=model, max_model_len=longest + 16, max_num_seqs=64, num_threads=threads, seed=0)
+    plan = llm.engine.core.executor.runner.model.model.decode_plan  # type: ignore[attr-defined]
+    run = plan.run
+    kept: list[Any] = []
+
+    class Captured(Exception):
+        pass
+
+    def capture(*args: Any) -> Any:
+        out = run(*args)
+        if args[0].shape[0] == 64 and int(args[5].max()) == 1:
+            kept.extend(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+            raise Captured  # the run is aborted: the rest is not needed
+        return out
+
+    plan.run = capture
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs
+    ]
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    except Captured:
+        pass
+    finally:
+        plan.run = run
+    if not kept:
+        raise ValueError("the workload has no 64-row decode step")
+
+    def python_work() -> None:
+        end, x = time.perf_counter() + work_ms / 1000, 0
+        while time.perf_counter() < end:
+            for i in range(200):
+                x += i
+
+    alone, with_python = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run(*kept)
+        alone.append(time.perf_counter() - t0)
+        th = threading.Thread(target=python_work)
+        t0 = time.perf_counter()
+        th.start()
+        run(*kept)
+        with_python.append(time.perf_counter() - t0)
+        th.join()
+    return {
+        "threads": threads,
+        "work_ms": work_ms,
+        "alone_ms": 1000 * statistics.median(alone),
+        "beside_ms": 1000 * statistics.median(with_python),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="default: the bench Llama")
@@ -148,7 +218,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--stub", action="store_true", help="the C step replaced by a stand-in")
     p.add_argument("--reps", type=int, default=1)
+    p.add_argument(
+        "--beside", type=float, default=None, metavar="MS",
+        help="instead: a 64-row decode step alone and beside MS of Python (--reps runs)",
+    )  # fmt: skip
     args = p.parse_args()
+    if args.beside is not None:
+        m = args.model or bench_model_path()
+        print(json.dumps(beside(m, args.workload, args.threads, args.beside, args.reps), indent=1))
+        return
     out = measure(
         args.model or bench_model_path(), args.workload, args.threads, args.stub, args.reps
     )
