@@ -174,6 +174,12 @@ class BlockManager:
         ``computed_blocks`` are prefix-cache hits for a request that holds no block yet.
         Returns False and changes nothing when the free blocks do not suffice.
         """
+        if not computed_blocks and self.sliding_window is None:
+            held = self.req_to_blocks.get(request.req_id)
+            if held is not None and len(held) * self.block_size >= (
+                request.num_computed_tokens + num_new_tokens
+            ):
+                return True  # a decode inside its last block: nothing to take
         computed_blocks = computed_blocks or []
         self.release_out_of_window(request)
         held = self.req_to_blocks.get(request.req_id, [])

@@ -136,15 +136,20 @@ class Request:
     def check_stop(self, max_model_len: int) -> bool:
         """Token-level stops (length, EOS, stop_token_ids). Stop strings need text and are
         checked by the engine after detokenizing."""
-        if not self.output_token_ids:
+        out = self.output_token_ids
+        if not out:
             return False
         sp = self.sampling_params
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+        num_out = len(out)
+        max_tokens = sp.max_tokens
+        if (max_tokens is not None and num_out >= max_tokens) or len(
+            self.all_token_ids
+        ) >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
             return True
-        if self.num_output_tokens < sp.min_tokens:
+        if num_out < sp.min_tokens:
             return False
-        last = self.output_token_ids[-1]
+        last = out[-1]
         if not sp.ignore_eos and last in self.eos_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = None

@@ -260,7 +260,11 @@ class Scheduler:
         if num_new <= 0:
             return
         num_spec = max(0, num_new - num_unseen)
-        lookahead = self._lookahead(req, req.num_computed_tokens, num_new)
+        lookahead = (
+            self._lookahead(req, req.num_computed_tokens, num_new)
+            if self.config.num_lookahead_tokens
+            else 0
+        )
         while not bm.allocate_slots(req, num_new + lookahead):
             if num_spec or lookahead:
                 # Drafts and lookahead are optional: drop them before preempting.
@@ -424,6 +428,8 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         max_len = self.config.max_model_len
+        # Without drafts or lookahead slots no request holds blocks past its tokens.
+        may_hold_tail = result.spec_token_ids is not None or self.config.num_lookahead_tokens
         for idx, req_id in enumerate(result.req_ids):
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -455,7 +461,7 @@ class Scheduler:
             # Only now are the accepted drafts among the request's tokens (block hashes
             # cover verified tokens only).
             self.block_manager.cache_full_blocks(req)
-            if not req.finished:
+            if not req.finished and (may_hold_tail or drafts):
                 self._after_verify(req, result, idx)
             prompt_lps = result.prompt_logprobs.get(req_id)
             if not new_tokens and prompt_lps is None:

@@ -66,6 +66,8 @@ class _ParentState:
 
     @property
     def finished(self) -> bool:
+        if len(self.children) == 1:
+            return next(iter(self.children.values())).finish_reason is not None
         return all(c.finished for c in self.children.values())
 
 
@@ -155,7 +157,7 @@ class OutputProcessor:
                 continue
             st = self.parents[pid]
             child = st.children[eo.req_id]
-            if child.finished:
+            if child.finish_reason is not None:
                 continue
             touched[pid] = st
             st.num_cached_tokens = max(st.num_cached_tokens, eo.num_cached_tokens)
@@ -171,12 +173,13 @@ class OutputProcessor:
                 to_stop.append(eo.req_id)
         results = []
         for pid, st in touched.items():
-            if st.finished:
+            finished = st.finished
+            if finished:
                 st.metrics["e2e_latency"] = now - st.arrival_time
                 del self.parents[pid]
                 for cid in st.children:
                     self.child_to_parent.pop(cid, None)
-            results.append(self._take_delta(st))
+            results.append(self._take_delta(st, finished))
         return results, to_stop
 
     def _update_child(self, params: SamplingParams, child: _Child, eo: EngineCoreOutput) -> bool:
@@ -234,8 +237,11 @@ class OutputProcessor:
         child.ended_now = child.finished
         return stopped
 
-    def _take_delta(self, st: _ParentState) -> RequestOutput:
-        """What is new for the reader since the request's previous delta; resets it."""
+    def _take_delta(self, st: _ParentState, finished: bool | None = None) -> RequestOutput:
+        """What is new for the reader since the request's previous delta; resets it.
+        finished: `st.finished`, if the caller has it."""
+        if finished is None:
+            finished = st.finished
         outputs = []
         for c in st.children.values():
             if not (c.new_token_ids or c.new_text or c.ended_now):
@@ -257,7 +263,7 @@ class OutputProcessor:
         if not st.prompt_logprobs_sent and st.prompt_logprobs is not None:
             # Once, when the prompt is prefilled (the first token, or the end).
             complete = len(st.prompt_logprobs) >= len(st.prompt_token_ids)
-            if complete or st.first_token_time is not None or st.finished:
+            if complete or st.first_token_time is not None or finished:
                 prompt_logprobs, st.prompt_logprobs_sent = st.prompt_logprobs, True
                 st.prompt_logprobs = None  # the reader owns that list now
         return RequestOutput(
@@ -265,10 +271,10 @@ class OutputProcessor:
             prompt=st.prompt,
             prompt_token_ids=st.prompt_token_ids,
             outputs=outputs,
-            finished=st.finished,
+            finished=finished,
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=st.num_cached_tokens,
-            metrics=dict(st.metrics) if st.finished else {},
+            metrics=dict(st.metrics) if finished else {},
         )
 
 

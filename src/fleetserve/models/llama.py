@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -148,7 +149,7 @@ class LlamaModel(nn.Module):
         self.decode_lora: FusedLoRA | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = embed_rows(self.embed_tokens, input_ids)
         groups = lora_rows()
         if self.decode_plan is not None and (groups is None or self.decode_lora is not None):
             lora = None if groups is None else cast("FusedLoRA", self.decode_lora).step(groups)
@@ -161,6 +162,21 @@ class LlamaModel(nn.Module):
         if residual is not None:
             x = x + residual
         return self.norm(x)
+
+
+def embed_rows(embed: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """`embed(input_ids)`; a plain float32 table on the CPU is read by numpy on this
+    thread: torch's lookup is an OpenMP region, whose threads a step's C region has just
+    left spinning (a busy machine's descheduled partner makes it cost milliseconds)."""
+    w = getattr(embed, "weight", None)
+    if type(embed) is not nn.Embedding or w is None or input_ids.device.type != "cpu":
+        return embed(input_ids)
+    if w.dtype != torch.float32 or not w.is_contiguous() or w.device.type != "cpu":
+        return embed(input_ids)
+    ids = input_ids.numpy()
+    if ids.size and not 0 <= int(ids.min()) <= int(ids.max()) < w.shape[0]:
+        return embed(input_ids)  # torch's own error for an id off the table
+    return torch.from_numpy(np.take(w.detach().numpy(), ids, axis=0))
 
 
 # HF tensor name suffix -> (our fused parameter suffix, shard index within it)

@@ -6,9 +6,11 @@ lay sequences out the same way: decodes (one query token with context) first.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fleetserve.forward_context import AttentionMetadata, DecodeGroup, PagedSeqs
+from fleetserve.worker.block_table import BlockTable
 
 
 def build_attention_metadata(
@@ -101,3 +103,63 @@ def build_attention_metadata(
         cpu_kernels=cpu_kernels,
     )
     return meta, pos_t
+
+
+def build_cpu_metadata(
+    table: BlockTable,
+    rows: np.ndarray,
+    ctx_lens: list[int],
+    q_lens: list[int],
+    num_decodes: int,
+    block_size: int,
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """`build_attention_metadata` for the CPU kernels (the same values, bit for bit),
+    gathered by numpy from the runner's `table`: sequence i's block ids are row `rows[i]`
+    (int64 [num_seqs]). One int64 array a step, handed out as tensor views."""
+    bs = block_size
+    n = len(q_lens)
+    ctx = np.array(ctx_lens, dtype=np.int64)
+    q = np.array(q_lens, dtype=np.int64)
+    seq = ctx + q
+    qsl = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(q, out=qsl[1:])
+    m = int(qsl[-1])
+    nblk = -(-int(seq.max()) // bs)
+    every = np.empty(3 * m + 3 * n + n * nblk, dtype=np.int64)
+    pos, blocks, offsets = every[:m], every[m : 2 * m], every[2 * m : 3 * m]
+    if m == n:  # one row per sequence (decodes): its position is its context length
+        pos[:] = ctx
+        token_rows = rows
+    else:  # row j of sequence i sits at position ctx[i] + (j - qsl[i])
+        np.subtract(np.arange(m, dtype=np.int64), np.repeat(qsl[:-1] - ctx, q), out=pos)
+        token_rows = np.repeat(rows, q)
+    # Where each new token's K/V goes: (block, offset within it).
+    np.floor_divide(pos, bs, out=offsets)
+    blocks[:] = table.table[token_rows, offsets]
+    np.remainder(pos, bs, out=offsets)
+    o = 3 * m
+    every[o : o + n] = qsl[:-1]
+    every[o + n : o + 2 * n] = q
+    every[o + 2 * n : o + 3 * n] = seq
+    np.take(table.table[:, :nblk], rows, axis=0, out=every[o + 3 * n :].reshape(n, nblk))
+    t = torch.from_numpy(every)
+    paged = PagedSeqs(
+        q_starts=t[o : o + n],
+        q_lens=t[o + n : o + 2 * n],
+        seq_lens=t[o + 2 * n : o + 3 * n],
+        block_tables=t[o + 3 * n :].view(n, nblk),
+    )
+    meta = AttentionMetadata(
+        slot_blocks=t[m : 2 * m],
+        slot_offsets=t[2 * m : 3 * m],
+        query_start_loc=qsl.tolist(),
+        seq_lens=seq.tolist(),
+        context_lens=list(ctx_lens),
+        num_decodes=num_decodes,
+        block_size=bs,
+        paged=paged,
+        decode_groups=[],
+        prefill_block_tables=[],
+        cpu_kernels=True,
+    )
+    return meta, t[:m]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from fleetserve.config import EngineConfig
@@ -16,14 +17,15 @@ from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from fleetserve.core.structured import GrammarBitmask
 from fleetserve.distributed.parallel_state import ParallelContext
-from fleetserve.forward_context import set_forward_context
+from fleetserve.forward_context import AttentionMetadata, set_forward_context
 from fleetserve.layers.sampler import Sampler, SamplingRow, apply_token_bitmask, top_logprobs
 from fleetserve.lora.context import set_lora_rows
 from fleetserve.lora.slots import LoRASlots
 from fleetserve.models.loader import ModelSource
 from fleetserve.spec_decode.base import Proposal, ProposalRequest, Proposer
 from fleetserve.spec_decode.rejection_sampler import DraftedRow, RejectionSampler
-from fleetserve.worker.attn_metadata import build_attention_metadata
+from fleetserve.worker.attn_metadata import build_attention_metadata, build_cpu_metadata
+from fleetserve.worker.block_table import BlockTable
 from fleetserve.worker.model_setup import (
     bind_decode_plan,
     bind_kv_caches,
@@ -51,6 +53,18 @@ class RequestState:
     lora_name: str | None = None
     # The distribution the pending drafts were drawn from ([k, vocab]; None: a point mass).
     draft_probs: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        # Greedy with nothing that changes the logits: its token is the logits' argmax.
+        self._plain_greedy = p.greedy and not p.needs_penalties and p.logprobs is None
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Whether this step's token is the argmax of the raw logits (min_tokens, if any,
+        already reached), no logprobs wanted: the sampler would return just that."""
+        num_out = len(self.token_ids) - self.num_prompt_tokens
+        return self._plain_greedy and num_out >= self.params.min_tokens
 
     def sampling_row(self) -> SamplingRow:
         n = self.num_prompt_tokens
@@ -113,6 +127,10 @@ class ModelRunner:
         head_exact = getattr(self.model, "head_argmax_exact", None)
         self.head_argmax = bool(head_exact and head_exact())
         self.requests: dict[str, RequestState] = {}
+        # The requests' block ids as numpy rows, from which the C kernels' metadata is
+        # gathered each step (and the sliding-window layers' own, where they have some).
+        self.block_table = BlockTable()
+        self.window_table = BlockTable() if self.num_sliding_blocks else None
         self.forward_steps = 0  # model forwards run (beside the plan's C steps)
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.proposer: Proposer | None = None
@@ -123,8 +141,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------ state diffs
     def _update_states(self, so: SchedulerOutput) -> None:
+        tables = [t for t in (self.block_table, self.window_table) if t is not None]
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            for t in tables:
+                t.remove(req_id)
             if self.proposer is not None:
                 self.proposer.forget(req_id)
         for new in so.scheduled_new_reqs:
@@ -143,16 +164,30 @@ class ModelRunner:
                 else list(new.window_block_ids),
                 lora_name=new.lora_name,
             )
+            self.block_table.add(new.req_id, new.block_ids)
+            if self.window_table is not None:
+                self.window_table.add(new.req_id, new.window_block_ids or [])
         for cached in so.scheduled_cached_reqs:
-            st = self.requests[cached.req_id]
+            rid = cached.req_id
+            st = self.requests[rid]
             st.token_ids.extend(cached.new_token_ids)
-            if cached.num_kept_block_ids is not None:
-                del st.block_ids[cached.num_kept_block_ids :]
-            st.block_ids.extend(cached.new_block_ids)
+            # The table's row changes only with the block list (a decode inside its last
+            # block changes neither).
+            kept, new_ids = cached.num_kept_block_ids, cached.new_block_ids
+            if (kept is not None and kept < len(st.block_ids)) or new_ids:
+                if kept is not None:
+                    del st.block_ids[kept:]
+                self.block_table.extend(rid, len(st.block_ids), new_ids)
+                st.block_ids.extend(new_ids)
             if st.window_block_ids is not None:
-                if cached.num_kept_window_block_ids is not None:
-                    del st.window_block_ids[cached.num_kept_window_block_ids :]
-                st.window_block_ids.extend(cached.new_window_block_ids or [])
+                kept_w = cached.num_kept_window_block_ids
+                new_w = cached.new_window_block_ids or []
+                if (kept_w is not None and kept_w < len(st.window_block_ids)) or new_w:
+                    if kept_w is not None:
+                        del st.window_block_ids[kept_w:]
+                    if self.window_table is not None:
+                        self.window_table.extend(rid, len(st.window_block_ids), new_w)
+                    st.window_block_ids.extend(new_w)
             st.num_computed_tokens = cached.num_computed_tokens
 
     # ---------------------------------------------------------------- execute
@@ -182,17 +217,24 @@ class ModelRunner:
                 input_ids.extend(s.token_ids[c:] + drafts)
             else:
                 input_ids.extend(s.token_ids[c : c + n])
-        meta, pos_t = build_attention_metadata(
-            [s.block_ids for s in ordered],
-            ctx_lens,
-            q_lens,
-            len(decodes),
-            self.block_size,
-            self.device,
-            self.use_cpu_kernel,
-            DECODE_GROUP_SIZE,
-        )
-        if self.num_sliding_blocks:
+        if self.use_cpu_kernel:
+            nd = len(decodes)
+            meta, pos_t = self._cpu_metadata(self.block_table, ordered, ctx_lens, q_lens, nd)
+            if self.window_table is not None:
+                w = self.window_table
+                meta.sliding, _ = self._cpu_metadata(w, ordered, ctx_lens, q_lens, nd)
+        else:
+            meta, pos_t = build_attention_metadata(
+                [s.block_ids for s in ordered],
+                ctx_lens,
+                q_lens,
+                len(decodes),
+                self.block_size,
+                self.device,
+                self.use_cpu_kernel,
+                DECODE_GROUP_SIZE,
+            )
+        if self.num_sliding_blocks and not self.use_cpu_kernel:
             # The sliding-window layers' slots and tables (same positions).
             meta.sliding, _ = build_attention_metadata(
                 [s.window_block_ids or [] for s in ordered],
@@ -252,6 +294,18 @@ class ModelRunner:
             spec_token_ids=self._propose(req_ids, sampled) if self.proposer is not None else None,
         )
 
+    def _cpu_metadata(
+        self,
+        table: BlockTable,
+        ordered: list[RequestState],
+        ctx_lens: list[int],
+        q_lens: list[int],
+        num_decodes: int,
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
+        row_of = table.rows
+        rows = np.array([row_of[s.req_id] for s in ordered], dtype=np.int64)
+        return build_cpu_metadata(table, rows, ctx_lens, q_lens, num_decodes, self.block_size)
+
     def path_counts(self) -> dict[str, int]:
         """Model forwards run, how many of them the C step took and in how many it ran
         the LM head too."""
@@ -303,7 +357,11 @@ class ModelRunner:
             apply_token_bitmask(logits, logit_rows, grammar.wait(), mask_rows)
             if logit_rows:
                 head_argmax = None  # masked: not the argmax of these logits
-        if plain:
+        if plain and head_argmax is not None and all(s.plain_greedy for _, s in plain):
+            # What the sampler would return, without building its rows.
+            for (_, s), tok in zip(plain, head_argmax[: len(plain)].tolist(), strict=True):
+                sampled[s.req_id] = [tok]
+        elif plain:
             argmax = None if head_argmax is None else head_argmax[: len(plain)]
             tokens, lps = self.sampler(
                 logits[: len(plain)], [s.sampling_row() for _, s in plain], argmax
