@@ -243,6 +243,9 @@ static inline __attribute__((always_inline)) const void *block_heads(
     return kv_at(cache, (table[b] * num_kv_heads + h0) * span, bf16);
 }
 
+/* Decode rows on AVX-512: one pass over the blocks (attend_decode). */
+#include "paged_decode.h"
+
 /* Attend query rows [r0, r1) of one sequence for the query heads of kv heads [h0, h1).
  * Each work item takes as many kv heads as it can: a decode row takes all of them, so
  * each block is read as one contiguous run of num_kv_heads * block_size * head_dim
@@ -319,7 +322,18 @@ __attribute__((noinline)) void attend_tile_dispatch(
     const int64_t *table, int64_t q_start, int64_t q_len, int64_t seq_len, int64_t r0,
     int64_t r1, int h0, int h1, int num_heads, int num_kv_heads, int head_dim, int block_size,
     float scale, int window, float softcap, int kv_bf16, float *scores) {
+#if defined(DECODE_ONE_PASS)
+#define DECODE(HD, BF)                                                                      \
+    if (q_len == 1 && decode_one_pass(block_size, HD)) {                                    \
+        attend_decode(q, q_stride, k_cache, v_cache, out, table, q_start, seq_len, h0, h1,  \
+                      num_heads, num_kv_heads, HD, scale, window, softcap, BF);             \
+        return;                                                                             \
+    }
+#else
+#define DECODE(HD, BF)
+#endif
 #define ATTEND(HD, BF)                                                                      \
+    DECODE(HD, BF)                                                                          \
     attend_tile(q, q_stride, k_cache, v_cache, out, table, q_start, q_len, seq_len, r0, r1, \
                 h0, h1, num_heads, num_kv_heads, HD, block_size, scale, window, softcap,    \
                 scores, BF)
@@ -336,6 +350,7 @@ __attribute__((noinline)) void attend_tile_dispatch(
     }
 #undef HEADS
 #undef ATTEND
+#undef DECODE
 }
 
 /* Returns 0, or -1 if a score buffer could not be allocated. */
