@@ -48,33 +48,87 @@ static inline __attribute__((always_inline)) __m512 decode_exp(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* bf16 pairs: a 32-bit lane of the cache holds two bf16 values, the even-indexed one in
+ * its low half. Shifted left by 16 it is the even value as a float32, masked to its high
+ * half the odd one: one instruction per 16 values (a widening vpmovzxwd + vpslld takes
+ * two), so 32 values cost one load and two instructions. */
+static inline __attribute__((always_inline)) __m512 bf16_even(__m512i x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+}
+static inline __attribute__((always_inline)) __m512 bf16_odd(__m512i x) {
+    return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
 /* One block (its first nk keys; `valid` marks the keys attended) for G query heads of
  * one kv head: scores against the d-major keys kt, the online softmax update of each
  * head's running max m[h] and sum l[h], then og_h = og_h * f_h + sum_j p_h[j] * v_j over
  * the token-major values vb (f_h = e^(m_old - m_new), 0 on the head's first block).
  * G (1..4) and head_dim are constants where this is inlined: the score chains and the
- * value sums (G * head_dim / 16 vectors) live in registers. */
+ * value sums (G * head_dim / 16 vectors) live in registers.
+ * `pair` (bf16 caches, head_dim a multiple of 32): keys and values are widened in pairs
+ * (bf16_even / bf16_odd). A 512-bit load of keys is rows d and d + 1 (16 keys each):
+ * its even and odd keys are multiplied by qp, the pair (q_d x 8, q_d+1 x 8), and the two
+ * halves of each sum are added at the end. A load of a value row is 32 dimensions: og
+ * then holds each 32 dimensions as 16 even ones and 16 odd ones (decode_finish puts
+ * them back in order). */
 static inline __attribute__((always_inline)) void decode_block(
-    const float *q, const void *kt, const void *vb, int nk, __mmask16 valid,
-    const int head_dim, float scale, float softcap, float *m, float *l, float *og,
-    const int G, const int bf16) {
-    /* Scores: CH independent chains over d per head (as block_scores). */
-    const int CH = 16 / G >= 4 ? 4 : (16 / G >= 2 ? 2 : 1);
-    __m512 a[4][4];
-    for (int h = 0; h < G; h++)
-        for (int c = 0; c < CH; c++) a[h][c] = _mm512_setzero_ps();
-    for (int d = 0; d < head_dim; d += CH)
-        for (int c = 0; c < CH; c++) {
-            const __m512 kv = (__m512)kv_vec(kt, (d + c) * 16, bf16);
-            for (int h = 0; h < G; h++)
-                a[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * head_dim + d + c]), kv, a[h][c]);
+    const float *q, const float *qp, const void *kt, const void *vb, int nk,
+    __mmask16 valid, const int head_dim, float scale, float softcap, float *m, float *l,
+    float *og, const char *pf_k, const char *pf_v, int64_t pf_step, const int G,
+    const int bf16, const int pair) {
+    __m512 sc[4];
+    if (pair) {
+        /* Chains per head: 2 accumulators (even, odd keys) each, up to 16 in all. */
+        const int CH = G <= 2 ? 4 : 2;
+        __m512 ae[4][4], ao[4][4];
+        for (int h = 0; h < G; h++)
+            for (int c = 0; c < CH; c++) ae[h][c] = ao[h][c] = _mm512_setzero_ps();
+        const uint16_t *kp = (const uint16_t *)kt;
+        const float *qq = qp;
+        for (int64_t d = 0; d < head_dim; d += 2 * CH, kp += 32 * CH, qq += 16 * CH)
+            for (int c = 0; c < CH; c++) {
+                const __m512i x = _mm512_loadu_si512(kp + 32 * c);
+                const __m512 ev = bf16_even(x), od = bf16_odd(x);
+                for (int h = 0; h < G; h++) {
+                    const __m512 qv = _mm512_load_ps(qq + (int64_t)h * head_dim * 8 + 16 * c);
+                    ae[h][c] = _mm512_fmadd_ps(qv, ev, ae[h][c]);
+                    ao[h][c] = _mm512_fmadd_ps(qv, od, ao[h][c]);
+                }
+            }
+        const __m512i order = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+        for (int h = 0; h < G; h++) {
+            __m512 e = ae[h][0], o = ao[h][0];
+            for (int c = 1; c < CH; c++) e = _mm512_add_ps(e, ae[h][c]), o = _mm512_add_ps(o, ao[h][c]);
+            /* lanes 0-7: row d's keys, 8-15: row d + 1's; even keys in e, odd in o */
+            const __m256 e8 = _mm256_add_ps(_mm512_castps512_ps256(e),
+                                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+            const __m256 o8 = _mm256_add_ps(_mm512_castps512_ps256(o),
+                                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(o), 1)));
+            const __m512 eo = _mm512_castpd_ps(_mm512_insertf64x4(
+                _mm512_castps_pd(_mm512_castps256_ps512(e8)), _mm256_castps_pd(o8), 1));
+            sc[h] = _mm512_permutexvar_ps(order, eo);
         }
+    } else {
+        /* CH independent chains over d per head (as block_scores). */
+        const int CH = 16 / G >= 4 ? 4 : (16 / G >= 2 ? 2 : 1);
+        __m512 a[4][4];
+        for (int h = 0; h < G; h++)
+            for (int c = 0; c < CH; c++) a[h][c] = _mm512_setzero_ps();
+        for (int d = 0; d < head_dim; d += CH)
+            for (int c = 0; c < CH; c++) {
+                const __m512 kv = (__m512)kv_vec(kt, (d + c) * 16, bf16);
+                for (int h = 0; h < G; h++)
+                    a[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[h * head_dim + d + c]), kv, a[h][c]);
+            }
+        for (int h = 0; h < G; h++) {
+            sc[h] = a[h][0];
+            for (int c = 1; c < CH; c++) sc[h] = _mm512_add_ps(sc[h], a[h][c]);
+        }
+    }
     float p[4][16] __attribute__((aligned(64)));
     float f[4];
     for (int h = 0; h < G; h++) {
-        __m512 s = a[h][0];
-        for (int c = 1; c < CH; c++) s = _mm512_add_ps(s, a[h][c]);
-        s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
+        __m512 s = _mm512_mul_ps(sc[h], _mm512_set1_ps(scale));
         if (softcap > 0.f) {
             float t[16] __attribute__((aligned(64)));
             _mm512_store_ps(t, s);
@@ -93,7 +147,8 @@ static inline __attribute__((always_inline)) void decode_block(
             f[h] = 1.f;
         }
         m[h] = mn;
-        const __m512 e = _mm512_maskz_mov_ps(valid, decode_exp(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
+        const __m512 e =
+            _mm512_maskz_mov_ps(valid, decode_exp(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
         l[h] = l[h] * f[h] + _mm512_reduce_add_ps(e);
         _mm512_store_ps(p[h], e);
     }
@@ -104,8 +159,22 @@ static inline __attribute__((always_inline)) void decode_block(
     for (int h = 0; h < G; h++)
         for (int u = 0; u < nv; u++) acc[h][u] = _mm512_setzero_ps();
     for (int j = 0; j < nk; j++) {
+        if (pf_k) /* the next block's piece: 2 lines of keys and of values per row */
+            for (int i = 0; i < 2; i++) {
+                _mm_prefetch(pf_k + (2 * j + i) * pf_step, DECODE_HINT);
+                _mm_prefetch(pf_v + (2 * j + i) * pf_step, DECODE_HINT);
+            }
         __m512 vr[NVMAX];
-        for (int u = 0; u < nv; u++) vr[u] = (__m512)kv_vec(vb, (int64_t)j * head_dim + u * 16, bf16);
+        if (pair)
+            for (int w = 0; w < nv / 2; w++) {
+                const __m512i x =
+                    _mm512_loadu_si512((const uint16_t *)vb + (int64_t)j * head_dim + w * 32);
+                vr[2 * w] = bf16_even(x);
+                vr[2 * w + 1] = bf16_odd(x);
+            }
+        else
+            for (int u = 0; u < nv; u++)
+                vr[u] = (__m512)kv_vec(vb, (int64_t)j * head_dim + u * 16, bf16);
         for (int h = 0; h < G; h++) {
             const __m512 pj = _mm512_set1_ps(p[h][j]);
             for (int u = 0; u < nv; u++) acc[h][u] = _mm512_fmadd_ps(pj, vr[u], acc[h][u]);
@@ -129,14 +198,18 @@ static inline __attribute__((always_inline)) int decode_chunk(const int head_dim
 /* The query heads [0, group) of one kv head against one block, in chunks of
  * decode_chunk(head_dim) heads (the rest a constant 1..3 too). */
 static inline __attribute__((always_inline)) void decode_group(
-    const float *q, const void *kt, const void *vb, int nk, __mmask16 valid,
+    const float *q, const float *qp, const void *kt, const void *vb, int nk, __mmask16 valid,
     const int head_dim, float scale, float softcap, float *m, float *l, float *og, int group,
-    const int bf16) {
+    const char *pf_k, const char *pf_v, const int bf16, const int pair) {
+    /* The next block's piece (head_dim * 16 values) in 32 rows' worth of steps; the
+     * first chunk prefetches it. */
+    const int64_t pf_step = (int64_t)head_dim * (bf16 ? 2 : 4) / 2;
     const int chunk = decode_chunk(head_dim);
     int h = 0;
 #define DECODE_BLOCK(n)                                                                      \
-    decode_block(q + h * head_dim, kt, vb, nk, valid, head_dim, scale, softcap, m + h, l + h, \
-                 og + h * head_dim, n, bf16)
+    decode_block(q + h * head_dim, qp + h * head_dim * 8, kt, vb, nk, valid, head_dim, scale, \
+                 softcap, m + h, l + h, og + h * head_dim, h ? NULL : pf_k, pf_v, pf_step, n, bf16, \
+                 pair)
     if (chunk == 4) {
         for (; h + 4 <= group; h += 4) DECODE_BLOCK(4);
         switch (group - h) {
@@ -172,9 +245,19 @@ static inline __attribute__((always_inline)) void attend_decode(
     const int64_t t_lo = k_lo / 16 * 16;
     const float *qr = q + q_start * q_stride + (int64_t)h0 * group * head_dim;
     float *orow = out + q_start * (int64_t)num_heads * head_dim + (int64_t)h0 * group * head_dim;
+    const int pair = bf16 && head_dim % 32 == 0;
     float m[heads], l[heads];
     for (int h = 0; h < heads; h++) l[h] = 0.f, m[h] = 0.f;
     memset(orow, 0, sizeof(float) * heads * head_dim);
+    /* The query pairs of decode_block (pair): for head h and d = 2i, 16 floats
+     * (q_h[d] x 8, q_h[d + 1] x 8) at qp + (h * head_dim / 2 + i) * 16. */
+    float qbuf[pair ? heads * head_dim * 8 + 16 : 1];
+    float *qp = (float *)(((uintptr_t)qbuf + 63) & ~(uintptr_t)63);
+    if (pair)
+        for (int i = 0; i < heads * head_dim / 2; i++)
+            _mm512_store_ps(qp + i * 16, _mm512_mask_blend_ps((__mmask16)0xff00,
+                                                              _mm512_set1_ps(qr[2 * i]),
+                                                              _mm512_set1_ps(qr[2 * i + 1])));
     for (int64_t t0 = t_lo; t0 < n_keys; t0 += 16) {
         const int nk = (int)(t0 + 16 < n_keys ? 16 : n_keys - t0);
         __mmask16 valid = (__mmask16)((1u << nk) - 1);
@@ -189,20 +272,29 @@ static inline __attribute__((always_inline)) void attend_decode(
         }
         const int64_t piece = span * (bf16 ? 2 : 4);
         for (int kv = 0; kv < h1 - h0; kv++) {
-            if (kn)
-                for (int64_t i = 0; i < piece; i += 64) {
-                    _mm_prefetch(kn + kv * piece + i, DECODE_HINT);
-                    _mm_prefetch(vn + kv * piece + i, DECODE_HINT);
-                }
-            decode_group(qr + kv * group * head_dim, kv_at(kb, kv * span, bf16),
-                         kv_at(vb, kv * span, bf16), nk, valid, head_dim, scale, softcap,
-                         m + kv * group, l + kv * group, orow + kv * group * head_dim, group,
-                         bf16);
+            decode_group(qr + kv * group * head_dim, qp + kv * group * head_dim * 8,
+                         kv_at(kb, kv * span, bf16), kv_at(vb, kv * span, bf16), nk, valid,
+                         head_dim, scale, softcap, m + kv * group, l + kv * group,
+                         orow + kv * group * head_dim, group, kn ? kn + kv * piece : NULL,
+                         vn ? vn + kv * piece : NULL, bf16, pair);
         }
     }
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
     for (int h = 0; h < heads; h++) {
-        const float inv = 1.f / l[h];
-        for (int d = 0; d < head_dim; d++) orow[h * head_dim + d] *= inv;
+        const __m512 inv = _mm512_set1_ps(1.f / l[h]);
+        float *o = orow + h * head_dim;
+        if (pair)
+            for (int w = 0; w < head_dim; w += 32) {
+                /* 16 even dimensions, then 16 odd: back in order */
+                const __m512 e = _mm512_loadu_ps(o + w), od = _mm512_loadu_ps(o + w + 16);
+                _mm512_storeu_ps(o + w, _mm512_mul_ps(_mm512_permutex2var_ps(e, lo, od), inv));
+                _mm512_storeu_ps(o + w + 16,
+                                 _mm512_mul_ps(_mm512_permutex2var_ps(e, hi, od), inv));
+            }
+        else
+            for (int d = 0; d < head_dim; d += 16)
+                _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
     }
 }
 #endif
