@@ -62,7 +62,7 @@ static inline __attribute__((always_inline)) __m512 bf16_odd(__m512i x) {
 /* One block (its first nk keys; `valid` marks the keys attended) for G query heads of
  * one kv head: scores against the d-major keys kt, the online softmax update of each
  * head's running max m[h] and sum l[h], then og_h = og_h * f_h + sum_j p_h[j] * v_j over
- * the token-major values vb (f_h = e^(m_old - m_new), 0 on the head's first block).
+ * the token-major values vb (f_h = e^(m_old - m_new), ~0 on the head's first block).
  * G (1..4) and head_dim are constants where this is inlined: the score chains and the
  * value sums (G * head_dim / 16 vectors) live in registers.
  * `pair` (bf16 caches, head_dim a multiple of 32): keys and values are widened in pairs
@@ -135,20 +135,14 @@ static inline __attribute__((always_inline)) void decode_block(
             for (int j = 0; j < 16; j++) t[j] = softcap * tanhf(t[j] / softcap);
             s = _mm512_load_ps(t);
         }
-        const float bm = _mm512_mask_reduce_max_ps(valid, s);
-        float mn = m[h];
-        if (l[h] == 0.f) { /* the head's first block: nothing to rescale */
-            mn = bm;
-            f[h] = 0.f;
-        } else if (bm > mn) {
-            f[h] = expf(mn - bm);
-            mn = bm;
-        } else {
-            f[h] = 1.f;
-        }
-        m[h] = mn;
-        const __m512 e =
-            _mm512_maskz_mov_ps(valid, decode_exp(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
+        /* No branch on whether the max grew (a data-dependent branch mispredicts and
+         * throws away the overlap of neighbouring heads' work): f = e^(m_old - m_new)
+         * is 1 exactly when it did not, ~0 on the head's first block (m = -1e30). */
+        const __m512 mo = _mm512_set1_ps(m[h]);
+        const __m512 mn = _mm512_max_ps(mo, _mm512_set1_ps(_mm512_mask_reduce_max_ps(valid, s)));
+        f[h] = _mm512_cvtss_f32(decode_exp(_mm512_sub_ps(mo, mn)));
+        m[h] = _mm512_cvtss_f32(mn);
+        const __m512 e = _mm512_maskz_mov_ps(valid, decode_exp(_mm512_sub_ps(s, mn)));
         l[h] = l[h] * f[h] + _mm512_reduce_add_ps(e);
         _mm512_store_ps(p[h], e);
     }
@@ -247,7 +241,7 @@ static inline __attribute__((always_inline)) void attend_decode(
     float *orow = out + q_start * (int64_t)num_heads * head_dim + (int64_t)h0 * group * head_dim;
     const int pair = bf16 && head_dim % 32 == 0;
     float m[heads], l[heads];
-    for (int h = 0; h < heads; h++) l[h] = 0.f, m[h] = 0.f;
+    for (int h = 0; h < heads; h++) l[h] = 0.f, m[h] = -1e30f;
     memset(orow, 0, sizeof(float) * heads * head_dim);
     /* The query pairs of decode_block (pair): for head h and d = 2i, 16 floats
      * (q_h[d] x 8, q_h[d + 1] x 8) at qp + (h * head_dim / 2 + i) * 16. */
