@@ -21,7 +21,8 @@
  *
  * One work item is (sequence, kv head, tile of query rows). The num_heads / num_kv_heads
  * query heads that share a kv head are handled together, so each key and value row is
- * loaded once for all of them. Softmax is two-pass over a per-thread score buffer.
+ * loaded once for all of them. Softmax is two-pass over a per-thread score buffer, but for
+ * decode rows on AVX-512 with 16-key blocks: one pass (paged_decode.h).
  *
  * Built at run time by fleetserve/kernels/cpu.py (cc -O3 -march=native -ffast-math
  * -fopenmp) and called through ctypes; it links the libgomp that torch has loaded, so
