@@ -74,7 +74,7 @@ static inline __attribute__((always_inline)) __m512 bf16_odd(__m512i x) {
 static inline __attribute__((always_inline)) void decode_block(
     const float *q, const float *qp, const void *kt, const void *vb, int nk,
     __mmask16 valid, const int head_dim, float scale, float softcap, float *m, float *l,
-    float *og, const char *pf_k, const char *pf_v, int64_t pf_step, const int G,
+    float *og, const char *pf_k, const char *pf_v, const int pf_lines, const int G,
     const int bf16, const int pair) {
     __m512 sc[4];
     if (pair) {
@@ -153,10 +153,10 @@ static inline __attribute__((always_inline)) void decode_block(
     for (int h = 0; h < G; h++)
         for (int u = 0; u < nv; u++) acc[h][u] = _mm512_setzero_ps();
     for (int j = 0; j < nk; j++) {
-        if (pf_k) /* the next block's piece: 2 lines of keys and of values per row */
-            for (int i = 0; i < 2; i++) {
-                _mm_prefetch(pf_k + (2 * j + i) * pf_step, DECODE_HINT);
-                _mm_prefetch(pf_v + (2 * j + i) * pf_step, DECODE_HINT);
+        if (pf_k) /* the next block's piece: a row's worth of lines of keys and of values */
+            for (int i = 0; i < pf_lines; i++) {
+                _mm_prefetch(pf_k + (j * pf_lines + i) * 64, DECODE_HINT);
+                _mm_prefetch(pf_v + (j * pf_lines + i) * 64, DECODE_HINT);
             }
         __m512 vr[NVMAX];
         if (pair)
@@ -195,14 +195,14 @@ static inline __attribute__((always_inline)) void decode_group(
     const float *q, const float *qp, const void *kt, const void *vb, int nk, __mmask16 valid,
     const int head_dim, float scale, float softcap, float *m, float *l, float *og, int group,
     const char *pf_k, const char *pf_v, const int bf16, const int pair) {
-    /* The next block's piece (head_dim * 16 values) in 32 rows' worth of steps; the
-     * first chunk prefetches it. */
-    const int64_t pf_step = (int64_t)head_dim * (bf16 ? 2 : 4) / 2;
+    /* The next block's piece (16 rows of head_dim values), a row's lines (rounded up)
+     * between each of this block's value rows; the first chunk prefetches it. */
+    const int pf_lines = (head_dim * (bf16 ? 2 : 4) + 63) / 64;
     const int chunk = decode_chunk(head_dim);
     int h = 0;
 #define DECODE_BLOCK(n)                                                                      \
     decode_block(q + h * head_dim, qp + h * head_dim * 8, kt, vb, nk, valid, head_dim, scale, \
-                 softcap, m + h, l + h, og + h * head_dim, h ? NULL : pf_k, pf_v, pf_step, n, bf16, \
+                 softcap, m + h, l + h, og + h * head_dim, h ? NULL : pf_k, pf_v, pf_lines, n, bf16, \
                  pair)
     if (chunk == 4) {
         for (; h + 4 <= group; h += 4) DECODE_BLOCK(4);
