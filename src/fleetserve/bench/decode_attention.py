@@ -1,12 +1,14 @@
 """Decode attention alone, on the offline run's widest decode step.
 
-`python -m fleetserve.bench.decode_attention [--capture PATH] [--threads T] [--hot]`
+`python -m fleetserve.bench.decode_attention [--capture PATH] [--threads T] [--hot]
+[--kv-dtype float32|bfloat16]`
 
 First call (`--capture PATH` missing): runs the workload through `offline_split.split`
 (1 thread) and saves the widest decode step's metadata (query starts, lengths, context
 lengths, block tables) and its caches' shapes to PATH. Then: `paged_attention` over fresh
 random caches of those shapes, one per layer (as the model has), with that metadata;
-best of N, thread CPU time at 1 thread (wall past one), and the K/V bytes read per ms.
+best of N, thread CPU time at 1 thread (wall past one), and the K/V bytes read per ms;
+`--kv-dtype` replays it over caches of another dtype than the run's.
 `--hot` points every sequence at one sequence's blocks (its keys and values stay in L2):
 the loop's compute rate without the memory system.
 """
@@ -50,13 +52,15 @@ def capture(path: str, workload: str) -> None:
         offline_split.replay = replay  # type: ignore[assignment]
 
 
-def time_step(path: str, threads: int, hot: bool, reps: int) -> dict[str, float]:
+def time_step(
+    path: str, threads: int, hot: bool, reps: int, kv_dtype: str | None = None
+) -> dict[str, float]:
     """Best ms of the step's attention over all layers, and GB/s of K/V read."""
     from fleetserve.kernels import cpu
 
     torch.set_num_threads(threads)
     d = torch.load(path)
-    dtype = getattr(torch, d["dtype"].removeprefix("torch."))
+    dtype = getattr(torch, kv_dtype or d["dtype"].removeprefix("torch."))
     q_starts, q_lens, seq_lens, tables = d["meta"]
     if hot:
         i = int((seq_lens - seq_lens.float().mean()).abs().argmin())
@@ -97,10 +101,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--hot", action="store_true")
+    p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default=None)
     args = p.parse_args()
     if not os.path.exists(args.capture):
         capture(args.capture, args.workload)
-    r = time_step(args.capture, args.threads, args.hot, args.reps)
+    r = time_step(args.capture, args.threads, args.hot, args.reps, args.kv_dtype)
     print(
         f"decode attention, {args.threads} thread(s){', hot' if args.hot else ''}: "
         f"{r['ms']:.2f} ms for {r['mb']:.0f} MB of K/V = {r['gb_s']:.2f} GB/s"
