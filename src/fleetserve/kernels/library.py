@@ -31,8 +31,11 @@ _SOURCES = [
 # Included by the sources: part of the cache key, not compiled on their own.
 _HEADERS = [
     Path(__file__).with_name(n)
-    for n in ("gemm_tile.h", "quant_common.h", "quant_dot.h", "fused_rows.h", "amx_perm.h")
-]
+    for n in (
+        "gemm_tile.h", "quant_common.h", "quant_dot.h", "fused_rows.h", "amx_perm.h",
+        "paged_decode.h",
+    )
+]  # fmt: skip
 # FLEETSERVE_CPU_MARCH picks another target than this CPU's own, e.g. x86-64-v3 (AVX2)
 # or x86-64 (SSE2 only) to test the narrower code paths here.
 _FLAGS = [

@@ -21,7 +21,8 @@
  *
  * One work item is (sequence, kv head, tile of query rows). The num_heads / num_kv_heads
  * query heads that share a kv head are handled together, so each key and value row is
- * loaded once for all of them. Softmax is two-pass over a per-thread score buffer.
+ * loaded once for all of them. Softmax is two-pass over a per-thread score buffer, but for
+ * decode rows on AVX-512 with 16-key blocks: one pass (paged_decode.h).
  *
  * Built at run time by fleetserve/kernels/cpu.py (cc -O3 -march=native -ffast-math
  * -fopenmp) and called through ctypes; it links the libgomp that torch has loaded, so
@@ -243,6 +244,9 @@ static inline __attribute__((always_inline)) const void *block_heads(
     return kv_at(cache, (table[b] * num_kv_heads + h0) * span, bf16);
 }
 
+/* Decode rows on AVX-512: one pass over the blocks (attend_decode). */
+#include "paged_decode.h"
+
 /* Attend query rows [r0, r1) of one sequence for the query heads of kv heads [h0, h1).
  * Each work item takes as many kv heads as it can: a decode row takes all of them, so
  * each block is read as one contiguous run of num_kv_heads * block_size * head_dim
@@ -328,7 +332,18 @@ __attribute__((noinline)) void attend_tile_dispatch(
     const int64_t *table, int64_t q_start, int64_t q_len, int64_t seq_len, int64_t r0,
     int64_t r1, int h0, int h1, int num_heads, int num_kv_heads, int head_dim, int block_size,
     float scale, int window, float softcap, int kv_bf16, float *scores) {
+#if defined(DECODE_ONE_PASS)
+#define DECODE(HD, BF)                                                                      \
+    if (q_len == 1 && decode_one_pass(block_size, HD)) {                                    \
+        attend_decode(q, q_stride, k_cache, v_cache, out, table, q_start, seq_len, h0, h1,  \
+                      num_heads, num_kv_heads, HD, scale, window, softcap, BF);             \
+        return;                                                                             \
+    }
+#else
+#define DECODE(HD, BF)
+#endif
 #define ATTEND(HD, BF)                                                                      \
+    DECODE(HD, BF)                                                                          \
     attend_tile(q, q_stride, k_cache, v_cache, out, table, q_start, q_len, seq_len, r0, r1, \
                 h0, h1, num_heads, num_kv_heads, HD, block_size, scale, window, softcap,    \
                 scores, BF)
@@ -350,6 +365,7 @@ __attribute__((noinline)) void attend_tile_dispatch(
     }
 #undef HEADS
 #undef ATTEND
+#undef DECODE
 }
 
 /* Returns 0, or -1 if a score buffer could not be allocated. */
