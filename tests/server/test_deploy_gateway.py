@@ -25,8 +25,8 @@ import httpx
 import openai
 import pytest
 import yaml
-from server_proc import ServerProc, free_port, scrape, wait_until
-from test_deploy_prometheus import _start_prometheus, find, pod_args
+from server_proc import ServerProc, free_port, scrape, start_prometheus, stop_process, wait_until
+from test_deploy_prometheus import find, pod_args
 
 from fleetserve.deploy.gateway import GatewaySettings
 from fleetserve.deploy.k8s import RenderOptions, render_fleet
@@ -133,7 +133,7 @@ def stack(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         secrets = {(SECRET.name, SECRET.key): KEY}
         job = implied_scrape_config(monitor, targets, interval="1s", secrets=secrets)
         config = {"global": {"scrape_timeout": "1s"}, "scrape_configs": [job]}
-        prom, api = _start_prometheus(config, folder)
+        prom, api = start_prometheus(yaml.safe_dump(config), folder)
         st = Stack(objs, gateway, api, pod_args(pod_container, str(pod_path)), pod_port)
 
         def answers() -> bool:
@@ -146,8 +146,7 @@ def stack(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield st
     finally:
         if prom is not None:
-            prom.terminate()
-            prom.wait(15)
+            stop_process(prom)
         gateway.stop()
         if st is not None and st.pod is not None:
             st.pod.stop()
