@@ -18,6 +18,7 @@ from functools import cache
 import torch
 
 from fleetserve.kernels import cpu, library
+from fleetserve.kernels.huge_pages import empty_huge
 
 
 @cache
@@ -82,10 +83,15 @@ def tile_bf16(weight: torch.Tensor) -> Bf16Weight:
         raise ValueError("weight must be 2-D")
     n, k = weight.shape
     w = weight.detach().to(torch.bfloat16)
+    # On huge pages like the quantized weights (kernels/huge_pages.py): a decode step
+    # streams every weight once, and 4 KiB pages cost a TLB miss and a prefetcher stop
+    # every 4 KiB. The same bytes either way.
     if not tileable(n, k):
-        return w.contiguous()
-    t = w.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
-    return TiledBf16(t.view(-1), n, k)
+        return empty_huge(n, k, dtype=torch.bfloat16).copy_(w)
+    t = w.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)
+    tiles = empty_huge(n * k, dtype=torch.bfloat16)
+    tiles.view(t.shape).copy_(t)
+    return TiledBf16(tiles, n, k)
 
 
 def native() -> bool:
