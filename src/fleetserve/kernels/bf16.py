@@ -1,4 +1,4 @@
-"""bf16-weight GEMM for any row count (kernels/gemm_bf16.c): AMX-BF16 tiles past 8 rows
+"""bf16-weight GEMM for any row count (kernels/gemm_bf16.c): AMX-BF16 tiles from 2 rows
 on CPUs with AMX (FLEETSERVE_AMX=0 keeps `vdpbf16ps`), `vdpbf16ps` for decode-sized rows
 and CPUs without AMX, a portable loop without AVX512-BF16 (chosen when the library is
 built for this CPU, AMX asked of Linux at the first wide call). `Linear.to_bf16`
