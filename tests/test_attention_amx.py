@@ -107,13 +107,17 @@ SHAPES = [(16, 0), (37, 0), (5, 11), (1, 40), (50, 77), (3, 300), (2, 9), (33, 1
 
 # Items of fewer rows keep the FMA loop (attention_amx.c's AMX_ATTN_MIN_ROWS).
 MIN_ROWS = 3
+# Queries of at most this many rows (speculative verification) attend row by row like
+# decodes, in float32 (paged_attention.c's VERIFY_ROWS).
+VERIFY_ROWS = 16
 
 
 def on_tiles(q_len: int) -> torch.Tensor:
     """Which of a query's rows the tiles attend: rows go in items of 16 (the last one
-    shorter); decode rows and items of fewer than MIN_ROWS rows take the FMA loop."""
+    shorter); queries of up to VERIFY_ROWS rows and items of fewer than MIN_ROWS rows
+    take the float32 loops."""
     sizes = [min(16, q_len - r // 16 * 16) for r in range(q_len)]
-    return torch.tensor([q_len > 1 and n >= MIN_ROWS for n in sizes])
+    return torch.tensor([q_len > VERIFY_ROWS and n >= MIN_ROWS for n in sizes])
 
 
 def check(amx: bool, out: torch.Tensor, want_bf16_q: torch.Tensor, want: torch.Tensor) -> None:

@@ -71,3 +71,43 @@ def test_decode_rows_match_dense_attention(
         values = v_cache[table].float().transpose(1, 2).reshape(-1, kv_heads, head_dim)[:n]
         want = dense_decode(q[i], keys, values, scale, window, softcap)
         torch.testing.assert_close(out[i], want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (21, 3.0)])
+def test_verification_rows_equal_plain_decodes(
+    kv_dtype: torch.dtype, window: int, softcap: float
+) -> None:
+    """A query of k + 1 rows (speculative verification) gives each row the bits plain
+    decoding gets at that position: one call with queries of 2-16 rows after cached
+    contexts, against one decode call per row over the same cache (the verification row r
+    sees the context and rows 0..r, as the decode at that position does)."""
+    heads, kv_heads, head_dim, bs = 12, 4, 64, 16
+    g = torch.Generator().manual_seed(7 + window)
+    shapes = [(5, 11), (8, 300), (2, 40), (16, 77), (3, 0)]  # (query rows, cached context)
+    num_blocks = sum(-(-(q + c) // bs) for q, c in shapes) + 3
+    k_cache = torch.randn(num_blocks, kv_heads, head_dim, bs, generator=g).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, kv_heads, bs, head_dim, generator=g).to(kv_dtype)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[free.pop() for _ in range(-(-(q + c) // bs))] for q, c in shapes]
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = 2 * torch.randn(sum(s[0] for s in shapes), heads, head_dim, generator=g)
+    starts = torch.tensor([0] + [s[0] for s in shapes]).cumsum(0)[:-1]
+    scale = 1 / math.sqrt(head_dim)
+    kw = {"sliding_window": window or None, "softcap": softcap or None}
+    verified = torch.full_like(q, float("nan"))
+    cpu_kernels.paged_attention(
+        q, k_cache, v_cache, verified, starts, torch.tensor([s[0] for s in shapes]),
+        torch.tensor([sum(s) for s in shapes]), padded, bs, scale, **kw,
+    )  # fmt: skip
+    for i, (q_len, ctx) in enumerate(shapes):
+        for r in range(q_len):
+            row = int(starts[i]) + r
+            one = torch.full_like(q[row : row + 1], float("nan"))
+            cpu_kernels.paged_attention(
+                q[row : row + 1], k_cache, v_cache, one, torch.tensor([0]),
+                torch.tensor([1]), torch.tensor([ctx + r + 1]), padded[i : i + 1], bs, scale,
+                **kw,
+            )  # fmt: skip
+            assert torch.equal(verified[row], one[0]), (q_len, ctx, r)

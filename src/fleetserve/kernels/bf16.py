@@ -1,7 +1,8 @@
-"""bf16-weight GEMM for any row count (kernels/gemm_bf16.c): AMX-BF16 tiles from 2 rows
-on CPUs with AMX (FLEETSERVE_AMX=0 keeps `vdpbf16ps`), `vdpbf16ps` for decode-sized rows
-and CPUs without AMX, a portable loop without AVX512-BF16 (chosen when the library is
-built for this CPU, AMX asked of Linux at the first wide call). `Linear.to_bf16`
+"""bf16-weight GEMM for any row count (kernels/gemm_bf16.c): AMX-BF16 tiles on CPUs with
+AMX, from one row up (so a row's sums do not depend on its step's other rows),
+`vdpbf16ps` on CPUs without AMX or with FLEETSERVE_AMX=0, a portable loop without
+AVX512-BF16 (chosen when the library is built for this CPU, AMX asked of Linux at the
+first call). `Linear.to_bf16`
 (layers/linear.py) multiplies through it, and the C step runs the same share for its
 bf16 weights (decode_step.c's W_BF16), so the two agree bit for bit at every row count.
 

@@ -171,7 +171,7 @@ class DecodePlan:
         # that the C path ran on a rank).
         self.steps = self.head_steps = 0
         self._keep: list[object] = [cos, sin]
-        # Some projection keeps bf16 weights (gemm_bf16.c: AMX tiles from 2 rows where
+        # Some projection keeps bf16 weights (gemm_bf16.c: AMX tiles at any row count where
         # the CPU has them; every step runs here, as for the other kinds).
         self.has_bf16 = False
         # Weight bytes one step reads per phase (all layers), for a profile's GB/s.

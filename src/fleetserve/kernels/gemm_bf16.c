@@ -5,7 +5,7 @@
  * stored bf16 (uint16 bit patterns), so a row of W costs half the bytes of float32, which
  * is what a memory-bound decode step pays for. Compiled for the build's target: with
  * AVX512-BF16 the dot products run `vdpbf16ps` (32 products per instruction), without it
- * a portable loop that gives the same sums up to float32 summation order. From 2 rows,
+ * a portable loop that gives the same sums up to float32 summation order. At any row count,
  * where the CPU has AMX-BF16 (and FLEETSERVE_AMX is not 0), tiles of 16 x 16 outputs
  * (`tdpbf16ps`, see amx_share): ~1 TFLOP/s on two cores against ~0.1 for float32.
  */
@@ -33,13 +33,15 @@
 
 int bf16_native(void) { return BF16_NATIVE; }
 
-/* Steps of this many rows or more multiply through AMX tiles where the CPU has them:
- * from 2 rows, a partial tile still streams the weights at the read rate (4096 x 768
- * tiled weights, one core: 2-8 rows 0.50 ms through tiles against 0.60-0.97 ms through
- * the `vdpbf16ps` rows below, which read each weight row once for 4 rows of x and run
- * out of FMA throughput past 1-2 rows). One row stays on `vdpbf16ps` (as fast, no
- * tile setup). */
-#define AMX_MIN_ROWS 2
+/* Every row count multiplies through AMX tiles where the CPU has them: a partial tile
+ * still streams the weights at the read rate (4096 x 768 tiled weights, one core: 1-8
+ * rows 0.46-0.47 ms a call through tiles, against 0.48-0.97 ms through the `vdpbf16ps`
+ * rows below, which read each weight row once for 4 rows of x and run out of FMA
+ * throughput past 1-2 rows). One path for every row count also makes a row's sums the
+ * same whatever else is in its step (speculative verification rows against plain
+ * decoding; a request alone or in a batch). `vdpbf16ps` serves CPUs without AMX and
+ * FLEETSERVE_AMX=0. */
+#define AMX_MIN_ROWS 1
 
 static inline uint16_t to_bf16(float f) {
     uint32_t u;

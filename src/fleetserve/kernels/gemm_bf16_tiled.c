@@ -37,7 +37,7 @@
 #endif
 
 #define TILE 512       /* bf16 values in one 16 x 32 weight tile */
-#define AMX_MIN_ROWS 2 /* as gemm_bf16.c: one row takes `vdpbf16ps` */
+#define AMX_MIN_ROWS 1 /* as gemm_bf16.c: every row count on tiles where AMX is */
 
 static inline uint16_t round_bf16(float f) {
     uint32_t u;

@@ -37,6 +37,8 @@
 #include <string.h>
 
 #define Q_TILE 16
+/* Queries of at most this many rows attend row by row like decodes (see DECODE below). */
+#define VERIFY_ROWS 16
 
 #if defined(__AVX512F__)
 #define VL 16
@@ -333,10 +335,16 @@ __attribute__((noinline)) void attend_tile_dispatch(
     int64_t r1, int h0, int h1, int num_heads, int num_kv_heads, int head_dim, int block_size,
     float scale, int window, float softcap, int kv_bf16, float *scores) {
 #if defined(DECODE_ONE_PASS)
+    /* A query of up to VERIFY_ROWS rows (speculative verification: k + 1 rows) takes the
+     * decode path row by row, each row over its own causal prefix: its sums are then the
+     * ones plain decoding gets at that position, so verification accepts exactly the
+     * tokens plain decoding would emit. */
 #define DECODE(HD, BF)                                                                      \
-    if (q_len == 1 && decode_one_pass(block_size, HD)) {                                    \
-        attend_decode(q, q_stride, k_cache, v_cache, out, table, q_start, seq_len, h0, h1,  \
-                      num_heads, num_kv_heads, HD, scale, window, softcap, BF);             \
+    if (q_len <= VERIFY_ROWS && decode_one_pass(block_size, HD)) {                          \
+        for (int64_t r = r0; r < r1; r++)                                                   \
+            attend_decode(q, q_stride, k_cache, v_cache, out, table, q_start + r,           \
+                          seq_len - q_len + r + 1, h0, h1, num_heads, num_kv_heads, HD,     \
+                          scale, window, softcap, BF);                                      \
         return;                                                                             \
     }
 #else
@@ -353,7 +361,7 @@ __attribute__((noinline)) void attend_tile_dispatch(
         case 128: ATTEND(128, BF); break;                                                   \
         default: ATTEND(head_dim, BF);                                                      \
     }
-    if (kv_bf16 && q_len > 1 &&
+    if (kv_bf16 && q_len > VERIFY_ROWS &&
         attend_tile_amx(q, q_stride, k_cache, v_cache, out, table, q_start, q_len, seq_len, r0,
                         r1, h0, h1, num_heads, num_kv_heads, head_dim, block_size, scale,
                         window, softcap))
