@@ -70,7 +70,8 @@ def test_compare_vllm_end_to_end_with_a_stand_in(tiny_llama, tmp_path, capsys):
         "outs = [[0] * r['output_len'] for r in job['requests']]\n"
         "print('a log line')\n"
         "json.dump({'version': '0.fake', 'dtype': job['dtype'], 'wall_s': 0.5,\n"
-        "           'startup_s': 1.0, 'outputs': outs}, open(job['result_path'], 'w'))\n"
+        "           'startup_s': 1.0, 'rss_after_mib': 321.0, 'outputs': outs},\n"
+        "          open(job['result_path'], 'w'))\n"
         "print('INFO [shutdown] EngineCore: exiting busy loop')\n"
     )
     python = tmp_path / "python"
@@ -87,7 +88,10 @@ def test_compare_vllm_end_to_end_with_a_stand_in(tiny_llama, tmp_path, capsys):
     assert peer["output_tokens"] == 3 + 4 + 5 and peer["output_tok_per_s"] == pytest.approx(24)
     assert res["speedup_vs_vllm"] == pytest.approx(res["runs"][0]["output_tok_per_s"] / 24)
     assert 0 <= res["identical_greedy_outputs_vllm"] <= 3
-    assert "fleetserve / vLLM (bfloat16)" in capsys.readouterr().out
+    assert peer["rss_after_mib"] == 321.0
+    printed = capsys.readouterr().out
+    assert "fleetserve / vLLM (bfloat16)" in printed
+    assert "RSS after the run 321 MiB (with its engine processes)" in printed
 
 
 def test_a_failing_vllm_says_why(tmp_path):

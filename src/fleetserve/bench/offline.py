@@ -231,11 +231,22 @@ def _figures(
     }
 
 
+def _memory(r: dict[str, Any]) -> str:
+    """fleetserve's peak RSS (one process); a peer's RSS after its run, its engine's
+    processes included (vLLM's engine core is a child process, whose peak the runner
+    cannot read)."""
+    if "peak_rss_mib" in r:
+        return f"peak RSS {r['peak_rss_mib']:.0f} MiB"
+    if "rss_after_mib" in r:
+        return f"RSS after the run {r['rss_after_mib']:.0f} MiB (with its engine processes)"
+    return "RSS not measured"
+
+
 def _print(r: dict[str, Any]) -> None:
     print(
         f"{r['engine']:>16}: {r['wall_s']:7.1f} s  {r['requests_per_s']:6.2f} req/s  "
         f"{r['output_tok_per_s']:7.1f} out tok/s  {r['total_tok_per_s']:7.1f} total tok/s  "
-        f"start-up {r.get('startup_s', 0):.1f} s  peak RSS {r.get('peak_rss_mib', 0):.0f} MiB"
+        f"start-up {r.get('startup_s', 0):.1f} s  {_memory(r)}"
         + (f" (KV cache {r['kv_cache_mib']:.0f} MiB)" if "kv_cache_mib" in r else ""),
         flush=True,
     )
@@ -268,6 +279,8 @@ def _compare_vllm(
     res = run_vllm_offline(model, reqs, args, _max_model_len(args, reqs))
     peer = _figures(f"vllm {res['version']} {res['dtype']}", reqs, res["wall_s"], res["outputs"])
     peer.update(startup_s=res["startup_s"], dtype=res["dtype"])
+    if "rss_after_mib" in res:
+        peer["rss_after_mib"] = res["rss_after_mib"]
     ratio, same = _against(ours, peer, results, f"vLLM ({res['dtype']})")
     results["speedup_vs_vllm"] = ratio
     results["identical_greedy_outputs_vllm"] = same

@@ -16,6 +16,7 @@ job: {"model": dir, "dtype": "auto" | "bfloat16" | "float32" | ..., "max_model_l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -57,9 +58,11 @@ def main() -> int:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
+    rss = _rss_mib()  # while the engine's processes still live
     dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
     result = {
         "version": vllm.__version__,
+        **({"rss_after_mib": rss} if rss is not None else {}),
         "dtype": dtype,
         "wall_s": wall,
         "startup_s": startup,
@@ -68,6 +71,21 @@ def main() -> int:
     with open(job["result_path"], "w", encoding="utf-8") as f:
         json.dump(result, f)
     return 0
+
+
+def _rss_mib() -> float | None:
+    """Resident memory of this process and every process under it (vLLM runs its engine
+    core in a child), in MiB; None without psutil (a vLLM dependency)."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    me = psutil.Process()
+    total = 0
+    for proc in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):  # gone meanwhile
+            total += proc.memory_info().rss
+    return total / 2**20
 
 
 if __name__ == "__main__":
