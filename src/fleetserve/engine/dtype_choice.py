@@ -4,7 +4,7 @@ and why, said once at start-up.
 On a CPU with native bf16 (AVX512-BF16 `vdpbf16ps`, AMX-BF16 tiles) a float32 or bfloat16
 checkpoint runs with bf16 weights (`EngineConfig.bf16_weights`): linear layers keep bf16
 weights and round their inputs to bf16, with float32 sums (kernels/gemm_bf16.c at every
-row count, in the C step too: `vdpbf16ps` for decode-sized steps, AMX tiles for wider ones)
+row count, in the C step too: AMX tiles where the CPU has them, else `vdpbf16ps`)
 and the KV cache holds bf16 (`kv_cache_dtype` auto; attention widens it to float32 as it
 reads); norms, attention's sums and the residual stream stay float32. Measured faster than
 float32 end to end on the bench Llama, batched and one stream (docs/benchmarks.md, issue
@@ -80,8 +80,8 @@ def choose_dtype(checkpoint_dtype: str | None, flags: frozenset[str], device: st
         if not auto_bf16_allowed():
             return DtypeChoice("float32", f"{stored}: {has}, but {AUTO_BF16_ENV}=0")
         why = (
-            f"{has}: linear layers in bf16 (bf16 dot products for decode steps, AMX "
-            "bf16 tiles for wider ones where present, float32 sums; a bf16 KV cache; norms and "
+            f"{has}: linear layers in bf16 (AMX bf16 tiles where present, else bf16 dot "
+            "products, float32 sums; a bf16 KV cache; norms and "
             "attention float32, prefill attention's products bf16 on AMX tiles where present), "
             "measured faster than float32; --dtype float32 forces float32"
         )
