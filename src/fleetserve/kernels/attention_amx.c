@@ -76,21 +76,7 @@ int attention_amx_active(void) {
 }
 
 #if ATTN_AMX
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-static void tiles_begin(void) {
-    /* Static: a local config only ldtilecfg reads may lose its stores (GCC 12). */
-    static const tile_config c __attribute__((aligned(64))) = {
-        .palette = 1,
-        .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
-        .rows = {16, 16, 16, 16, 16, 16, 16, 16},
-    };
-    _tile_loadconfig(&c);
-}
+#include "amx_tiles.h"
 
 /* This thread's scratch, kept across calls; NULL when it cannot grow. */
 static void *scratch(size_t bytes) {

@@ -17,6 +17,7 @@
 #include <omp.h>
 
 #include "amx_perm.h"
+#include "bf16_bits.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -43,20 +44,6 @@ int bf16_native(void) { return BF16_NATIVE; }
  * FLEETSERVE_AMX=0. */
 #define AMX_MIN_ROWS 1
 
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 static float dot_row(const uint16_t *xb, const uint16_t *w, int64_t k) {
     int64_t i = 0;

@@ -22,6 +22,7 @@
 #include <omp.h>
 
 #include "amx_perm.h"
+#include "bf16_bits.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -39,20 +40,6 @@
 #define TILE 512       /* bf16 values in one 16 x 32 weight tile */
 #define AMX_MIN_ROWS 1 /* as gemm_bf16.c: every row count on tiles where AMX is */
 
-static inline uint16_t round_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float widen_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* x's rows rounded to bf16, m rounded up to 16 rows (zero past m), shared by the team:
  * the thread that takes the `single` grows its own buffer and hands it round. After the
@@ -161,29 +148,15 @@ static void rows_nblock(const uint16_t *xb, int64_t ldb, int64_t m, int64_t k,
         for (int j = 0; j < 16; j++) {
             float acc = 0.0f;
             for (int64_t q = 0; q < k; q++)
-                acc += widen_bf16(xb[r * ldb + q]) *
-                       widen_bf16(tiles[(q / 32) * TILE + (q % 32) / 2 * 32 + j * 2 + q % 2]);
+                acc += from_bf16(xb[r * ldb + q]) *
+                       from_bf16(tiles[(q / 32) * TILE + (q % 32) / 2 * 32 + j * 2 + q % 2]);
             out[r * ldo + j0 + j] = acc + (bias ? bias[j0 + j] : 0.0f);
         }
 #endif
 }
 
 #if TILED_AMX
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-static void tiles_begin(void) {
-    /* Static: a local config only ldtilecfg reads may lose its stores (GCC 12). */
-    static const tile_config c __attribute__((aligned(64))) = {
-        .palette = 1,
-        .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
-        .rows = {16, 16, 16, 16, 16, 16, 16, 16},
-    };
-    _tile_loadconfig(&c);
-}
+#include "amx_tiles.h"
 
 /* Chunks per pass: the pass's weight tiles (2 n-blocks x KBLOCK KiB) stay in L1 for every
  * row block of the chunk of rows, C tiles parked in `acc` between passes (stored and
@@ -330,7 +303,7 @@ static int tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const fl
             _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16),
                                                                      _mm512_loadu_ps(src + i)));
 #endif
-        for (; i < k; i++) dst[i] = round_bf16(src[i]);
+        for (; i < k; i++) dst[i] = to_bf16(src[i]);
     }
     if (!use_amx) {
 #pragma omp for schedule(static)
