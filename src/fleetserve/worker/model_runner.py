@@ -224,28 +224,17 @@ class ModelRunner:
                 w = self.window_table
                 meta.sliding, _ = self._cpu_metadata(w, ordered, ctx_lens, q_lens, nd)
         else:
-            meta, pos_t = build_attention_metadata(
-                [s.block_ids for s in ordered],
-                ctx_lens,
-                q_lens,
-                len(decodes),
-                self.block_size,
-                self.device,
-                self.use_cpu_kernel,
-                DECODE_GROUP_SIZE,
-            )
-        if self.num_sliding_blocks and not self.use_cpu_kernel:
-            # The sliding-window layers' slots and tables (same positions).
-            meta.sliding, _ = build_attention_metadata(
-                [s.window_block_ids or [] for s in ordered],
-                ctx_lens,
-                q_lens,
-                len(decodes),
-                self.block_size,
-                self.device,
-                self.use_cpu_kernel,
-                DECODE_GROUP_SIZE,
-            )
+
+            def torch_metadata(tables: list[list[int]]) -> tuple[AttentionMetadata, torch.Tensor]:
+                return build_attention_metadata(
+                    tables, ctx_lens, q_lens, len(decodes), self.block_size, self.device,
+                    False, DECODE_GROUP_SIZE,
+                )  # fmt: skip
+
+            meta, pos_t = torch_metadata([s.block_ids for s in ordered])
+            if self.num_sliding_blocks:
+                # The sliding-window layers' slots and tables (same positions).
+                meta.sliding, _ = torch_metadata([s.window_block_ids or [] for s in ordered])
         dev = self.device
         x = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pp = self.parallel
