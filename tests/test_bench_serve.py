@@ -14,7 +14,10 @@ from fleetserve.bench.serve import load_dataset, parse_range, synthetic_prompts
 from fleetserve.bench.serve_metrics import (
     PERCENTILES,
     RequestResult,
+    engine_busy,
+    format_summary,
     max_rate_under_slo,
+    parse_engine_counters,
     percentile,
     summarize,
 )
@@ -60,6 +63,13 @@ def _check_sane(run: dict) -> None:
     assert run["ttft_s"]["p99"] <= run["e2e_s"]["p99"]
     assert run["ttft_s"]["mean"] <= run["e2e_s"]["mean"]
     assert run["request_throughput"] > 0 and run["output_throughput"] > 0
+    # What the engine did in the run, from the server's /metrics before and after it.
+    busy = run["engine"]
+    assert busy is not None and busy["num_steps"] >= 12  # the longest answer's decodes
+    assert 0 < busy["busy_fraction"] <= 1.05  # its steps' wall time inside the run's
+    step_tokens = busy["tokens_per_step"] * busy["num_steps"]
+    fed = run["total_prompt_tokens"] + run["total_output_tokens"]
+    assert run["total_output_tokens"] - NUM_PROMPTS - 1e-6 <= step_tokens <= fed + 1e-6
 
 
 def test_poisson_rate_completions(server: ServerProc, tmp_path: Path) -> None:
@@ -123,6 +133,38 @@ def test_percentile_and_summary_units() -> None:
     ]
     assert max_rate_under_slo(runs, 2.0) == 1.0
     assert max_rate_under_slo(runs[1:], 2.0) is None
+
+
+def test_engine_counters_from_metrics_page() -> None:
+    """fleetserve's engine counters summed over models; a page without them (another
+    server's) gives None, and so no engine line."""
+    page = "\n".join([
+        "# TYPE fleetserve:num_steps_total counter",
+        'fleetserve:num_steps_total{model_name="a"} 10.0',
+        'fleetserve:num_steps_total{model_name="b"} 5.0',
+        'fleetserve:step_seconds_total{model_name="a"} 1.5',
+        'fleetserve:num_step_tokens_total{model_name="a"} 300.0',
+        'fleetserve:num_steps_created{model_name="a"} 1.7e9',
+        'vllm:num_steps_total{model_name="a"} 99.0',
+    ])  # fmt: skip
+    before = parse_engine_counters(page)
+    assert before == {"num_steps": 15.0, "step_seconds": 1.5, "num_step_tokens": 300.0}
+    assert parse_engine_counters('vllm:num_requests_running{model_name="a"} 1.0') is None
+    after = {"num_steps": 25.0, "step_seconds": 3.5, "num_step_tokens": 700.0}
+    busy = engine_busy(before, after, 4.0)
+    assert busy == {
+        "num_steps": 10.0, "step_seconds": 2.0, "busy_fraction": 0.5,
+        "ms_per_step": 200.0, "tokens_per_step": 40.0,
+    }  # fmt: skip
+    assert engine_busy(None, after, 4.0) is None
+    summary = summarize([RequestResult(5, 3, None, 0.1, 0.5, [0.2, 0.2])], 4.0)
+    assert "engine:" not in format_summary(summary, "peer")
+    summary["engine"] = busy
+    line = format_summary(summary, "fs").splitlines()[-1]
+    assert (
+        line
+        == "engine: 10 steps, busy 2.00 s of the 4.00 s (50.0%), 200.0 ms and 40.0 tokens a step"
+    )
 
 
 def test_bad_arguments() -> None:

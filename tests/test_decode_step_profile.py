@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compile
 
 def test_profile_times_every_phase(tiny_model_factory: Callable[..., str]) -> None:
     llm = LLM(tiny_model_factory("llama"), quantization="int8", max_model_len=64,
-              num_kv_blocks=64)  # fmt: skip
+              num_kv_blocks=64, kv_cache_dtype="float32")  # fmt: skip
     runner: Any = llm.engine.core.executor.runner  # type: ignore[attr-defined]
     plan = runner.model.model.decode_plan
     cfg = runner.model.config

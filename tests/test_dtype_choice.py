@@ -11,6 +11,7 @@ import torch
 from fleetserve.engine import dtype_choice
 from fleetserve.engine.arg_utils import EngineArgs
 from fleetserve.engine.dtype_choice import choose_dtype
+from helpers import write_tiny_gguf
 
 ZEN4 = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"})
 SAPPHIRE_RAPIDS = ZEN4 | {"amx_bf16", "amx_int8", "amx_tile", "avx512_fp16"}
@@ -111,8 +112,11 @@ def test_auto_runs_bf16_weights_on_a_bf16_cpu(
     config, lines = _resolve_lines(caplog, monkeypatch, model=tiny_llama)
     assert config.model.dtype == torch.float32 and config.bf16_weights
     assert len(lines) == 1 and lines[0].startswith("dtype auto -> float32 with bf16 weights (")
+    config, lines = _resolve_lines(caplog, monkeypatch, model=tiny_llama, quantization="int8")
+    assert not config.bf16_weights and config.kv_dtype == torch.bfloat16
+    assert lines[0].startswith("dtype auto -> float32 with a bf16 KV cache (")
+    assert "int8 weights keep their quantized path" in lines[0]
     for kw, why in [
-        ({"quantization": "int8"}, "int8 weights keep their quantized path"),
         ({"bf16_weights": False}, "bf16 weights turned off"),
         ({"attention_backend": "torch"}, "torch attention backend"),
         ({"tensor_parallel_size": 2}, "tensor/pipeline-parallel"),
@@ -128,3 +132,43 @@ def test_auto_runs_bf16_weights_on_a_bf16_cpu(
     assert config.bf16_weights
     config, lines = _resolve_lines(caplog, monkeypatch, model=tiny_llama)
     assert not config.bf16_weights and "(AVX2) has no native" in lines[0]
+
+
+def test_auto_gives_gguf_weights_a_bf16_kv_cache(
+    tiny_model_factory, tmp_path, caplog, monkeypatch, auto_bf16
+):
+    """GGUF weights stay quantized (float32 activations) and, on a CPU with native bf16,
+    the KV cache holds bf16: twice the blocks in the same memory, said in the one line.
+    `--kv-cache-dtype float32`, `--dtype float32`, the torch attention backend, a CPU
+    without native bf16 and FLEETSERVE_AUTO_BF16=0 each keep float32."""
+    from fleetserve.kernels import cpu as cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler here: GGUF weights are dequantized")
+    gguf = str(tmp_path / "tiny.gguf")
+    write_tiny_gguf(tiny_model_factory("llama"), gguf)
+    monkeypatch.setattr("fleetserve.engine.arg_utils.cpu_flags", lambda: ZEN4)
+    caplog.set_level(logging.INFO, logger="fleetserve.engine.dtype_choice")
+    kw = dict(model=gguf, max_model_len=64, kv_cache_memory=1 << 20)
+    config, lines = _resolve_lines(caplog, monkeypatch, **kw)
+    assert config.quantization == "gguf" and not config.bf16_weights
+    assert config.model.dtype == torch.float32 and config.kv_dtype == torch.bfloat16
+    assert len(lines) == 1 and lines[0].startswith("dtype auto -> float32 with a bf16 KV cache (")
+    assert "gguf weights keep their quantized path" in lines[0]
+    assert "--kv-cache-dtype float32 forces float32" in lines[0]
+    forced, lines = _resolve_lines(caplog, monkeypatch, kv_cache_dtype="float32", **kw)
+    assert forced.kv_dtype == torch.float32
+    assert lines[0].startswith("dtype auto -> float32 (") and "all the same" not in lines[0]
+    blocks = [c.cache.resolve_num_blocks(c.model, 1, c.kv_dtype) for c in (config, forced)]
+    assert blocks[0] == 2 * blocks[1]
+    config, lines = _resolve_lines(caplog, monkeypatch, dtype="float32", **kw)
+    assert config.kv_dtype == torch.float32 and lines == []
+    config, lines = _resolve_lines(caplog, monkeypatch, attention_backend="torch", **kw)
+    assert config.kv_dtype == torch.float32 and "all the same" not in lines[0]
+    monkeypatch.setenv(dtype_choice.AUTO_BF16_ENV, "0")
+    config, lines = _resolve_lines(caplog, monkeypatch, **kw)
+    assert config.kv_dtype == torch.float32 and f"{dtype_choice.AUTO_BF16_ENV}=0" in lines[0]
+    monkeypatch.delenv(dtype_choice.AUTO_BF16_ENV)
+    monkeypatch.setattr("fleetserve.engine.arg_utils.cpu_flags", lambda: ICE_LAKE)
+    config, lines = _resolve_lines(caplog, monkeypatch, **kw)
+    assert config.kv_dtype == torch.float32 and "(AVX-512) has no native" in lines[0]

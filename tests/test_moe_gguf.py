@@ -67,9 +67,12 @@ def test_quantized_experts_match_dequantized(
     qtypes.update({k: q8 for k in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")})
     path = str(tmp_path / f"{arch}-q.gguf")
     write_tiny_moe_gguf(tiny_model_factory(arch), path, qtypes)
-    # Float32 activations: the blocks' own arithmetic against the dequantized weights.
-    quant = LLM(path, max_model_len=256, num_kv_blocks=64, int8_activations=False)
-    plain = LLM(path, quantization="none", max_model_len=256, num_kv_blocks=64)
+    # Float32 activations: the blocks' own arithmetic against the dequantized weights;
+    # dtype float32 keeps both KV caches float32 (auto gives GGUF weights a bf16 one on
+    # CPUs with native bf16 where FLEETSERVE_AUTO_BF16 allows).
+    common = dict(max_model_len=256, num_kv_blocks=64, dtype="float32")
+    quant = LLM(path, int8_activations=False, **common)
+    plain = LLM(path, quantization="none", **common)
     assert quant.engine.config.quantization == "gguf"
     model = quant.engine.core.executor.runner.model  # type: ignore[attr-defined]
     assert isinstance(model, MoeForCausalLM)

@@ -40,10 +40,11 @@ QUESTIONS = [
 def _llm(path: str | None, quantization: str | None) -> LLM:
     # Float32 activations: the weights' own arithmetic against the float32 model (int8
     # activations, the GGUF default on VNNI builds, are tested in
-    # test_int8_activations_model.py).
+    # test_int8_activations_model.py). dtype float32: no bf16 weights or KV cache from
+    # `dtype auto` on either side, whatever FLEETSERVE_AUTO_BF16 says.
     return LLM(
         path, quantization=quantization, int8_activations=False, max_model_len=512,
-        num_kv_blocks=64,
+        num_kv_blocks=64, dtype="float32",
     )  # fmt: skip
 
 

@@ -235,6 +235,8 @@ class CacheConfig:
     free_window_blocks: bool = True
     # What the KV cache holds: "auto" (the compute dtype: bf16 for a model with bf16
     # weights, else the model's dtype), "float32" or "bfloat16" (EngineConfig.kv_dtype).
+    # EngineArgs with `dtype auto` resolves "auto" to "bfloat16" for quantized weights on
+    # a CPU with native bf16 (engine/dtype_choice.py).
     kv_cache_dtype: str = "auto"
     # K/V bytes per token of a speculative draft model's cache (in the same dtype), which
     # holds the same block ids beside the target's: a block costs both (0: no draft).

@@ -38,6 +38,9 @@ _GAUGES = {
 # Engine stat key (a running total) -> counter help text.
 _COUNTERS = {
     "num_preemptions": "Requests the engine preempted (KV blocks or seats ran short).",
+    "num_steps": "Engine steps that ran (forward passes).",
+    "step_seconds": "Wall seconds the engine spent in steps (its busy time).",
+    "num_step_tokens": "Tokens the engine's steps ran (prompt chunks, decodes, drafts).",
     "spec_decode_num_drafts": "Draft verifications (request-steps with draft tokens).",
     "spec_decode_num_draft_tokens": "Draft tokens verified by the target model.",
     "spec_decode_num_accepted_tokens": "Draft tokens the target model accepted.",

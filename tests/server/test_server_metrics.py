@@ -55,6 +55,10 @@ def test_metrics_counts(server: ServerProc) -> None:
     assert delta("fleetserve:time_per_output_token_seconds_count") == 3
     assert delta("fleetserve:e2e_request_latency_seconds_count") == 3
     assert delta("fleetserve:e2e_request_latency_seconds_sum") > 0
+    # The engine's steps ran each prompt and 4 of its 5 tokens (the last is not fed back).
+    assert delta("fleetserve:num_step_tokens_total") == prompt_tokens + 3 * 4
+    assert delta("fleetserve:num_steps_total") >= 3 * 5
+    assert delta("fleetserve:step_seconds_total") > 0
     assert 0 <= metric(after, "fleetserve:prefix_cache_hit_rate") <= 1
     assert metric(after, "fleetserve:num_requests_running") == 0
 

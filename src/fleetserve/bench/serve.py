@@ -23,8 +23,10 @@ import httpx
 
 from fleetserve.bench.serve_metrics import (
     RequestResult,
+    engine_busy,
     format_summary,
     max_rate_under_slo,
+    parse_engine_counters,
     plot_sweeps,
     summarize,
 )
@@ -239,11 +241,21 @@ async def _deadline(coro: Any, timeout_s: float, expected: int | None) -> Reques
         return RequestResult(0, 0, expected, error=f"timeout after {timeout_s:g} s")
 
 
+async def _engine_counters(client: httpx.AsyncClient, base_url: str) -> dict[str, float] | None:
+    """fleetserve's engine counters from the server's /metrics (None: not there)."""
+    try:
+        resp = await client.get(f"{base_url}/metrics")
+    except httpx.HTTPError:
+        return None
+    return parse_engine_counters(resp.text) if resp.status_code == 200 else None
+
+
 async def run_load(
     args: argparse.Namespace, prompts: list[BenchPrompt], rate: float, concurrency: int | None
-) -> tuple[list[RequestResult], float]:
+) -> tuple[list[RequestResult], float, dict[str, float] | None]:
     """Send `prompts` with Poisson arrivals at `rate` (inf: all at once), at most
-    `concurrency` in flight; returns the results in prompt order and the wall time."""
+    `concurrency` in flight; returns the results in prompt order, the wall time and, from
+    a fleetserve server, what its engine did meanwhile (serve_metrics.engine_busy)."""
     rng = random.Random(args.seed)
     gate = asyncio.Semaphore(concurrency) if concurrency else None
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(prompts))
@@ -259,6 +271,7 @@ async def run_load(
 
         for p in prompts[: args.num_warmups]:
             await one(p)
+        before = await _engine_counters(client, args.base_url)
         tasks = []
         t0 = time.perf_counter()
         arrival = 0.0  # seconds after t0; absolute, so event-loop delays do not accumulate
@@ -268,7 +281,9 @@ async def run_load(
                 await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
             tasks.append(asyncio.create_task(one(p)))
         results = list(await asyncio.gather(*tasks))
-        return results, time.perf_counter() - t0
+        duration = time.perf_counter() - t0
+        after = await _engine_counters(client, args.base_url) if before is not None else None
+        return results, duration, engine_busy(before, after, duration)
 
 
 def _resolve_model(args: argparse.Namespace) -> str:
@@ -344,9 +359,10 @@ def run(args: argparse.Namespace) -> int:
     }
     for rate in rates:
         load_before = os.getloadavg()[0]
-        results, duration = asyncio.run(run_load(args, prompts, rate, args.max_concurrency))
+        results, duration, busy = asyncio.run(run_load(args, prompts, rate, args.max_concurrency))
         summary = summarize(results, duration)
         summary.update(
+            engine=busy,
             request_rate=rate if math.isfinite(rate) else None,
             load_avg_1m_before=load_before,
             load_avg_1m_after=os.getloadavg()[0],

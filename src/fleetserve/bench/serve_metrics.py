@@ -85,6 +85,40 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict[str, Any]
     }
 
 
+# fleetserve's engine counters on /metrics (metrics.py), summed over the server's models.
+ENGINE_COUNTERS = ("num_steps", "step_seconds", "num_step_tokens")
+
+
+def parse_engine_counters(text: str) -> dict[str, float] | None:
+    """The engine counters in a /metrics page, each summed over its series; None where
+    the page has none (a server other than fleetserve's)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        key = name.removeprefix("fleetserve:").removesuffix("_total")
+        if name.startswith("fleetserve:") and key in ENGINE_COUNTERS:
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out if set(out) == set(ENGINE_COUNTERS) else None
+
+
+def engine_busy(
+    before: dict[str, float] | None, after: dict[str, float] | None, duration_s: float
+) -> dict[str, float] | None:
+    """What the engine did during a run (the counters' growth): steps, wall seconds in
+    them against the run's duration, tokens per step. None without both scrapes."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in ENGINE_COUNTERS}
+    steps = d["num_steps"]
+    return {
+        "num_steps": steps,
+        "step_seconds": d["step_seconds"],
+        "busy_fraction": d["step_seconds"] / duration_s if duration_s > 0 else 0.0,
+        "ms_per_step": 1e3 * d["step_seconds"] / steps if steps else 0.0,
+        "tokens_per_step": d["num_step_tokens"] / steps if steps else 0.0,
+    }
+
+
 def format_summary(s: dict[str, Any], title: str) -> str:
     lines = [
         f"==== {title} ====",
@@ -100,6 +134,13 @@ def format_summary(s: dict[str, Any], title: str) -> str:
         st = s[key]
         cells = [st["mean"]] + [st[f"p{q}"] for q in PERCENTILES]
         lines.append(f"{label:>6}" + "".join(f" {1e3 * v:9.1f}" for v in cells))
+    busy = s.get("engine")
+    if busy is not None:
+        lines.append(
+            f"engine: {busy['num_steps']:.0f} steps, busy {busy['step_seconds']:.2f} s of the "
+            f"{s['duration_s']:.2f} s ({100 * busy['busy_fraction']:.1f}%), "
+            f"{busy['ms_per_step']:.1f} ms and {busy['tokens_per_step']:.1f} tokens a step"
+        )
     for e in s["errors"]:
         lines.append(f"error: {e}")
     return "\n".join(lines)

@@ -50,6 +50,7 @@ def split(
     concurrency: int,
     num_prompts: int = 48,
     kv_cache_dtype: str = "auto",
+    max_num_batched_tokens: int | None = None,
 ) -> dict[str, Any]:
     from fleetserve import LLM, SamplingParams
 
@@ -60,6 +61,7 @@ def split(
         num_threads=threads,
         seed=0,
         kv_cache_dtype=kv_cache_dtype,
+        max_num_batched_tokens=max_num_batched_tokens,
     )
     engine, core = llm.engine, llm.engine.core
     runner = core.executor.runner  # type: ignore[attr-defined]
@@ -130,6 +132,7 @@ def split(
         "prompt_tokens": sum(len(i) for i in ids),
         "output_tokens": out_tokens,
         "kv_cache_dtype": kv_cache_dtype,
+        "max_num_batched_tokens": llm.engine.config.scheduler.max_num_batched_tokens,
         "engine_steps_s": sum(s["engine"] for s in steps),
         "groups": {k: dict(v) for k, v in sorted(groups.items(), key=lambda kv: kv[0])},
     }
@@ -160,11 +163,12 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: 1024")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     out = split(
         args.model, args.threads, args.seed, args.concurrency, args.num_prompts,
-        args.kv_cache_dtype,
+        args.kv_cache_dtype, args.max_num_batched_tokens,
     )  # fmt: skip
     print(json.dumps({k: v for k, v in out.items() if k != "groups"}, indent=1))
     print(table(out))

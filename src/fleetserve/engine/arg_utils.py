@@ -7,7 +7,13 @@ from typing import Any
 
 from fleetserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from fleetserve.core.config import SchedulerConfig
-from fleetserve.engine.dtype_choice import DtypeChoice, announce, choose_dtype, cpu_flags
+from fleetserve.engine.dtype_choice import (
+    BF16_KV_CACHE_WHY,
+    DtypeChoice,
+    announce,
+    choose_dtype,
+    cpu_flags,
+)
 from fleetserve.lora.config import LoRAConfig, parse_lora_modules
 from fleetserve.models.loader import ModelSource, resolve_model
 from fleetserve.models.quant_choice import resolve_int8_activations, resolve_quantization
@@ -26,7 +32,8 @@ class EngineArgs:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
-    # "auto" (the compute dtype: bf16 with bf16 weights), "float32" or "bfloat16".
+    # "auto" (with `dtype auto` on a CPU with native bf16: bf16 for bf16 weights and for
+    # quantized ones; else the model's dtype), "float32" or "bfloat16".
     kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
@@ -113,12 +120,17 @@ class EngineArgs:
         )
         lora = self.resolve_lora()
         bf16_weights = bool(self.bf16_weights)
+        kv_cache_dtype = self.kv_cache_dtype
         if choice is not None:
+            native_bf16 = choice.bf16_weights  # this CPU has native bf16 and auto may use it
             if choice.bf16_weights:
                 blocker = self._bf16_blocker(model_cfg, quantization, lora)
                 if blocker:
                     choice = choice.without_bf16(blocker)
             bf16_weights = choice.bf16_weights if self.bf16_weights is None else bf16_weights
+            if native_bf16 and not bf16_weights and self._bf16_kv_cache_pays(quantization):
+                choice = choice.with_bf16_kv_cache(BF16_KV_CACHE_WHY)
+                kv_cache_dtype = "bfloat16"
             announce(choice)
         budget = self.max_num_batched_tokens
         if budget is None:
@@ -130,7 +142,7 @@ class EngineArgs:
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,
                 kv_cache_memory=self.kv_cache_memory,
-                kv_cache_dtype=self.kv_cache_dtype,
+                kv_cache_dtype=kv_cache_dtype,
                 enable_prefix_caching=self.enable_prefix_caching,
                 free_window_blocks=self.free_window_blocks,
             ),
@@ -163,6 +175,16 @@ class EngineArgs:
 
             config = with_draft_kv_budget(config, check_draft_model(config, source))
         return config, source
+
+    def _bf16_kv_cache_pays(self, quantization: str) -> bool:
+        """Whether `kv_cache_dtype` auto gives quantized weights a bf16 cache (on a CPU with
+        native bf16, where `dtype auto` would have taken bf16 weights): the decode
+        attention of a served step reads half the bytes through the CPU kernels."""
+        return (
+            self.kv_cache_dtype == "auto"
+            and quantization != "none"
+            and self.attention_backend != "torch"
+        )
 
     def _bf16_blocker(
         self, model_cfg: ModelConfig, quantization: str, lora: LoRAConfig | None

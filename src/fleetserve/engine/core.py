@@ -71,6 +71,8 @@ class EngineCore:
         self.structured = StructuredOutputs(config, source)
         self.last_step_seconds = 0.0
         self.num_steps = 0
+        self.step_seconds = 0.0  # in steps that ran, since start
+        self.num_step_tokens = 0
         # Pipeline parallelism: submitted steps not yet taken back, oldest first.
         self._in_flight: deque[tuple[SchedulerOutput, ModelOutputFuture]] = deque()
         self._in_flight_req_ids: set[str] = set()
@@ -163,9 +165,14 @@ class EngineCore:
         sched_out.grammar_bitmask = self.structured.start_masks(sched_out, self.scheduler)
         result = self.executor.execute_model(sched_out)
         outputs = self.scheduler.update_from_output(sched_out, result)
-        self.last_step_seconds = time.perf_counter() - t0
-        self.num_steps += 1
+        self._count_step(time.perf_counter() - t0, sched_out)
         return outputs
+
+    def _count_step(self, seconds: float, sched_out: SchedulerOutput) -> None:
+        self.last_step_seconds = seconds
+        self.num_steps += 1
+        self.step_seconds += seconds
+        self.num_step_tokens += sched_out.total_num_scheduled_tokens
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         """Submit a new batch while fewer than `max_concurrent_batches` are in flight and
@@ -191,8 +198,7 @@ class EngineCore:
         result = future.result()
         self._in_flight_req_ids.difference_update(sched_out.num_scheduled_tokens)
         outputs = self.scheduler.update_from_output(sched_out, result)
-        self.last_step_seconds = time.perf_counter() - t0
-        self.num_steps += 1
+        self._count_step(time.perf_counter() - t0, sched_out)
         return outputs
 
     def stats(self) -> EngineStats:
@@ -208,6 +214,8 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             last_step_seconds=self.last_step_seconds,
             num_steps=self.num_steps,
+            step_seconds=self.step_seconds,
+            num_step_tokens=self.num_step_tokens,
             spec_decode=(
                 spec_decode_stats(self.scheduler) if self.config.speculative is not None else None
             ),

@@ -8,10 +8,13 @@ row count, in the C step too: AMX tiles where the CPU has them, else `vdpbf16ps`
 and the KV cache holds bf16 (`kv_cache_dtype` auto; attention widens it to float32 as it
 reads); norms, attention's sums and the residual stream stay float32. Measured faster than
 float32 end to end on the bench Llama, batched and one stream (docs/benchmarks.md, issue
-25). Everywhere else float32: fleetserve's C kernels compute in float32, GGUF and int8
-weights keep their quantized paths, and a float16 checkpoint is not narrowed to bf16's
-8-bit mantissa. `--dtype float32` forces float32; FLEETSERVE_AUTO_BF16=0 makes auto keep
-float32 (A/B runs; the test suite's float32 references).
+25). GGUF and int8 weights keep their quantized paths (float32 activations), with a bf16
+KV cache on such a CPU (`kv_cache_dtype` auto: a served decode step's attention reads
+half the bytes; measured faster on a Zen 4 without AMX, docs/benchmarks.md, branch srv).
+Everywhere else float32: fleetserve's C kernels compute in float32, and a float16
+checkpoint is not narrowed to bf16's 8-bit mantissa. `--dtype float32` forces float32
+(cache included), `--kv-cache-dtype float32` the cache alone; FLEETSERVE_AUTO_BF16=0 makes
+auto keep float32 (A/B runs; the test suite's float32 references).
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ log = logging.getLogger(__name__)
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 FP16_FLAGS = ("amx_fp16", "avx512_fp16")
 AUTO_BF16_ENV = "FLEETSERVE_AUTO_BF16"
+# What the start-up line adds where quantized weights get a bf16 KV cache.
+BF16_KV_CACHE_WHY = (
+    "the KV cache bf16 all the same (attention widens it to float32 as it reads: half the "
+    "bytes a served decode step's attention reads); --kv-cache-dtype float32 forces float32"
+)
 
 
 @dataclass(frozen=True)
@@ -37,9 +45,14 @@ class DtypeChoice:
     reason: str
     # Linear layers keep bf16 weights on a float32 model (EngineConfig.bf16_weights).
     bf16_weights: bool = False
+    # The KV cache holds bf16 beside float32 weights that stay quantized (GGUF, int8):
+    # `kv_cache_dtype` auto (with bf16 weights the cache is bf16 anyway).
+    bf16_kv_cache: bool = False
 
     def describe(self) -> str:
-        return f"{self.dtype} with bf16 weights" if self.bf16_weights else self.dtype
+        if self.bf16_weights:
+            return f"{self.dtype} with bf16 weights"
+        return f"{self.dtype} with a bf16 KV cache" if self.bf16_kv_cache else self.dtype
 
     def without_bf16(self, why: str) -> DtypeChoice:
         """The same choice in plain float32, because of `why` (an engine setting that the
@@ -47,6 +60,10 @@ class DtypeChoice:
         if not self.bf16_weights:
             return self
         return replace(self, bf16_weights=False, reason=f"{self.reason}; but float32 here: {why}")
+
+    def with_bf16_kv_cache(self, why: str) -> DtypeChoice:
+        """The same choice with a bf16 KV cache beside quantized weights, because of `why`."""
+        return replace(self, bf16_kv_cache=True, reason=f"{self.reason}; {why}")
 
 
 def cpu_flags() -> frozenset[str]:

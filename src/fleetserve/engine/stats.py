@@ -44,6 +44,10 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_preemptions: int = 0
     last_step_seconds: float = 0.0
     num_steps: int = 0
+    # Wall seconds inside steps and the tokens they ran, since start: against a run's
+    # duration, how busy the engine was (the rest: waiting for requests, its own loop).
+    step_seconds: float = 0.0
+    num_step_tokens: int = 0
     spec_decode: SpecDecodeStats | None = None  # None: no speculative decoding
     # Structured outputs: steps and rows whose grammar masks were filled, and the time it
     # took (off the forward pass's critical path, on a helper thread).
