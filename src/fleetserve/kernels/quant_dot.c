@@ -193,7 +193,7 @@ void quant_dot_panels(int fmt, const qdot_xblock *xb, int64_t m, int64_t nb, con
     }
 #undef CPANEL
     if (amx) quant_dot_amx_end();
-    /* The rest in passes of even size (9 rows: 5 + 4, not 8 + 1: a one-row pass
+    /* The rest in passes of even size (17 rows: 9 + 8, not 16 + 1: a one-row pass
      * unpacks and reads the whole panel again for little work). */
     const int64_t passes = (rest + step - 1) / step;
     for (int64_t p = p0; p < p1 && rest; p++) {
