@@ -21,17 +21,19 @@
 #define PREFETCH 4096
 #define PREFETCH_FAR 16384
 
-/* A panel block's prefetches: 4 KB ahead into L1 always and, where the block's compute
- * for `rows` rows is short for its bytes (under ~56 bytes per row and block: Q8_0 to 9
- * rows, Q4 to 5), 16 KB ahead into L2 as well. On the Zen 4 here the one stream into L1
- * left a DRAM-bound weight half idle while the rows' arithmetic ran: the 49152-row Q8_0
- * LM head took 1.2-1.5x longer at 8 rows and 1.1-1.3x at 1 row, Q4_1 1.3-1.4x at 2 rows,
- * than with the far stream too; at 8-16 Q4 rows the extra instructions cost 3-6% for
- * nothing (docs/benchmarks.md, issue 25, branch qvnni). */
+/* A panel block's prefetches: 4 KB ahead into L1 always and, from 2 rows on where the
+ * block's compute for `rows` rows is short for its bytes (under ~56 bytes per row and
+ * block: Q8_0 2-9 rows, Q4 2-5), 16 KB ahead into L2 as well. On the Zen 4 here the one
+ * stream into L1 left a DRAM-bound weight half idle while the rows' arithmetic ran: the
+ * 49152-row Q8_0 LM head ran 1.3-1.66x faster at 8 rows and 1.05-1.35x at 2 with the far
+ * stream too. At 1 row it gained 1.05-1.3x on that head but moved Q4_1 layers by -6% to
+ * +12% and cost 9-21% where the weights sit in L2, so one row keeps the one stream; at
+ * 6-16 Q4 rows the extra instructions cost 3-6% for nothing (docs/benchmarks.md, issue
+ * 25, branch qvnni). */
 static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *pb, int64_t bb,
                                                                  int rows) {
     PREFETCH_WEIGHTS(pb, bb, PREFETCH);
-    if (rows * 56 <= bb) PREFETCH_WEIGHTS_L2(pb, bb, PREFETCH_FAR);
+    if (rows >= 2 && rows * 56 <= bb) PREFETCH_WEIGHTS_L2(pb, bb, PREFETCH_FAR);
 }
 
 static inline int64_t panel_block_bytes(int qtype) {
