@@ -21,19 +21,19 @@
 #define PREFETCH 4096
 #define PREFETCH_FAR 16384
 
-/* A panel block's prefetches: 4 KB ahead into L1 always and, from 2 rows on where the
- * block's compute for `rows` rows is short for its bytes (under ~56 bytes per row and
- * block: Q8_0 2-9 rows, Q4 2-5), 16 KB ahead into L2 as well. On the Zen 4 here the one
- * stream into L1 left a DRAM-bound weight half idle while the rows' arithmetic ran: the
- * 49152-row Q8_0 LM head ran 1.3-1.66x faster at 8 rows and 1.05-1.35x at 2 with the far
- * stream too. At 1 row it gained 1.05-1.3x on that head but moved Q4_1 layers by -6% to
- * +12% and cost 9-21% where the weights sit in L2, so one row keeps the one stream; at
- * 6-16 Q4 rows the extra instructions cost 3-6% for nothing (docs/benchmarks.md, issue
- * 25, branch qvnni). */
-static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *pb, int64_t bb,
-                                                                 int rows) {
+/* A panel block's prefetches: 4 KB ahead into L1 always and, where the block's compute
+ * for `rows` rows is short for its bytes (under ~56 bytes per row and block: Q8_0 1-9
+ * rows, Q4 2-5), 16 KB ahead into L2 as well. On the Zen 4 here the one stream into L1
+ * left a DRAM-bound weight half idle while the rows' arithmetic ran: the 49152-row Q8_0
+ * LM head ran 1.3-1.66x faster at 8 rows, 1.05-1.35x at 2 and 1.05-1.34x at 1 with the
+ * far stream too. One row of Q4 keeps the one stream: it moved Q4_1 layers streamed from
+ * DRAM by -6% to +12% (and cost 9% where the weights sit in L2); at 6-16 Q4 rows the
+ * extra instructions cost 3-6% for nothing (docs/benchmarks.md, issue 25, branch
+ * qvnni). */
+static inline __attribute__((always_inline)) void prefetch_block(int qtype, const uint8_t *pb,
+                                                                 int64_t bb, int rows) {
     PREFETCH_WEIGHTS(pb, bb, PREFETCH);
-    if (rows >= 2 && rows * 56 <= bb) PREFETCH_WEIGHTS_L2(pb, bb, PREFETCH_FAR);
+    if ((rows >= 2 || qtype == Q8_0) && rows * 56 <= bb) PREFETCH_WEIGHTS_L2(pb, bb, PREFETCH_FAR);
 }
 
 static inline int64_t panel_block_bytes(int qtype) {
@@ -104,7 +104,7 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pb = panel + b * bb, *qs = pb + head;
-        prefetch_block(pb, bb, rows);
+        prefetch_block(qtype, pb, bb, rows);
         __m512i s0[QDOT_ROWS], s1[QDOT_ROWS];
         for (int r = 0; r < rows; r++) s0[r] = s1[r] = _mm512_setzero_si512();
         if (qtype == Q8_0) {
@@ -179,7 +179,7 @@ static inline __attribute__((always_inline)) void dot_panel_wide(int qtype, cons
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pb = panel + b * bb, *qs = pb + head;
-        prefetch_block(pb, bb, rows);
+        prefetch_block(qtype, pb, bb, rows);
         __m512i w[8];
         if (qtype == Q8_0) {
             for (int g = 0; g < 8; g++)
@@ -228,7 +228,7 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pb = panel + b * bb, *qs = pb + head;
-        prefetch_block(pb, bb, rows);
+        prefetch_block(qtype, pb, bb, rows);
         __m256i s[QDOT_ROWS][2];
         for (int h = 0; h < 2; h++) {
             for (int r = 0; r < rows; r++) s[r][h] = _mm256_setzero_si256();
