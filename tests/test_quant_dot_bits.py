@@ -6,8 +6,9 @@ their offset) with x's int8 quants; acc = fma(float(is), fl(d_w * d_x), acc); fo
 / Q5_1 then acc = fma(m_w, fl(d_x * float(sum q_x)), acc). This file replays that
 sequence in exact rational arithmetic, rounded to float32 once per operation, and asks
 for the same bits at the row counts that take each kernel and split (1-row and 2-row
-chains, 3-8 row passes, even passes past 8, AMX tiles of 16 and their tails, Q4 / Q5 with
-and without their quants unpacked at load). A kernel
+chains, 3-8 row passes, 9-16 rows in one pass of the wide VNNI kernel, even passes of up
+to 8 past 16, AMX tiles of 16 and their tails, Q4 / Q5 with and without their quants
+unpacked at load). A kernel
 change that reorders or fuses the float steps changes greedy tokens against the module
 path and earlier runs; this is where it shows. The portable C kernel (x86-64 builds
 and non-x86) scales in another order and is not pinned here.
@@ -130,6 +131,6 @@ def test_kernels_follow_the_documented_float_order(
     x[4, 32:64] = 0  # an all-zero block: d_x 0
     x[6] *= 1e-36  # tiny scales: subnormal products
     want = _replay(qtype, blocks, x)
-    for m in (1, 2, 3, 5, 8, 9, 10, 12, 15, 16, 17, 26, 35, 42):
+    for m in (1, 2, 3, 5, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 26, 35, 42):
         got = quant_linear(x[:m], weight).numpy()
         np.testing.assert_array_equal(got.view(np.int32), want[:m].view(np.int32), err_msg=str(m))

@@ -33,6 +33,12 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
     for (int64_t pf_ = 0; pf_ < (bytes); pf_ += 64)                                       \
     __builtin_prefetch((const char *)(p) + (dist) + pf_, 0, 3)
 
+/* The same into L2 (prefetcht1): the dot kernels' second, farther stream where a block's
+ * compute is short for its bytes (quant_dot_simd.c's prefetch_block). */
+#define PREFETCH_WEIGHTS_L2(p, bytes, dist)                                               \
+    for (int64_t pf_ = 0; pf_ < (bytes); pf_ += 64)                                       \
+    __builtin_prefetch((const char *)(p) + (dist) + pf_, 0, 2)
+
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint8_t v16b __attribute__((vector_size(16)));

@@ -164,7 +164,7 @@ void quant_dot_amx_copy(int fmt, const uint8_t *w, int64_t n, int64_t row_bytes,
 void quant_dot_panels(int fmt, const qdot_xblock *xb, int64_t m, int64_t nb, const uint8_t *w,
                       int64_t row_bytes, float *out, int64_t ldo, int64_t n, int64_t p0,
                       int64_t p1) {
-    const int qtype = qdot_qtype(fmt), step = quant_dot_rows_per_call();
+    const int qtype = qdot_qtype(fmt);
     /* The unpacked copy (QDOT_AMX) after the ceil(n / 16) panels: panel p's at copy + p * cb. */
     const uint8_t *copy = fmt & QDOT_AMX ? w + (n + PR - 1) / PR * PR * row_bytes : NULL;
     const int64_t cb = copy ? nb * quant_dot_amx_copy_block(qtype) : 0;
@@ -193,8 +193,9 @@ void quant_dot_panels(int fmt, const qdot_xblock *xb, int64_t m, int64_t nb, con
     }
 #undef CPANEL
     if (amx) quant_dot_amx_end();
-    /* The rest in passes of even size (9 rows: 5 + 4, not 8 + 1: a one-row pass
+    /* The rest in passes of even size (17 rows: 6 + 6 + 5, not 8 + 8 + 1: a one-row pass
      * unpacks and reads the whole panel again for little work). */
+    const int64_t step = rest ? quant_dot_pass_rows(rest) : 1;
     const int64_t passes = (rest + step - 1) / step;
     for (int64_t p = p0; p < p1 && rest; p++) {
         const int cols = (int)(n - p * PR < PR ? n - p * PR : PR);

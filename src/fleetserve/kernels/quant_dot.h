@@ -117,8 +117,8 @@ void quant_dot_decode(int fmt, const uint8_t *w, int64_t row_bytes, int64_t p, i
                       float *dst, int64_t ld);
 void quant_dot_row(int fmt, const uint8_t *w, int64_t row_bytes, int64_t j, int64_t k,
                    float *dst);
-/* quant_dot_simd.c: one panel times `rows` (<= QDOT_ROWS) rows of x. */
-int quant_dot_rows_per_call(void);
+/* quant_dot_simd.c: one panel times `rows` (<= quant_dot_pass_rows(rows)) rows of x. */
+int quant_dot_pass_rows(int64_t rows);
 int quant_dot_kind(void);
 /* quant_dot_amx.c: tiles of `rows` (<= 16) rows of x on AMX-INT8; begin configures the
  * thread's tiles for that row count (0: no AMX here). */

@@ -19,6 +19,22 @@
 
 #define PR 16
 #define PREFETCH 4096
+#define PREFETCH_FAR 16384
+
+/* A panel block's prefetches: 4 KB ahead into L1 always and, where the block's compute
+ * for `rows` rows is short for its bytes (under ~56 bytes per row and block: Q8_0 1-9
+ * rows, Q4 2-5), 16 KB ahead into L2 as well. On the Zen 4 here the one stream into L1
+ * left a DRAM-bound weight half idle while the rows' arithmetic ran: the 49152-row Q8_0
+ * LM head ran 1.3-1.66x faster at 8 rows, 1.05-1.35x at 2 and 1.05-1.34x at 1 with the
+ * far stream too. One row of Q4 keeps the one stream: it moved Q4_1 layers streamed from
+ * DRAM by -6% to +12% (and cost 9% where the weights sit in L2); at 6-16 Q4 rows the
+ * extra instructions cost 3-6% for nothing (docs/benchmarks.md, issue 25, branch
+ * qvnni). */
+static inline __attribute__((always_inline)) void prefetch_block(int qtype, const uint8_t *pb,
+                                                                 int64_t bb, int rows) {
+    PREFETCH_WEIGHTS(pb, bb, PREFETCH);
+    if ((rows >= 2 || qtype == Q8_0) && rows * 56 <= bb) PREFETCH_WEIGHTS_L2(pb, bb, PREFETCH_FAR);
+}
 
 static inline int64_t panel_block_bytes(int qtype) {
     switch (qtype) {
@@ -60,9 +76,18 @@ static inline int32_t ld32(const int8_t *p) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* acc + w . (x's 4 bytes at q, broadcast): vpdpbusd with the broadcast as its memory
+ * operand ({1to16}). GCC 12 emits a separate vpbroadcastd per call from the intrinsics,
+ * an instruction per vpdpbusd more through the front end and the scheduler. */
+static inline __attribute__((always_inline)) __m512i dp_x4(__m512i acc, __m512i w,
+                                                          const int8_t *q) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)q));
+    return acc;
+}
+
 /* 8 rows: 2 zmm each (acc, one int32 chain) + ~9 shared stay within the 32 registers
  * (no spills: checked in the objdump), so a speculative verification of k <= 7 drafts is
- * one pass over the weights, and 9-16 rows two passes of even size. */
+ * one pass over the weights; 9-16 rows take dot_panel_wide, also one pass. */
 #define QDOT_ROWS 8
 
 static inline __attribute__((always_inline)) void dot_panel(int qtype, const uint8_t *panel,
@@ -79,7 +104,7 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pb = panel + b * bb, *qs = pb + head;
-        PREFETCH_WEIGHTS(pb, bb, PREFETCH);
+        prefetch_block(qtype, pb, bb, rows);
         __m512i s0[QDOT_ROWS], s1[QDOT_ROWS];
         for (int r = 0; r < rows; r++) s0[r] = s1[r] = _mm512_setzero_si512();
         if (qtype == Q8_0) {
@@ -129,6 +154,66 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
     for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
 }
 
+/* 9-16 rows in one pass over the panel (dot_panel would take them in two): per block, the
+ * 8 weight vectors are unpacked once into registers (w[i] pairs with x's quants
+ * 4i .. 4i + 3: Q4 / Q5 groups 0-3 low nibbles then high ones, Q8_0 groups 0-7), then
+ * each row's 8 vpdpbusd run as two chains of 4 and its sum is scaled by qdot_scale as
+ * dot_panel's is (the same float steps: the same bits). On Zen 4 vpdpbusd, vmulps and
+ * vfmadd share the two multiply pipes (one zmm op a cycle, measured), so both kernels run
+ * at ~94% of that bound from L2; the second pass mattered for weights streamed from DRAM:
+ * it computed from L1 while memory sat idle (the 49152-row Q8_0 LM head at 16 rows ran
+ * 1.09-1.15x faster in one pass). */
+#define QDOT_WIDE 16
+
+static inline __attribute__((always_inline)) void dot_panel_wide(int qtype, const uint8_t *panel,
+                                                                 int64_t nb,
+                                                                 const qdot_xblock *xb,
+                                                                 int64_t ldxb, int rows,
+                                                                 float *out, int64_t ldo,
+                                                                 int cols) {
+    const int64_t bb = panel_block_bytes(qtype), head = panel_head(qtype);
+    const __m512i m4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+    const __m512i bit4 = _mm512_set1_epi8(16);
+    const int32_t off = qtype == Q8_0 ? 128 : quant_offset(qtype);
+    __m512 acc[QDOT_WIDE];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *pb = panel + b * bb, *qs = pb + head;
+        prefetch_block(qtype, pb, bb, rows);
+        __m512i w[8];
+        if (qtype == Q8_0) {
+            for (int g = 0; g < 8; g++)
+                w[g] = _mm512_xor_si512(_mm512_loadu_si512(qs + g * 64), flip);
+        } else {
+            const __m512i qh = is_q5(qtype) ? _mm512_loadu_si512(qs - 64) : _mm512_setzero_si512();
+            for (int g = 0; g < 4; g++) {
+                const __m512i v = _mm512_loadu_si512(qs + g * 64);
+                w[g] = _mm512_and_si512(v, m4);
+                w[4 + g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                if (is_q5(qtype)) {
+                    w[g] = _mm512_or_si512(w[g], _mm512_and_si512(_mm512_slli_epi32(qh, 4 - g), bit4));
+                    w[4 + g] = _mm512_or_si512(w[4 + g], _mm512_and_si512(_mm512_srli_epi32(qh, g), bit4));
+                }
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
+        const __m512 m =
+            has_min(qtype) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32))) : d;
+        for (int r = 0; r < rows; r++) {
+            const qdot_xblock *x = xb + r * ldxb + b;
+            __m512i s0 = dp_x4(_mm512_setzero_si512(), w[0], x->q);
+            __m512i s1 = dp_x4(_mm512_setzero_si512(), w[1], x->q + 4);
+            for (int i = 2; i < 8; i += 2) {
+                s0 = dp_x4(s0, w[i], x->q + 4 * i);
+                s1 = dp_x4(s1, w[i + 1], x->q + 4 * i + 4);
+            }
+            acc[r] = qdot_scale(_mm512_add_epi32(s0, s1), off, has_min(qtype), x, d, m, acc[r]);
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << cols) - 1);
+    for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
+}
+
 #elif defined(__AVX2__)
 #define QDOT_ROWS 2
 
@@ -143,7 +228,7 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pb = panel + b * bb, *qs = pb + head;
-        PREFETCH_WEIGHTS(pb, bb, PREFETCH);
+        prefetch_block(qtype, pb, bb, rows);
         __m256i s[QDOT_ROWS][2];
         for (int h = 0; h < 2; h++) {
             for (int r = 0; r < rows; r++) s[r][h] = _mm256_setzero_si256();
@@ -250,7 +335,16 @@ static inline __attribute__((always_inline)) void dot_panel(int qtype, const uin
 }
 #endif
 
-int quant_dot_rows_per_call(void) { return QDOT_ROWS; }
+/* Rows of x per pass for a step of `rows` left to multiply: all of them in one pass up to
+ * QDOT_WIDE (dot_panel_wide), else passes of QDOT_ROWS. Past 16 rows (the prefill chunks
+ * of mixed steps) the narrow passes stay: a served run's mixed steps (64-255 rows) were
+ * 4-6% slower in 16-row passes, for no gain in the kernel's bench. */
+int quant_dot_pass_rows(int64_t rows) {
+#ifdef QDOT_WIDE
+    if (rows <= QDOT_WIDE) return (int)rows;
+#endif
+    return rows < QDOT_ROWS ? (int)rows : QDOT_ROWS;
+}
 
 /* Which integer kernel this build runs: 2 AVX-512 VNNI, 1 AVX2, 0 plain C (where the
  * float path is faster: models/quantize.py's default reads it). */
@@ -274,7 +368,8 @@ int quant_dot_kind(void) {
     case 5: dot_panel(QT, panel, nb, xb, ldxb, 5, out, ldo, cols); break;               \
     case 6: dot_panel(QT, panel, nb, xb, ldxb, 6, out, ldo, cols); break;               \
     case 7: dot_panel(QT, panel, nb, xb, ldxb, 7, out, ldo, cols); break;               \
-    default: dot_panel(QT, panel, nb, xb, ldxb, 8, out, ldo, cols); break;              \
+    case 8: dot_panel(QT, panel, nb, xb, ldxb, 8, out, ldo, cols); break;               \
+    default: dot_panel_wide(QT, panel, nb, xb, ldxb, rows, out, ldo, cols); break;      \
     }
 #elif QDOT_ROWS == 4
 #define ROW_CASES(QT)                                                                   \
