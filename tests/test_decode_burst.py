@@ -138,7 +138,9 @@ def test_no_burst_when_logits_are_read(
     assert lp == greedy
 
 
-def test_env_switch(tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_env_switch(
+    tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FLEETSERVE_DECODE_BURST", "1")
     assert _runner(LLM(tiny_model_factory("llama"), max_model_len=64)).burst is None
     monkeypatch.setenv("FLEETSERVE_DECODE_BURST", "four")

@@ -143,6 +143,9 @@ typedef struct {
     int32_t profile_threads;
     /* 1: the profile adds up each thread's CPU time (CLOCK_THREAD_CPUTIME_ID), not wall. */
     int32_t profile_cpu;
+    /* 1: narrow steps' dot-layout GEMMs hand out work as quant_dot_share does (one ~16 KB
+     * chunk per grab) instead of step_dot_share's guided runs: A/B runs. */
+    int32_t dot_chunked;
 } ds_plan;
 
 /* The phases timed (kernels/decode_step.py's PHASES, in order): row work (norms, the
@@ -182,6 +185,7 @@ typedef struct {
 typedef struct {
     float *xp, *xp_wide, *panel, *row, *xsum;
     qdot_xblock *xq;
+    int dot_chunked; /* the plan's dot_chunked */
 } ds_scratch;
 
 /* Row-wise work over the step's m rows: split over the team (`wide`, ending in its
@@ -222,6 +226,47 @@ int decode_step_max_rows(void) {
     return q < g ? q : g;
 }
 
+/* Rows per panel of the dot layout (quant_dot.c's PR). */
+#define DOT_PANEL_ROWS 16
+
+/* This thread's share of a dot-layout GEMM in a narrow step: quant_dot_share's panels,
+ * each multiplied by the same code (quant_dot_panels: every output row the same bits
+ * whichever thread computes it), handed out by OpenMP's guided schedule over the same
+ * ~16 KB chunks: each thread first takes a long run of consecutive panels (one weight
+ * stream, one grab of the shared counter), then ever smaller ones, so a thread slowed by
+ * a neighbour still leaves its tail to the others. quant_dot_share hands out one chunk
+ * per grab: at 2 threads each reads every other 16 KB of the weight (its stream restarts
+ * each time) and the team's counter (one cache line) bounces between the cores ~6,000
+ * times a token on SmolLM2. `chunked`: quant_dot_share itself (the plan's A/B switch).
+ * Ends in the team's barrier. */
+static void step_dot_share(int fmt, const qdot_xblock *xb, const uint8_t *w, int64_t row_bytes,
+                           float *out, int64_t ldo, int64_t m, int64_t n, int64_t k,
+                           int chunked) {
+    if (chunked) {
+        quant_dot_share(fmt, xb, w, row_bytes, out, ldo, m, n, k);
+        return;
+    }
+    const int64_t nb = k / 32, panels = (n + DOT_PANEL_ROWS - 1) / DOT_PANEL_ROWS;
+    int64_t chunk = 16384 / (DOT_PANEL_ROWS * row_bytes);
+    if (chunk < 1) chunk = 1;
+    const int64_t chunks = (panels + chunk - 1) / chunk;
+    int64_t run0 = -1, run1 = -1; /* consecutive chunks [run0, run1) not yet multiplied */
+#pragma omp for schedule(guided, 1) nowait
+    for (int64_t c = 0; c < chunks; c++) {
+        if (c != run1) {
+            if (run1 > run0)
+                quant_dot_panels(fmt, xb, m, nb, w, row_bytes, out, ldo, n, run0 * chunk,
+                                 run1 * chunk < panels ? run1 * chunk : panels);
+            run0 = c;
+        }
+        run1 = c + 1;
+    }
+    if (run1 > run0)
+        quant_dot_panels(fmt, xb, m, nb, w, row_bytes, out, ldo, n, run0 * chunk,
+                         run1 * chunk < panels ? run1 * chunk : panels);
+#pragma omp barrier
+}
+
 /* This thread's share of out[m, n] = x @ W^T (+ bias for packed weights): the one place
  * that dispatches on the weight kind. `wide` (m > decode_step_max_rows()): the kernels'
  * any-rows shares, which the module path's kernels run for such m too; else the
@@ -253,6 +298,9 @@ static void linear_share(const ds_linear *lin, const float *x, int64_t ldx, cons
             if (wide && !quant_dot_layout(g->qtype))
                 quant_prefill_share(g->qtype, x, ldx, g->data, g->row_bytes, s->xp_wide,
                                     s->panel, s->row, out + off, ldo, m, g->n, lin->k);
+            else if (!wide && quant_dot_layout(g->qtype))
+                step_dot_share(g->qtype, s->xq, g->data, g->row_bytes, out + off, ldo, m,
+                               g->n, lin->k, s->dot_chunked);
             else
                 quant_gemm_share(g->qtype, x, ldx, s->xsum, s->xq, g->data, g->row_bytes,
                                  out + off, ldo, m, g->n, lin->k);
@@ -554,7 +602,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
     {
         float *mine = buf + shared + (size_t)omp_get_thread_num() * priv;
         float *res, *h, *scores;
-        ds_scratch sc = {NULL, NULL, NULL, NULL, NULL, NULL};
+        ds_scratch sc = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked};
         if (wide) {
             res = wide_res;
             h = res + up64(m * H);
@@ -644,7 +692,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < m; r++) final_row(p, added + r * H, res + r * H, out + r * H);
             if (head_own) { /* the few sampled rows, narrow, each thread its own copy */
-                ds_scratch hs = {NULL, NULL, NULL, NULL, NULL, NULL};
+                ds_scratch hs = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked};
                 float *hb = scores + up64(p->num_heads * max_len);
                 hs.xsum = hb + up64(nr * H);
                 hs.xp = hs.xsum + up64(nr * (H / 32) + 1);

@@ -58,7 +58,7 @@ class _Plan(ctypes.Structure):
         ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("final_norm", _p),
         ("layers", ctypes.POINTER(_Layer)), ("lora", _p), ("activation", _i32),
         ("head", _Linear), ("reduce", _p), ("profile", _p), ("profile_threads", _i32),
-        ("profile_cpu", _i32),
+        ("profile_cpu", _i32), ("dot_chunked", _i32),
     ]  # fmt: skip
 
 
@@ -236,6 +236,17 @@ class DecodePlan:
         self._plan.profile = self._profile.data_ptr()
         self._plan.profile_threads = threads
         self._plan.profile_cpu = int(cpu)
+
+    @property
+    def dot_chunked(self) -> bool:
+        """Whether narrow steps' dot-layout GEMMs hand out one ~16 KB chunk of weight rows
+        per grab (quant_dot_share's schedule) instead of the step's guided runs of
+        consecutive chunks (the default; the same outputs either way): A/B runs."""
+        return bool(self._plan.dot_chunked)
+
+    @dot_chunked.setter
+    def dot_chunked(self, on: bool) -> None:
+        self._plan.dot_chunked = int(on)
 
     def stop_profile(self) -> dict[str, list[float]]:
         """Seconds per phase and thread since start_profile; timing off again."""
