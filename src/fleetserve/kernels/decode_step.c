@@ -55,8 +55,6 @@
 void quant_gemm_share(int qtype, const float *x, int64_t ldx, const float *xsum,
                       const void *xq, const uint8_t *w, int64_t row_bytes, float *out,
                       int64_t ldo, int64_t m, int64_t n, int64_t k);
-void quant_prepare_x(const float *x, int64_t ldx, int64_t m, int64_t k, float *xsum,
-                     void *xq);
 void quant_dot_quantize_share(const float *x, int64_t ldx, int64_t m, int64_t k,
                               qdot_xblock *xb);
 void quant_prefill_share(int qtype, const float *x, int64_t ldx, const uint8_t *w,
@@ -65,6 +63,8 @@ void quant_prefill_share(int qtype, const float *x, int64_t ldx, const uint8_t *
 int64_t quant_prefill_x_floats(int64_t k);
 int64_t quant_prefill_panel_floats(int64_t k);
 int quant_share_max_rows(void);
+int quant_panel_layout(int qtype);
+void quant_panel_xsum(const float *x, int64_t ldx, int64_t m, int64_t k, float *xsum);
 void gemm_packed_share(const float *x, int64_t ldx, float *xp, const float *packed,
                        const float *bias, float *out, int64_t ldo, int64_t m, int64_t n,
                        int64_t k);
@@ -185,7 +185,8 @@ typedef struct {
 typedef struct {
     float *xp, *xp_wide, *panel, *row, *xsum;
     qdot_xblock *xq;
-    int dot_chunked; /* the plan's dot_chunked */
+    int dot_chunked;  /* the plan's dot_chunked */
+    int xsum_wanted;  /* some weight of the plan is in the panel layout (reads xsum) */
 } ds_scratch;
 
 /* Row-wise work over the step's m rows: split over the team (`wide`, ending in its
@@ -316,6 +317,24 @@ static int linear_has_dot(const ds_linear *lin) {
     return 0;
 }
 
+static int linear_has_panel(const ds_linear *lin) {
+    for (int j = 0; j < lin->num_segments; j++)
+        if (lin->seg[j].kind == W_QUANT && quant_panel_layout(lin->seg[j].qtype)) return 1;
+    return 0;
+}
+
+/* Whether some weight of the plan is in the panel layout (reads the GEMM input's block
+ * sums). */
+static int plan_has_panel(const ds_plan *p) {
+    for (int l = 0; l < p->num_layers; l++) {
+        const ds_layer *L = &p->layers[l];
+        if (linear_has_panel(&L->qkv) || linear_has_panel(&L->o) ||
+            linear_has_panel(&L->gate_up) || linear_has_panel(&L->down))
+            return 1;
+    }
+    return linear_has_panel(&p->head);
+}
+
 /* Whether some weight of the plan is in the dot layout (int8 activations). */
 static int plan_has_dot(const ds_plan *p) {
     for (int l = 0; l < p->num_layers; l++) {
@@ -338,9 +357,13 @@ static int64_t linear_out(const ds_linear *lin) {
  * blocks); when wide, the int8 blocks by the team, split by rows (ending in its barrier),
  * when some weight wants them. */
 static void prepare_x(const float *x, int64_t m, int64_t k, const ds_scratch *s, int wide) {
-    if (!wide)
-        quant_prepare_x(x, k, m, k, s->xsum, s->xq);
-    else if (s->xq)
+    if (!wide) {
+        /* quant_prepare_x's two halves: the block sums only where a panel reads them (a
+         * scalar loop of ~3,300 adds a layer on SmolLM2, which dot-layout weights never
+         * read). */
+        if (s->xsum_wanted) quant_panel_xsum(x, k, m, k, s->xsum);
+        if (s->xq) quant_dot_quantize_x(x, k, m, k, s->xq);
+    } else if (s->xq)
         quant_dot_quantize_share(x, k, m, k, s->xq);
 }
 
@@ -546,7 +569,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
     const int64_t q_size = p->num_heads * hd, ldq = q_size + 2 * p->num_kv_heads * hd;
     const int64_t kmax = max3(H, I, q_size);
     const int wide = m > decode_step_max_rows();
-    const int dot = plan_has_dot(p);
+    const int dot = plan_has_dot(p), panel = plan_has_panel(p);
     /* The head's rows multiplied as the module path would multiply them: a wide step's
      * few sampled rows through the decode-sized shares, from a private narrow scratch. */
     const int head_wide = nr > decode_step_max_rows(), head_own = wide && nr > 0 && !head_wide;
@@ -602,7 +625,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
     {
         float *mine = buf + shared + (size_t)omp_get_thread_num() * priv;
         float *res, *h, *scores;
-        ds_scratch sc = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked};
+        ds_scratch sc = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel};
         if (wide) {
             res = wide_res;
             h = res + up64(m * H);
@@ -692,7 +715,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < m; r++) final_row(p, added + r * H, res + r * H, out + r * H);
             if (head_own) { /* the few sampled rows, narrow, each thread its own copy */
-                ds_scratch hs = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked};
+                ds_scratch hs = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel};
                 float *hb = scores + up64(p->num_heads * max_len);
                 hs.xsum = hb + up64(nr * H);
                 hs.xp = hs.xsum + up64(nr * (H / 32) + 1);
