@@ -747,3 +747,50 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
     free(item_start);
     return 0;
 }
+
+/* The embedding table a burst reads its tokens' rows from: GGUF blocks (quant.py's
+ * QuantWeight, read by quant_dequantize_rows as its quant_embedding does) or, qtype < 0,
+ * float32 rows [vocab, hidden] (nn.Embedding's, copied as embed_rows' numpy lookup). */
+typedef struct {
+    int32_t qtype;
+    const void *data;
+    int64_t row_bytes;
+    int64_t vocab;
+} ds_embedding;
+
+void quant_dequantize_rows(int qtype, const uint8_t *w, int64_t row_bytes, const int64_t *ids,
+                           int64_t n_ids, int64_t k, float *out, int threads);
+
+/* A lone greedy sequence's next tokens, one decode step each (worker/decode_burst.py):
+ * `token` is embedded through the model's own lookup and decoded at position pos0, the
+ * step's argmax is the next token, decoded at pos0 + 1, and so on: num_steps tokens, or
+ * fewer when one is in stop_ids (kept, not decoded). What one step at a time does, without
+ * going back to Python between the steps. table: the sequence's num_blocks block ids,
+ * holding the slots of positions pos0 .. pos0 + num_steps - 1; x, out [hidden] and
+ * logits [vocab] scratch. Returns the number of tokens written to `tokens`, or a negative
+ * error: decode_step's, or -3 for a token outside the embedding table or a position
+ * outside the blocks. */
+int64_t decode_burst(const ds_plan *p, const ds_embedding *emb, int64_t token, int64_t pos0,
+                     const int64_t *table, int64_t num_blocks, int64_t num_steps,
+                     const int64_t *stop_ids, int64_t num_stops, float *x, float *out,
+                     float *logits, int64_t *tokens, int threads) {
+    const int64_t H = p->hidden, bs = p->block_size, zero = 0, one = 1;
+    int64_t n = 0;
+    while (n < num_steps) {
+        if (token < 0 || token >= emb->vocab || (pos0 + n) / bs >= num_blocks) return -3;
+        if (emb->qtype >= 0)
+            quant_dequantize_rows(emb->qtype, emb->data, emb->row_bytes, &token, 1, H, x, 1);
+        else
+            memcpy(x, (const float *)emb->data + token * H, (size_t)H * sizeof(float));
+        const int64_t pos = pos0 + n, block = table[pos / bs], offset = pos % bs, len = pos + 1;
+        int64_t next = 0;
+        const int rc = decode_step(p, x, out, 1, &pos, &block, &offset, 1, &zero, &one, &len,
+                                   table, num_blocks, NULL, NULL, NULL, 0, 1, &zero, logits,
+                                   &next, threads);
+        if (rc != 0) return rc;
+        tokens[n++] = token = next;
+        for (int64_t i = 0; i < num_stops; i++)
+            if (stop_ids[i] == token) return n;
+    }
+    return n;
+}
