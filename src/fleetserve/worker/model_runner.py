@@ -292,6 +292,7 @@ class ModelRunner:
             and so.grammar_bitmask is None
             and meta.head_argmax is not None
             and decodes[0].plain_greedy
+            and decodes[0].params.structured_outputs is None
         ):
             self._burst(decodes[0], sampled[decodes[0].req_id])
         prompt_lps = self._prompt_logprobs(ordered, qsl, ctx_lens, hidden)
