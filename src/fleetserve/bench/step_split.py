@@ -61,6 +61,10 @@ def split(
         EngineArgs(model=model, num_threads=threads, max_num_seqs=1, max_model_len=tokens + 64)
     )
     runner = engine.core.executor.runner  # type: ignore[attr-defined]
+    # One C step per engine step, so that the split is per token: a burst's extra tokens
+    # (worker/decode_burst.py) would run inside one step's worker time (bench latency
+    # times the stream with them).
+    runner.burst = None
     plan = runner.model.model.decode_plan
     if plan is None:
         raise ValueError("this model has no C step here (FLEETSERVE_FUSED_DECODE=0?)")

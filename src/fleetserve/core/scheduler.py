@@ -446,6 +446,10 @@ class Scheduler:
                 self.num_spec_verifications += 1
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += num_accepted
+            elif len(sampled) > 1:
+                # A burst (worker/decode_burst.py): the runner also decoded each token
+                # after the first, so all but the last have their K/V in the cache.
+                num_computed += len(sampled) - 1
             req.num_computed_tokens = num_computed
             new_tokens: list[int] = []
             new_logprobs = []

@@ -67,7 +67,8 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     req_ids: list[str]
     # One entry per scheduled request; empty when the step ended mid-prompt. With draft
-    # tokens: the accepted drafts, then one token of the target's own.
+    # tokens: the accepted drafts, then one token of the target's own. Without drafts,
+    # several tokens: a burst (worker/decode_burst.py), each decoded after the one before.
     sampled_token_ids: list[list[int]]
     # Per request, per sampled token: {token_id: logprob} (sampled token + top-N).
     logprobs: list[list[dict[int, float]]] | None = None

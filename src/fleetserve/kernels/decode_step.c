@@ -55,8 +55,6 @@
 void quant_gemm_share(int qtype, const float *x, int64_t ldx, const float *xsum,
                       const void *xq, const uint8_t *w, int64_t row_bytes, float *out,
                       int64_t ldo, int64_t m, int64_t n, int64_t k);
-void quant_prepare_x(const float *x, int64_t ldx, int64_t m, int64_t k, float *xsum,
-                     void *xq);
 void quant_dot_quantize_share(const float *x, int64_t ldx, int64_t m, int64_t k,
                               qdot_xblock *xb);
 void quant_prefill_share(int qtype, const float *x, int64_t ldx, const uint8_t *w,
@@ -65,6 +63,8 @@ void quant_prefill_share(int qtype, const float *x, int64_t ldx, const uint8_t *
 int64_t quant_prefill_x_floats(int64_t k);
 int64_t quant_prefill_panel_floats(int64_t k);
 int quant_share_max_rows(void);
+int quant_panel_layout(int qtype);
+void quant_panel_xsum(const float *x, int64_t ldx, int64_t m, int64_t k, float *xsum);
 void gemm_packed_share(const float *x, int64_t ldx, float *xp, const float *packed,
                        const float *bias, float *out, int64_t ldo, int64_t m, int64_t n,
                        int64_t k);
@@ -143,6 +143,9 @@ typedef struct {
     int32_t profile_threads;
     /* 1: the profile adds up each thread's CPU time (CLOCK_THREAD_CPUTIME_ID), not wall. */
     int32_t profile_cpu;
+    /* 1: narrow steps' dot-layout GEMMs hand out work as quant_dot_share does (one ~16 KB
+     * chunk per grab) instead of step_dot_share's guided runs: A/B runs. */
+    int32_t dot_chunked;
 } ds_plan;
 
 /* The phases timed (kernels/decode_step.py's PHASES, in order): row work (norms, the
@@ -182,6 +185,8 @@ typedef struct {
 typedef struct {
     float *xp, *xp_wide, *panel, *row, *xsum;
     qdot_xblock *xq;
+    int dot_chunked;  /* the plan's dot_chunked */
+    int xsum_wanted;  /* some weight of the plan is in the panel layout (reads xsum) */
 } ds_scratch;
 
 /* Row-wise work over the step's m rows: split over the team (`wide`, ending in its
@@ -222,6 +227,47 @@ int decode_step_max_rows(void) {
     return q < g ? q : g;
 }
 
+/* Rows per panel of the dot layout (quant_dot.c's PR). */
+#define DOT_PANEL_ROWS 16
+
+/* This thread's share of a dot-layout GEMM in a narrow step: quant_dot_share's panels,
+ * each multiplied by the same code (quant_dot_panels: every output row the same bits
+ * whichever thread computes it), handed out by OpenMP's guided schedule over the same
+ * ~16 KB chunks: each thread first takes a long run of consecutive panels (one weight
+ * stream, one grab of the shared counter), then ever smaller ones, so a thread slowed by
+ * a neighbour still leaves its tail to the others. quant_dot_share hands out one chunk
+ * per grab: at 2 threads each reads every other 16 KB of the weight (its stream restarts
+ * each time) and the team's counter (one cache line) bounces between the cores ~6,000
+ * times a token on SmolLM2. `chunked`: quant_dot_share itself (the plan's A/B switch).
+ * Ends in the team's barrier. */
+static void step_dot_share(int fmt, const qdot_xblock *xb, const uint8_t *w, int64_t row_bytes,
+                           float *out, int64_t ldo, int64_t m, int64_t n, int64_t k,
+                           int chunked) {
+    if (chunked) {
+        quant_dot_share(fmt, xb, w, row_bytes, out, ldo, m, n, k);
+        return;
+    }
+    const int64_t nb = k / 32, panels = (n + DOT_PANEL_ROWS - 1) / DOT_PANEL_ROWS;
+    int64_t chunk = 16384 / (DOT_PANEL_ROWS * row_bytes);
+    if (chunk < 1) chunk = 1;
+    const int64_t chunks = (panels + chunk - 1) / chunk;
+    int64_t run0 = -1, run1 = -1; /* consecutive chunks [run0, run1) not yet multiplied */
+#pragma omp for schedule(guided, 1) nowait
+    for (int64_t c = 0; c < chunks; c++) {
+        if (c != run1) {
+            if (run1 > run0)
+                quant_dot_panels(fmt, xb, m, nb, w, row_bytes, out, ldo, n, run0 * chunk,
+                                 run1 * chunk < panels ? run1 * chunk : panels);
+            run0 = c;
+        }
+        run1 = c + 1;
+    }
+    if (run1 > run0)
+        quant_dot_panels(fmt, xb, m, nb, w, row_bytes, out, ldo, n, run0 * chunk,
+                         run1 * chunk < panels ? run1 * chunk : panels);
+#pragma omp barrier
+}
+
 /* This thread's share of out[m, n] = x @ W^T (+ bias for packed weights): the one place
  * that dispatches on the weight kind. `wide` (m > decode_step_max_rows()): the kernels'
  * any-rows shares, which the module path's kernels run for such m too; else the
@@ -253,6 +299,9 @@ static void linear_share(const ds_linear *lin, const float *x, int64_t ldx, cons
             if (wide && !quant_dot_layout(g->qtype))
                 quant_prefill_share(g->qtype, x, ldx, g->data, g->row_bytes, s->xp_wide,
                                     s->panel, s->row, out + off, ldo, m, g->n, lin->k);
+            else if (!wide && quant_dot_layout(g->qtype))
+                step_dot_share(g->qtype, s->xq, g->data, g->row_bytes, out + off, ldo, m,
+                               g->n, lin->k, s->dot_chunked);
             else
                 quant_gemm_share(g->qtype, x, ldx, s->xsum, s->xq, g->data, g->row_bytes,
                                  out + off, ldo, m, g->n, lin->k);
@@ -266,6 +315,24 @@ static int linear_has_dot(const ds_linear *lin) {
     for (int j = 0; j < lin->num_segments; j++)
         if (lin->seg[j].kind == W_QUANT && quant_dot_layout(lin->seg[j].qtype)) return 1;
     return 0;
+}
+
+static int linear_has_panel(const ds_linear *lin) {
+    for (int j = 0; j < lin->num_segments; j++)
+        if (lin->seg[j].kind == W_QUANT && quant_panel_layout(lin->seg[j].qtype)) return 1;
+    return 0;
+}
+
+/* Whether some weight of the plan is in the panel layout (reads the GEMM input's block
+ * sums). */
+static int plan_has_panel(const ds_plan *p) {
+    for (int l = 0; l < p->num_layers; l++) {
+        const ds_layer *L = &p->layers[l];
+        if (linear_has_panel(&L->qkv) || linear_has_panel(&L->o) ||
+            linear_has_panel(&L->gate_up) || linear_has_panel(&L->down))
+            return 1;
+    }
+    return linear_has_panel(&p->head);
 }
 
 /* Whether some weight of the plan is in the dot layout (int8 activations). */
@@ -290,9 +357,13 @@ static int64_t linear_out(const ds_linear *lin) {
  * blocks); when wide, the int8 blocks by the team, split by rows (ending in its barrier),
  * when some weight wants them. */
 static void prepare_x(const float *x, int64_t m, int64_t k, const ds_scratch *s, int wide) {
-    if (!wide)
-        quant_prepare_x(x, k, m, k, s->xsum, s->xq);
-    else if (s->xq)
+    if (!wide) {
+        /* quant_prepare_x's two halves: the block sums only where a panel reads them (a
+         * scalar loop of ~3,300 adds a layer on SmolLM2, which dot-layout weights never
+         * read). */
+        if (s->xsum_wanted) quant_panel_xsum(x, k, m, k, s->xsum);
+        if (s->xq) quant_dot_quantize_x(x, k, m, k, s->xq);
+    } else if (s->xq)
         quant_dot_quantize_share(x, k, m, k, s->xq);
 }
 
@@ -498,7 +569,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
     const int64_t q_size = p->num_heads * hd, ldq = q_size + 2 * p->num_kv_heads * hd;
     const int64_t kmax = max3(H, I, q_size);
     const int wide = m > decode_step_max_rows();
-    const int dot = plan_has_dot(p);
+    const int dot = plan_has_dot(p), panel = plan_has_panel(p);
     /* The head's rows multiplied as the module path would multiply them: a wide step's
      * few sampled rows through the decode-sized shares, from a private narrow scratch. */
     const int head_wide = nr > decode_step_max_rows(), head_own = wide && nr > 0 && !head_wide;
@@ -554,7 +625,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
     {
         float *mine = buf + shared + (size_t)omp_get_thread_num() * priv;
         float *res, *h, *scores;
-        ds_scratch sc = {NULL, NULL, NULL, NULL, NULL, NULL};
+        ds_scratch sc = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel};
         if (wide) {
             res = wide_res;
             h = res + up64(m * H);
@@ -644,7 +715,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < m; r++) final_row(p, added + r * H, res + r * H, out + r * H);
             if (head_own) { /* the few sampled rows, narrow, each thread its own copy */
-                ds_scratch hs = {NULL, NULL, NULL, NULL, NULL, NULL};
+                ds_scratch hs = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel};
                 float *hb = scores + up64(p->num_heads * max_len);
                 hs.xsum = hb + up64(nr * H);
                 hs.xp = hs.xsum + up64(nr * (H / 32) + 1);
@@ -675,4 +746,51 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                                  span_nan + j * threads, threads);
     free(item_start);
     return 0;
+}
+
+/* The embedding table a burst reads its tokens' rows from: GGUF blocks (quant.py's
+ * QuantWeight, read by quant_dequantize_rows as its quant_embedding does) or, qtype < 0,
+ * float32 rows [vocab, hidden] (nn.Embedding's, copied as embed_rows' numpy lookup). */
+typedef struct {
+    int32_t qtype;
+    const void *data;
+    int64_t row_bytes;
+    int64_t vocab;
+} ds_embedding;
+
+void quant_dequantize_rows(int qtype, const uint8_t *w, int64_t row_bytes, const int64_t *ids,
+                           int64_t n_ids, int64_t k, float *out, int threads);
+
+/* A lone greedy sequence's next tokens, one decode step each (worker/decode_burst.py):
+ * `token` is embedded through the model's own lookup and decoded at position pos0, the
+ * step's argmax is the next token, decoded at pos0 + 1, and so on: num_steps tokens, or
+ * fewer when one is in stop_ids (kept, not decoded). What one step at a time does, without
+ * going back to Python between the steps. table: the sequence's num_blocks block ids,
+ * holding the slots of positions pos0 .. pos0 + num_steps - 1; x, out [hidden] and
+ * logits [vocab] scratch. Returns the number of tokens written to `tokens`, or a negative
+ * error: decode_step's, or -3 for a token outside the embedding table or a position
+ * outside the blocks. */
+int64_t decode_burst(const ds_plan *p, const ds_embedding *emb, int64_t token, int64_t pos0,
+                     const int64_t *table, int64_t num_blocks, int64_t num_steps,
+                     const int64_t *stop_ids, int64_t num_stops, float *x, float *out,
+                     float *logits, int64_t *tokens, int threads) {
+    const int64_t H = p->hidden, bs = p->block_size, zero = 0, one = 1;
+    int64_t n = 0;
+    while (n < num_steps) {
+        if (token < 0 || token >= emb->vocab || (pos0 + n) / bs >= num_blocks) return -3;
+        if (emb->qtype >= 0)
+            quant_dequantize_rows(emb->qtype, emb->data, emb->row_bytes, &token, 1, H, x, 1);
+        else
+            memcpy(x, (const float *)emb->data + token * H, (size_t)H * sizeof(float));
+        const int64_t pos = pos0 + n, block = table[pos / bs], offset = pos % bs, len = pos + 1;
+        int64_t next = 0;
+        const int rc = decode_step(p, x, out, 1, &pos, &block, &offset, 1, &zero, &one, &len,
+                                   table, num_blocks, NULL, NULL, NULL, 0, 1, &zero, logits,
+                                   &next, threads);
+        if (rc != 0) return rc;
+        tokens[n++] = token = next;
+        for (int64_t i = 0; i < num_stops; i++)
+            if (stop_ids[i] == token) return n;
+    }
+    return n;
 }

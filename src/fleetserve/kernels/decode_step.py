@@ -58,8 +58,12 @@ class _Plan(ctypes.Structure):
         ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("final_norm", _p),
         ("layers", ctypes.POINTER(_Layer)), ("lora", _p), ("activation", _i32),
         ("head", _Linear), ("reduce", _p), ("profile", _p), ("profile_threads", _i32),
-        ("profile_cpu", _i32),
+        ("profile_cpu", _i32), ("dot_chunked", _i32),
     ]  # fmt: skip
+
+
+class _Embedding(ctypes.Structure):
+    _fields_ = [("qtype", _i32), ("data", _p), ("row_bytes", _i64), ("vocab", _i64)]
 
 
 # The phases an opt-in profile times (decode_step.c's PH_*, in order).
@@ -80,6 +84,10 @@ def _lib() -> ctypes.CDLL:
         _i64, _p, _p, _p, ctypes.c_int,
     ]  # fmt: skip
     lib.decode_step.restype = ctypes.c_int
+    lib.decode_burst.argtypes = [
+        _p, _p, _i64, _i64, _p, _i64, _i64, _p, _i64, _p, _p, _p, _p, ctypes.c_int,
+    ]  # fmt: skip
+    lib.decode_burst.restype = _i64
     lib.rows_argmax.argtypes = [_p, _i64, _i64, ctypes.c_int, _p]
     lib.rows_argmax.restype = None
     lib.decode_step_max_rows.argtypes = []
@@ -237,6 +245,17 @@ class DecodePlan:
         self._plan.profile_threads = threads
         self._plan.profile_cpu = int(cpu)
 
+    @property
+    def dot_chunked(self) -> bool:
+        """Whether narrow steps' dot-layout GEMMs hand out one ~16 KB chunk of weight rows
+        per grab (quant_dot_share's schedule) instead of the step's guided runs of
+        consecutive chunks (the default; the same outputs either way): A/B runs."""
+        return bool(self._plan.dot_chunked)
+
+    @dot_chunked.setter
+    def dot_chunked(self, on: bool) -> None:
+        self._plan.dot_chunked = int(on)
+
     def stop_profile(self) -> dict[str, list[float]]:
         """Seconds per phase and thread since start_profile; timing off again."""
         if self._profile is None:
@@ -244,6 +263,45 @@ class DecodePlan:
         out = {name: self._profile[:, i].tolist() for i, name in enumerate(PHASES)}
         self._plan.profile, self._plan.profile_threads, self._profile = None, 0, None
         return out
+
+    def burst(
+        self,
+        inp: BurstInput,
+        token: int,
+        position: int,
+        block_table: torch.Tensor,
+        num_steps: int,
+        stop_ids: torch.Tensor,
+    ) -> list[int]:
+        """A lone greedy sequence's next tokens in one C call (decode_step.c's
+        decode_burst): `token` decoded at `position`, the step's argmax decoded at the next
+        one, and so on, `num_steps` tokens or up to the first in `stop_ids` (int64, kept).
+        Each step is this plan's step of one row with the LM head and its argmax, on
+        `token`'s embedding through `inp`'s table. block_table: the sequence's block ids
+        (int64 [n], holding the slots of every position written)."""
+        if not self.vocab or self._plan.reduce:
+            raise ValueError("a burst needs a plan with the LM head, in one process")
+        if block_table.dtype != torch.int64 or not block_table.is_contiguous():
+            raise ValueError("block_table must be a contiguous int64 tensor")
+        if stop_ids.dtype != torch.int64 or not stop_ids.is_contiguous():
+            raise ValueError("stop_ids must be a contiguous int64 tensor")
+        if inp.tokens.shape[0] < num_steps:
+            inp.tokens = torch.empty(num_steps, dtype=torch.int64)
+        self._plan.lora = None
+        n = self._lib.decode_burst(
+            ctypes.byref(self._plan), inp.ref, token, position, block_table.data_ptr(),
+            block_table.shape[0], num_steps, stop_ids.data_ptr(), stop_ids.shape[0],
+            inp.x.data_ptr(), inp.out.data_ptr(), inp.logits.data_ptr(),
+            inp.tokens.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if n == -1:
+            raise MemoryError("decode_burst: could not allocate its buffers")
+        if n < 0:
+            raise ValueError(f"decode_burst: token {token} or a position from {position} "
+                             "is outside the embedding or the blocks")  # fmt: skip
+        self.steps += n
+        self.head_steps += n
+        return inp.tokens[:n].tolist()
 
     def _call_reduce(self, ptr: ctypes._Pointer[ctypes.c_float], n: int) -> None:
         # An exception cannot cross C: kept, and raised once the step returns.
@@ -361,6 +419,35 @@ class DecodePlan:
         if rc != 0:
             raise ValueError(f"decode_step needs at least one row and one sequence, got {m}")
         return out
+
+
+class BurstInput:
+    """What `DecodePlan.burst` embeds its tokens with: the model's embedding table in
+    GGUF blocks (a QuantWeight, as quant_embedding reads it) or float32 rows [vocab,
+    hidden] (as embed_rows reads them), and the step's scratch."""
+
+    def __init__(self, plan: DecodePlan, table: QuantWeight | torch.Tensor) -> None:
+        hidden = plan.shape.hidden
+        if isinstance(table, QuantWeight):
+            if table.in_features != hidden:
+                raise ValueError(f"the embedding's rows must have {hidden} values")
+            self._emb = _Embedding(table.qtype_id, table.data_ptr, table.row_bytes,
+                                   table.out_features)  # fmt: skip
+        else:
+            if table.dtype != torch.float32 or table.dim() != 2 or not table.is_contiguous():
+                raise ValueError("a float embedding must be a contiguous float32 2-D tensor")
+            if table.shape[1] != hidden:
+                raise ValueError(f"the embedding's rows must have {hidden} values")
+            self._emb = _Embedding(-1, table.data_ptr(), 0, table.shape[0])
+        self._table = table  # kept alive
+        self.x = torch.empty(hidden)
+        self.out = torch.empty(hidden)
+        self.logits = torch.empty(plan.vocab)
+        self.tokens = torch.empty(0, dtype=torch.int64)
+
+    @property
+    def ref(self) -> ctypes._CArgObject:
+        return ctypes.byref(self._emb)
 
 
 def rows_argmax(x: torch.Tensor, spans: int = 1) -> torch.Tensor:

@@ -26,6 +26,7 @@ from fleetserve.spec_decode.base import Proposal, ProposalRequest, Proposer
 from fleetserve.spec_decode.rejection_sampler import DraftedRow, RejectionSampler
 from fleetserve.worker.attn_metadata import build_attention_metadata, build_cpu_metadata
 from fleetserve.worker.block_table import BlockTable
+from fleetserve.worker.decode_burst import DecodeBurst, make_decode_burst
 from fleetserve.worker.model_setup import (
     bind_decode_plan,
     bind_kv_caches,
@@ -126,6 +127,18 @@ class ModelRunner:
         # The C step's head also finds each row's argmax when that is the logits' argmax.
         head_exact = getattr(self.model, "head_argmax_exact", None)
         self.head_argmax = bool(head_exact and head_exact())
+        # A lone greedy stream's steps decode several tokens (worker/decode_burst.py).
+        self.burst: DecodeBurst | None = None
+        if (
+            self.head_argmax
+            and parallel is None
+            and config.speculative is None
+            and config.lora is None
+            and not self.num_sliding_blocks
+        ):
+            self.burst = make_decode_burst(
+                self.model.model, self.block_size, config.scheduler.max_model_len
+            )
         self.requests: dict[str, RequestState] = {}
         # The requests' block ids as numpy rows, from which the C kernels' metadata is
         # gathered each step (and the sliding-window layers' own, where they have some).
@@ -272,6 +285,16 @@ class ModelRunner:
         sampled, lp_by_req = self._sample(
             picks, hidden, meta.head_logits, so.grammar_bitmask, meta.head_argmax
         )
+        if (
+            self.burst is not None
+            and len(ordered) == len(decodes) == 1
+            and not spec
+            and so.grammar_bitmask is None
+            and meta.head_argmax is not None
+            and decodes[0].plain_greedy
+            and decodes[0].params.structured_outputs is None
+        ):
+            self._burst(decodes[0], sampled[decodes[0].req_id])
         prompt_lps = self._prompt_logprobs(ordered, qsl, ctx_lens, hidden)
         req_ids = list(sched)
         want_logprobs = any(s.params.logprobs is not None for s in ordered)
@@ -282,6 +305,21 @@ class ModelRunner:
             prompt_logprobs=prompt_lps,
             spec_token_ids=self._propose(req_ids, sampled) if self.proposer is not None else None,
         )
+
+    def _burst(self, s: RequestState, tokens: list[int]) -> None:
+        """Appends to `tokens` (the step's one, greedy) the tokens a burst decodes after
+        it, as later steps would."""
+        assert self.burst is not None
+        p = s.params
+        num_output = len(s.token_ids) + len(tokens) - s.num_prompt_tokens
+        extra = self.burst.num_extra(
+            s.num_computed_tokens, len(s.block_ids), num_output, p.max_tokens
+        )
+        if extra:
+            stops = frozenset(p.stop_token_ids or ()) | frozenset(
+                () if p.ignore_eos else s.eos_token_ids
+            )
+            tokens += self.burst.run(tokens[-1], s.num_computed_tokens, s.block_ids, extra, stops)
 
     def _cpu_metadata(
         self,
