@@ -19,8 +19,9 @@ from fleetserve.layers.linear import Linear
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 
-# Decode-sized rows (one chain per four-row group, two chains for the rest), AMX rows
-# (one 16-row block, pairs, partial blocks, several L2 chunks), odd n-block counts.
+# Decode-sized rows (pairs of rows over the tiles), wider calls (untiled n-blocks, 4 rows
+# x 4 outputs, ragged last group), AMX rows (one 16-row block, pairs, partial blocks,
+# several L2 chunks), odd n-block counts.
 SHAPES = [
     (1, 64, 64), (2, 48, 96), (3, 16, 128), (4, 32, 64), (5, 80, 160), (7, 96, 768),
     (8, 64, 2048), (9, 16, 64), (16, 32, 96), (17, 48, 256), (24, 96, 768), (33, 80, 320),
@@ -49,6 +50,43 @@ def _compare(shapes: list[tuple[int, int, int]]) -> list[str]:
                 if not torch.equal(want, got):
                     bad.append(f"{m}x{n}x{k} threads={threads} bias={b is not None}")
     return bad
+
+
+def _alone() -> list[str]:
+    """Rows whose outputs move when the call has other rows: each row of a 37-row call
+    against the same row alone, and the first m rows against a call of m (decode-sized
+    calls over the tiles as they are, wider ones untiled 4 rows x 4 outputs at a time)."""
+    bad = []
+    for n, k in ((48, 768), (32, 2048), (16, 96)):
+        x, w, bias = _pair(37, n, k)
+        for weight in (w, tile_bf16(w)):
+            kind = type(weight).__name__
+            for threads in (1, 2):
+                full = gemm_bf16(x, weight, threads, bias)
+                for m in (1, 2, 3, 4, 5, 8, 15, 16, 17, 20, 36):
+                    if not torch.equal(gemm_bf16(x[:m], weight, threads, bias), full[:m]):
+                        bad.append(f"{kind} {m} of 37 rows {n}x{k} threads={threads}")
+                for r in (0, 5, 36):
+                    if not torch.equal(gemm_bf16(x[r : r + 1], weight, threads, bias), full[r : r + 1]):
+                        bad.append(f"{kind} row {r} alone {n}x{k} threads={threads}")
+    return bad
+
+
+def test_a_rows_sums_do_not_depend_on_the_other_rows() -> None:
+    """Speculative verification rows against plain decoding, a request alone or in a
+    batch: the same bits at every row count, with AMX or `vdpbf16ps` (FLEETSERVE_AMX=0,
+    read once per process: a subprocess)."""
+    assert _alone() == []
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import test_bf16_tiled as t;"
+        "bad = t._alone(); print(bad); sys.exit(1 if bad else 0)"
+    )
+    env = {**os.environ, "FLEETSERVE_AMX": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, os.path.dirname(__file__)],
+        env=env, timeout=300, capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_layout_round_trip_and_shapes_that_do_not_tile() -> None:

@@ -45,21 +45,18 @@ int bf16_native(void) { return BF16_NATIVE; }
 #define AMX_MIN_ROWS 1
 
 
+/* One row against one weight row: lane p adds pair p of every 32-input chunk in turn (one
+ * chain, as dot_rows4's rows: a row's sums do not depend on how many rows its call has),
+ * then _mm512_reduce_add_ps's tree. */
 static float dot_row(const uint16_t *xb, const uint16_t *w, int64_t k) {
     int64_t i = 0;
     float acc = 0.0f;
 #if BF16_NATIVE
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    for (; i + 64 <= k; i += 64) {
-        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(xb + i),
-                              (__m512bh)_mm512_loadu_si512(w + i));
-        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(xb + i + 32),
-                              (__m512bh)_mm512_loadu_si512(w + i + 32));
-    }
+    __m512 a0 = _mm512_setzero_ps();
     for (; i + 32 <= k; i += 32)
         a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(xb + i),
                               (__m512bh)_mm512_loadu_si512(w + i));
-    acc = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    acc = _mm512_reduce_add_ps(a0);
 #endif
     for (; i < k; i++) acc += from_bf16(xb[i]) * from_bf16(w[i]);
     return acc;
@@ -359,4 +356,27 @@ int gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, const float *bias,
 #pragma omp parallel num_threads(threads) reduction(min : rc)
     rc = bf16_share(x, ldx, w, bias, out, ldo, m, n, k, 0);
     return rc;
+}
+
+/* The core's own `vdpbf16ps` rate, for bench/bf16_tiles.py's peak line: iters x 16
+ * instructions (64 FLOP each) in 16 independent chains, operands in registers, so
+ * nothing but the FMA pipes limits it. Returns a sum of the chains so the loop is kept.
+ * Without AVX512-BF16: returns 0 at once (no peak to state). */
+float bf16_dot_peak(int64_t iters) {
+#if BF16_NATIVE
+    __m512 a[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_set1_ps((float)i);
+    __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80), w = (__m512bh)_mm512_set1_epi16(0x2000);
+    for (int64_t it = 0; it < iters; it++) {
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) a[i] = _mm512_dpbf16_ps(a[i], x, w);
+        __asm__ volatile("" : "+v"(x)); /* x may change: the loop is not folded */
+    }
+    __m512 s = a[0];
+    for (int i = 1; i < 16; i++) s = _mm512_add_ps(s, a[i]);
+    return _mm512_reduce_add_ps(s);
+#else
+    (void)iters;
+    return 0.0f;
+#endif
 }

@@ -75,75 +75,173 @@ static inline __m512 reduce_lanes(__m512 v[16]) {
     return _mm512_add_ps(a, b);
 }
 
-/* Lanes h * 8 .. h * 8 + 7 (pairs h * 8 .. h * 8 + 7 of each chunk) against an n-block's
- * tiles, two chains of 8 vectors. Not split: rows x0 and x1 (may be the same), each over
- * every chunk (dot_rows4's one chain per row), one load of each tile row for both. Split:
- * row x0's even chunks in `a`, its odd ones in `b` (dot_row's two chains). next: the next
- * n-block's tiles, asked into L2 a tile a chunk (NULL: none), so the weights stream ahead
- * of the passes over this block. */
+/* Lanes h * 8 .. h * 8 + 7 (pairs h * 8 .. h * 8 + 7 of each chunk) of rows x0 and x1 (may
+ * be the same row) against an n-block's tiles: one chain per lane over every chunk (the
+ * rows kernel's dot_rows4 / dot_row), one load of each tile row for both rows. next: the
+ * next n-block's tiles, asked into L2 a tile a chunk (NULL: none), so the weights stream
+ * ahead of the passes over this block. */
 static inline void lanes8x2(const uint16_t *x0, const uint16_t *x1, const uint16_t *tiles,
-                            int64_t kc, int h, int split, const uint16_t *next, __m512 *a,
-                            __m512 *b) {
+                            int64_t kc, int h, const uint16_t *next, __m512 *a, __m512 *b) {
     for (int l = 0; l < 8; l++) a[l] = b[l] = _mm512_setzero_ps();
     const uint32_t *p0 = (const uint32_t *)x0 + h * 8, *p1 = (const uint32_t *)x1 + h * 8;
     const uint16_t *t = tiles + h * 8 * 32;
-    if (!split) {
-        for (int64_t c = 0; c < kc; c++) {
-            if (next)
-                for (int q = 0; q < TILE; q += 32)
-                    _mm_prefetch((const char *)(next + c * TILE + q), _MM_HINT_T1);
-#pragma GCC unroll 8
-            for (int l = 0; l < 8; l++) {
-                const __m512bh w = (__m512bh)_mm512_loadu_si512(t + c * TILE + l * 32);
-                a[l] = _mm512_dpbf16_ps(a[l], (__m512bh)_mm512_set1_epi32((int)p0[c * 16 + l]), w);
-                b[l] = _mm512_dpbf16_ps(b[l], (__m512bh)_mm512_set1_epi32((int)p1[c * 16 + l]), w);
-            }
-        }
-        return;
-    }
     for (int64_t c = 0; c < kc; c++) {
         if (next)
             for (int q = 0; q < TILE; q += 32)
                 _mm_prefetch((const char *)(next + c * TILE + q), _MM_HINT_T1);
-        __m512 *acc = c % 2 ? b : a;
 #pragma GCC unroll 8
-        for (int l = 0; l < 8; l++)
-            acc[l] = _mm512_dpbf16_ps(acc[l], (__m512bh)_mm512_set1_epi32((int)p0[c * 16 + l]),
-                                      (__m512bh)_mm512_loadu_si512(t + c * TILE + l * 32));
+        for (int l = 0; l < 8; l++) {
+            const __m512bh w = (__m512bh)_mm512_loadu_si512(t + c * TILE + l * 32);
+            a[l] = _mm512_dpbf16_ps(a[l], (__m512bh)_mm512_set1_epi32((int)p0[c * 16 + l]), w);
+            b[l] = _mm512_dpbf16_ps(b[l], (__m512bh)_mm512_set1_epi32((int)p1[c * 16 + l]), w);
+        }
     }
 }
 
-/* 16 outputs of rows x0 and x1 (split: of x0 alone, into o0; see lanes8x2), plus bias. */
+/* 16 outputs of rows x0 and x1 (o1 NULL: x1 is x0 again, not written), plus bias. */
 static void rows_pair(const uint16_t *x0, const uint16_t *x1, const uint16_t *tiles,
-                      int64_t kc, int split, const uint16_t *next, __m512 bias, float *o0,
-                      float *o1) {
+                      int64_t kc, const uint16_t *next, __m512 bias, float *o0, float *o1) {
     __m512 v0[16], v1[16];
-    for (int h = 0; h < 2; h++) {
-        lanes8x2(x0, x1, tiles, kc, h, split, h ? NULL : next, v0 + h * 8, v1 + h * 8);
-        if (split)
-            for (int l = 0; l < 8; l++) v0[h * 8 + l] = _mm512_add_ps(v0[h * 8 + l], v1[h * 8 + l]);
-    }
+    for (int h = 0; h < 2; h++)
+        lanes8x2(x0, x1, tiles, kc, h, h ? NULL : next, v0 + h * 8, v1 + h * 8);
     _mm512_storeu_ps(o0, _mm512_add_ps(reduce_lanes(v0), bias));
-    if (!split && o1) _mm512_storeu_ps(o1, _mm512_add_ps(reduce_lanes(v1), bias));
+    if (o1) _mm512_storeu_ps(o1, _mm512_add_ps(reduce_lanes(v1), bias));
+}
+
+/* An n-block's tiles as 16 rows of k bf16 (row j: output j's inputs in order, ld apart):
+ * each 16 x 16 tile of 32-bit pairs transposed in registers. The `vdpbf16ps` operands of
+ * many rows then take 32 inputs of one output at a time (block4x4). */
+static void untile_nblock(const uint16_t *tiles, int64_t kc, uint16_t *dst, int64_t ld) {
+    for (int64_t c = 0; c < kc; c++) {
+        const uint16_t *t = tiles + c * TILE;
+        __m512i r[16], u[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(t + i * 32);
+        for (int i = 0; i < 16; i += 2) {
+            u[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+            u[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+        }
+        /* r[4g + e], 128-bit lane L: column 4L + e of tile rows 4g .. 4g + 3 */
+        for (int i = 0; i < 16; i += 4) {
+            r[i] = _mm512_unpacklo_epi64(u[i], u[i + 2]);
+            r[i + 1] = _mm512_unpackhi_epi64(u[i], u[i + 2]);
+            r[i + 2] = _mm512_unpacklo_epi64(u[i + 1], u[i + 3]);
+            r[i + 3] = _mm512_unpackhi_epi64(u[i + 1], u[i + 3]);
+        }
+        for (int e = 0; e < 4; e++) { /* 4 x 4 transposition of the 128-bit lanes */
+            const __m512i v0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44);
+            const __m512i v1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE);
+            const __m512i v2 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44);
+            const __m512i v3 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xEE);
+            uint16_t *o = dst + c * 32;
+            _mm512_storeu_si512(o + (0 + e) * ld, _mm512_shuffle_i32x4(v0, v2, 0x88));
+            _mm512_storeu_si512(o + (4 + e) * ld, _mm512_shuffle_i32x4(v0, v2, 0xDD));
+            _mm512_storeu_si512(o + (8 + e) * ld, _mm512_shuffle_i32x4(v1, v3, 0x88));
+            _mm512_storeu_si512(o + (12 + e) * ld, _mm512_shuffle_i32x4(v1, v3, 0xDD));
+        }
+    }
+}
+
+/* _mm512_reduce_add_ps of 16 vectors at once: lane a of the result is acc[a]'s lanes
+ * reduced in that function's tree (lane i + lane i + 8, then + 4, + 2, + 1), two vectors'
+ * halves or quarters brought side by side by each shuffle. */
+static inline __m512 reduce16(const __m512 acc[16]) {
+    __m512 v[16], s1[8], s2[4];
+    /* Inputs in this order leave acc[a]'s sum in lane a (the last step interleaves). */
+    for (int i = 0; i < 16; i++) v[i] = acc[4 * (i % 4) + i / 4];
+    for (int i = 0; i < 8; i++) { /* 256-bit halves: lane i + lane i + 8 */
+        const __m512 lo = _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44);
+        const __m512 hi = _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE);
+        s1[i] = _mm512_add_ps(hi, lo);
+        __asm__("" : "+v"(s1[i]));
+    }
+    for (int i = 0; i < 4; i++) { /* 128-bit quarters: + 4 */
+        const __m512 e = _mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0x88);
+        const __m512 o = _mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0xDD);
+        s2[i] = _mm512_add_ps(o, e);
+        __asm__("" : "+v"(s2[i]));
+    }
+    __m512 s3[2];
+    for (int i = 0; i < 2; i++) { /* 64-bit pairs: + 2 */
+        const __m512d r = (__m512d)s2[2 * i], s = (__m512d)s2[2 * i + 1];
+        s3[i] = _mm512_add_ps((__m512)_mm512_unpacklo_pd(r, s), (__m512)_mm512_unpackhi_pd(r, s));
+        __asm__("" : "+v"(s3[i]));
+    }
+    /* + 1 */
+    return _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Rows x .. x + 3 * ldb against outputs w .. w + 3 * ldw (rows of k inputs, untile_nblock):
+ * lane 4r + j of the result is row r's output j. Each lane of an accumulator is one pair
+ * of every chunk in turn, as in lanes8x2, so the sums are the same bits. */
+static inline __m512 block4x4(const uint16_t *x, int64_t ldb, const uint16_t *w, int64_t ldw,
+                              int64_t kc) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < kc; c++) {
+        __m512bh xv[4];
+        for (int r = 0; r < 4; r++) xv[r] = (__m512bh)_mm512_loadu_si512(x + r * ldb + c * 32);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * ldw + c * 32);
+            for (int r = 0; r < 4; r++)
+                acc[r * 4 + j] = _mm512_dpbf16_ps(acc[r * 4 + j], xv[r], wv);
+        }
+    }
+    return reduce16(acc);
+}
+
+/* A thread's scratch for an untiled n-block (16 rows of ld values), kept across calls. */
+static uint16_t *nblock_scratch(size_t values) {
+    static _Thread_local uint16_t *buf = NULL;
+    static _Thread_local size_t cap = 0;
+    if (values > cap) {
+        uint16_t *grown = aligned_alloc(64, (values * sizeof(uint16_t) + 63) / 64 * 64);
+        if (!grown) return NULL;
+        free(buf);
+        buf = grown, cap = values;
+    }
+    return buf;
 }
 #endif
 
-/* Outputs 16b .. 16b + 15 of every row, without AMX (xb's rows ldb values apart). */
+/* From this many rows an n-block is untiled and multiplied 4 rows x 4 outputs at a time
+ * (block4x4); fewer rows take rows_pair over the tiles as they are. The same sums. */
+#ifndef WIDE_ROWS
+#define WIDE_ROWS 16
+#endif
+
+/* Outputs 16b .. 16b + 15 of every row, without AMX (xb's rows ldb values apart, zero
+ * rows up to a multiple of 16; wr: this thread's nblock_scratch when m >= WIDE_ROWS). */
 static void rows_nblock(const uint16_t *xb, int64_t ldb, int64_t m, int64_t k,
-                        const uint16_t *tiles,
-                        const uint16_t *next, const float *bias, float *out, int64_t ldo,
-                        int64_t j0) {
-    const int64_t kc = k / 32, full = m - m % 4;
+                        const uint16_t *tiles, const uint16_t *next, const float *bias,
+                        float *out, int64_t ldo, int64_t j0, uint16_t *wr) {
+    const int64_t kc = k / 32;
 #if TILED_NATIVE
     const __m512 b = bias ? _mm512_loadu_ps(bias + j0) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < m; r += r < full ? 2 : 1) {
-        const int split = r >= full;
-        rows_pair(xb + r * ldb, xb + (r + !split) * ldb, tiles, kc, split, r ? NULL : next, b,
-                  out + r * ldo + j0, split ? NULL : out + (r + 1) * ldo + j0);
+    if (m >= WIDE_ROWS) {
+        const int64_t ldw = k + 32;
+        untile_nblock(tiles, kc, wr, ldw);
+        for (int64_t r = 0; r < m; r += 4)
+            for (int j = 0; j < 16; j += 4) {
+                const __m512 bj = bias ? _mm512_broadcast_f32x4(_mm_loadu_ps(bias + j0 + j))
+                                       : _mm512_setzero_ps();
+                float v[16] __attribute__((aligned(64)));
+                _mm512_store_ps(v, _mm512_add_ps(block4x4(xb + r * ldb, ldb, wr + j * ldw, ldw,
+                                                          kc), bj));
+                for (int i = 0; i < 4 && r + i < m; i++)
+                    _mm_storeu_ps(out + (r + i) * ldo + j0 + j, _mm_load_ps(v + 4 * i));
+            }
+        (void)next;
+        return;
+    }
+    for (int64_t r = 0; r < m; r += 2) {
+        const int two = r + 1 < m;
+        rows_pair(xb + r * ldb, xb + (r + two) * ldb, tiles, kc, r ? NULL : next, b,
+                  out + r * ldo + j0, two ? out + (r + 1) * ldo + j0 : NULL);
     }
 #else
     (void)next;
-    (void)full;
     for (int64_t r = 0; r < m; r++)
         for (int j = 0; j < 16; j++) {
             float acc = 0.0f;
@@ -152,6 +250,7 @@ static void rows_nblock(const uint16_t *xb, int64_t ldb, int64_t m, int64_t k,
                        from_bf16(tiles[(q / 32) * TILE + (q % 32) / 2 * 32 + j * 2 + q % 2]);
             out[r * ldo + j0 + j] = acc + (bias ? bias[j0 + j] : 0.0f);
         }
+    (void)wr;
 #endif
 }
 
@@ -306,13 +405,25 @@ static int tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const fl
         for (; i < k; i++) dst[i] = to_bf16(src[i]);
     }
     if (!use_amx) {
+        uint16_t *wr = NULL;
+        int rc = 0;
+#if TILED_NATIVE
+        if (m >= WIDE_ROWS && !(wr = nblock_scratch((size_t)(16 * (k + 32))))) {
+            if (abort_on_oom) {
+                fprintf(stderr, "fleetserve: gemm_bf16 (tiled): cannot allocate an n-block\n");
+                abort();
+            }
+            rc = -1; /* this thread's share is left undone; it still meets the barrier */
+        }
+#endif
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nblocks; b++) {
             const uint16_t *tiles = wt + b * kc * TILE;
-            rows_nblock(xb, ldb, m, k, tiles, b + 1 < nblocks ? tiles + kc * TILE : NULL, bias, out,
-                        ldo, b * 16);
+            if (rc == 0)
+                rows_nblock(xb, ldb, m, k, tiles, b + 1 < nblocks ? tiles + kc * TILE : NULL,
+                            bias, out, ldo, b * 16, wr);
         }
-        return 0;
+        return rc;
     }
 #if TILED_AMX
     float *acc = (float *)(xb + acc_at) + (size_t)omp_get_thread_num() * acc_floats;
