@@ -58,56 +58,6 @@ static uint16_t *team_rows(size_t values, size_t extra_floats) {
 }
 
 #if TILED_NATIVE
-/* The four 128-bit steps of _mm512_reduce_add_ps (GCC's tree: lane i + lane i + 8, then
- * + 4, then + 2, then + 1), across 16 vectors of lanes at once: out[j] is the reduction of
- * the lanes v[0..15][j]. The empty asm keeps -ffast-math from re-associating the tree. */
-static inline __m512 reduce_lanes(__m512 v[16]) {
-    for (int i = 0; i < 8; i++) {
-        v[i] = _mm512_add_ps(v[i + 8], v[i]);
-        __asm__("" : "+v"(v[i]));
-    }
-    for (int i = 0; i < 4; i++) {
-        v[i] = _mm512_add_ps(v[i + 4], v[i]);
-        __asm__("" : "+v"(v[i]));
-    }
-    __m512 a = _mm512_add_ps(v[0], v[2]), b = _mm512_add_ps(v[1], v[3]);
-    __asm__("" : "+v"(a), "+v"(b));
-    return _mm512_add_ps(a, b);
-}
-
-/* Lanes h * 8 .. h * 8 + 7 (pairs h * 8 .. h * 8 + 7 of each chunk) of rows x0 and x1 (may
- * be the same row) against an n-block's tiles: one chain per lane over every chunk (the
- * rows kernel's dot_rows4 / dot_row), one load of each tile row for both rows. next: the
- * next n-block's tiles, asked into L2 a tile a chunk (NULL: none), so the weights stream
- * ahead of the passes over this block. */
-static inline void lanes8x2(const uint16_t *x0, const uint16_t *x1, const uint16_t *tiles,
-                            int64_t kc, int h, const uint16_t *next, __m512 *a, __m512 *b) {
-    for (int l = 0; l < 8; l++) a[l] = b[l] = _mm512_setzero_ps();
-    const uint32_t *p0 = (const uint32_t *)x0 + h * 8, *p1 = (const uint32_t *)x1 + h * 8;
-    const uint16_t *t = tiles + h * 8 * 32;
-    for (int64_t c = 0; c < kc; c++) {
-        if (next)
-            for (int q = 0; q < TILE; q += 32)
-                _mm_prefetch((const char *)(next + c * TILE + q), _MM_HINT_T1);
-#pragma GCC unroll 8
-        for (int l = 0; l < 8; l++) {
-            const __m512bh w = (__m512bh)_mm512_loadu_si512(t + c * TILE + l * 32);
-            a[l] = _mm512_dpbf16_ps(a[l], (__m512bh)_mm512_set1_epi32((int)p0[c * 16 + l]), w);
-            b[l] = _mm512_dpbf16_ps(b[l], (__m512bh)_mm512_set1_epi32((int)p1[c * 16 + l]), w);
-        }
-    }
-}
-
-/* 16 outputs of rows x0 and x1 (o1 NULL: x1 is x0 again, not written), plus bias. */
-static void rows_pair(const uint16_t *x0, const uint16_t *x1, const uint16_t *tiles,
-                      int64_t kc, const uint16_t *next, __m512 bias, float *o0, float *o1) {
-    __m512 v0[16], v1[16];
-    for (int h = 0; h < 2; h++)
-        lanes8x2(x0, x1, tiles, kc, h, h ? NULL : next, v0 + h * 8, v1 + h * 8);
-    _mm512_storeu_ps(o0, _mm512_add_ps(reduce_lanes(v0), bias));
-    if (o1) _mm512_storeu_ps(o1, _mm512_add_ps(reduce_lanes(v1), bias));
-}
-
 /* An n-block's tiles as 16 rows of k bf16 (row j: output j's inputs in order, ld apart):
  * each 16 x 16 tile of 32-bit pairs transposed in registers. The `vdpbf16ps` operands of
  * many rows then take 32 inputs of one output at a time (block4x4). */
@@ -171,24 +121,50 @@ static inline __m512 reduce16(const __m512 acc[16]) {
                          _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* Rows x .. x + 3 * ldb against outputs w .. w + 3 * ldw (rows of k inputs, untile_nblock):
- * lane 4r + j of the result is row r's output j. Each lane of an accumulator is one pair
- * of every chunk in turn, as in lanes8x2, so the sums are the same bits. */
-static inline __m512 block4x4(const uint16_t *x, int64_t ldb, const uint16_t *w, int64_t ldw,
-                              int64_t kc) {
+/* Rows x .. x + (R - 1) * ldb against 16 / R outputs w, w + ldw, ... (rows of k inputs,
+ * untile_nblock): lane r * 16 / R + j of the result is row r's output j. Each lane of an
+ * accumulator is one pair of every chunk in turn (one chain per lane, as lanes8x2), so
+ * the sums are those bits whatever R. pf: pfl lines (64 bytes) to ask into L2 per chunk
+ * (the next n-block's tiles, while this one multiplies; NULL: none). Inlined with R
+ * constant (block_rows). */
+static inline __attribute__((always_inline)) __m512 block_rj(const uint16_t *x, int64_t ldb,
+                                                             const uint16_t *w, int64_t ldw,
+                                                             int64_t kc, int R,
+                                                             const char *pf, int pfl) {
+    const int J = 16 / R;
     __m512 acc[16];
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < kc; c++) {
+        if (pf)
+            for (int i = 0; i < pfl; i++) _mm_prefetch(pf + (c * pfl + i) * 64, _MM_HINT_T1);
         __m512bh xv[4];
-        for (int r = 0; r < 4; r++) xv[r] = (__m512bh)_mm512_loadu_si512(x + r * ldb + c * 32);
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) {
+        for (int r = 0; r < R; r++) xv[r] = (__m512bh)_mm512_loadu_si512(x + r * ldb + c * 32);
+#pragma GCC unroll 16
+        for (int j = 0; j < J; j++) {
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * ldw + c * 32);
-            for (int r = 0; r < 4; r++)
-                acc[r * 4 + j] = _mm512_dpbf16_ps(acc[r * 4 + j], xv[r], wv);
+            for (int r = 0; r < R; r++)
+                acc[r * J + j] = _mm512_dpbf16_ps(acc[r * J + j], xv[r], wv);
         }
     }
     return reduce16(acc);
+}
+
+/* Not inlined: the caller's live values would crowd the inner loop's registers (spills
+ * there cost ~15% at 64 rows). Each case a loop of its own, without prefetches where pf
+ * is NULL. */
+static __attribute__((noinline)) __m512 block_rows(const uint16_t *x, int64_t ldb,
+                                                   const uint16_t *w, int64_t ldw, int64_t kc,
+                                                   int R, const char *pf, int pfl) {
+    if (pf) switch (R) {
+        case 1: return block_rj(x, ldb, w, ldw, kc, 1, pf, pfl);
+        case 2: return block_rj(x, ldb, w, ldw, kc, 2, pf, pfl);
+        default: return block_rj(x, ldb, w, ldw, kc, 4, pf, pfl);
+        }
+    switch (R) {
+    case 1: return block_rj(x, ldb, w, ldw, kc, 1, NULL, 0);
+    case 2: return block_rj(x, ldb, w, ldw, kc, 2, NULL, 0);
+    default: return block_rj(x, ldb, w, ldw, kc, 4, NULL, 0);
+    }
 }
 
 /* A thread's scratch for an untiled n-block (16 rows of ld values), kept across calls. */
@@ -205,44 +181,53 @@ static uint16_t *nblock_scratch(size_t values) {
 }
 #endif
 
-/* From this many rows an n-block is untiled and multiplied 4 rows x 4 outputs at a time
- * (block4x4); fewer rows take rows_pair over the tiles as they are. The same sums. */
-#ifndef WIDE_ROWS
-#define WIDE_ROWS 16
-#endif
-
-/* Outputs 16b .. 16b + 15 of every row, without AMX (xb's rows ldb values apart, zero
- * rows up to a multiple of 16; wr: this thread's nblock_scratch when m >= WIDE_ROWS). */
-static void rows_nblock(const uint16_t *xb, int64_t ldb, int64_t m, int64_t k,
+/* Outputs 16b .. 16b + 15 of rows r0 .. r1 - 1, without AMX (xb's rows ldb values
+ * apart, zero rows up to a multiple of 16; wr: this thread's nblock_scratch). The n-block
+ * is untiled into wr, then multiplied 4 rows x 4 outputs at a time (2 x 8 or 1 x 16 for
+ * the last rows), the next n-block's tiles asked into L2 meanwhile; each row's 16 outputs
+ * are brought together and stored as one 64-byte line. */
+static void rows_nblock(const uint16_t *xb, int64_t ldb, int64_t r0, int64_t r1, int64_t k,
                         const uint16_t *tiles, const uint16_t *next, const float *bias,
                         float *out, int64_t ldo, int64_t j0, uint16_t *wr) {
     const int64_t kc = k / 32;
 #if TILED_NATIVE
+    const int64_t ldw = k + 32, m = r1 - r0;
+    untile_nblock(tiles, kc, wr, ldw);
+    /* Calls of block_rows for this n-block: the next one's 16 * kc lines spread over them. */
+    const int64_t calls = m / 4 * 4 + (m % 4 == 3 ? 4 : m % 4 == 2 ? 2 : m % 4);
+    const int pfl = next ? (int)((16 + calls - 1) / calls) : 0;
     const __m512 b = bias ? _mm512_loadu_ps(bias + j0) : _mm512_setzero_ps();
-    if (m >= WIDE_ROWS) {
-        const int64_t ldw = k + 32;
-        untile_nblock(tiles, kc, wr, ldw);
-        for (int64_t r = 0; r < m; r += 4)
-            for (int j = 0; j < 16; j += 4) {
-                const __m512 bj = bias ? _mm512_broadcast_f32x4(_mm_loadu_ps(bias + j0 + j))
-                                       : _mm512_setzero_ps();
-                float v[16] __attribute__((aligned(64)));
-                _mm512_store_ps(v, _mm512_add_ps(block4x4(xb + r * ldb, ldb, wr + j * ldw, ldw,
-                                                          kc), bj));
-                for (int i = 0; i < 4 && r + i < m; i++)
-                    _mm_storeu_ps(out + (r + i) * ldo + j0 + j, _mm_load_ps(v + 4 * i));
-            }
-        (void)next;
-        return;
-    }
-    for (int64_t r = 0; r < m; r += 2) {
-        const int two = r + 1 < m;
-        rows_pair(xb + r * ldb, xb + (r + two) * ldb, tiles, kc, r ? NULL : next, b,
-                  out + r * ldo + j0, two ? out + (r + 1) * ldo + j0 : NULL);
+    int64_t q = 0;
+    for (int64_t r = r0; r < r1;) {
+        const int R = r1 - r >= 3 ? 4 : (int)(r1 - r), J = 16 / R; /* 3 rows: a zero row */
+        __m512 v[4]; /* v[g]: outputs g * J .. g * J + J - 1 of the R rows, row-major */
+        for (int g = 0; g < R; g++, q++) {
+            const char *pf = q * pfl < 16 ? (const char *)next + q * pfl * kc * 64 : NULL;
+            v[g] = block_rows(xb + r * ldb, ldb, wr + g * J * ldw, ldw, kc, R, pf, pfl);
+        }
+        __m512 row[4];
+        if (R == 4) { /* row i: 128-bit block i of v[0], v[1], v[2], v[3] */
+            const __m512 t0 = _mm512_shuffle_f32x4(v[0], v[1], 0x44);
+            const __m512 t1 = _mm512_shuffle_f32x4(v[0], v[1], 0xEE);
+            const __m512 t2 = _mm512_shuffle_f32x4(v[2], v[3], 0x44);
+            const __m512 t3 = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
+            row[0] = _mm512_shuffle_f32x4(t0, t2, 0x88);
+            row[1] = _mm512_shuffle_f32x4(t0, t2, 0xDD);
+            row[2] = _mm512_shuffle_f32x4(t1, t3, 0x88);
+            row[3] = _mm512_shuffle_f32x4(t1, t3, 0xDD);
+        } else if (R == 2) { /* row i: 256-bit half i of v[0], v[1] */
+            row[0] = _mm512_shuffle_f32x4(v[0], v[1], 0x44);
+            row[1] = _mm512_shuffle_f32x4(v[0], v[1], 0xEE);
+        } else {
+            row[0] = v[0];
+        }
+        for (int i = 0; i < R && r + i < r1; i++)
+            _mm512_storeu_ps(out + (r + i) * ldo + j0, _mm512_add_ps(row[i], b));
+        r += R;
     }
 #else
     (void)next;
-    for (int64_t r = 0; r < m; r++)
+    for (int64_t r = r0; r < r1; r++)
         for (int j = 0; j < 16; j++) {
             float acc = 0.0f;
             for (int64_t q = 0; q < k; q++)
@@ -357,6 +342,17 @@ static int64_t chunk_blocks(int64_t k) {
 }
 #endif
 
+/* Rows per chunk without AMX: a chunk's bf16 rows (k * 2 + 64 bytes each) fill about
+ * half of a core's L2 (1 MiB on Zen 4), the rest left to the untiled n-block, the
+ * outputs and the next n-block's tiles; a multiple of 4 rows. */
+#ifndef ROWS_CHUNK_BYTES
+#define ROWS_CHUNK_BYTES (512 << 10)
+#endif
+static int64_t rows_chunk(int64_t k) {
+    const int64_t rows = ROWS_CHUNK_BYTES / ((k + 32) * 2);
+    return rows < 16 ? 16 : rows - rows % 4;
+}
+
 /* This thread's share of out[m, n] = bf16(x) @ w^T (+ bias) over tiled weights; every
  * thread of the team calls it, and it ends in the team's barrier. Returns 0, or -1 when
  * the rows' buffer could not grow (abort_on_oom: the process aborts instead, as the C
@@ -408,7 +404,7 @@ static int tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const fl
         uint16_t *wr = NULL;
         int rc = 0;
 #if TILED_NATIVE
-        if (m >= WIDE_ROWS && !(wr = nblock_scratch((size_t)(16 * (k + 32))))) {
+        if (!(wr = nblock_scratch((size_t)(16 * (k + 32))))) {
             if (abort_on_oom) {
                 fprintf(stderr, "fleetserve: gemm_bf16 (tiled): cannot allocate an n-block\n");
                 abort();
@@ -416,12 +412,18 @@ static int tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const fl
             rc = -1; /* this thread's share is left undone; it still meets the barrier */
         }
 #endif
+        /* Work items (chunk of rows, n-block), chunk-major: a chunk's bf16 rows stay in
+         * L2 while the n-blocks pass (a static split gives both threads each chunk's
+         * half of the n-blocks). */
+        const int64_t chunk = rows_chunk(k), nchunks = (m + chunk - 1) / chunk;
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < nblocks; b++) {
+        for (int64_t q = 0; q < nchunks * nblocks; q++) {
+            const int64_t b = q % nblocks, r0 = q / nblocks * chunk;
             const uint16_t *tiles = wt + b * kc * TILE;
             if (rc == 0)
-                rows_nblock(xb, ldb, m, k, tiles, b + 1 < nblocks ? tiles + kc * TILE : NULL,
-                            bias, out, ldo, b * 16, wr);
+                rows_nblock(xb, ldb, r0, r0 + chunk < m ? r0 + chunk : m, k, tiles,
+                            b + 1 < nblocks ? tiles + kc * TILE : NULL, bias, out, ldo, b * 16,
+                            wr);
         }
         return rc;
     }
