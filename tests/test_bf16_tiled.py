@@ -1,7 +1,8 @@
 """bf16 weights laid out once as AMX B tiles (kernels/bf16.py `tile_bf16`,
 kernels/gemm_bf16_tiled.c): the same outputs, bit for bit, as gemm_bf16.c over the [n, k]
 rows at every row count, with and without AMX, so tokens and logprobs do not move with
-the layout; `Linear.to_bf16` keeps only the tiles."""
+the layout; a row's outputs do not depend on its call's other rows; `Linear.to_bf16`
+keeps one layout, the one this CPU multiplies fastest."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from fleetserve.kernels import cpu as cpu_kernels
-from fleetserve.kernels.bf16 import TiledBf16, gemm_bf16, tile_bf16
+from fleetserve.kernels.bf16 import TiledBf16, gemm_bf16, tile_bf16, tiles_pay
 from fleetserve.layers.linear import Linear
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
@@ -89,6 +90,18 @@ def test_a_rows_sums_do_not_depend_on_the_other_rows() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_blocks_give_the_single_row_dots_bits() -> None:
+    """Weight rows past the last whole 16 go through dot_row (one row, one weight row),
+    the others through the `vdpbf16ps` blocks (4 x 4, 2 x 8, 1 x 16): a weight row
+    copied into the tail gives the same bits both ways, at every row count."""
+    for k in (64, 768):
+        x, w, bias = _pair(37, 17, k)
+        w[16], bias[16] = w[5], bias[5]
+        for m in (1, 2, 3, 4, 5, 7, 16, 37):
+            out = gemm_bf16(x[:m], w.contiguous(), 2, bias)
+            assert torch.equal(out[:, 16], out[:, 5]), (k, m)
+
+
 def test_layout_round_trip_and_shapes_that_do_not_tile() -> None:
     w = torch.randn(48, 96)
     t = tile_bf16(w)
@@ -137,12 +150,15 @@ def test_strided_x_bias_and_bad_input() -> None:
     assert gemm_bf16(torch.randn(0, 128), t).shape == (0, 32)
 
 
-def test_linear_keeps_only_the_tiles() -> None:
+def test_linear_keeps_one_layout_the_cpus_fastest() -> None:
+    """Tiles where AMX multiplies them, else [n, k] rows (the `vdpbf16ps` blocks would
+    untile each n-block first); one copy either way."""
     lin = Linear(64, 48, bias=True)
     x = torch.randn(5, 64)
     want = gemm_bf16(x, lin.weight.detach().bfloat16().contiguous(), bias=lin.bias.detach())
     lin.to_bf16()
-    assert isinstance(lin.bf16, TiledBf16) and lin.weight.numel() == 0
+    assert isinstance(lin.bf16, TiledBf16 if tiles_pay() else torch.Tensor)
+    assert lin.weight.numel() == 0 and lin.bf16.numel() == 48 * 64
     assert torch.equal(lin(x), want)
     odd = Linear(40, 24, bias=False)  # 40 inputs: not a multiple of 32, rows kept
     odd.to_bf16()

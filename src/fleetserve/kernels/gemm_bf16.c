@@ -21,6 +21,7 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
+#include "bf16_block.h"
 #define BF16_NATIVE 1
 #else
 #define BF16_NATIVE 0
@@ -96,6 +97,68 @@ static uint16_t *thread_scratch(size_t need) {
     }
     return buf;
 }
+
+#if BF16_NATIVE
+/* One copy of x per team (packed for AMX, or rounded rows for the blocks): the thread
+ * that takes the `single` grows its own. */
+static uint16_t *team_pack(size_t need) {
+    static _Thread_local uint16_t *buf = NULL;
+    static _Thread_local size_t cap = 0;
+    if (need > cap) {
+        uint16_t *grown = aligned_alloc(64, (need * sizeof(uint16_t) + 63) / 64 * 64);
+        if (!grown) return NULL;
+        free(buf);
+        buf = grown, cap = need;
+    }
+    return buf;
+}
+
+/* This thread's share without AMX where k % 32 == 0 (see bf16_share): x rounded to bf16
+ * once by the team (rows ldb apart, padded with zero rows to a multiple of 4), then work
+ * items (chunk of rows, 16 weight rows) through bf16_block.h, the n % 16 weight rows
+ * left over through dot_row: the same sums as every other path here. */
+static int blocks_share(const float *x, int64_t ldx, const uint16_t *w, const float *bias,
+                        float *out, int64_t ldo, int64_t m, int64_t n, int64_t k,
+                        int abort_on_oom) {
+    const int64_t ldb = k + 32, mp = (m + 3) / 4 * 4, kc = k / 32, nb16 = n / 16;
+    uint16_t *xb = NULL;
+#pragma omp single copyprivate(xb)
+    xb = team_pack((size_t)(mp * ldb));
+    if (!xb) {
+        if (abort_on_oom) {
+            fprintf(stderr, "fleetserve: gemm_bf16: cannot allocate the bf16 rows of x\n");
+            abort();
+        }
+        return -1; /* every thread sees the same NULL: none waits at a barrier below */
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < mp; r++) {
+        uint16_t *dst = xb + r * ldb;
+        if (r >= m) {
+            memset(dst, 0, (size_t)k * sizeof(uint16_t));
+            continue;
+        }
+        for (int64_t i = 0; i < k; i += 32)
+            _mm512_storeu_si512(dst + i,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + r * ldx + i + 16),
+                                                             _mm512_loadu_ps(x + r * ldx + i)));
+    }
+    const int64_t rows = bf16_rows_chunk(k), nchunks = (m + rows - 1) / rows;
+#pragma omp for schedule(static)
+    for (int64_t q = 0; q < nchunks * nb16; q++) {
+        const int64_t b = q % nb16, r0 = q / nb16 * rows;
+        const uint16_t *wb = w + b * 16 * k;
+        bf16_nblock(xb, ldb, r0, r0 + rows < m ? r0 + rows : m, kc, wb, k,
+                    b + 1 < nb16 ? wb + 16 * k : NULL, bias, out, ldo, b * 16);
+    }
+    if (n % 16 == 0) return 0; /* no tail rows: no loop, no barrier (the same for all) */
+#pragma omp for schedule(static)
+    for (int64_t j = nb16 * 16; j < n; j++)
+        for (int64_t r = 0; r < m; r++)
+            out[r * ldo + j] = dot_row(xb + r * ldb, w + j * k, k) + (bias ? bias[j] : 0.0f);
+    return 0;
+}
+#endif
 
 #if BF16_AMX
 /* AMX-BF16 for many rows. Roles swapped against the usual C = X W^T so the weights need
@@ -225,19 +288,6 @@ static float packed_dot(const uint16_t *xp, int64_t kc, int64_t row, const uint1
     return acc;
 }
 
-/* One packed copy of x per team: the thread that takes the `single` grows its own. */
-static uint16_t *team_pack(size_t need) {
-    static _Thread_local uint16_t *buf = NULL;
-    static _Thread_local size_t cap = 0;
-    if (need > cap) {
-        uint16_t *grown = aligned_alloc(64, (need * sizeof(uint16_t) + 63) / 64 * 64);
-        if (!grown) return NULL;
-        free(buf);
-        buf = grown, cap = need;
-    }
-    return buf;
-}
-
 /* 16-row blocks of x per chunk of rows: a chunk's packed rows (k * 2 bytes each) are
  * read again for every pair of weight blocks, so they must stay in the core's L2 beside
  * the weights streaming past, the parked C tiles and the outputs: one pass over 1024
@@ -310,6 +360,9 @@ static int bf16_share(const float *x, int64_t ldx, const uint16_t *w, const floa
 #if BF16_AMX
     if (m >= AMX_MIN_ROWS && k % 32 == 0 && n >= 16 && amx_permitted())
         return amx_share(x, ldx, w, bias, out, ldo, m, n, k, abort_on_oom);
+#endif
+#if BF16_NATIVE
+    if (k % 32 == 0) return blocks_share(x, ldx, w, bias, out, ldo, m, n, k, abort_on_oom);
 #endif
     uint16_t *xb = thread_scratch((size_t)(m * k));
     int rc = 0;

@@ -26,6 +26,7 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
+#include "bf16_block.h"
 #define TILED_NATIVE 1
 #else
 #define TILED_NATIVE 0
@@ -91,82 +92,6 @@ static void untile_nblock(const uint16_t *tiles, int64_t kc, uint16_t *dst, int6
     }
 }
 
-/* _mm512_reduce_add_ps of 16 vectors at once: lane a of the result is acc[a]'s lanes
- * reduced in that function's tree (lane i + lane i + 8, then + 4, + 2, + 1), two vectors'
- * halves or quarters brought side by side by each shuffle. */
-static inline __m512 reduce16(const __m512 acc[16]) {
-    __m512 v[16], s1[8], s2[4];
-    /* Inputs in this order leave acc[a]'s sum in lane a (the last step interleaves). */
-    for (int i = 0; i < 16; i++) v[i] = acc[4 * (i % 4) + i / 4];
-    for (int i = 0; i < 8; i++) { /* 256-bit halves: lane i + lane i + 8 */
-        const __m512 lo = _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44);
-        const __m512 hi = _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE);
-        s1[i] = _mm512_add_ps(hi, lo);
-        __asm__("" : "+v"(s1[i]));
-    }
-    for (int i = 0; i < 4; i++) { /* 128-bit quarters: + 4 */
-        const __m512 e = _mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0x88);
-        const __m512 o = _mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0xDD);
-        s2[i] = _mm512_add_ps(o, e);
-        __asm__("" : "+v"(s2[i]));
-    }
-    __m512 s3[2];
-    for (int i = 0; i < 2; i++) { /* 64-bit pairs: + 2 */
-        const __m512d r = (__m512d)s2[2 * i], s = (__m512d)s2[2 * i + 1];
-        s3[i] = _mm512_add_ps((__m512)_mm512_unpacklo_pd(r, s), (__m512)_mm512_unpackhi_pd(r, s));
-        __asm__("" : "+v"(s3[i]));
-    }
-    /* + 1 */
-    return _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-/* Rows x .. x + (R - 1) * ldb against 16 / R outputs w, w + ldw, ... (rows of k inputs,
- * untile_nblock): lane r * 16 / R + j of the result is row r's output j. Each lane of an
- * accumulator is one pair of every chunk in turn (one chain per lane, as lanes8x2), so
- * the sums are those bits whatever R. pf: pfl lines (64 bytes) to ask into L2 per chunk
- * (the next n-block's tiles, while this one multiplies; NULL: none). Inlined with R
- * constant (block_rows). */
-static inline __attribute__((always_inline)) __m512 block_rj(const uint16_t *x, int64_t ldb,
-                                                             const uint16_t *w, int64_t ldw,
-                                                             int64_t kc, int R,
-                                                             const char *pf, int pfl) {
-    const int J = 16 / R;
-    __m512 acc[16];
-    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < kc; c++) {
-        if (pf)
-            for (int i = 0; i < pfl; i++) _mm_prefetch(pf + (c * pfl + i) * 64, _MM_HINT_T1);
-        __m512bh xv[4];
-        for (int r = 0; r < R; r++) xv[r] = (__m512bh)_mm512_loadu_si512(x + r * ldb + c * 32);
-#pragma GCC unroll 16
-        for (int j = 0; j < J; j++) {
-            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * ldw + c * 32);
-            for (int r = 0; r < R; r++)
-                acc[r * J + j] = _mm512_dpbf16_ps(acc[r * J + j], xv[r], wv);
-        }
-    }
-    return reduce16(acc);
-}
-
-/* Not inlined: the caller's live values would crowd the inner loop's registers (spills
- * there cost ~15% at 64 rows). Each case a loop of its own, without prefetches where pf
- * is NULL. */
-static __attribute__((noinline)) __m512 block_rows(const uint16_t *x, int64_t ldb,
-                                                   const uint16_t *w, int64_t ldw, int64_t kc,
-                                                   int R, const char *pf, int pfl) {
-    if (pf) switch (R) {
-        case 1: return block_rj(x, ldb, w, ldw, kc, 1, pf, pfl);
-        case 2: return block_rj(x, ldb, w, ldw, kc, 2, pf, pfl);
-        default: return block_rj(x, ldb, w, ldw, kc, 4, pf, pfl);
-        }
-    switch (R) {
-    case 1: return block_rj(x, ldb, w, ldw, kc, 1, NULL, 0);
-    case 2: return block_rj(x, ldb, w, ldw, kc, 2, NULL, 0);
-    default: return block_rj(x, ldb, w, ldw, kc, 4, NULL, 0);
-    }
-}
-
 /* A thread's scratch for an untiled n-block (16 rows of ld values), kept across calls. */
 static uint16_t *nblock_scratch(size_t values) {
     static _Thread_local uint16_t *buf = NULL;
@@ -182,49 +107,14 @@ static uint16_t *nblock_scratch(size_t values) {
 #endif
 
 /* Outputs 16b .. 16b + 15 of rows r0 .. r1 - 1, without AMX (xb's rows ldb values
- * apart, zero rows up to a multiple of 16; wr: this thread's nblock_scratch). The n-block
- * is untiled into wr, then multiplied 4 rows x 4 outputs at a time (2 x 8 or 1 x 16 for
- * the last rows), the next n-block's tiles asked into L2 meanwhile; each row's 16 outputs
- * are brought together and stored as one 64-byte line. */
+ * apart, zero rows up to a multiple of 16; wr: this thread's nblock_scratch): the n-block
+ * untiled into wr, then bf16_block.h's 4 x 4 blocks over it. */
 static void rows_nblock(const uint16_t *xb, int64_t ldb, int64_t r0, int64_t r1, int64_t k,
                         const uint16_t *tiles, const uint16_t *next, const float *bias,
                         float *out, int64_t ldo, int64_t j0, uint16_t *wr) {
-    const int64_t kc = k / 32;
 #if TILED_NATIVE
-    const int64_t ldw = k + 32, m = r1 - r0;
-    untile_nblock(tiles, kc, wr, ldw);
-    /* Calls of block_rows for this n-block: the next one's 16 * kc lines spread over them. */
-    const int64_t calls = m / 4 * 4 + (m % 4 == 3 ? 4 : m % 4 == 2 ? 2 : m % 4);
-    const int pfl = next ? (int)((16 + calls - 1) / calls) : 0;
-    const __m512 b = bias ? _mm512_loadu_ps(bias + j0) : _mm512_setzero_ps();
-    int64_t q = 0;
-    for (int64_t r = r0; r < r1;) {
-        const int R = r1 - r >= 3 ? 4 : (int)(r1 - r), J = 16 / R; /* 3 rows: a zero row */
-        __m512 v[4]; /* v[g]: outputs g * J .. g * J + J - 1 of the R rows, row-major */
-        for (int g = 0; g < R; g++, q++) {
-            const char *pf = q * pfl < 16 ? (const char *)next + q * pfl * kc * 64 : NULL;
-            v[g] = block_rows(xb + r * ldb, ldb, wr + g * J * ldw, ldw, kc, R, pf, pfl);
-        }
-        __m512 row[4];
-        if (R == 4) { /* row i: 128-bit block i of v[0], v[1], v[2], v[3] */
-            const __m512 t0 = _mm512_shuffle_f32x4(v[0], v[1], 0x44);
-            const __m512 t1 = _mm512_shuffle_f32x4(v[0], v[1], 0xEE);
-            const __m512 t2 = _mm512_shuffle_f32x4(v[2], v[3], 0x44);
-            const __m512 t3 = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
-            row[0] = _mm512_shuffle_f32x4(t0, t2, 0x88);
-            row[1] = _mm512_shuffle_f32x4(t0, t2, 0xDD);
-            row[2] = _mm512_shuffle_f32x4(t1, t3, 0x88);
-            row[3] = _mm512_shuffle_f32x4(t1, t3, 0xDD);
-        } else if (R == 2) { /* row i: 256-bit half i of v[0], v[1] */
-            row[0] = _mm512_shuffle_f32x4(v[0], v[1], 0x44);
-            row[1] = _mm512_shuffle_f32x4(v[0], v[1], 0xEE);
-        } else {
-            row[0] = v[0];
-        }
-        for (int i = 0; i < R && r + i < r1; i++)
-            _mm512_storeu_ps(out + (r + i) * ldo + j0, _mm512_add_ps(row[i], b));
-        r += R;
-    }
+    untile_nblock(tiles, k / 32, wr, k + 32);
+    bf16_nblock(xb, ldb, r0, r1, k / 32, wr, k + 32, next, bias, out, ldo, j0);
 #else
     (void)next;
     for (int64_t r = r0; r < r1; r++)
@@ -342,17 +232,6 @@ static int64_t chunk_blocks(int64_t k) {
 }
 #endif
 
-/* Rows per chunk without AMX: a chunk's bf16 rows (k * 2 + 64 bytes each) fill about
- * half of a core's L2 (1 MiB on Zen 4), the rest left to the untiled n-block, the
- * outputs and the next n-block's tiles; a multiple of 4 rows. */
-#ifndef ROWS_CHUNK_BYTES
-#define ROWS_CHUNK_BYTES (512 << 10)
-#endif
-static int64_t rows_chunk(int64_t k) {
-    const int64_t rows = ROWS_CHUNK_BYTES / ((k + 32) * 2);
-    return rows < 16 ? 16 : rows - rows % 4;
-}
-
 /* This thread's share of out[m, n] = bf16(x) @ w^T (+ bias) over tiled weights; every
  * thread of the team calls it, and it ends in the team's barrier. Returns 0, or -1 when
  * the rows' buffer could not grow (abort_on_oom: the process aborts instead, as the C
@@ -415,13 +294,18 @@ static int tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const fl
         /* Work items (chunk of rows, n-block), chunk-major: a chunk's bf16 rows stay in
          * L2 while the n-blocks pass (a static split gives both threads each chunk's
          * half of the n-blocks). */
-        const int64_t chunk = rows_chunk(k), nchunks = (m + chunk - 1) / chunk;
+#if TILED_NATIVE
+        const int64_t rows = bf16_rows_chunk(k);
+#else
+        const int64_t rows = m;
+#endif
+        const int64_t nrchunks = (m + rows - 1) / rows;
 #pragma omp for schedule(static)
-        for (int64_t q = 0; q < nchunks * nblocks; q++) {
-            const int64_t b = q % nblocks, r0 = q / nblocks * chunk;
+        for (int64_t q = 0; q < nrchunks * nblocks; q++) {
+            const int64_t b = q % nblocks, r0 = q / nblocks * rows;
             const uint16_t *tiles = wt + b * kc * TILE;
             if (rc == 0)
-                rows_nblock(xb, ldb, r0, r0 + chunk < m ? r0 + chunk : m, k, tiles,
+                rows_nblock(xb, ldb, r0, r0 + rows < m ? r0 + rows : m, k, tiles,
                             b + 1 < nblocks ? tiles + kc * TILE : NULL, bias, out, ldo, b * 16,
                             wr);
         }
@@ -444,6 +328,11 @@ static int tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const fl
 #endif
     return 0;
 }
+
+/* Whether tiles are the faster layout here: only where AMX multiplies them (else the
+ * blocks untile each n-block first, which [n, k] rows spare: kernels/bf16.py's
+ * `layout_bf16` keeps rows then). */
+int bf16_tiles_pay(void) { return TILED_AMX && amx_permitted(); }
 
 /* The C step's share (decode_step.c's W_BF16_TILED). */
 int gemm_bf16_tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const float *bias,
