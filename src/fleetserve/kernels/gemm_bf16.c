@@ -4,10 +4,12 @@
  * rounded to bf16 (nearest-even) once per row, as a bf16 GEMM would; the weights are
  * stored bf16 (uint16 bit patterns), so a row of W costs half the bytes of float32, which
  * is what a memory-bound decode step pays for. Compiled for the build's target: with
- * AVX512-BF16 the dot products run `vdpbf16ps` (32 products per instruction), without it
- * a portable loop that gives the same sums up to float32 summation order. At any row count,
- * where the CPU has AMX-BF16 (and FLEETSERVE_AMX is not 0), tiles of 16 x 16 outputs
- * (`tdpbf16ps`, see amx_share): ~1 TFLOP/s on two cores against ~0.1 for float32.
+ * AVX512-BF16 the dot products run `vdpbf16ps` (32 products per instruction; where k % 32
+ * == 0 in bf16_block.h's blocks of 4 rows x 4 outputs: ~0.16-0.2 TFLOP/s on one Zen 4
+ * core against a 0.23 peak), without it a portable loop that gives the same sums up to
+ * float32 summation order. At any row count, where the CPU has AMX-BF16 (and
+ * FLEETSERVE_AMX is not 0), tiles of 16 x 16 outputs (`tdpbf16ps`, see amx_share): ~1
+ * TFLOP/s on two Xeon cores against ~0.1 for float32.
  */
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -37,12 +39,11 @@ int bf16_native(void) { return BF16_NATIVE; }
 
 /* Every row count multiplies through AMX tiles where the CPU has them: a partial tile
  * still streams the weights at the read rate (4096 x 768 tiled weights, one core: 1-8
- * rows 0.46-0.47 ms a call through tiles, against 0.48-0.97 ms through the `vdpbf16ps`
- * rows below, which read each weight row once for 4 rows of x and run out of FMA
- * throughput past 1-2 rows). One path for every row count also makes a row's sums the
- * same whatever else is in its step (speculative verification rows against plain
- * decoding; a request alone or in a batch). `vdpbf16ps` serves CPUs without AMX and
- * FLEETSERVE_AMX=0. */
+ * rows 0.46-0.47 ms a call through tiles, against 0.48-0.97 ms through dot_rows4, the
+ * `vdpbf16ps` loop of the time, on a Xeon). One path for every row count also makes a
+ * row's sums the same whatever else is in its step (speculative verification rows against
+ * plain decoding; a request alone or in a batch); so do the `vdpbf16ps` blocks
+ * (bf16_block.h) that serve CPUs without AMX and FLEETSERVE_AMX=0. */
 #define AMX_MIN_ROWS 1
 
 

@@ -1,5 +1,6 @@
-/* bf16 weights laid out once at load as AMX B tiles (issue 25): the same products as
- * gemm_bf16.c, which keeps serving [n, k] rows that do not tile (n % 16 or k % 32).
+/* bf16 weights laid out once at load as AMX B tiles (issue 25), where AMX runs them: the
+ * same products as gemm_bf16.c, which serves [n, k] rows (shapes that do not tile, n % 16
+ * or k % 32, and every weight on CPUs without AMX: kernels/bf16.py `layout_bf16`).
  *
  * Layout (kernels/bf16.py `tile_bf16`): for n-block b (weight rows 16b .. 16b + 15) and
  * input chunk c (inputs 32c .. 32c + 31), one 1 KiB tile at (b * k / 32 + c) * 512 bf16
@@ -11,9 +12,9 @@
  *
  * Every output's float32 sum runs in the order gemm_bf16.c's own paths give it: AMX sums
  * each 32-input chunk in turn (the products are exact, the roles of A and B swapped);
- * without AMX, `vdpbf16ps` lanes are the tile's pairs (lane p of output j adds pair p of
- * every chunk, as dot_rows4 / dot_row do), reduced across lanes in _mm512_reduce_add_ps's
- * tree. So tokens and logprobs do not change with the layout (tests/test_bf16_tiled.py). */
+ * without AMX (FLEETSERVE_AMX=0) each n-block is untiled in registers into 16 rows and
+ * multiplied by bf16_block.h's `vdpbf16ps` blocks, as gemm_bf16.c's rows are. So tokens
+ * and logprobs do not change with the layout (tests/test_bf16_tiled.py). */
 #define _GNU_SOURCE
 #include <stdint.h>
 #include <stdio.h>
@@ -60,8 +61,9 @@ static uint16_t *team_rows(size_t values, size_t extra_floats) {
 
 #if TILED_NATIVE
 /* An n-block's tiles as 16 rows of k bf16 (row j: output j's inputs in order, ld apart):
- * each 16 x 16 tile of 32-bit pairs transposed in registers. The `vdpbf16ps` operands of
- * many rows then take 32 inputs of one output at a time (block4x4). */
+ * each 16 x 16 tile of 32-bit pairs transposed in registers, for bf16_block.h's blocks,
+ * whose operands are 32 inputs of one output. ~64 cycles a tile on Zen 4: at a few rows
+ * that is most of the call, hence rows, not tiles, where AMX is not used. */
 static void untile_nblock(const uint16_t *tiles, int64_t kc, uint16_t *dst, int64_t ld) {
     for (int64_t c = 0; c < kc; c++) {
         const uint16_t *t = tiles + c * TILE;
