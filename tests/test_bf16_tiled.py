@@ -68,7 +68,9 @@ def _alone() -> list[str]:
                     if not torch.equal(gemm_bf16(x[:m], weight, threads, bias), full[:m]):
                         bad.append(f"{kind} {m} of 37 rows {n}x{k} threads={threads}")
                 for r in (0, 5, 36):
-                    if not torch.equal(gemm_bf16(x[r : r + 1], weight, threads, bias), full[r : r + 1]):
+                    if not torch.equal(
+                        gemm_bf16(x[r : r + 1], weight, threads, bias), full[r : r + 1]
+                    ):
                         bad.append(f"{kind} row {r} alone {n}x{k} threads={threads}")
     return bad
 

@@ -78,7 +78,10 @@ def main() -> None:
     )
     shapes = PREFILL + DECODE
     if args.shapes:
-        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        shapes = []
+        for s in args.shapes.split(","):
+            m, n, k = (int(v) for v in s.split("x"))
+            shapes.append((m, n, k))
     for m, n, k in shapes:
         copies = 1 if (m, n, k) in PREFILL else LAYERS
         rows = [torch.randn(n, k).bfloat16() for _ in range(copies)]
@@ -87,7 +90,9 @@ def main() -> None:
         assert all(
             torch.equal(gemm_bf16(x, r), gemm_bf16(x, t)) for r, t in zip(rows, tiles, strict=True)
         )
-        got: dict[str, list[float]] = {"tiles": []} if args.tiles_only else {"rows": [], "tiles": []}
+        got: dict[str, list[float]] = (
+            {"tiles": []} if args.tiles_only else {"rows": [], "tiles": []}
+        )
         for _ in range(args.rounds):
             if not args.tiles_only:
                 got["rows"].append(_best_ms(x, rows, args.threads, clock))  # type: ignore[arg-type]
