@@ -14,16 +14,19 @@
 /* _mm512_reduce_add_ps of 16 vectors at once: lane a of the result is acc[a]'s lanes
  * reduced in that function's tree (lane i + lane i + 8, then + 4, + 2, + 1), two vectors'
  * halves or quarters brought side by side by each shuffle. */
-static inline __m512 reduce16(const __m512 acc[16]) {
+static inline __attribute__((always_inline)) __m512 reduce16(const __m512 acc[16]) {
     __m512 v[16], s1[8], s2[4];
     /* Inputs in this order leave acc[a]'s sum in lane a (the last step interleaves). */
+#pragma GCC unroll 16
     for (int i = 0; i < 16; i++) v[i] = acc[4 * (i % 4) + i / 4];
+#pragma GCC unroll 16
     for (int i = 0; i < 8; i++) { /* 256-bit halves: lane i + lane i + 8 */
         const __m512 lo = _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44);
         const __m512 hi = _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE);
         s1[i] = _mm512_add_ps(hi, lo);
         __asm__("" : "+v"(s1[i]));
     }
+#pragma GCC unroll 16
     for (int i = 0; i < 4; i++) { /* 128-bit quarters: + 4 */
         const __m512 e = _mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0x88);
         const __m512 o = _mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0xDD);
@@ -31,6 +34,7 @@ static inline __m512 reduce16(const __m512 acc[16]) {
         __asm__("" : "+v"(s2[i]));
     }
     __m512 s3[2];
+#pragma GCC unroll 16
     for (int i = 0; i < 2; i++) { /* 64-bit pairs: + 2 */
         const __m512d r = (__m512d)s2[2 * i], s = (__m512d)s2[2 * i + 1];
         s3[i] = _mm512_add_ps((__m512)_mm512_unpacklo_pd(r, s), (__m512)_mm512_unpackhi_pd(r, s));
@@ -53,6 +57,7 @@ static inline __attribute__((always_inline)) __m512 block_rj(const uint16_t *x, 
                                                              const char *pf, int pfl) {
     const int J = 16 / R;
     __m512 acc[16];
+#pragma GCC unroll 16
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < kc; c++) {
         if (pf)
