@@ -246,7 +246,8 @@ static inline __attribute__((always_inline)) const void *block_heads(
     return kv_at(cache, (table[b] * num_kv_heads + h0) * span, bf16);
 }
 
-/* Decode rows on AVX-512: one pass over the blocks (attend_decode). */
+/* Decode rows on AVX-512: one pass over the blocks (attend_decode); verification rows:
+ * one pass for all of them (attend_verify, paged_verify.h). */
 #include "paged_decode.h"
 
 /* Attend query rows [r0, r1) of one sequence for the query heads of kv heads [h0, h1).
@@ -336,15 +337,20 @@ __attribute__((noinline)) void attend_tile_dispatch(
     float scale, int window, float softcap, int kv_bf16, float *scores) {
 #if defined(DECODE_ONE_PASS)
     /* A query of up to VERIFY_ROWS rows (speculative verification: k + 1 rows) takes the
-     * decode path row by row, each row over its own causal prefix: its sums are then the
+     * decode path, each row over its own causal prefix with a plain decode's arithmetic
+     * (paged_verify.h: one walk over the blocks for all the rows): its sums are then the
      * ones plain decoding gets at that position, so verification accepts exactly the
      * tokens plain decoding would emit. */
 #define DECODE(HD, BF)                                                                      \
+    if (q_len == 1 && decode_one_pass(block_size, HD)) {                                    \
+        attend_decode(q, q_stride, k_cache, v_cache, out, table, q_start, seq_len, h0, h1,  \
+                      num_heads, num_kv_heads, HD, scale, window, softcap, BF);             \
+        return;                                                                             \
+    }                                                                                       \
     if (q_len <= VERIFY_ROWS && decode_one_pass(block_size, HD)) {                          \
-        for (int64_t r = r0; r < r1; r++)                                                   \
-            attend_decode(q, q_stride, k_cache, v_cache, out, table, q_start + r,           \
-                          seq_len - q_len + r + 1, h0, h1, num_heads, num_kv_heads, HD,     \
-                          scale, window, softcap, BF);                                      \
+        attend_verify(q, q_stride, k_cache, v_cache, out, table, q_start, q_len, seq_len,   \
+                      r0, r1, h0, h1, num_heads, num_kv_heads, HD, scale, window, softcap,  \
+                      BF);                                                                  \
         return;                                                                             \
     }
 #else
