@@ -95,3 +95,33 @@ static inline __attribute__((always_inline)) void attend_verify(
         for (int i = 0; i < n; i++) decode_finish(orow[i], l + i * heads, heads, head_dim, pair);
     }
 }
+
+/* attend_verify out of line, one copy per (head size, cache dtype): inlined into
+ * attend_tile_dispatch, its code changed how the compiler ordered the prefill tile's
+ * (attend_tile's) sums there under -ffast-math, and with them the prefill's last bits
+ * (and the greedy text of a near tie). */
+#define VERIFY_COPY(NAME, HD, BF)                                                             \
+    static __attribute__((noinline)) void NAME(                                               \
+        const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,           \
+        float *out, const int64_t *table, int64_t q_start, int64_t q_len, int64_t seq_len,    \
+        int64_t r0, int64_t r1, int h0, int h1, int num_heads, int num_kv_heads,              \
+        int head_dim, float scale, int window, float softcap) {                               \
+        attend_verify(q, q_stride, k_cache, v_cache, out, table, q_start, q_len, seq_len, r0, \
+                      r1, h0, h1, num_heads, num_kv_heads, HD, scale, window, softcap, BF);   \
+    }
+VERIFY_COPY(attend_verify_64_f32, 64, 0)
+VERIFY_COPY(attend_verify_64_bf16, 64, 1)
+VERIFY_COPY(attend_verify_128_f32, 128, 0)
+VERIFY_COPY(attend_verify_128_bf16, 128, 1)
+VERIFY_COPY(attend_verify_any_f32, head_dim, 0)
+VERIFY_COPY(attend_verify_any_bf16, head_dim, 1)
+#undef VERIFY_COPY
+
+/* The copy for this head size and cache dtype. */
+#define ATTEND_VERIFY(BF, q, q_stride, kc, vc, out, table, q_start, q_len, seq_len, r0, r1, h0, \
+                      h1, nh, nkv, hd, scale, window, softcap)                                 \
+    ((hd) == 64    ? ((BF) ? attend_verify_64_bf16 : attend_verify_64_f32)                     \
+     : (hd) == 128 ? ((BF) ? attend_verify_128_bf16 : attend_verify_128_f32)                   \
+                   : ((BF) ? attend_verify_any_bf16 : attend_verify_any_f32))(                 \
+        q, q_stride, kc, vc, out, table, q_start, q_len, seq_len, r0, r1, h0, h1, nh, nkv, hd,  \
+        scale, window, softcap)
