@@ -378,7 +378,14 @@ class ModelRunner:
             s = self.requests[req_id]
             s.draft_probs = None
             if new:
-                asks.append(ProposalRequest(req_id, s.token_ids + new, s.block_ids, s.params))
+                stops = set(s.params.stop_token_ids or ())
+                if not s.params.ignore_eos:
+                    stops.update(s.eos_token_ids)
+                asks.append(
+                    ProposalRequest(
+                        req_id, s.token_ids + new, s.block_ids, s.params, frozenset(stops)
+                    )
+                )
         proposals: dict[str, Proposal] = {}
         if asks:
             for ask, prop in zip(asks, self.proposer.propose(asks), strict=True):
