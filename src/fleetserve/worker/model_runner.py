@@ -254,7 +254,7 @@ class ModelRunner:
         if last_stage:
             meta.logit_rows = picks.rows  # the C step's LM head computes these
             # and their argmax (greedy rows' tokens), unless all go to the verifier
-            meta.want_head_argmax = self.head_argmax and bool(picks.plain)
+            meta.want_head_argmax = self.head_argmax and bool(picks.plain or picks.verify)
         with set_forward_context(meta), set_lora_rows(lora_groups):
             hidden = self.model(x, pos_t)
         self.forward_steps += 1
@@ -363,7 +363,8 @@ class ModelRunner:
             drafted = [
                 DraftedRow(s.sampling_row(), d, _draft_probs(s, len(d))) for _, s, d in verify
             ]
-            tokens_v, lps_v = self.rejection_sampler(logits[len(plain) :], drafted)
+            argmax_v = None if head_argmax is None else head_argmax[len(plain) :]
+            tokens_v, lps_v = self.rejection_sampler(logits[len(plain) :], drafted, argmax_v)
             for j, (_, s, _) in enumerate(verify):
                 sampled[s.req_id] = tokens_v[j]
                 if lps_v is not None:
