@@ -73,18 +73,29 @@ def test_decode_rows_match_dense_attention(
         torch.testing.assert_close(out[i], want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    # bf16 pairs with one row pass (64) and several (128: 6 rows a pass), no pairs (48),
+    # SmolLM2's 3 query heads per kv head, 8 per kv head
+    [(12, 4, 64), (16, 4, 128), (8, 1, 48), (9, 3, 64), (8, 1, 64)],
+)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (21, 3.0)])
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (21, 3.0), (5, 0.0), (40, 0.0)])
 def test_verification_rows_equal_plain_decodes(
-    kv_dtype: torch.dtype, window: int, softcap: float
+    heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype, window: int, softcap: float
 ) -> None:
     """A query of k + 1 rows (speculative verification) gives each row the bits plain
     decoding gets at that position: one call with queries of 2-16 rows after cached
     contexts, against one decode call per row over the same cache (the verification row r
-    sees the context and rows 0..r, as the decode at that position does)."""
-    heads, kv_heads, head_dim, bs = 12, 4, 64, 16
-    g = torch.Generator().manual_seed(7 + window)
-    shapes = [(5, 11), (8, 300), (2, 40), (16, 77), (3, 0)]  # (query rows, cached context)
+    sees the context and rows 0..r, as the decode at that position does). The rows walk
+    the blocks together (paged_verify.h): contexts end inside a block and on its edge, the
+    rows spill into one to two more blocks, windows shorter than the query start in
+    different blocks for different rows."""
+    bs = 16
+    g = torch.Generator().manual_seed(7 + window + head_dim + heads)
+    # (query rows, cached context)
+    shapes = [(5, 11), (8, 300), (2, 40), (16, 77), (3, 0), (16, 0), (9, 32), (12, 31)]
+    shapes += [(r, 13 * r + 7) for r in (4, 6, 7, 10, 11, 13, 14, 15)]
     num_blocks = sum(-(-(q + c) // bs) for q, c in shapes) + 3
     k_cache = torch.randn(num_blocks, kv_heads, head_dim, bs, generator=g).to(kv_dtype)
     v_cache = torch.randn(num_blocks, kv_heads, bs, head_dim, generator=g).to(kv_dtype)
@@ -111,3 +122,13 @@ def test_verification_rows_equal_plain_decodes(
                 **kw,
             )  # fmt: skip
             assert torch.equal(verified[row], one[0]), (q_len, ctx, r)
+        # and the rows are right, not only equal to decodes: dense attention in float64
+        keys = k_cache[tables[i]].float().transpose(2, 3).transpose(1, 2)
+        values = v_cache[tables[i]].float().transpose(1, 2)
+        keys = keys.reshape(-1, kv_heads, head_dim)
+        values = values.reshape(-1, kv_heads, head_dim)
+        for r in (0, q_len - 1):
+            n = ctx + r + 1
+            want = dense_decode(q[int(starts[i]) + r], keys[:n], values[:n], scale, window,
+                                softcap)  # fmt: skip
+            torch.testing.assert_close(verified[int(starts[i]) + r], want, atol=2e-5, rtol=1e-4)

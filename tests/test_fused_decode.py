@@ -267,6 +267,33 @@ def test_speculative_verification_same_tokens(
     assert counted.multi_row_with_context > 0
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_speculative_one_stream_same_tokens(
+    threads: int,
+    kv_heads: int,
+    tiny_model_factory: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One stream's verification rows with 16-key blocks: the rows walk the blocks
+    together (paged_verify.h) and, with fewer sequences than threads and kv heads that do
+    not share out evenly (1 kv head on 2 threads), the C step cuts them into row ranges;
+    tokens and logprobs equal the module path's (which does neither cut)."""
+    path = tiny_model_factory("llama", num_key_value_heads=kv_heads)
+    spec = {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 3}
+    llm = LLM(path, speculative_config=spec, max_model_len=256, block_size=16, num_kv_blocks=32)
+    prompt = _prompts(1, 500, seed=8, step=3)[0] * 6  # 30 tokens, a 5-token cycle
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        on, off, counted = _on_and_off(llm, [prompt], 60, monkeypatch)
+    finally:
+        torch.set_num_threads(prev)
+    _assert_same(on, off)
+    assert counted.multi_row_with_context > 0
+    assert counted.steps < 59  # drafts were accepted: fewer steps than tokens
+
+
 # Mistral's window on every layer (one block pool), Qwen2's on the upper layers (local
 # and global layers: the windowed ones keep their own pool, which frees blocks that
 # slide out); both with prompts and generations well past the 16-token window.

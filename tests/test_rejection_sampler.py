@@ -101,6 +101,18 @@ def test_greedy_accepts_while_drafts_match_the_argmax() -> None:
     assert list(lps[1][1]) == [5]  # the chosen token, which is also the top-1
 
 
+def test_greedy_takes_the_argmax_it_is_given() -> None:
+    """The C step's head hands over each row's argmax: greedy verification uses it (no
+    scan of the logits), and gives the same tokens as its own scan when it is right."""
+    params = SamplingParams(temperature=0.0)
+    rows = [DraftedRow(SamplingRow(params, [1], []), [2, 5])]
+    logits = TARGET.clone()  # argmax per row: 2, 5, 3
+    sampler = RejectionSampler(torch.Generator())
+    assert sampler(logits, rows, torch.tensor([2, 5, 3]))[0] == sampler(logits, rows)[0]
+    # Another argmax than the logits' shows it is the one used.
+    assert sampler(logits, rows, torch.tensor([2, 4, 3]))[0] == [[2, 4]]
+
+
 def test_greedy_penalties_see_the_accepted_drafts() -> None:
     """Row j is penalized as if drafts 1..j were already output (as decoding them would)."""
     params = SamplingParams(temperature=0.0, presence_penalty=2.0)

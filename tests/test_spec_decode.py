@@ -351,3 +351,28 @@ def test_ngram_under_tensor_and_pipeline_parallelism(tiny_llama: str, tp: int, p
             pipeline_parallel_size=pp,
             speculative_config={"model": tiny_llama, "num_speculative_tokens": 2},
         )
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_proposer_is_told_the_stop_tokens(tiny_llama: str, ignore_eos: bool) -> None:
+    """The runner hands the n-gram proposer each request's stop tokens (its
+    stop_token_ids, and the end-of-sequence ids unless ignore_eos), where drafts end."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = LLM(tiny_llama, max_model_len=128, speculative_config=spec)
+    runner: Any = llm.engine.core.executor.runner  # type: ignore[attr-defined]
+    seen: list[frozenset[int]] = []
+    propose = runner.proposer.propose
+
+    def spy(asks: list[Any]) -> Any:
+        seen.extend(a.stop_token_ids for a in asks)
+        return propose(asks)
+
+    runner.proposer.propose = spy
+    params = SamplingParams(
+        temperature=0.0, max_tokens=4, stop_token_ids=[7], ignore_eos=ignore_eos
+    )
+    llm.generate([{"prompt_token_ids": [5, 6, 5, 6, 5]}], params, use_tqdm=False)
+    eos = set(llm.engine.eos_token_ids)
+    assert eos and seen
+    want = {7} if ignore_eos else {7} | eos
+    assert all(s == want for s in seen)

@@ -25,6 +25,7 @@ from fleetserve.spec_decode.config import SpeculativeConfig
 from fleetserve.spec_decode.ngram import (
     NgramIndex,
     NgramProposer,
+    cut_at_stop,
     find_ngram_continuation,
     find_ngram_match,
 )
@@ -364,3 +365,20 @@ def test_spec_decode_metrics_pool_replicas_and_count_deltas() -> None:
     assert 'fleetserve:spec_decode_num_accepted_tokens_total{model_name="m"} 10.0' in text
     assert 'fleetserve:spec_decode_num_draft_tokens_total{model_name="m"} 16.0' in text
     assert 'fleetserve:spec_decode_acceptance_rate{model_name="m"} 0.5' in text
+
+
+@pytest.mark.parametrize("draft_length", ["fixed", "adaptive"])
+def test_ngram_drafts_end_at_a_stop_token(draft_length: str) -> None:
+    """Drafts past a token that ends the request are never used: they stop at it (it
+    stays: verification accepts or rejects it like any draft)."""
+    cfg = SpeculativeConfig("ngram", 5, prompt_lookup_max=2, draft_length=draft_length)
+    greedy = SamplingParams(temperature=0.0)
+    seq = [4, 5, 6, 0, 7, 8, 4, 5]  # "4 5" matched: 6 0 7 8 4 follow
+    ask = ProposalRequest("a", seq, [], greedy, frozenset({0, 99}))
+    assert NgramProposer(cfg).propose([ask])[0].token_ids == [6, 0]
+    # No stop among them (or none given): all k.
+    assert NgramProposer(cfg).propose([ProposalRequest("a", seq, [], greedy)])[0].token_ids == [
+        6, 0, 7, 8, 4,
+    ]  # fmt: skip
+    assert cut_at_stop([3, 2, 1], frozenset({9})) == [3, 2, 1]
+    assert cut_at_stop([9, 2], frozenset({9})) == [9] and cut_at_stop([], frozenset({9})) == []

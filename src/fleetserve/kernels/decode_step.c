@@ -479,16 +479,35 @@ static void attend_rows(const ds_plan *p, const ds_layer *L, const float *qkv, i
 /* Query rows per attention item of a multi-row sequence (as paged_attention.c). */
 #define Q_TILE 16
 
+/* Rows per item of a q-row sequence: Q_TILE, or for a verification-sized query (up to
+ * Q_TILE rows: paged_attention.c's VERIFY_ROWS) cut into `parts` row ranges. Each range
+ * walks the blocks once (paged_verify.h) and a row's sums do not depend on its range. */
+static int64_t rows_per_item(int64_t q, int parts) {
+    return parts > 1 && q <= Q_TILE ? (q + parts - 1) / parts : Q_TILE;
+}
+
+/* Row ranges per verification query in a step of fewer sequences than threads: enough
+ * that its (range, kv head) items share out evenly (3 kv heads on 2 threads: 2 ranges,
+ * 6 items, where 3 items left one thread idle for a third of the phase). */
+static int verify_parts(int threads, int num_kv_heads) {
+    int a = threads, b = num_kv_heads;
+    while (b) {
+        const int t = a % b;
+        a = b, b = t;
+    }
+    return threads / a;
+}
+
 /* Attention work items: item_start[i] .. item_start[i + 1] are sequence i's. A one-row
  * sequence is one item over `split` kv-head ranges' worth (split 1: all heads); a longer
- * one is one item per (tile of Q_TILE rows, kv head). */
-static int64_t attention_items(const ds_rows *rw, int split, int num_kv_heads,
+ * one is one item per (range of rows_per_item rows, kv head). */
+static int64_t attention_items(const ds_rows *rw, int split, int parts, int num_kv_heads,
                                int64_t *item_start) {
     item_start[0] = 0;
     for (int64_t i = 0; i < rw->num_seqs; i++) {
-        const int64_t q = rw->q_lens[i];
+        const int64_t q = rw->q_lens[i], tile = rows_per_item(q, parts);
         item_start[i + 1] =
-            item_start[i] + (q == 1 ? split : (q + Q_TILE - 1) / Q_TILE * num_kv_heads);
+            item_start[i] + (q == 1 ? split : (q + tile - 1) / tile * num_kv_heads);
     }
     return item_start[rw->num_seqs];
 }
@@ -498,17 +517,19 @@ static int64_t attention_items(const ds_rows *rw, int split, int num_kv_heads,
  * one row) the row's heads are prepared first: no other item reads them. */
 static void attention_item(const ds_plan *p, const ds_layer *L, float *qkv, int64_t ldq,
                            float *attn, const ds_rows *rw, const int64_t *item_start,
-                           int64_t item, int64_t *seq, int split, int prepare, float *scores) {
+                           int64_t item, int64_t *seq, int split, int parts, int prepare,
+                           float *scores) {
     if (item < item_start[*seq]) *seq = 0;
     while (item >= item_start[*seq + 1]) (*seq)++;
     const int64_t i = *seq, local = item - item_start[i];
     int64_t r0 = 0, r1 = 1;
     int h0 = 0, h1 = p->num_kv_heads;
     if (rw->q_lens[i] != 1) {
+        const int64_t tile = rows_per_item(rw->q_lens[i], parts);
         h0 = (int)(local % p->num_kv_heads);
         h1 = h0 + 1;
-        r0 = local / p->num_kv_heads * Q_TILE;
-        r1 = r0 + Q_TILE < rw->q_lens[i] ? r0 + Q_TILE : rw->q_lens[i];
+        r0 = local / p->num_kv_heads * tile;
+        r1 = r0 + tile < rw->q_lens[i] ? r0 + tile : rw->q_lens[i];
     } else if (split > 1) {
         h0 = (int)local;
         h1 = h0 + 1;
@@ -582,6 +603,9 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
     if (threads < 1) threads = 1;
     /* Few one-row sequences: an item per (sequence, kv head) keeps every thread busy. */
     const int split = all_decode && num_seqs < threads ? p->num_kv_heads : 1;
+    /* Few sequences with several rows (speculative verification): row ranges too. */
+    const int parts =
+        !all_decode && num_seqs < threads ? verify_parts(threads, p->num_kv_heads) : 1;
     /* item_start, then (argmax) each head row's per-thread span results */
     const int64_t spans = argmax && nr > 0 ? nr * threads : 0;
     int64_t *item_start = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1 + 2 * spans) +
@@ -591,7 +615,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
     float *span_best = (float *)(span_idx + spans);
     int *span_nan = (int *)(span_idx + 2 * spans);
     for (int64_t s = 0; s < spans; s++) span_idx[s] = -1;
-    const int64_t items = attention_items(&rw, split, p->num_kv_heads, item_start);
+    const int64_t items = attention_items(&rw, split, parts, p->num_kv_heads, item_start);
     /* Shared: qkv, attn, x (o and down outputs), gate_up; when wide also the residual,
      * the GEMM input and the x tiles. Private per thread: when narrow the residual, GEMM
      * input, block sums and x tiles; when wide a decoded panel and row; the scores. */
@@ -672,7 +696,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
             int64_t seq = 0;
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < items; it++)
-                attention_item(p, L, qkv, ldq, attn, lr, item_start, it, &seq, split,
+                attention_item(p, L, qkv, ldq, attn, lr, item_start, it, &seq, split, parts,
                                all_decode, scores);
             MARK(PH_ATTN);
             prepare_x(attn, m, q_size, &sc, wide);

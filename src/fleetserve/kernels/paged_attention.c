@@ -37,7 +37,7 @@
 #include <string.h>
 
 #define Q_TILE 16
-/* Queries of at most this many rows attend row by row like decodes (see DECODE below). */
+/* Queries of at most this many rows attend like decodes (attend_tile_dispatch). */
 #define VERIFY_ROWS 16
 
 #if defined(__AVX512F__)
@@ -246,7 +246,8 @@ static inline __attribute__((always_inline)) const void *block_heads(
     return kv_at(cache, (table[b] * num_kv_heads + h0) * span, bf16);
 }
 
-/* Decode rows on AVX-512: one pass over the blocks (attend_decode). */
+/* Decode rows on AVX-512: one pass over the blocks (attend_decode); verification rows:
+ * one pass for all of them (attend_verify, paged_verify.h). */
 #include "paged_decode.h"
 
 /* Attend query rows [r0, r1) of one sequence for the query heads of kv heads [h0, h1).
@@ -335,10 +336,18 @@ __attribute__((noinline)) void attend_tile_dispatch(
     int64_t r1, int h0, int h1, int num_heads, int num_kv_heads, int head_dim, int block_size,
     float scale, int window, float softcap, int kv_bf16, float *scores) {
 #if defined(DECODE_ONE_PASS)
-    /* A query of up to VERIFY_ROWS rows (speculative verification: k + 1 rows) takes the
-     * decode path row by row, each row over its own causal prefix: its sums are then the
-     * ones plain decoding gets at that position, so verification accepts exactly the
-     * tokens plain decoding would emit. */
+    /* A query of 2..VERIFY_ROWS rows (speculative verification: k + 1 rows): one walk over
+     * the blocks for all its rows, each row with a plain decode's arithmetic at its
+     * position (paged_verify.h), so verification accepts exactly the tokens plain decoding
+     * would emit. Out of line and tested first, so that the code below compiles as it did
+     * before it (the prefill tile's sums kept their last bits). */
+    if (q_len > 1 && q_len <= VERIFY_ROWS && decode_one_pass(block_size, head_dim)) {
+        ATTEND_VERIFY(kv_bf16, q, q_stride, k_cache, v_cache, out, table, q_start, q_len,
+                      seq_len, r0, r1, h0, h1, num_heads, num_kv_heads, head_dim, scale, window,
+                      softcap);
+        return;
+    }
+    /* A decode row (the only query of at most VERIFY_ROWS rows left here). */
 #define DECODE(HD, BF)                                                                      \
     if (q_len <= VERIFY_ROWS && decode_one_pass(block_size, HD)) {                          \
         for (int64_t r = r0; r < r1; r++)                                                   \

@@ -219,6 +219,80 @@ static inline __attribute__((always_inline)) void decode_group(
 #undef DECODE_BLOCK
 }
 
+/* decode_group as one machine copy per (head size, cache dtype), which attend_decode and
+ * attend_verify both call: a row's sums must be bit-equal whichever of them runs it, and
+ * -ffast-math lets the compiler reorder the score chains differently in two inlined
+ * copies (a 48-wide head did). One call per block and kv head: ~nothing beside the
+ * block's work. head_dim 64 and 128 get copies with it a constant (register-resident
+ * sums); others one copy with it a variable. */
+#define DECODE_GROUP_COPY(NAME, HD, BF, PAIR)                                                \
+    static __attribute__((noinline)) void NAME(                                              \
+        const float *q, const float *qp, const void *kt, const void *vb, int nk,             \
+        __mmask16 valid, int head_dim, float scale, float softcap, float *m, float *l,       \
+        float *og, int group, const char *pf_k, const char *pf_v, int pair) {                \
+        decode_group(q, qp, kt, vb, nk, valid, HD, scale, softcap, m, l, og, group, pf_k,    \
+                     pf_v, BF, PAIR);                                                        \
+    }
+/* bf16 64 and 128: always pairs (head_dim % 32 == 0) */
+DECODE_GROUP_COPY(decode_group_64_f32, 64, 0, 0)
+DECODE_GROUP_COPY(decode_group_64_bf16, 64, 1, 1)
+DECODE_GROUP_COPY(decode_group_128_f32, 128, 0, 0)
+DECODE_GROUP_COPY(decode_group_128_bf16, 128, 1, 1)
+DECODE_GROUP_COPY(decode_group_any_f32, head_dim, 0, 0)
+DECODE_GROUP_COPY(decode_group_any_bf16, head_dim, 1, pair)
+#undef DECODE_GROUP_COPY
+
+/* The copy for this head size and cache dtype (head_dim and bf16 constants where this is
+ * inlined, so the choice folds away). */
+static inline __attribute__((always_inline)) void decode_group_once(
+    const float *q, const float *qp, const void *kt, const void *vb, int nk, __mmask16 valid,
+    const int head_dim, float scale, float softcap, float *m, float *l, float *og, int group,
+    const char *pf_k, const char *pf_v, const int bf16, const int pair) {
+#define CALL(NAME) \
+    NAME(q, qp, kt, vb, nk, valid, head_dim, scale, softcap, m, l, og, group, pf_k, pf_v, pair)
+    if (head_dim == 64)
+        bf16 ? CALL(decode_group_64_bf16) : CALL(decode_group_64_f32);
+    else if (head_dim == 128)
+        bf16 ? CALL(decode_group_128_bf16) : CALL(decode_group_128_f32);
+    else
+        bf16 ? CALL(decode_group_any_bf16) : CALL(decode_group_any_f32);
+#undef CALL
+}
+
+/* The query pairs of decode_block (pair): for n = heads * head_dim query values and
+ * d = 2i, 16 floats (q[d] x 8, q[d + 1] x 8) at qp + i * 16. */
+static inline __attribute__((always_inline)) void decode_query_pairs(const float *q, int n,
+                                                                     float *qp) {
+    for (int i = 0; i < n / 2; i++)
+        _mm512_store_ps(qp + i * 16, _mm512_mask_blend_ps((__mmask16)0xff00,
+                                                          _mm512_set1_ps(q[2 * i]),
+                                                          _mm512_set1_ps(q[2 * i + 1])));
+}
+
+/* Each head's output divided by its sum l[h]; with `pair`, each 32 dimensions put back
+ * in order from 16 even ones and 16 odd ones. */
+static inline __attribute__((always_inline)) void decode_finish(float *orow, const float *l,
+                                                                int heads, const int head_dim,
+                                                                const int pair) {
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    for (int h = 0; h < heads; h++) {
+        const __m512 inv = _mm512_set1_ps(1.f / l[h]);
+        float *o = orow + h * head_dim;
+        if (pair)
+            for (int w = 0; w < head_dim; w += 32) {
+                /* 16 even dimensions, then 16 odd: back in order */
+                const __m512 e = _mm512_loadu_ps(o + w), od = _mm512_loadu_ps(o + w + 16);
+                _mm512_storeu_ps(o + w, _mm512_mul_ps(_mm512_permutex2var_ps(e, lo, od), inv));
+                _mm512_storeu_ps(o + w + 16,
+                                 _mm512_mul_ps(_mm512_permutex2var_ps(e, hi, od), inv));
+            }
+        else
+            for (int d = 0; d < head_dim; d += 16)
+                _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
+    }
+}
+
 /* Whether attend_decode takes a row with these shapes (else the two-pass attend_tile). */
 static inline int decode_one_pass(int block_size, int head_dim) {
     return block_size == 16 && head_dim % 16 == 0 && head_dim <= 128;
@@ -247,11 +321,7 @@ static inline __attribute__((always_inline)) void attend_decode(
      * (q_h[d] x 8, q_h[d + 1] x 8) at qp + (h * head_dim / 2 + i) * 16. */
     float qbuf[pair ? heads * head_dim * 8 + 16 : 1];
     float *qp = (float *)(((uintptr_t)qbuf + 63) & ~(uintptr_t)63);
-    if (pair)
-        for (int i = 0; i < heads * head_dim / 2; i++)
-            _mm512_store_ps(qp + i * 16, _mm512_mask_blend_ps((__mmask16)0xff00,
-                                                              _mm512_set1_ps(qr[2 * i]),
-                                                              _mm512_set1_ps(qr[2 * i + 1])));
+    if (pair) decode_query_pairs(qr, heads * head_dim, qp);
     for (int64_t t0 = t_lo; t0 < n_keys; t0 += 16) {
         const int nk = (int)(t0 + 16 < n_keys ? 16 : n_keys - t0);
         __mmask16 valid = (__mmask16)((1u << nk) - 1);
@@ -266,29 +336,15 @@ static inline __attribute__((always_inline)) void attend_decode(
         }
         const int64_t piece = span * (bf16 ? 2 : 4);
         for (int kv = 0; kv < h1 - h0; kv++) {
-            decode_group(qr + kv * group * head_dim, qp + kv * group * head_dim * 8,
+            decode_group_once(qr + kv * group * head_dim, qp + kv * group * head_dim * 8,
                          kv_at(kb, kv * span, bf16), kv_at(vb, kv * span, bf16), nk, valid,
                          head_dim, scale, softcap, m + kv * group, l + kv * group,
                          orow + kv * group * head_dim, group, kn ? kn + kv * piece : NULL,
                          vn ? vn + kv * piece : NULL, bf16, pair);
         }
     }
-    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
-    for (int h = 0; h < heads; h++) {
-        const __m512 inv = _mm512_set1_ps(1.f / l[h]);
-        float *o = orow + h * head_dim;
-        if (pair)
-            for (int w = 0; w < head_dim; w += 32) {
-                /* 16 even dimensions, then 16 odd: back in order */
-                const __m512 e = _mm512_loadu_ps(o + w), od = _mm512_loadu_ps(o + w + 16);
-                _mm512_storeu_ps(o + w, _mm512_mul_ps(_mm512_permutex2var_ps(e, lo, od), inv));
-                _mm512_storeu_ps(o + w + 16,
-                                 _mm512_mul_ps(_mm512_permutex2var_ps(e, hi, od), inv));
-            }
-        else
-            for (int d = 0; d < head_dim; d += 16)
-                _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
-    }
+    decode_finish(orow, l, heads, head_dim, pair);
 }
+
+#include "paged_verify.h"
 #endif

@@ -16,6 +16,10 @@ class ProposalRequest:
     token_ids: list[int]  # every verified token, the ones sampled this step included
     block_ids: list[int]  # the request's KV blocks (a draft model writes its K/V there)
     params: SamplingParams
+    # Tokens that end the request (its stop_token_ids, and the model's end-of-sequence
+    # ids unless ignore_eos): a draft past one is never used (the n-gram proposer cuts
+    # its drafts there).
+    stop_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

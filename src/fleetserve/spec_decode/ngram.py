@@ -103,6 +103,17 @@ class NgramIndex:
         return -1, 0
 
 
+def cut_at_stop(drafts: list[int], stop_token_ids: frozenset[int]) -> list[int]:
+    """``drafts`` up to and including the first stop token: verification ends the request
+    there (or, before min_tokens, rejects it), so drafts past it are rows never used. On
+    the repeat workload the last step of each answer drafted on into the chat template
+    after the end-of-turn token (6 of 8 rows wasted, ~2% of the run)."""
+    for i, t in enumerate(drafts):
+        if t in stop_token_ids:
+            return drafts[: i + 1]
+    return drafts
+
+
 def num_drafts_for_match(n: int, k: int, max_n: int) -> int:
     """How many of the ``k`` tokens after a match of ``n`` tokens to propose."""
     if n == 1 and max_n > 1:
@@ -134,7 +145,8 @@ class NgramProposer:
         out = []
         for r, (start, n) in zip(requests, matches, strict=True):
             k = num_drafts_for_match(n, self.k, self.max_n) if n else 0
-            out.append(Proposal(r.token_ids[start : start + k] if k else []))
+            drafts = r.token_ids[start : start + k] if k else []
+            out.append(Proposal(cut_at_stop(drafts, r.stop_token_ids)))
         return out
 
     def _propose_adaptive(
@@ -155,7 +167,7 @@ class NgramProposer:
         out = []
         for r, (start, _), f in zip(requests, matches, fixed, strict=True):
             k = k_long if f == self.k else f
-            drafts = r.token_ids[start : start + k] if k else []
+            drafts = cut_at_stop(r.token_ids[start : start + k] if k else [], r.stop_token_ids)
             if drafts:
                 self.pending[r.req_id] = (len(r.token_ids), drafts)
             out.append(Proposal(drafts))

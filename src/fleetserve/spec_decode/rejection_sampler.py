@@ -90,26 +90,32 @@ class RejectionSampler:
         self.generator = generator  # shared with the plain sampler for unseeded requests
 
     def __call__(
-        self, logits: torch.Tensor, requests: list[DraftedRow]
+        self,
+        logits: torch.Tensor,
+        requests: list[DraftedRow],
+        argmax: torch.Tensor | None = None,
     ) -> tuple[list[list[int]], list[list[dict[int, float]]] | None]:
-        """logits: [sum(k_i + 1), vocab], each request's k_i + 1 rows back to back.
-        Returns per request the accepted drafts plus one token of the target's, and their
-        logprobs when asked for (of the raw target distribution, like the sampler's)."""
+        """logits: [sum(k_i + 1), vocab], each request's k_i + 1 rows back to back;
+        argmax: those rows' argmax (the first maximum, as numpy's) when the C step's LM
+        head found it (None: found here). Returns per request the accepted drafts plus one
+        token of the target's, and their logprobs when asked for (of the raw target
+        distribution, like the sampler's)."""
         want_lp = any(r.row.params.logprobs is not None for r in requests)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
         probs = None
         prob_row: dict[int, int] = {}
         if all(_plain_greedy(r.row) for r in requests):
             # The common case (greedy, no penalties, min_tokens reached): the raw logits'
-            # argmax decides; no per-row SamplingRow to build.
-            argmax = _argmax_rows(logits)
+            # argmax decides; no per-row SamplingRow to build (nor a scan of the logits
+            # when the C step's head found each row's argmax: ~0.14 ms for 8 x 49k).
+            best = _argmax_rows(logits) if argmax is None else argmax.tolist()
         else:
             rows = _rows_with_drafts(requests)
             if any(r.params.needs_penalties for r in rows):
                 logits = apply_penalties(logits.clone(), rows)
             if any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
                 logits = apply_min_tokens(logits.clone(), rows)
-            argmax = _argmax_rows(logits)
+            best = _argmax_rows(logits)
             random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
             if random_idx:
                 kept = filter_logits(logits[random_idx], [rows[i] for i in random_idx])
@@ -122,7 +128,7 @@ class RejectionSampler:
         for r in requests:
             k = len(r.draft_token_ids)
             if r.row.params.greedy:
-                tokens = self._verify_greedy(r.draft_token_ids, argmax[first : first + k + 1])
+                tokens = self._verify_greedy(r.draft_token_ids, best[first : first + k + 1])
             else:
                 assert probs is not None
                 p = probs[prob_row[first] : prob_row[first] + k + 1]

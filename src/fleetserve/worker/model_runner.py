@@ -267,7 +267,7 @@ class ModelRunner:
         if last_stage:
             meta.logit_rows = picks.rows  # the C step's LM head computes these
             # and their argmax (greedy rows' tokens), unless all go to the verifier
-            meta.want_head_argmax = self.head_argmax and bool(picks.plain)
+            meta.want_head_argmax = self.head_argmax and bool(picks.plain or picks.verify)
         with set_forward_context(meta), set_lora_rows(lora_groups):
             hidden = self.model(x, pos_t)
         self.forward_steps += 1
@@ -401,7 +401,8 @@ class ModelRunner:
             drafted = [
                 DraftedRow(s.sampling_row(), d, _draft_probs(s, len(d))) for _, s, d in verify
             ]
-            tokens_v, lps_v = self.rejection_sampler(logits[len(plain) :], drafted)
+            argmax_v = None if head_argmax is None else head_argmax[len(plain) :]
+            tokens_v, lps_v = self.rejection_sampler(logits[len(plain) :], drafted, argmax_v)
             for j, (_, s, _) in enumerate(verify):
                 sampled[s.req_id] = tokens_v[j]
                 if lps_v is not None:
@@ -416,7 +417,14 @@ class ModelRunner:
             s = self.requests[req_id]
             s.draft_probs = None
             if new:
-                asks.append(ProposalRequest(req_id, s.token_ids + new, s.block_ids, s.params))
+                stops = set(s.params.stop_token_ids or ())
+                if not s.params.ignore_eos:
+                    stops.update(s.eos_token_ids)
+                asks.append(
+                    ProposalRequest(
+                        req_id, s.token_ids + new, s.block_ids, s.params, frozenset(stops)
+                    )
+                )
         proposals: dict[str, Proposal] = {}
         if asks:
             for ask, prop in zip(asks, self.proposer.propose(asks), strict=True):
