@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
@@ -154,6 +155,15 @@ class AsyncEngine:
         self._out_sock = self._ctx.socket(zmq.PULL)
         self._out_sock.setsockopt(zmq.LINGER, 0)
         self._out_sock.bind(out_addr)
+        # An engine dropped without shutdown() (a test, a failed start) must not leave its
+        # context to the garbage collector: collected in one cycle with its sockets, the
+        # context's __del__ sees no live sockets to close (their weak references are
+        # already cleared) and term() then waits for them for ever, hanging whatever
+        # allocation triggered the collection. The finalizer holds the three strongly, so
+        # they are never cycle garbage, and closes the sockets before term().
+        self._zmq_close = weakref.finalize(
+            self, _close_zmq, self._ctx, self._in_sock, self._out_sock
+        )
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)  # type: ignore[arg-type]
         spec = EngineSpec(
@@ -224,9 +234,7 @@ class AsyncEngine:
                 except subprocess.TimeoutExpired:
                     continue
         if self._ctx is not None:
-            self._in_sock.close(0)
-            self._out_sock.close(0)
-            self._ctx.term()
+            self._zmq_close()
             self._ctx = None
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
@@ -441,3 +449,9 @@ async def _process_exit(proc: subprocess.Popen[bytes]) -> None:
             os.close(fd)
     while proc.poll() is None:  # reaps it; after the pidfd said so, returns at once
         await asyncio.sleep(0.05)
+
+
+def _close_zmq(ctx: zmq.asyncio.Context, *socks: zmq.asyncio.Socket) -> None:
+    for sock in socks:
+        sock.close(0)
+    ctx.term()
