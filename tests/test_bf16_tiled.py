@@ -1,7 +1,8 @@
 """bf16 weights laid out once as AMX B tiles (kernels/bf16.py `tile_bf16`,
 kernels/gemm_bf16_tiled.c): the same outputs, bit for bit, as gemm_bf16.c over the [n, k]
 rows at every row count, with and without AMX, so tokens and logprobs do not move with
-the layout; `Linear.to_bf16` keeps only the tiles."""
+the layout; a row's outputs do not depend on its call's other rows; `Linear.to_bf16`
+keeps one layout, the one this CPU multiplies fastest."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ import pytest
 import torch
 
 from fleetserve.kernels import cpu as cpu_kernels
-from fleetserve.kernels.bf16 import TiledBf16, gemm_bf16, tile_bf16
+from fleetserve.kernels.bf16 import TiledBf16, gemm_bf16, tile_bf16, tiles_pay
 from fleetserve.layers.linear import Linear
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 
-# Decode-sized rows (one chain per four-row group, two chains for the rest), AMX rows
-# (one 16-row block, pairs, partial blocks, several L2 chunks), odd n-block counts.
+# Decode-sized rows (pairs of rows over the tiles), wider calls (untiled n-blocks, 4 rows
+# x 4 outputs, ragged last group), AMX rows (one 16-row block, pairs, partial blocks,
+# several L2 chunks), odd n-block counts.
 SHAPES = [
     (1, 64, 64), (2, 48, 96), (3, 16, 128), (4, 32, 64), (5, 80, 160), (7, 96, 768),
     (8, 64, 2048), (9, 16, 64), (16, 32, 96), (17, 48, 256), (24, 96, 768), (33, 80, 320),
@@ -49,6 +51,57 @@ def _compare(shapes: list[tuple[int, int, int]]) -> list[str]:
                 if not torch.equal(want, got):
                     bad.append(f"{m}x{n}x{k} threads={threads} bias={b is not None}")
     return bad
+
+
+def _alone() -> list[str]:
+    """Rows whose outputs move when the call has other rows: each row of a 37-row call
+    against the same row alone, and the first m rows against a call of m (decode-sized
+    calls over the tiles as they are, wider ones untiled 4 rows x 4 outputs at a time)."""
+    bad = []
+    for n, k in ((48, 768), (32, 2048), (16, 96)):
+        x, w, bias = _pair(37, n, k)
+        for weight in (w, tile_bf16(w)):
+            kind = type(weight).__name__
+            for threads in (1, 2):
+                full = gemm_bf16(x, weight, threads, bias)
+                for m in (1, 2, 3, 4, 5, 8, 15, 16, 17, 20, 36):
+                    if not torch.equal(gemm_bf16(x[:m], weight, threads, bias), full[:m]):
+                        bad.append(f"{kind} {m} of 37 rows {n}x{k} threads={threads}")
+                for r in (0, 5, 36):
+                    if not torch.equal(
+                        gemm_bf16(x[r : r + 1], weight, threads, bias), full[r : r + 1]
+                    ):
+                        bad.append(f"{kind} row {r} alone {n}x{k} threads={threads}")
+    return bad
+
+
+def test_a_rows_sums_do_not_depend_on_the_other_rows() -> None:
+    """Speculative verification rows against plain decoding, a request alone or in a
+    batch: the same bits at every row count, with AMX or `vdpbf16ps` (FLEETSERVE_AMX=0,
+    read once per process: a subprocess)."""
+    assert _alone() == []
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import test_bf16_tiled as t;"
+        "bad = t._alone(); print(bad); sys.exit(1 if bad else 0)"
+    )
+    env = {**os.environ, "FLEETSERVE_AMX": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, os.path.dirname(__file__)],
+        env=env, timeout=300, capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_blocks_give_the_single_row_dots_bits() -> None:
+    """Weight rows past the last whole 16 go through dot_row (one row, one weight row),
+    the others through the `vdpbf16ps` blocks (4 x 4, 2 x 8, 1 x 16): a weight row
+    copied into the tail gives the same bits both ways, at every row count."""
+    for k in (64, 768):
+        x, w, bias = _pair(37, 17, k)
+        w[16], bias[16] = w[5], bias[5]
+        for m in (1, 2, 3, 4, 5, 7, 16, 37):
+            out = gemm_bf16(x[:m], w.contiguous(), 2, bias)
+            assert torch.equal(out[:, 16], out[:, 5]), (k, m)
 
 
 def test_layout_round_trip_and_shapes_that_do_not_tile() -> None:
@@ -99,12 +152,15 @@ def test_strided_x_bias_and_bad_input() -> None:
     assert gemm_bf16(torch.randn(0, 128), t).shape == (0, 32)
 
 
-def test_linear_keeps_only_the_tiles() -> None:
+def test_linear_keeps_one_layout_the_cpus_fastest() -> None:
+    """Tiles where AMX multiplies them, else [n, k] rows (the `vdpbf16ps` blocks would
+    untile each n-block first); one copy either way."""
     lin = Linear(64, 48, bias=True)
     x = torch.randn(5, 64)
     want = gemm_bf16(x, lin.weight.detach().bfloat16().contiguous(), bias=lin.bias.detach())
     lin.to_bf16()
-    assert isinstance(lin.bf16, TiledBf16) and lin.weight.numel() == 0
+    assert isinstance(lin.bf16, TiledBf16 if tiles_pay() else torch.Tensor)
+    assert lin.weight.numel() == 0 and lin.bf16.numel() == 48 * 64
     assert torch.equal(lin(x), want)
     odd = Linear(40, 24, bias=False)  # 40 inputs: not a multiple of 32, rows kept
     odd.to_bf16()

@@ -6,9 +6,12 @@ first call). `Linear.to_bf16`
 (layers/linear.py) multiplies through it, and the C step runs the same share for its
 bf16 weights (decode_step.c's W_BF16), so the two agree bit for bit at every row count.
 
-Weights whose shape tiles (out % 16 == 0, in % 32 == 0) are laid out once at load as AMX
-B tiles (`tile_bf16`, kernels/gemm_bf16_tiled.c) and only kept so: the same sums in the
-same order as the [n, k] rows, read as contiguous 1 KiB tiles."""
+Where AMX multiplies them, weights whose shape tiles (out % 16 == 0, in % 32 == 0) are
+laid out once at load as AMX B tiles (`tile_bf16`, kernels/gemm_bf16_tiled.c) and only
+kept so: the same sums in the same order as the [n, k] rows, read as contiguous 1 KiB
+tiles. Without AMX (Zen 4, or FLEETSERVE_AMX=0) they stay [n, k] rows (`layout_bf16`):
+both kernels then run the same `vdpbf16ps` blocks (kernels/bf16_block.h), which take 16
+rows as they are but would untile each n-block of tiles first."""
 
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ def _fn() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     lib.bf16_native.restype = ctypes.c_int
     lib.gemm_bf16_tiled.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i32]
     lib.gemm_bf16_tiled.restype = ctypes.c_int
+    lib.bf16_tiles_pay.argtypes = []
+    lib.bf16_tiles_pay.restype = ctypes.c_int
     return lib.gemm_bf16
 
 
@@ -93,6 +98,25 @@ def tile_bf16(weight: torch.Tensor) -> Bf16Weight:
     tiles = empty_huge(n * k, dtype=torch.bfloat16)
     tiles.view(t.shape).copy_(t)
     return TiledBf16(tiles, n, k)
+
+
+@cache
+def tiles_pay() -> bool:
+    """Whether AMX multiplies tiles here (the CPU has AMX-BF16, Linux grants it and
+    FLEETSERVE_AMX is not 0): then `layout_bf16` tiles."""
+    _fn()
+    return bool(cpu._lib().bf16_tiles_pay())
+
+
+def layout_bf16(weight: torch.Tensor) -> Bf16Weight:
+    """``weight`` [n, k] rounded to bf16 in the layout this CPU multiplies fastest: AMX B
+    tiles where AMX runs them and the shape tiles, else contiguous [n, k] rows (on huge
+    pages either way). The sums are the same bits in both (tests/test_bf16_tiled.py)."""
+    if tiles_pay():
+        return tile_bf16(weight)
+    if weight.dim() != 2:
+        raise ValueError("weight must be 2-D")
+    return empty_huge(*weight.shape, dtype=torch.bfloat16).copy_(weight.detach())
 
 
 def native() -> bool:

@@ -4,10 +4,12 @@
  * rounded to bf16 (nearest-even) once per row, as a bf16 GEMM would; the weights are
  * stored bf16 (uint16 bit patterns), so a row of W costs half the bytes of float32, which
  * is what a memory-bound decode step pays for. Compiled for the build's target: with
- * AVX512-BF16 the dot products run `vdpbf16ps` (32 products per instruction), without it
- * a portable loop that gives the same sums up to float32 summation order. At any row count,
- * where the CPU has AMX-BF16 (and FLEETSERVE_AMX is not 0), tiles of 16 x 16 outputs
- * (`tdpbf16ps`, see amx_share): ~1 TFLOP/s on two cores against ~0.1 for float32.
+ * AVX512-BF16 the dot products run `vdpbf16ps` (32 products per instruction; where k % 32
+ * == 0 in bf16_block.h's blocks of 4 rows x 4 outputs: ~0.16-0.2 TFLOP/s on one Zen 4
+ * core against a 0.23 peak), without it a portable loop that gives the same sums up to
+ * float32 summation order. At any row count, where the CPU has AMX-BF16 (and
+ * FLEETSERVE_AMX is not 0), tiles of 16 x 16 outputs (`tdpbf16ps`, see amx_share): ~1
+ * TFLOP/s on two Xeon cores against ~0.1 for float32.
  */
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -21,6 +23,7 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
+#include "bf16_block.h"
 #define BF16_NATIVE 1
 #else
 #define BF16_NATIVE 0
@@ -36,30 +39,26 @@ int bf16_native(void) { return BF16_NATIVE; }
 
 /* Every row count multiplies through AMX tiles where the CPU has them: a partial tile
  * still streams the weights at the read rate (4096 x 768 tiled weights, one core: 1-8
- * rows 0.46-0.47 ms a call through tiles, against 0.48-0.97 ms through the `vdpbf16ps`
- * rows below, which read each weight row once for 4 rows of x and run out of FMA
- * throughput past 1-2 rows). One path for every row count also makes a row's sums the
- * same whatever else is in its step (speculative verification rows against plain
- * decoding; a request alone or in a batch). `vdpbf16ps` serves CPUs without AMX and
- * FLEETSERVE_AMX=0. */
+ * rows 0.46-0.47 ms a call through tiles, against 0.48-0.97 ms through dot_rows4, the
+ * `vdpbf16ps` loop of the time, on a Xeon). One path for every row count also makes a
+ * row's sums the same whatever else is in its step (speculative verification rows against
+ * plain decoding; a request alone or in a batch); so do the `vdpbf16ps` blocks
+ * (bf16_block.h) that serve CPUs without AMX and FLEETSERVE_AMX=0. */
 #define AMX_MIN_ROWS 1
 
 
+/* One row against one weight row: lane p adds pair p of every 32-input chunk in turn (one
+ * chain, as dot_rows4's rows: a row's sums do not depend on how many rows its call has),
+ * then _mm512_reduce_add_ps's tree. */
 static float dot_row(const uint16_t *xb, const uint16_t *w, int64_t k) {
     int64_t i = 0;
     float acc = 0.0f;
 #if BF16_NATIVE
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    for (; i + 64 <= k; i += 64) {
-        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(xb + i),
-                              (__m512bh)_mm512_loadu_si512(w + i));
-        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(xb + i + 32),
-                              (__m512bh)_mm512_loadu_si512(w + i + 32));
-    }
+    __m512 a0 = _mm512_setzero_ps();
     for (; i + 32 <= k; i += 32)
         a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(xb + i),
                               (__m512bh)_mm512_loadu_si512(w + i));
-    acc = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    acc = _mm512_reduce_add_ps(a0);
 #endif
     for (; i < k; i++) acc += from_bf16(xb[i]) * from_bf16(w[i]);
     return acc;
@@ -99,6 +98,68 @@ static uint16_t *thread_scratch(size_t need) {
     }
     return buf;
 }
+
+#if BF16_NATIVE
+/* One copy of x per team (packed for AMX, or rounded rows for the blocks): the thread
+ * that takes the `single` grows its own. */
+static uint16_t *team_pack(size_t need) {
+    static _Thread_local uint16_t *buf = NULL;
+    static _Thread_local size_t cap = 0;
+    if (need > cap) {
+        uint16_t *grown = aligned_alloc(64, (need * sizeof(uint16_t) + 63) / 64 * 64);
+        if (!grown) return NULL;
+        free(buf);
+        buf = grown, cap = need;
+    }
+    return buf;
+}
+
+/* This thread's share without AMX where k % 32 == 0 (see bf16_share): x rounded to bf16
+ * once by the team (rows ldb apart, padded with zero rows to a multiple of 4), then work
+ * items (chunk of rows, 16 weight rows) through bf16_block.h, the n % 16 weight rows
+ * left over through dot_row: the same sums as every other path here. */
+static int blocks_share(const float *x, int64_t ldx, const uint16_t *w, const float *bias,
+                        float *out, int64_t ldo, int64_t m, int64_t n, int64_t k,
+                        int abort_on_oom) {
+    const int64_t ldb = k + 32, mp = (m + 3) / 4 * 4, kc = k / 32, nb16 = n / 16;
+    uint16_t *xb = NULL;
+#pragma omp single copyprivate(xb)
+    xb = team_pack((size_t)(mp * ldb));
+    if (!xb) {
+        if (abort_on_oom) {
+            fprintf(stderr, "fleetserve: gemm_bf16: cannot allocate the bf16 rows of x\n");
+            abort();
+        }
+        return -1; /* every thread sees the same NULL: none waits at a barrier below */
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < mp; r++) {
+        uint16_t *dst = xb + r * ldb;
+        if (r >= m) {
+            memset(dst, 0, (size_t)k * sizeof(uint16_t));
+            continue;
+        }
+        for (int64_t i = 0; i < k; i += 32)
+            _mm512_storeu_si512(dst + i,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + r * ldx + i + 16),
+                                                             _mm512_loadu_ps(x + r * ldx + i)));
+    }
+    const int64_t rows = bf16_rows_chunk(k), nchunks = (m + rows - 1) / rows;
+#pragma omp for schedule(static)
+    for (int64_t q = 0; q < nchunks * nb16; q++) {
+        const int64_t b = q % nb16, r0 = q / nb16 * rows;
+        const uint16_t *wb = w + b * 16 * k;
+        bf16_nblock(xb, ldb, r0, r0 + rows < m ? r0 + rows : m, kc, wb, k,
+                    b + 1 < nb16 ? wb + 16 * k : NULL, bias, out, ldo, b * 16);
+    }
+    if (n % 16 == 0) return 0; /* no tail rows: no loop, no barrier (the same for all) */
+#pragma omp for schedule(static)
+    for (int64_t j = nb16 * 16; j < n; j++)
+        for (int64_t r = 0; r < m; r++)
+            out[r * ldo + j] = dot_row(xb + r * ldb, w + j * k, k) + (bias ? bias[j] : 0.0f);
+    return 0;
+}
+#endif
 
 #if BF16_AMX
 /* AMX-BF16 for many rows. Roles swapped against the usual C = X W^T so the weights need
@@ -228,19 +289,6 @@ static float packed_dot(const uint16_t *xp, int64_t kc, int64_t row, const uint1
     return acc;
 }
 
-/* One packed copy of x per team: the thread that takes the `single` grows its own. */
-static uint16_t *team_pack(size_t need) {
-    static _Thread_local uint16_t *buf = NULL;
-    static _Thread_local size_t cap = 0;
-    if (need > cap) {
-        uint16_t *grown = aligned_alloc(64, (need * sizeof(uint16_t) + 63) / 64 * 64);
-        if (!grown) return NULL;
-        free(buf);
-        buf = grown, cap = need;
-    }
-    return buf;
-}
-
 /* 16-row blocks of x per chunk of rows: a chunk's packed rows (k * 2 bytes each) are
  * read again for every pair of weight blocks, so they must stay in the core's L2 beside
  * the weights streaming past, the parked C tiles and the outputs: one pass over 1024
@@ -314,6 +362,9 @@ static int bf16_share(const float *x, int64_t ldx, const uint16_t *w, const floa
     if (m >= AMX_MIN_ROWS && k % 32 == 0 && n >= 16 && amx_permitted())
         return amx_share(x, ldx, w, bias, out, ldo, m, n, k, abort_on_oom);
 #endif
+#if BF16_NATIVE
+    if (k % 32 == 0) return blocks_share(x, ldx, w, bias, out, ldo, m, n, k, abort_on_oom);
+#endif
     uint16_t *xb = thread_scratch((size_t)(m * k));
     int rc = 0;
     if (xb) {
@@ -359,4 +410,27 @@ int gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, const float *bias,
 #pragma omp parallel num_threads(threads) reduction(min : rc)
     rc = bf16_share(x, ldx, w, bias, out, ldo, m, n, k, 0);
     return rc;
+}
+
+/* The core's own `vdpbf16ps` rate, for bench/bf16_tiles.py's peak line: iters x 16
+ * instructions (64 FLOP each) in 16 independent chains, operands in registers, so
+ * nothing but the FMA pipes limits it. Returns a sum of the chains so the loop is kept.
+ * Without AVX512-BF16: returns 0 at once (no peak to state). */
+float bf16_dot_peak(int64_t iters) {
+#if BF16_NATIVE
+    __m512 a[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_set1_ps((float)i);
+    __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80), w = (__m512bh)_mm512_set1_epi16(0x2000);
+    for (int64_t it = 0; it < iters; it++) {
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) a[i] = _mm512_dpbf16_ps(a[i], x, w);
+        __asm__ volatile("" : "+v"(x)); /* x may change: the loop is not folded */
+    }
+    __m512 s = a[0];
+    for (int i = 1; i < 16; i++) s = _mm512_add_ps(s, a[i]);
+    return _mm512_reduce_add_ps(s);
+#else
+    (void)iters;
+    return 0.0f;
+#endif
 }

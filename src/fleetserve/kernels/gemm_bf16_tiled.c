@@ -1,5 +1,6 @@
-/* bf16 weights laid out once at load as AMX B tiles (issue 25): the same products as
- * gemm_bf16.c, which keeps serving [n, k] rows that do not tile (n % 16 or k % 32).
+/* bf16 weights laid out once at load as AMX B tiles (issue 25), where AMX runs them: the
+ * same products as gemm_bf16.c, which serves [n, k] rows (shapes that do not tile, n % 16
+ * or k % 32, and every weight on CPUs without AMX: kernels/bf16.py `layout_bf16`).
  *
  * Layout (kernels/bf16.py `tile_bf16`): for n-block b (weight rows 16b .. 16b + 15) and
  * input chunk c (inputs 32c .. 32c + 31), one 1 KiB tile at (b * k / 32 + c) * 512 bf16
@@ -11,9 +12,9 @@
  *
  * Every output's float32 sum runs in the order gemm_bf16.c's own paths give it: AMX sums
  * each 32-input chunk in turn (the products are exact, the roles of A and B swapped);
- * without AMX, `vdpbf16ps` lanes are the tile's pairs (lane p of output j adds pair p of
- * every chunk, as dot_rows4 / dot_row do), reduced across lanes in _mm512_reduce_add_ps's
- * tree. So tokens and logprobs do not change with the layout (tests/test_bf16_tiled.py). */
+ * without AMX (FLEETSERVE_AMX=0) each n-block is untiled in registers into 16 rows and
+ * multiplied by bf16_block.h's `vdpbf16ps` blocks, as gemm_bf16.c's rows are. So tokens
+ * and logprobs do not change with the layout (tests/test_bf16_tiled.py). */
 #define _GNU_SOURCE
 #include <stdint.h>
 #include <stdio.h>
@@ -26,6 +27,7 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
+#include "bf16_block.h"
 #define TILED_NATIVE 1
 #else
 #define TILED_NATIVE 0
@@ -58,93 +60,66 @@ static uint16_t *team_rows(size_t values, size_t extra_floats) {
 }
 
 #if TILED_NATIVE
-/* The four 128-bit steps of _mm512_reduce_add_ps (GCC's tree: lane i + lane i + 8, then
- * + 4, then + 2, then + 1), across 16 vectors of lanes at once: out[j] is the reduction of
- * the lanes v[0..15][j]. The empty asm keeps -ffast-math from re-associating the tree. */
-static inline __m512 reduce_lanes(__m512 v[16]) {
-    for (int i = 0; i < 8; i++) {
-        v[i] = _mm512_add_ps(v[i + 8], v[i]);
-        __asm__("" : "+v"(v[i]));
-    }
-    for (int i = 0; i < 4; i++) {
-        v[i] = _mm512_add_ps(v[i + 4], v[i]);
-        __asm__("" : "+v"(v[i]));
-    }
-    __m512 a = _mm512_add_ps(v[0], v[2]), b = _mm512_add_ps(v[1], v[3]);
-    __asm__("" : "+v"(a), "+v"(b));
-    return _mm512_add_ps(a, b);
-}
-
-/* Lanes h * 8 .. h * 8 + 7 (pairs h * 8 .. h * 8 + 7 of each chunk) against an n-block's
- * tiles, two chains of 8 vectors. Not split: rows x0 and x1 (may be the same), each over
- * every chunk (dot_rows4's one chain per row), one load of each tile row for both. Split:
- * row x0's even chunks in `a`, its odd ones in `b` (dot_row's two chains). next: the next
- * n-block's tiles, asked into L2 a tile a chunk (NULL: none), so the weights stream ahead
- * of the passes over this block. */
-static inline void lanes8x2(const uint16_t *x0, const uint16_t *x1, const uint16_t *tiles,
-                            int64_t kc, int h, int split, const uint16_t *next, __m512 *a,
-                            __m512 *b) {
-    for (int l = 0; l < 8; l++) a[l] = b[l] = _mm512_setzero_ps();
-    const uint32_t *p0 = (const uint32_t *)x0 + h * 8, *p1 = (const uint32_t *)x1 + h * 8;
-    const uint16_t *t = tiles + h * 8 * 32;
-    if (!split) {
-        for (int64_t c = 0; c < kc; c++) {
-            if (next)
-                for (int q = 0; q < TILE; q += 32)
-                    _mm_prefetch((const char *)(next + c * TILE + q), _MM_HINT_T1);
-#pragma GCC unroll 8
-            for (int l = 0; l < 8; l++) {
-                const __m512bh w = (__m512bh)_mm512_loadu_si512(t + c * TILE + l * 32);
-                a[l] = _mm512_dpbf16_ps(a[l], (__m512bh)_mm512_set1_epi32((int)p0[c * 16 + l]), w);
-                b[l] = _mm512_dpbf16_ps(b[l], (__m512bh)_mm512_set1_epi32((int)p1[c * 16 + l]), w);
-            }
-        }
-        return;
-    }
+/* An n-block's tiles as 16 rows of k bf16 (row j: output j's inputs in order, ld apart):
+ * each 16 x 16 tile of 32-bit pairs transposed in registers, for bf16_block.h's blocks,
+ * whose operands are 32 inputs of one output. ~64 cycles a tile on Zen 4: at a few rows
+ * that is most of the call, hence rows, not tiles, where AMX is not used. */
+static void untile_nblock(const uint16_t *tiles, int64_t kc, uint16_t *dst, int64_t ld) {
     for (int64_t c = 0; c < kc; c++) {
-        if (next)
-            for (int q = 0; q < TILE; q += 32)
-                _mm_prefetch((const char *)(next + c * TILE + q), _MM_HINT_T1);
-        __m512 *acc = c % 2 ? b : a;
-#pragma GCC unroll 8
-        for (int l = 0; l < 8; l++)
-            acc[l] = _mm512_dpbf16_ps(acc[l], (__m512bh)_mm512_set1_epi32((int)p0[c * 16 + l]),
-                                      (__m512bh)_mm512_loadu_si512(t + c * TILE + l * 32));
+        const uint16_t *t = tiles + c * TILE;
+        __m512i r[16], u[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(t + i * 32);
+        for (int i = 0; i < 16; i += 2) {
+            u[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+            u[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+        }
+        /* r[4g + e], 128-bit lane L: column 4L + e of tile rows 4g .. 4g + 3 */
+        for (int i = 0; i < 16; i += 4) {
+            r[i] = _mm512_unpacklo_epi64(u[i], u[i + 2]);
+            r[i + 1] = _mm512_unpackhi_epi64(u[i], u[i + 2]);
+            r[i + 2] = _mm512_unpacklo_epi64(u[i + 1], u[i + 3]);
+            r[i + 3] = _mm512_unpackhi_epi64(u[i + 1], u[i + 3]);
+        }
+        for (int e = 0; e < 4; e++) { /* 4 x 4 transposition of the 128-bit lanes */
+            const __m512i v0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44);
+            const __m512i v1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE);
+            const __m512i v2 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44);
+            const __m512i v3 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xEE);
+            uint16_t *o = dst + c * 32;
+            _mm512_storeu_si512(o + (0 + e) * ld, _mm512_shuffle_i32x4(v0, v2, 0x88));
+            _mm512_storeu_si512(o + (4 + e) * ld, _mm512_shuffle_i32x4(v0, v2, 0xDD));
+            _mm512_storeu_si512(o + (8 + e) * ld, _mm512_shuffle_i32x4(v1, v3, 0x88));
+            _mm512_storeu_si512(o + (12 + e) * ld, _mm512_shuffle_i32x4(v1, v3, 0xDD));
+        }
     }
 }
 
-/* 16 outputs of rows x0 and x1 (split: of x0 alone, into o0; see lanes8x2), plus bias. */
-static void rows_pair(const uint16_t *x0, const uint16_t *x1, const uint16_t *tiles,
-                      int64_t kc, int split, const uint16_t *next, __m512 bias, float *o0,
-                      float *o1) {
-    __m512 v0[16], v1[16];
-    for (int h = 0; h < 2; h++) {
-        lanes8x2(x0, x1, tiles, kc, h, split, h ? NULL : next, v0 + h * 8, v1 + h * 8);
-        if (split)
-            for (int l = 0; l < 8; l++) v0[h * 8 + l] = _mm512_add_ps(v0[h * 8 + l], v1[h * 8 + l]);
+/* A thread's scratch for an untiled n-block (16 rows of ld values), kept across calls. */
+static uint16_t *nblock_scratch(size_t values) {
+    static _Thread_local uint16_t *buf = NULL;
+    static _Thread_local size_t cap = 0;
+    if (values > cap) {
+        uint16_t *grown = aligned_alloc(64, (values * sizeof(uint16_t) + 63) / 64 * 64);
+        if (!grown) return NULL;
+        free(buf);
+        buf = grown, cap = values;
     }
-    _mm512_storeu_ps(o0, _mm512_add_ps(reduce_lanes(v0), bias));
-    if (!split && o1) _mm512_storeu_ps(o1, _mm512_add_ps(reduce_lanes(v1), bias));
+    return buf;
 }
 #endif
 
-/* Outputs 16b .. 16b + 15 of every row, without AMX (xb's rows ldb values apart). */
-static void rows_nblock(const uint16_t *xb, int64_t ldb, int64_t m, int64_t k,
-                        const uint16_t *tiles,
-                        const uint16_t *next, const float *bias, float *out, int64_t ldo,
-                        int64_t j0) {
-    const int64_t kc = k / 32, full = m - m % 4;
+/* Outputs 16b .. 16b + 15 of rows r0 .. r1 - 1, without AMX (xb's rows ldb values
+ * apart, zero rows up to a multiple of 16; wr: this thread's nblock_scratch): the n-block
+ * untiled into wr, then bf16_block.h's 4 x 4 blocks over it. */
+static void rows_nblock(const uint16_t *xb, int64_t ldb, int64_t r0, int64_t r1, int64_t k,
+                        const uint16_t *tiles, const uint16_t *next, const float *bias,
+                        float *out, int64_t ldo, int64_t j0, uint16_t *wr) {
 #if TILED_NATIVE
-    const __m512 b = bias ? _mm512_loadu_ps(bias + j0) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < m; r += r < full ? 2 : 1) {
-        const int split = r >= full;
-        rows_pair(xb + r * ldb, xb + (r + !split) * ldb, tiles, kc, split, r ? NULL : next, b,
-                  out + r * ldo + j0, split ? NULL : out + (r + 1) * ldo + j0);
-    }
+    untile_nblock(tiles, k / 32, wr, k + 32);
+    bf16_nblock(xb, ldb, r0, r1, k / 32, wr, k + 32, next, bias, out, ldo, j0);
 #else
     (void)next;
-    (void)full;
-    for (int64_t r = 0; r < m; r++)
+    for (int64_t r = r0; r < r1; r++)
         for (int j = 0; j < 16; j++) {
             float acc = 0.0f;
             for (int64_t q = 0; q < k; q++)
@@ -152,6 +127,7 @@ static void rows_nblock(const uint16_t *xb, int64_t ldb, int64_t m, int64_t k,
                        from_bf16(tiles[(q / 32) * TILE + (q % 32) / 2 * 32 + j * 2 + q % 2]);
             out[r * ldo + j0 + j] = acc + (bias ? bias[j0 + j] : 0.0f);
         }
+    (void)wr;
 #endif
 }
 
@@ -306,13 +282,36 @@ static int tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const fl
         for (; i < k; i++) dst[i] = to_bf16(src[i]);
     }
     if (!use_amx) {
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < nblocks; b++) {
-            const uint16_t *tiles = wt + b * kc * TILE;
-            rows_nblock(xb, ldb, m, k, tiles, b + 1 < nblocks ? tiles + kc * TILE : NULL, bias, out,
-                        ldo, b * 16);
+        uint16_t *wr = NULL;
+        int rc = 0;
+#if TILED_NATIVE
+        if (!(wr = nblock_scratch((size_t)(16 * (k + 32))))) {
+            if (abort_on_oom) {
+                fprintf(stderr, "fleetserve: gemm_bf16 (tiled): cannot allocate an n-block\n");
+                abort();
+            }
+            rc = -1; /* this thread's share is left undone; it still meets the barrier */
         }
-        return 0;
+#endif
+        /* Work items (chunk of rows, n-block), chunk-major: a chunk's bf16 rows stay in
+         * L2 while the n-blocks pass (a static split gives both threads each chunk's
+         * half of the n-blocks). */
+#if TILED_NATIVE
+        const int64_t rows = bf16_rows_chunk(k);
+#else
+        const int64_t rows = m;
+#endif
+        const int64_t nrchunks = (m + rows - 1) / rows;
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < nrchunks * nblocks; q++) {
+            const int64_t b = q % nblocks, r0 = q / nblocks * rows;
+            const uint16_t *tiles = wt + b * kc * TILE;
+            if (rc == 0)
+                rows_nblock(xb, ldb, r0, r0 + rows < m ? r0 + rows : m, k, tiles,
+                            b + 1 < nblocks ? tiles + kc * TILE : NULL, bias, out, ldo, b * 16,
+                            wr);
+        }
+        return rc;
     }
 #if TILED_AMX
     float *acc = (float *)(xb + acc_at) + (size_t)omp_get_thread_num() * acc_floats;
@@ -331,6 +330,11 @@ static int tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const fl
 #endif
     return 0;
 }
+
+/* Whether tiles are the faster layout here: only where AMX multiplies them (else the
+ * blocks untile each n-block first, which [n, k] rows spare: kernels/bf16.py's
+ * `layout_bf16` keeps rows then). */
+int bf16_tiles_pay(void) { return TILED_AMX && amx_permitted(); }
 
 /* The C step's share (decode_step.c's W_BF16_TILED). */
 int gemm_bf16_tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const float *bias,

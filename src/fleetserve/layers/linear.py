@@ -5,9 +5,9 @@ On the CPU kernel path (float32 on the CPU, C kernels built) the model runner ca
 panel layout (fleetserve/kernels/gemm.c) and the row-major copy is dropped, so packing
 costs no memory. With bf16 weights (`to_bf16`, the engine's `bf16_weights`) the weight is
 kept as [out, in] bfloat16 instead, half the bytes, and multiplied through
-kernels/gemm_bf16.c (activations rounded to bf16, float32 sums and outputs); a weight
-whose shape tiles is laid out as AMX B tiles instead (kernels/bf16.py `tile_bf16`, the
-only copy kept). Elsewhere (GPU, other dtypes, the torch backend) `Linear` is plain
+kernels/gemm_bf16.c (activations rounded to bf16, float32 sums and outputs); where AMX
+runs, a weight whose shape tiles is laid out as AMX B tiles instead (kernels/bf16.py
+`layout_bf16`, the only copy kept). Elsewhere (GPU, other dtypes, the torch backend) `Linear` is plain
 ``nn.Linear``.
 """
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleetserve.kernels import cpu as cpu_kernels
-from fleetserve.kernels.bf16 import Bf16Weight, gemm_bf16, tile_bf16
+from fleetserve.kernels.bf16 import Bf16Weight, gemm_bf16, layout_bf16
 
 
 class Linear(nn.Linear):
@@ -26,10 +26,11 @@ class Linear(nn.Linear):
     bf16: Bf16Weight | None = None
 
     def to_bf16(self) -> None:
-        """Keep the weight as bfloat16 (tiles where its shape tiles, else contiguous rows)
-        and multiply through gemm_bf16."""
+        """Keep the weight as bfloat16 in the layout this CPU multiplies fastest (AMX
+        tiles, or contiguous rows: kernels/bf16.py `layout_bf16`) and multiply through
+        gemm_bf16."""
         if self.bf16 is None and self.packed is None:
-            self.bf16 = tile_bf16(self.weight)
+            self.bf16 = layout_bf16(self.weight)
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
     def pack_for_cpu(self) -> None:
