@@ -278,10 +278,9 @@ int attend_tile_amx(const float *q, int64_t q_stride, const void *k_cache, const
         return 1;
     }
 #endif
-    for (int h = h0; h < h1; h++)
-        dp_head(q, q_stride, (const uint16_t *)k_cache, (const uint16_t *)v_cache, out, table,
-                q_start, ctx, r0, r1, h, num_heads, num_kv_heads, head_dim, block_size, scale,
-                window, softcap, buf, &l, t_lo, n_end, lk);
+    dp_item(q, q_stride, (const uint16_t *)k_cache, (const uint16_t *)v_cache, out, table,
+            q_start, ctx, r0, r1, h0, h1, num_heads, num_kv_heads, head_dim, block_size, scale,
+            window, softcap, buf, &l, t_lo, n_end, lk);
     return 1;
 #else
     (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)out, (void)table;

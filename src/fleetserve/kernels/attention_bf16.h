@@ -189,8 +189,11 @@ static inline __attribute__((always_inline)) void dp_values(const uint16_t *P, i
         if (i_ < (R)) CALL(i_, 1);                             \
     } while (0)
 
-/* One kv head h's item on vdpbf16ps (arguments as attention_amx.c's amx_head). */
-static void dp_head(const float *q, int64_t q_stride, const uint16_t *kc, const uint16_t *vc,
+/* One kv head h's item on vdpbf16ps (arguments as attention_amx.c's amx_head). Inlined
+ * with hd a constant for common head sizes (dp_item): the query rows' broadcasts then
+ * take fixed offsets from one pointer (with hd a variable GCC kept a pointer per row and
+ * ran out of registers). */
+static inline __attribute__((always_inline)) void dp_head(const float *q, int64_t q_stride, const uint16_t *kc, const uint16_t *vc,
                     float *out, const int64_t *table, int64_t q_start, int64_t ctx, int64_t r0,
                     int64_t r1, int h, int num_heads, int num_kv_heads, int hd, int bs,
                     float scale, int window, float softcap, char *buf, const layout *l,
@@ -282,6 +285,24 @@ static void dp_head(const float *q, int64_t q_stride, const uint16_t *kc, const 
 #undef VALUES
         }
     }
+}
+
+/* Kv heads [h0, h1) of one item on vdpbf16ps. */
+static void dp_item(const float *q, int64_t q_stride, const uint16_t *kc, const uint16_t *vc,
+                    float *out, const int64_t *table, int64_t q_start, int64_t ctx, int64_t r0,
+                    int64_t r1, int h0, int h1, int num_heads, int num_kv_heads, int hd, int bs,
+                    float scale, int window, float softcap, char *buf, const layout *l,
+                    int64_t t_lo, int64_t n_end, int64_t lk) {
+#define HEAD(HD)                                                                          \
+    for (int h = h0; h < h1; h++)                                                         \
+        dp_head(q, q_stride, kc, vc, out, table, q_start, ctx, r0, r1, h, num_heads,      \
+                num_kv_heads, HD, bs, scale, window, softcap, buf, l, t_lo, n_end, lk)
+    switch (hd) {
+        case 64: HEAD(64); break;
+        case 128: HEAD(128); break;
+        default: HEAD(hd);
+    }
+#undef HEAD
 }
 
 #endif
