@@ -102,9 +102,13 @@ def run_case(
 
 
 # (query rows, cached context): prefill chunks from scratch and after cached prefixes,
-# rows not a multiple of 16 (tails of 5 and 1 rows), contexts not a multiple of a block,
-# a decode row and items of 2 and 3 rows among them.
-SHAPES = [(16, 0), (37, 0), (5, 11), (1, 40), (50, 77), (3, 300), (2, 9), (33, 16)]
+# rows not a multiple of 16 (tails of 5, 15, 10 and 1 rows: the vdpbf16ps kernel's row
+# blocks of 16, 8, 4, 2 and 1 each taken), contexts not a multiple of a block, a decode
+# row and items of 2 and 3 rows among them.
+SHAPES = [
+    (16, 0), (37, 0), (5, 11), (1, 40), (50, 77), (3, 300), (2, 9), (33, 16), (47, 20),
+    (26, 3),
+]  # fmt: skip
 
 
 # Items of fewer rows keep the FMA loop (attention_amx.c's AMX_ATTN_MIN_ROWS).
