@@ -148,16 +148,18 @@ static inline __attribute__((always_inline)) void dp_scores(const uint32_t *q, c
 /* NT 16-column blocks (from column tile c0) of O = P V for MB rows (P: rows lk bf16
  * apart, pairs swapped; vp: the item's paired V, pairs swapped), each divided by its
  * row's sum; written to o + i * o_stride. One accumulator per row and block, summed in
- * key order. */
+ * key order over the first n32 32-key chunks: P is exactly 0 past them for these rows,
+ * and the AMX kernel's further products add exact zeros (V there finite or zeroed), so
+ * stopping early leaves the same bits. */
 static inline __attribute__((always_inline)) void dp_values(const uint16_t *P, int64_t lk,
                                                             const uint16_t *vp, int nct, int c0,
-                                                            const float *sums, float *o,
-                                                            int64_t o_stride, const int MB,
-                                                            const int NT) {
+                                                            int64_t n32, const float *sums,
+                                                            float *o, int64_t o_stride,
+                                                            const int MB, const int NT) {
     __m512 a[4][4];
     for (int i = 0; i < MB; i++)
         for (int c = 0; c < NT; c++) a[i][c] = _mm512_setzero_ps();
-    for (int64_t c32 = 0; c32 < lk / 32; c32++) {
+    for (int64_t c32 = 0; c32 < n32; c32++) {
         const uint16_t *vt = vp + (c32 * nct + c0) * 512;
         for (int r = 0; r < 16; r++) {
             __m512bh v[4];
@@ -178,10 +180,10 @@ static inline __attribute__((always_inline)) void dp_values(const uint16_t *P, i
     }
 }
 
-/* Rows [0, R) of one head in blocks of 16, 8, 4, 2, 1 (each a constant). */
-#define ROW_BLOCKS(R, CALL)                                    \
+/* Rows [I0, R) of one head in blocks of 16, 8, 4, 2, 1 (each a constant). */
+#define ROW_BLOCKS(I0, R, CALL)                                \
     do {                                                       \
-        int i_ = 0;                                            \
+        int i_ = (I0);                                         \
         for (; i_ + 16 <= (R); i_ += 16) CALL(i_, 16);         \
         if (i_ + 8 <= (R)) CALL(i_, 8), i_ += 8;               \
         if (i_ + 4 <= (R)) CALL(i_, 4), i_ += 4;               \
@@ -229,11 +231,14 @@ static inline __attribute__((always_inline)) void dp_head(const float *q, int64_
             for (int pr = 0; pr < hd / 2; pr++)
                 pair16(kt + (int64_t)2 * pr * bs, kt + (int64_t)(2 * pr + 1) * bs, kp + pr * 32,
                        idx);
+        /* Rows before i0 see none of these keys (row i sees keys up to ctx + r0 + i):
+         * their scores here are never read. */
+        const int i0 = t0 - ctx - r0 > 0 ? (int)(t0 - ctx - r0) : 0;
         for (int g = 0; g < G; g++) {
             const uint32_t *qg = (const uint32_t *)(qb + (int64_t)g * 16 * hd);
             float *sg = S + (int64_t)g * 16 * lk + (t0 - t_lo);
 #define SCORES(i, MB) dp_scores(qg + (i) * hd / 2, kp, sg + (i) * lk, lk, hd, MB)
-            ROW_BLOCKS(R, SCORES);
+            ROW_BLOCKS(i0, R, SCORES);
 #undef SCORES
         }
     }
@@ -265,9 +270,10 @@ static inline __attribute__((always_inline)) void dp_head(const float *q, int64_
         const uint16_t *pg = P + (int64_t)g * 16 * lk;
         float *og = out + (q_start + r0) * row_stride + ((int64_t)h * G + g) * hd;
         for (int c0 = 0; c0 < nct; c0 += 4) {
-#define VALUES(i, MB, NT)                                                                   \
-    dp_values(pg + (i) * lk, lk, vp, nct, c0, sums + g * 16 + (i), og + (i) * row_stride + \
-              c0 * 16, row_stride, MB, NT)
+/* The block's last row sees keys up to ctx + r0 + i + MB - 1: its 32-key chunks. */
+#define VALUES(i, MB, NT)                                                                  \
+    dp_values(pg + (i) * lk, lk, vp, nct, c0, (ctx + r0 + (i) + (MB) - t_lo + 31) / 32,    \
+              sums + g * 16 + (i), og + (i) * row_stride + c0 * 16, row_stride, MB, NT)
 #define ROWS(NT)                                               \
     do {                                                       \
         int i = 0;                                             \
