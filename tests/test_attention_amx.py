@@ -1,6 +1,7 @@
-"""Prefill attention on AMX-BF16 tiles (kernels/attention_amx.c) against float64 attention.
+"""Prefill attention on bf16 tiles (kernels/attention_amx.c: AMX-BF16 tile products, or
+`vdpbf16ps` register blocks without AMX) against float64 attention.
 
-Query tiles of several rows over a bf16 cache run as tile products: q is rounded to bf16
+Query tiles of several rows over a bf16 cache run as bf16 products: q is rounded to bf16
 once per tile and the probabilities P are rounded to bf16 before P V, so the reference
 takes the same bf16 q and the tolerance is P's rounding (2^-9 relative per weight) summed
 over a row. Covered: query-head groups of 1-8 per kv head, head sizes 32-128, block sizes
@@ -27,10 +28,11 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compile
 
 @pytest.fixture
 def amx() -> Iterator[bool]:
-    """AMX on for the test (where the CPU has it), back to the environment's choice after."""
+    """bf16 tiles on for the test (AMX or vdpbf16ps, where the CPU has either): whether
+    they run; back to the environment's choice after."""
     cpu_kernels.set_attention_amx(True)
     try:
-        yield cpu_kernels.attention_amx_active()
+        yield cpu_kernels.attention_tiles() is not None
     finally:
         cpu_kernels.set_attention_amx(None)
 
@@ -100,9 +102,13 @@ def run_case(
 
 
 # (query rows, cached context): prefill chunks from scratch and after cached prefixes,
-# rows not a multiple of 16 (tails of 5 and 1 rows), contexts not a multiple of a block,
-# a decode row and items of 2 and 3 rows among them.
-SHAPES = [(16, 0), (37, 0), (5, 11), (1, 40), (50, 77), (3, 300), (2, 9), (33, 16)]
+# rows not a multiple of 16 (tails of 5, 15, 10 and 1 rows: the vdpbf16ps kernel's row
+# blocks of 16, 8, 4, 2 and 1 each taken), contexts not a multiple of a block, a decode
+# row and items of 2 and 3 rows among them.
+SHAPES = [
+    (16, 0), (37, 0), (5, 11), (1, 40), (50, 77), (3, 300), (2, 9), (33, 16), (47, 20),
+    (26, 3),
+]  # fmt: skip
 
 
 # Items of fewer rows keep the FMA loop (attention_amx.c's AMX_ATTN_MIN_ROWS).
@@ -160,12 +166,12 @@ def test_tiles_round_q_to_bf16(amx: bool) -> None:
     """The tile path is measurably the bf16-q one (so the tests above can tell the two
     paths apart), and the FMA loop, switched back, still keeps float32 q exactly."""
     if not amx:
-        pytest.skip("no AMX-BF16 here: the FMA loop runs either way")
+        pytest.skip("no AVX512-BF16 here: the FMA loop runs either way")
     results = run_case(12, 4, 64, 16, [(48, 20)], seed=3)
     out, want_bf16_q, want_f32_q = results[0]
     assert (out.double() - want_bf16_q).abs().max() < (out.double() - want_f32_q).abs().max()
     cpu_kernels.set_attention_amx(False)
-    assert not cpu_kernels.attention_amx_active()
+    assert not cpu_kernels.attention_amx_active() and cpu_kernels.attention_tiles() is None
     out, _, want_f32_q = run_case(12, 4, 64, 16, [(48, 20)], seed=3)[0]
     torch.testing.assert_close(out, want_f32_q.float(), atol=2e-5, rtol=1e-4)
 
@@ -200,7 +206,7 @@ def test_shapes_the_tiles_do_not_take_use_the_fma_loop(amx: bool) -> None:
 
 def test_bench_tool_runs(amx: bool, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
     if not amx:
-        pytest.skip("no AMX-BF16 here: the tool refuses to compare")
+        pytest.skip("no AVX512-BF16 here: the tool refuses to compare")
     from fleetserve.bench import attention_tiles
 
     monkeypatch.setattr(attention_tiles, "SHAPES", [(2, 20, 5)])
@@ -209,17 +215,24 @@ def test_bench_tool_runs(amx: bool, monkeypatch, capsys) -> None:  # type: ignor
     assert "(2, 20, 5)" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("env", ["FLEETSERVE_ATTENTION_AMX", "FLEETSERVE_AMX"])
-def test_environment_switches_the_tiles_off(amx: bool, env: str) -> None:
-    """Either variable at 0 keeps the FMA loop for the whole process (read at first use;
-    the library opened without torch, so the child starts in a moment)."""
+def test_environment_switches_the_tiles_off(amx: bool) -> None:
+    """FLEETSERVE_ATTENTION_AMX=0 keeps the FMA loop for the whole process, FLEETSERVE_AMX=0
+    only AMX (the vdpbf16ps blocks take over where AVX512-BF16 is there); read at first
+    use, the library opened without torch, so the child starts in a moment. Printed:
+    attention_amx_active, attention_tiles_kind (2 AMX, 1 vdpbf16ps, 0 none)."""
     code = (
         "from fleetserve.kernels import library\n"
         "lib = library.open_library()\n"
-        "print(lib.attention_amx_active())\n"
+        "print(lib.attention_amx_active(), lib.attention_tiles_kind())\n"
     )
     run = functools.partial(
         subprocess.run, [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
-    assert run(env={**os.environ, env: "0"}).stdout.strip() == "0"
-    assert run(env={**os.environ, env: "1"}).stdout.strip() == str(int(amx))
+    has_amx = cpu_kernels.attention_amx_active()
+    kind = {"amx": 2, "avx512_bf16": 1, None: 0}[cpu_kernels.attention_tiles()]
+    assert run(env={**os.environ, "FLEETSERVE_ATTENTION_AMX": "0"}).stdout.split() == ["0", "0"]
+    assert run(env={**os.environ, "FLEETSERVE_AMX": "0"}).stdout.split() == ["0", str(int(amx))]
+    assert run(env={**os.environ, "FLEETSERVE_ATTENTION_AMX": "1"}).stdout.split() == [
+        str(int(has_amx)),
+        str(kind),
+    ]

@@ -1,4 +1,4 @@
-"""Prefill attention: AMX-BF16 tiles against the FMA loop, kernel alone.
+"""Prefill attention: bf16 tiles (AMX-BF16 or vdpbf16ps) against the FMA loop, kernel alone.
 
 `python -m fleetserve.bench.attention_tiles [--threads T] [--calls N]` times
 `kernels.cpu.paged_attention` over a bf16 cache (random values, shuffled blocks, the bench
@@ -57,17 +57,18 @@ def main() -> None:
     if cpu.load() is None:
         raise SystemExit("no C kernels here")
     cpu.set_attention_amx(True)
-    if not cpu.attention_amx_active():
-        raise SystemExit("no AMX-BF16 tiles here (CPU, build, or FLEETSERVE_AMX=0)")
-    print("shape (seqs, rows, ctx)     FMA loop ms      AMX tiles ms   ratio")
+    kind = cpu.attention_tiles()
+    if kind is None:
+        raise SystemExit("no bf16 tiles here (no AVX512-BF16 in the CPU or the build)")
+    print(f"shape (seqs, rows, ctx)     FMA loop ms   {kind:>11} ms   ratio")
     for shape in SHAPES:
         f = _call(*shape)
         ms: dict[bool, list[float]] = {False: [], True: []}
         for mode in (False, True, False, True):
             cpu.set_attention_amx(mode)
             ms[mode].append(_best(f, a.calls, clock))
-        fma, amx = min(ms[False]), min(ms[True])
-        print(f"{shape!s:<26} {fma:8.2f} {amx:16.2f} {fma / amx:9.2f}x", flush=True)
+        fma, tiles = min(ms[False]), min(ms[True])
+        print(f"{shape!s:<26} {fma:8.2f} {tiles:16.2f} {fma / tiles:9.2f}x", flush=True)
     cpu.set_attention_amx(None)
 
 

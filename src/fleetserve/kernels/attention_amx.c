@@ -5,9 +5,11 @@
  * Called from paged_attention.c's attend_tile_dispatch (so the C step and the module
  * path run the same code and stay bit-equal) for items of several query rows with a bf16
  * KV cache; it returns 0 when it does not apply (float32 cache, too few rows, a head size
- * not a multiple of 32, a block size not a multiple of 16, no AMX in the build or from
- * Linux, FLEETSERVE_AMX=0 or FLEETSERVE_ATTENTION_AMX=0, a scratch buffer that cannot
- * grow) and the caller runs its AVX-512 FMA loop instead. Decode rows never come here.
+ * not a multiple of 32, a block size not a multiple of 16, no AVX512-BF16 in the build,
+ * FLEETSERVE_ATTENTION_AMX=0, a scratch buffer that cannot grow) and the caller runs its
+ * float32 FMA loop instead. Decode rows never come here. Without AMX (none in the build,
+ * Linux refuses it, or FLEETSERVE_AMX=0) the same steps run as `vdpbf16ps` register
+ * blocks (attention_bf16.h's dp_head).
  *
  * Per item (kv head h, query rows r0 .. r1 - 1, G = num_heads / num_kv_heads heads):
  *   1. q rounded to bf16 once (nearest even): G A-operands of 16 rows x head_dim, rows
@@ -38,9 +40,14 @@
 
 #include "amx_perm.h"
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && \
-    defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#define ATTN_BF16 1
+#include "attention_bf16.h"
+#else
+#define ATTN_BF16 0
+#endif
+#if ATTN_BF16 && defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #define ATTN_AMX 1
 #else
 #define ATTN_AMX 0
@@ -54,77 +61,41 @@
 /* -1: not read yet (FLEETSERVE_ATTENTION_AMX at first use), 0: off, 1: on. */
 static int attn_amx_mode = -1;
 
-/* The switch for tests and A/B runs: 1 on (where the CPU and Linux allow), 0 off, -1
- * back to the environment's choice. */
+/* The switch for tests and A/B runs (both bf16 kernels: AMX tiles and vdpbf16ps): 1 on
+ * (where the CPU and Linux allow), 0 off, -1 back to the environment's choice. */
 void attention_amx_set(int mode) {
     __atomic_store_n(&attn_amx_mode, mode < 0 ? -1 : (mode ? 1 : 0), __ATOMIC_RELEASE);
 }
 
-/* 1 when items of several rows with a bf16 cache run on AMX tiles here. */
-int attention_amx_active(void) {
-#if ATTN_AMX
+static int attn_switch_on(void) {
     int m = __atomic_load_n(&attn_amx_mode, __ATOMIC_ACQUIRE);
     if (m < 0) {
         const char *env = getenv("FLEETSERVE_ATTENTION_AMX");
         m = env && env[0] == '0' ? 0 : 1;
         __atomic_store_n(&attn_amx_mode, m, __ATOMIC_RELEASE);
     }
-    return m == 1 && amx_permitted();
+    return m == 1;
+}
+
+/* 1 when items of several rows with a bf16 cache run on AMX tiles here. */
+int attention_amx_active(void) {
+#if ATTN_AMX
+    return attn_switch_on() && amx_permitted();
 #else
     return 0;
 #endif
 }
 
+/* Which kernel such items run now: 2 AMX tiles, 1 vdpbf16ps (AVX512-BF16 without AMX,
+ * or AMX refused: FLEETSERVE_AMX=0), 0 the float32 FMA loop (switched off, or no
+ * AVX512-BF16 in the build). */
+int attention_tiles_kind(void) {
+    if (attention_amx_active()) return 2;
+    return ATTN_BF16 && attn_switch_on() ? 1 : 0;
+}
+
 #if ATTN_AMX
 #include "amx_tiles.h"
-
-/* This thread's scratch, kept across calls; NULL when it cannot grow. */
-static void *scratch(size_t bytes) {
-    static _Thread_local void *buf = NULL;
-    static _Thread_local size_t cap = 0;
-    if (bytes > cap) {
-        void *grown = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        if (!grown) return NULL;
-        free(buf);
-        buf = grown, cap = bytes;
-    }
-    return buf;
-}
-
-/* 16 bf16 of row a and 16 of row b, interleaved (a0 b0 a1 b1 ...) into 64 bytes. */
-static inline __attribute__((always_inline)) void pair16(const uint16_t *a, const uint16_t *b,
-                                                         uint16_t *dst, __m512i idx) {
-    __m512i x = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a));
-    x = _mm512_inserti64x4(x, _mm256_loadu_si256((const __m256i *)b), 1);
-    _mm512_store_si512(dst, _mm512_permutexvar_epi16(idx, x));
-}
-
-static inline __m512i pair_index(void) {
-    return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                            22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-}
-
-/* Sizes of one item's scratch, in bytes from its start (each part 64-byte aligned). */
-typedef struct {
-    size_t qb, kp, s, p, vp, ot, sums, zero, total;
-} layout;
-
-static layout plan_scratch(int G, int hd, int64_t lk) {
-    layout l;
-    size_t at = 0;
-#define PART(f, bytes) (l.f = at, at += ((size_t)(bytes) + 63) / 64 * 64)
-    PART(qb, (size_t)G * 16 * hd * 2);
-    PART(kp, (size_t)hd * 16 * 2);
-    PART(s, (size_t)G * 16 * lk * 4);
-    PART(p, (size_t)G * 16 * lk * 2);
-    PART(vp, (size_t)lk * hd * 2);
-    PART(ot, 16 * 64 * 4);
-    PART(sums, (size_t)G * 16 * 4);
-    PART(zero, (size_t)hd * 2);
-#undef PART
-    l.total = at;
-    return l;
-}
 
 /* Score tiles of heads g0 .. g0 + ng - 1 (ng 1..4) against one 16-key chunk whose paired
  * K is at kp; stored to S at column `col`. */
@@ -161,61 +132,6 @@ static inline __attribute__((always_inline)) void score_chunk(const uint16_t *qb
     if (ng > 3) _tile_stored(3, s0 + 48 * lk, lk * 4);
 }
 
-/* 2^t for the t of one row (t <= 0 where it counts): 2^floor(t) * 2^f, f = t - floor(t)
- * in [0, 1) (`vreduceps`), 2^f by a degree-4 polynomial fitted for relative error
- * (2.6e-6 at most, far under P's bf16 rounding), 2^floor(t) by `vscalefps` (underflows
- * to 0 below the float range). */
-static inline __m512 exp2_row(__m512 t) {
-    const __m512 f = _mm512_reduce_ps(t, 0x09); /* round down, no precision exception */
-    __m512 p = _mm512_set1_ps(1.353416724e-2f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.201146191e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.414427561e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.930038346e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000002593f));
-    return _mm512_scalef_ps(p, t);
-}
-
-/* Lanes t .. t + 15 that fall in [a, b). */
-static inline __mmask16 lanes(int64_t t, int64_t a, int64_t b) {
-    const int64_t lo = a - t > 0 ? a - t : 0, hi = b - t < 16 ? b - t : 16;
-    if (hi <= lo) return 0;
-    return (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
-}
-
-/* Softmax of one row of raw scores s[0 .. lk) whose own keys are [a, b): P (bf16) gets
- * the rounded exps there and 0 elsewhere; returns the sum of the rounded values. The
- * scale (and softcap) are applied here; s is changed only with a softcap. */
-static float softmax_row(float *s, uint16_t *p, int64_t lk, int64_t a, int64_t b, float scale,
-                         float softcap) {
-    if (softcap > 0.f) {
-        for (int64_t t = a; t < b; t++) s[t] = softcap * tanhf(s[t] * scale / softcap);
-        scale = 1.f;
-    }
-    const int64_t c_lo = a / 32 * 32, c_hi = (b + 31) / 32 * 32;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = a / 16 * 16; t < b; t += 16)
-        mx = _mm512_mask_max_ps(mx, lanes(t, a, b), mx, _mm512_loadu_ps(s + t));
-    /* exp(scale * (s - max)) = 2^(s * c1 - c0): one fmsub per 16 scores. */
-    const float c1 = scale * 1.44269504f;
-    const __m512 sc = _mm512_set1_ps(c1), m = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * c1);
-    const __m512i zero = _mm512_setzero_si512(), hi16 = _mm512_set1_epi32((int)0xffff0000u);
-    for (int64_t t = 0; t < c_lo; t += 32) _mm512_storeu_si512(p + t, zero);
-    for (int64_t t = c_hi; t < lk; t += 32) _mm512_storeu_si512(p + t, zero);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t t = c_lo; t < c_hi; t += 32) {
-        const __m512 e0 = _mm512_maskz_mov_ps(
-            lanes(t, a, b), exp2_row(_mm512_fmsub_ps(_mm512_loadu_ps(s + t), sc, m)));
-        const __m512 e1 = _mm512_maskz_mov_ps(
-            lanes(t + 16, a, b), exp2_row(_mm512_fmsub_ps(_mm512_loadu_ps(s + t + 16), sc, m)));
-        const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
-        _mm512_storeu_si512(p + t, h);
-        /* The rounded values back to float32: low and high halves of each 32-bit pair. */
-        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
-        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_and_si512(h, hi16)));
-    }
-    return _mm512_reduce_add_ps(acc);
-}
-
 /* One kv head h's item. */
 static void amx_head(const float *q, int64_t q_stride, const uint16_t *kc, const uint16_t *vc,
                      float *out, const int64_t *table, int64_t q_start, int64_t ctx, int64_t r0,
@@ -229,7 +145,7 @@ static void amx_head(const float *q, int64_t q_stride, const uint16_t *kc, const
     float *sums = (float *)(buf + l->sums);
     uint16_t *P = (uint16_t *)(buf + l->p), *vp = (uint16_t *)(buf + l->vp);
     const uint16_t *zero = (const uint16_t *)(buf + l->zero);
-    const __m512i idx = pair_index();
+    const __m512i idx = pair_index(0);
 
     /* 1. q in bf16, rows past R zero. */
     for (int g = 0; g < G; g++)
@@ -271,7 +187,7 @@ static void amx_head(const float *q, int64_t q_stride, const uint16_t *kc, const
             const int64_t n_keys = ctx + r0 + i + 1;
             const int64_t k_lo = window > 0 && n_keys > window ? n_keys - window : 0;
             sums[g * 16 + i] = softmax_row(S + ((int64_t)g * 16 + i) * lk, p, lk, k_lo - t_lo,
-                                           n_keys - t_lo, scale, softcap);
+                                           n_keys - t_lo, scale, softcap, 0);
         }
     /* 4a. V paired: 32 keys x 16 columns a B tile; keys past n_end zero. A run of 16
      * keys never crosses a block (t_lo and the block size are multiples of 16). */
@@ -337,9 +253,9 @@ int attend_tile_amx(const float *q, int64_t q_stride, const void *k_cache, const
                     int64_t seq_len, int64_t r0, int64_t r1, int h0, int h1, int num_heads,
                     int num_kv_heads, int head_dim, int block_size, float scale, int window,
                     float softcap) {
-#if ATTN_AMX
-    if (r1 - r0 < AMX_ATTN_MIN_ROWS || head_dim % 32 != 0 || block_size % 16 != 0 ||
-        !attention_amx_active())
+#if ATTN_BF16
+    const int kind = attention_tiles_kind();
+    if (r1 - r0 < AMX_ATTN_MIN_ROWS || head_dim % 32 != 0 || block_size % 16 != 0 || !kind)
         return 0;
     const int G = num_heads / num_kv_heads;
     const int64_t ctx = seq_len - q_len;
@@ -351,12 +267,20 @@ int attend_tile_amx(const float *q, int64_t q_stride, const void *k_cache, const
     char *buf = scratch(l.total);
     if (!buf) return 0;
     memset(buf + l.zero, 0, (size_t)head_dim * 2);
-    tiles_begin();
-    for (int h = h0; h < h1; h++)
-        amx_head(q, q_stride, (const uint16_t *)k_cache, (const uint16_t *)v_cache, out, table,
-                 q_start, ctx, r0, r1, h, num_heads, num_kv_heads, head_dim, block_size, scale,
-                 window, softcap, buf, &l, t_lo, n_end, lk);
-    _tile_release();
+#if ATTN_AMX
+    if (kind == 2) {
+        tiles_begin();
+        for (int h = h0; h < h1; h++)
+            amx_head(q, q_stride, (const uint16_t *)k_cache, (const uint16_t *)v_cache, out,
+                     table, q_start, ctx, r0, r1, h, num_heads, num_kv_heads, head_dim,
+                     block_size, scale, window, softcap, buf, &l, t_lo, n_end, lk);
+        _tile_release();
+        return 1;
+    }
+#endif
+    dp_item(q, q_stride, (const uint16_t *)k_cache, (const uint16_t *)v_cache, out, table,
+            q_start, ctx, r0, r1, h0, h1, num_heads, num_kv_heads, head_dim, block_size, scale,
+            window, softcap, buf, &l, t_lo, n_end, lk);
     return 1;
 #else
     (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)out, (void)table;

@@ -64,6 +64,8 @@ def load() -> ctypes.CDLL | None:
     lib.attention_amx_set.restype = None
     lib.attention_amx_active.argtypes = []
     lib.attention_amx_active.restype = i32
+    lib.attention_tiles_kind.argtypes = []
+    lib.attention_tiles_kind.restype = i32
     return lib
 
 
@@ -212,10 +214,11 @@ def _check_caches(
 
 
 def set_attention_amx(mode: bool | None) -> None:
-    """Whether query tiles of several rows over a bf16 cache run as AMX-BF16 tile products
-    (kernels/attention_amx.c): True (where the CPU and Linux allow), False (the FMA loop),
-    None (back to the environment: FLEETSERVE_ATTENTION_AMX=0 or FLEETSERVE_AMX=0 turn it
-    off). For tests and A/B runs; process-wide."""
+    """Whether query tiles of several rows over a bf16 cache run with bf16 products
+    (kernels/attention_amx.c): AMX-BF16 tile products, or `vdpbf16ps` register blocks on
+    CPUs with AVX512-BF16 but no AMX: True (where the CPU allows), False (the float32 FMA
+    loop), None (back to the environment: FLEETSERVE_ATTENTION_AMX=0 turns both off,
+    FLEETSERVE_AMX=0 only AMX). For tests and A/B runs; process-wide."""
     _lib().attention_amx_set(-1 if mode is None else int(mode))
 
 
@@ -223,6 +226,14 @@ def attention_amx_active() -> bool:
     """Whether such tiles run on AMX in this process now (False without the library)."""
     lib = load()
     return lib is not None and bool(lib.attention_amx_active())
+
+
+def attention_tiles() -> str | None:
+    """Which kernel such tiles run in this process now: "amx", "avx512_bf16", or None (the
+    float32 FMA loop: switched off, no AVX512-BF16, or no library)."""
+    lib = load()
+    kind = 0 if lib is None else int(lib.attention_tiles_kind())
+    return {2: "amx", 1: "avx512_bf16"}.get(kind)
 
 
 def paged_attention(
