@@ -23,6 +23,12 @@ from helpers import smollm2_path
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 
 
+@pytest.fixture(autouse=True)
+def _bursts_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bursts are opt-in (FLEETSERVE_DECODE_BURST, default 1: off): these tests turn them on."""
+    monkeypatch.setenv("FLEETSERVE_DECODE_BURST", "8")
+
+
 def _runner(llm: LLM) -> Any:
     return llm.engine.core.executor.runner  # type: ignore[attr-defined]
 
