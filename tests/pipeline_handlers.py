@@ -19,8 +19,9 @@ class Complete:
             model = inst.get("model", self.model)
             try:
                 body = await self.fleet.complete(
-                    model, inst["prompt"], max_tokens=inst.get("max_tokens", 4), temperature=0.0
-                )
+                    model, inst["prompt"], max_tokens=inst.get("max_tokens", 4), temperature=0.0,
+                    **inst.get("params", {}),
+                )  # fmt: skip
             except FleetCallError as e:
                 return {"error": str(e), "status": e.status}
             return {"text": body["choices"][0]["text"], "model": body["model"]}

@@ -15,6 +15,11 @@ import openai
 import pytest
 from server_proc import ServerProc, metric, scrape, wait_until
 
+# The long sub-calls run every token they ask for: tiny's greedy answer to "The sea" meets
+# its end-of-sequence token after ~192 (3.8 s at the fleet's 0.02 s a step), a race with a
+# 4 s deadline that once ended a sub-call "stop" just before its parent's 504 (CI).
+LONG = {"ignore_eos": True}
+
 
 @pytest.fixture(scope="module")
 def fleet(pipeline_fleet: ServerProc) -> ServerProc:
@@ -59,7 +64,7 @@ def test_a_parent_past_its_deadline_cancels_its_sub_calls(fleet: ServerProc) -> 
     # 450 tokens at 0.02 s a step (9 s) outlast the handler's timeout_s of 3 s.
     aborted = "fleetserve:request_success_total"
     before = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
-    r = predict(fleet, [{"prompt": "The sea", "max_tokens": 450}])
+    r = predict(fleet, [{"prompt": "The sea", "max_tokens": 450, "params": LONG}])
     # The sub-call's deadline is what is left of the parent's: whichever notices first, the
     # parent's timeout (504) or the sub-call's own deadline (its 504 inside the answer).
     if r.status_code == 200:
@@ -175,7 +180,7 @@ def _tiny_state(fleet: ServerProc) -> dict[str, float]:
 async def _leave_once_tiny_runs(fleet: ServerProc) -> bool:
     """Ask `streamer` for a long completion and leave (drop the connection) once its
     sub-call runs in tiny's engine; False if it never got there in 15 s."""
-    body = {"instances": [{"prompt": "The sea", "max_tokens": 450}]}
+    body = {"instances": [{"prompt": "The sea", "max_tokens": 450, "params": LONG}]}
     async with httpx.AsyncClient(timeout=30.0) as client:
         call = asyncio.ensure_future(client.post(f"{fleet.url}/v1/models/streamer:predict",
                                                  json=body))  # fmt: skip
@@ -209,23 +214,43 @@ def test_a_client_that_leaves_cancels_the_parents_sub_calls(fleet: ServerProc) -
     assert r.status_code == 200, r.text
 
 
+async def _past_deadline(
+    fleet: ServerProc, deadline_ms: int
+) -> tuple[httpx.Response, float | None]:
+    """`streamer` asked for a long completion within `deadline_ms`: its answer, and how
+    many seconds in its sub-call was first seen running in tiny's engine (None: never)."""
+    body = {"instances": [{"prompt": "The sea", "max_tokens": 480, "params": LONG}]}
+    headers = {"X-Fleetserve-Deadline-Ms": str(deadline_ms)}
+    start = time.monotonic()
+    async with httpx.AsyncClient(timeout=60.0) as client:
+        call = asyncio.ensure_future(client.post(f"{fleet.url}/v1/models/streamer:predict",
+                                                 json=body, headers=headers))  # fmt: skip
+        ran: float | None = None
+        while not call.done():
+            await asyncio.sleep(0.05)
+            if ran is None and _tiny_state(fleet)["running"] == 1:
+                ran = time.monotonic() - start
+        return await call, ran
+
+
 def test_a_parent_past_its_request_deadline_is_a_504_and_ends_its_sub_calls(
     fleet: ServerProc,
 ) -> None:
     aborted = "fleetserve:request_success_total"
     assert wait_until(lambda: _tiny_idle(fleet), 10.0)
     before = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
-    # Far inside the handler's timeout_s (20 s) and the sub-call's 9+ s: only the request's
-    # deadline can end it (4 s: time for a loaded machine to start the sub-call; at 2 s the
-    # merged fast stage once met a sub-call that had not reached the engine).
-    r = predict(fleet, [{"prompt": "The sea", "max_tokens": 450}],
-                {"X-Fleetserve-Deadline-Ms": "4000"}, model="streamer")  # fmt: skip
+    # Far inside the handler's timeout_s (20 s) and the sub-call's 9.6 s (480 tokens at 0.02
+    # s a step): only the request's deadline can end it. 6 s leaves a loaded machine time to
+    # start the sub-call (0.3 s here beside two busy loops), and the test says so when it
+    # never ran.
+    r, ran = asyncio.run(_past_deadline(fleet, 6000))
     assert r.status_code == 504, r.text
     assert r.json()["error"]["code"] == "deadline_exceeded"
+    assert ran is not None, ("the sub-call never reached tiny's engine", _tiny_state(fleet))
 
     def sub_call_ended() -> bool:
-        # Aborted, and nothing of tiny's left: an un-ended sub-call runs 5 s more.
+        # Aborted, and nothing of tiny's left: an un-ended sub-call runs 3.6+ s more.
         now = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")
         return now >= before + 1 and _tiny_idle(fleet)
 
-    assert wait_until(sub_call_ended, 4.0), (before, _tiny_state(fleet))
+    assert wait_until(sub_call_ended, 3.0), (before, ran, _tiny_state(fleet))
