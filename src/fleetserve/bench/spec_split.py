@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from fleetserve.bench.spec import PARAGRAPHS, WORKLOADS
-from fleetserve.bench.step_split import emit, thread_clock
+from fleetserve.bench.step_split import StepTimer, emit, thread_clock
 
 
 def _snapshot(args: tuple[Any, ...]) -> list[Any]:
@@ -69,27 +69,14 @@ def split(model: str | None, threads: int, k: int, rounds: int, max_tokens: int)
     plan = runner.model.model.decode_plan
     if plan is None:
         raise ValueError("this model has no C step here (FLEETSERVE_FUSED_DECODE=0?)")
-    clock = thread_clock(threads)
-    spent = {"c": 0.0, "worker": 0.0}
     captured: dict[str, list[Any]] = {}
-    run, execute = plan.run, runner.execute_model
 
-    def timed_run(*args: Any) -> torch.Tensor:
+    def capture(args: tuple[Any, ...]) -> None:
         rows = args[0].shape[0]
         # The last one-row step and the last full verification (one sequence, k + 1 rows).
         name = "one_row" if rows == 1 else "verify" if rows == k + 1 else None
         if name is not None:
             captured[name] = _snapshot(args)
-        t0 = clock()
-        out = run(*args)
-        spent["c"] += clock() - t0
-        return out
-
-    def timed_execute(*args: Any) -> Any:
-        t0 = clock()
-        out = execute(*args)
-        spent["worker"] += clock() - t0
-        return out
 
     tok = llm.get_tokenizer()
     prompt = tok.apply_chat_template(
@@ -101,14 +88,14 @@ def split(model: str | None, threads: int, k: int, rounds: int, max_tokens: int)
     engine.add_request("spec-split", {"prompt_token_ids": prompt}, params)
     engine.step()  # the prefill (and its first token), left out of the figures
     stats0 = engine.stats().spec_decode
-    plan.run, runner.execute_model = timed_run, timed_execute
-    n, tokens, t0 = 0, 0, clock()
-    while engine.has_unfinished_requests():
-        for out in engine.step():  # deltas
-            tokens += len(out.outputs[0].token_ids)
-        n += 1
-    total = clock() - t0
-    plan.run, runner.execute_model = run, execute
+    clock = thread_clock(threads)
+    with StepTimer(runner, plan, clock, capture) as timer:
+        n, tokens, t0 = 0, 0, clock()
+        while engine.has_unfinished_requests():
+            for out in engine.step():  # deltas
+                tokens += len(out.outputs[0].token_ids)
+            n += 1
+        total = clock() - t0
     stats1 = engine.stats().spec_decode
     assert stats0 is not None and stats1 is not None
     drafts = stats1.num_draft_tokens - stats0.num_draft_tokens
@@ -122,10 +109,8 @@ def split(model: str | None, threads: int, k: int, rounds: int, max_tokens: int)
         "acceptance_rate": round(accepted / drafts, 3) if drafts else 0.0,
         "verifications": stats1.num_drafts - stats0.num_drafts,
         "ms_per_step": {
-            "all": round(1000 * total / n, 4),
-            "c_step": round(1000 * spent["c"] / n, 4),
-            "worker_python": round(1000 * (spent["worker"] - spent["c"]) / n, 4),
-            "engine_python": round(1000 * (total - spent["worker"]) / n, 4),
+            ("all" if key == "step_ms" else key.removesuffix("_ms")): round(ms, 4)
+            for key, ms in timer.per_step_ms(total, n).items()
         },
     }
     if set(captured) == {"one_row", "verify"}:

@@ -49,6 +49,56 @@ def thread_clock(threads: int) -> Callable[[], float]:
     return time.thread_time if threads == 1 else time.perf_counter
 
 
+class StepTimer:
+    """While installed (`with`), times one runner's C steps (`DecodePlan.run`) and its
+    `execute_model` calls on `clock`, and hands each C step's arguments to `capture` (the
+    input of a replay). `spent["c"]` is inside the C step, `spent["worker"]` inside
+    execute_model (the C step included)."""
+
+    def __init__(
+        self,
+        runner: Any,
+        plan: Any,
+        clock: Callable[[], float],
+        capture: Callable[[tuple[Any, ...]], None] | None = None,
+    ) -> None:
+        self.runner, self.plan, self.clock, self.capture = runner, plan, clock, capture
+        self.run, self.execute = plan.run, runner.execute_model
+        self.spent = {"c": 0.0, "worker": 0.0}
+
+    def _timed_run(self, *args: Any) -> torch.Tensor:
+        if self.capture is not None:
+            self.capture(args)
+        t0 = self.clock()
+        out = self.run(*args)
+        self.spent["c"] += self.clock() - t0
+        return out
+
+    def _timed_execute(self, *args: Any) -> Any:
+        t0 = self.clock()
+        out = self.execute(*args)
+        self.spent["worker"] += self.clock() - t0
+        return out
+
+    def __enter__(self) -> StepTimer:
+        self.plan.run, self.runner.execute_model = self._timed_run, self._timed_execute
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.plan.run, self.runner.execute_model = self.run, self.execute
+
+    def per_step_ms(self, total: float, steps: int) -> dict[str, float]:
+        """A run of `steps` engine steps that took `total` seconds: ms per step in all, in
+        the C step, in the worker's Python and in the engine's."""
+        c, worker = self.spent["c"], self.spent["worker"]
+        return {
+            "step_ms": 1000 * total / steps,
+            "c_step_ms": 1000 * c / steps,
+            "worker_python_ms": 1000 * (worker - c) / steps,
+            "engine_python_ms": 1000 * (total - worker) / steps,
+        }
+
+
 def split(
     model: str | None, threads: int, tokens: int, phases: bool = False, cpu_clock: bool = False
 ) -> dict[str, Any]:
@@ -68,49 +118,27 @@ def split(
     plan = runner.model.model.decode_plan
     if plan is None:
         raise ValueError("this model has no C step here (FLEETSERVE_FUSED_DECODE=0?)")
-    clock = thread_clock(threads)
-    spent = {"c": 0.0, "worker": 0.0}
     saved: list[list[Any]] = []
-    run, execute = plan.run, runner.execute_model
 
-    def timed_run(*args: Any) -> torch.Tensor:
+    def capture(args: tuple[Any, ...]) -> None:
         if len(saved) < tokens // 2:
             saved.append(list(args))
-        t0 = clock()
-        out = run(*args)
-        spent["c"] += clock() - t0
-        return out
 
-    def timed_execute(*args: Any) -> Any:
-        t0 = clock()
-        out = execute(*args)
-        spent["worker"] += clock() - t0
-        return out
-
-    plan.run, runner.execute_model = timed_run, timed_execute
     prompt = {"prompt_token_ids": list(range(100, 128))}
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     steps = []
+    clock = thread_clock(threads)
     for i in range(2):  # the first run warms up
-        spent.update(c=0.0, worker=0.0)
         saved.clear()
-        engine.add_request(f"split-{i}", prompt, params)
-        n, t0 = 0, clock()
-        while engine.has_unfinished_requests():
-            engine.step()
-            n += 1
-        total = clock() - t0
-        steps.append(
-            {
-                "steps": n,
-                "step_ms": 1000 * total / n,
-                "c_step_ms": 1000 * spent["c"] / n,
-                "worker_python_ms": 1000 * (spent["worker"] - spent["c"]) / n,
-                "engine_python_ms": 1000 * (total - spent["worker"]) / n,
-            }
-        )
-    plan.run, runner.execute_model = run, execute
-    replay = _replay_head(runner.model, run, saved[-1], clock)
+        with StepTimer(runner, plan, clock, capture) as timer:
+            engine.add_request(f"split-{i}", prompt, params)
+            n, t0 = 0, clock()
+            while engine.has_unfinished_requests():
+                engine.step()
+                n += 1
+            total = clock() - t0
+        steps.append({"steps": n, **timer.per_step_ms(total, n)})
+    replay = _replay_head(runner.model, plan.run, saved[-1], clock)
     out = {"threads": threads, "split": steps[-1], "head_replay": replay}
     # Bytes a decode step reads: every projection's and the head's weights, and the KV
     # cache at the run's mean context.
