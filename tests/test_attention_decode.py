@@ -177,3 +177,48 @@ def test_verification_rows_equal_plain_decodes(
             row = int(starts[i]) + r
             assert_matches(verified[row], q[row], keys[:n], values[:n], scale, window, softcap,
                            products)  # fmt: skip
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (8, 1, 48)])
+def test_cache_slots_past_the_last_key_are_never_read(
+    heads: int, kv_heads: int, head_dim: int, kv: tuple[torch.dtype, bool]
+) -> None:
+    """A last block's slots past the sequence's keys hold whatever was there (a freed
+    block's old rows, never-written memory), NaN included: decode and verification rows
+    give the same bits over a cache with NaN there as over one without (the bf16 products
+    pair an odd last value row with zeros: 0 * NaN would be NaN)."""
+    kv_dtype, _ = kv
+    bs = 16
+    g = torch.Generator().manual_seed(head_dim)
+    # (query rows, cached context): tails of 1, 5, 15 and 16 keys, odd and even
+    shapes = [(1, 0), (1, 4), (1, 30), (1, 47), (3, 14), (4, 33), (1, 15)]
+    num_blocks = sum(-(-(q + c) // bs) for q, c in shapes)
+    k_cache = torch.randn(num_blocks, kv_heads, head_dim, bs, generator=g).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, kv_heads, bs, head_dim, generator=g).to(kv_dtype)
+    tables, b = [], 0
+    for q_len, ctx in shapes:
+        n = -(-(q_len + ctx) // bs)
+        tables.append(list(range(b, b + n)))
+        b += n
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(sum(s[0] for s in shapes), heads, head_dim, generator=g)
+    starts = torch.tensor([0] + [s[0] for s in shapes]).cumsum(0)[:-1]
+    q_lens = torch.tensor([s[0] for s in shapes])
+    seq_lens = torch.tensor([sum(s) for s in shapes])
+
+    def attend() -> torch.Tensor:
+        out = torch.full_like(q, float("nan"))
+        cpu_kernels.paged_attention(
+            q, k_cache, v_cache, out, starts, q_lens, seq_lens, padded, bs, head_dim**-0.5
+        )
+        return out
+
+    clean = attend()
+    for table, n in zip(tables, seq_lens.tolist(), strict=True):
+        if n % bs:
+            k_cache[table[-1], :, :, n % bs :] = float("nan")
+            v_cache[table[-1], :, n % bs :, :] = float("nan")
+    dirty = attend()
+    assert torch.isfinite(clean).all()
+    assert torch.equal(clean, dirty)
