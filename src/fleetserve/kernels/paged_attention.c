@@ -332,8 +332,9 @@ int attend_tile_amx(const float *q, int64_t q_stride, const void *k_cache, const
 
 /* Not static: the decode step (decode_step.c) attends its rows through it too; never
  * inlined, so both callers run one machine copy (see fused_rows.h). The caches hold
- * float32, or bf16 when `kv_bf16` (widened to float32 as they are read). Rows of a
- * multi-row query over a bf16 cache go to AMX tiles where attend_tile_amx takes them. */
+ * float32, or bf16 when `kv_bf16` (widened to float32 as they are read, or bf16 pair
+ * products: decode and verification rows in paged_decode_bf16.h, tiles of a longer
+ * query in attention_amx.c, where the CPU has them and their switch is on). */
 __attribute__((noinline)) void attend_tile_dispatch(
     const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, float *out,
     const int64_t *table, int64_t q_start, int64_t q_len, int64_t seq_len, int64_t r0,

@@ -1,7 +1,8 @@
 /* Verification rows (a query of up to VERIFY_ROWS rows of one sequence, causal: row r
  * sees the context and rows 0..r) on AVX-512 with 16-key blocks: ONE walk over the
- * sequence's blocks for all the rows. Included by paged_decode.h (decode_group,
- * decode_query_pairs, decode_finish).
+ * sequence's blocks for all the rows. Included by paged_decode.h (decode_row_begin,
+ * decode_group_once, decode_row_finish: a row's setup, block update and end are the
+ * decode's own).
  *
  * Why: the rows used to attend one after another through attend_decode, so a k + 1 row
  * verification read the sequence's keys and values k + 1 times (from L2 at best). Here a
