@@ -63,7 +63,7 @@ static inline __attribute__((always_inline)) void attend_verify(
             const void *kb = kv_at(k_cache, (table[b] * num_kv_heads + h0) * span, bf16);
             const void *vb = kv_at(v_cache, (table[b] * num_kv_heads + h0) * span, bf16);
             const char *kn = NULL, *vn = NULL;
-            if (DECODE_PF > 0 && t0 + DECODE_PF * 16 < t_end) {
+            if (decode_prefetch(table, b, t0, t_end, dp)) {
                 kn = kv_at(k_cache, (table[b + DECODE_PF] * num_kv_heads + h0) * span, bf16);
                 vn = kv_at(v_cache, (table[b + DECODE_PF] * num_kv_heads + h0) * span, bf16);
             }
