@@ -260,7 +260,7 @@ static inline __attribute__((always_inline)) void decode_group_once(
 #if DECODE_DP
     if (dp) {
 #define CALL_DP(NAME)                                                                        \
-    NAME((const uint32_t *)qp, (const uint16_t *)kt, (const uint16_t *)vb, nk, valid, head_dim, \
+    NAME((const dp_pair *)qp, (const uint16_t *)kt, (const uint16_t *)vb, nk, valid, head_dim, \
          scale, softcap, m, l, og, group, pf_k, pf_v)
         if (head_dim == 64)
             CALL_DP(decode_group_64_dp);
@@ -369,7 +369,7 @@ static inline __attribute__((always_inline)) decode_row decode_row_begin(
     memset(r.o, 0, sizeof(float) * heads * head_dim);
 #if DECODE_DP
     if (dp) {
-        decode_query_bf16(r.q, heads * head_dim, (uint32_t *)qp);
+        decode_query_bf16(r.q, heads * head_dim, (dp_pair *)qp);
         return r;
     }
 #else

@@ -30,6 +30,9 @@
  * and put back in order once by decode_finish_dp.
  */
 
+/* A bf16 pair in 32 bits, read from buffers that other rows' code holds as floats. */
+typedef uint32_t dp_pair __attribute__((may_alias));
+
 /* vpermw index: output element 2j is input element j (dim 2p, key j), 2j + 1 is input
  * 16 + j (dim 2p + 1, key j). */
 static inline __attribute__((always_inline)) __m512i dp_key_pairs(void) {
@@ -56,7 +59,7 @@ static inline __attribute__((always_inline)) __m512 decode_exp2(__m512 t) {
  * qb the G heads' bf16 query pairs (head h's pair p at qb[h * head_dim / 2 + p]), kt the
  * block's keys, vb its values, og the G heads' sums in unpack order. */
 static inline __attribute__((always_inline)) void decode_block_dp(
-    const uint32_t *qb, const uint16_t *kt, const uint16_t *vb, int nk, __mmask16 valid,
+    const dp_pair *qb, const uint16_t *kt, const uint16_t *vb, int nk, __mmask16 valid,
     const int head_dim, float scale, float softcap, float *m, float *l, float *og,
     const char *pf_k, const char *pf_v, const int pf_lines, const int G) {
     enum { CH = 4 }; /* chains per head: a vdpbf16ps takes ~6 cycles, G * CH in flight */
@@ -137,7 +140,7 @@ static inline __attribute__((always_inline)) void decode_block_dp(
 /* The query heads [0, group) of one kv head against one block, in chunks of
  * decode_chunk(head_dim) heads (as decode_group). */
 static inline __attribute__((always_inline)) void decode_group_dp(
-    const uint32_t *qb, const uint16_t *kt, const uint16_t *vb, int nk, __mmask16 valid,
+    const dp_pair *qb, const uint16_t *kt, const uint16_t *vb, int nk, __mmask16 valid,
     const int head_dim, float scale, float softcap, float *m, float *l, float *og, int group,
     const char *pf_k, const char *pf_v) {
     const int pf_lines = (head_dim * 2 + 63) / 64;
@@ -164,7 +167,7 @@ static inline __attribute__((always_inline)) void decode_group_dp(
 /* One machine copy per head size (the reason: paged_decode.h's DECODE_GROUP_COPY). */
 #define DECODE_GROUP_DP_COPY(NAME, HD)                                                       \
     static __attribute__((noinline)) void NAME(                                              \
-        const uint32_t *qb, const uint16_t *kt, const uint16_t *vb, int nk, __mmask16 valid, \
+        const dp_pair *qb, const uint16_t *kt, const uint16_t *vb, int nk, __mmask16 valid, \
         int head_dim, float scale, float softcap, float *m, float *l, float *og, int group,  \
         const char *pf_k, const char *pf_v) {                                                \
         decode_group_dp(qb, kt, vb, nk, valid, HD, scale, softcap, m, l, og, group, pf_k,    \
@@ -177,7 +180,7 @@ DECODE_GROUP_DP_COPY(decode_group_any_dp, head_dim)
 
 /* q rounded to bf16: n values (a multiple of 32) into n / 2 pairs. */
 static inline __attribute__((always_inline)) void decode_query_bf16(const float *q, int n,
-                                                                    uint32_t *qb) {
+                                                                    dp_pair *qb) {
     for (int i = 0; i < n; i += 32)
         _mm512_storeu_si512(qb + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + i + 16),
                                                                      _mm512_loadu_ps(q + i)));
