@@ -7,7 +7,8 @@ takes the same bf16 q and the tolerance is P's rounding (2^-9 relative per weigh
 over a row. Covered: query-head groups of 1-8 per kv head, head sizes 32-128, block sizes
 16 and 32, rows not a multiple of the 16-row tile, contexts not a multiple of a block,
 prefix-cached context (seq_len > q_len), sliding windows, softcap, decode rows in the same
-call (the FMA loop), and the switch back to the FMA loop (which keeps its float32 q).
+call (bf16 products too where the head size is a multiple of 32: paged_decode_bf16.h), and
+the switch back to the FMA loop (which keeps its float32 q).
 """
 
 from __future__ import annotations
@@ -113,25 +114,34 @@ SHAPES = [
 
 # Items of fewer rows keep the FMA loop (attention_amx.c's AMX_ATTN_MIN_ROWS).
 MIN_ROWS = 3
-# Queries of at most this many rows (speculative verification) attend row by row like
-# decodes, in float32 (paged_attention.c's VERIFY_ROWS).
+# Queries of at most this many rows (decodes, speculative verification) attend row by row
+# (paged_attention.c's VERIFY_ROWS): with bf16 products too (q and P in bf16, as the
+# tiles: kernels/paged_decode_bf16.h) for head sizes that are multiples of 32 up to 128
+# with 16-key blocks, else the float32 loop.
 VERIFY_ROWS = 16
 
 
-def on_tiles(q_len: int) -> torch.Tensor:
-    """Which of a query's rows the tiles attend: rows go in items of 16 (the last one
-    shorter); queries of up to VERIFY_ROWS rows and items of fewer than MIN_ROWS rows
-    take the float32 loops."""
+def on_bf16(q_len: int, head_dim: int, block_size: int) -> torch.Tensor:
+    """Which of a query's rows run with bf16 products: rows go in items of 16 (the last
+    one shorter); queries of up to VERIFY_ROWS rows take the decode rows' kernel, items
+    of fewer than MIN_ROWS rows of a longer query the float32 loop."""
+    if q_len <= VERIFY_ROWS:
+        rows = head_dim % 32 == 0 and head_dim <= 128 and block_size == 16
+        return torch.full((q_len,), rows)
     sizes = [min(16, q_len - r // 16 * 16) for r in range(q_len)]
-    return torch.tensor([q_len > VERIFY_ROWS and n >= MIN_ROWS for n in sizes])
+    return torch.tensor([n >= MIN_ROWS for n in sizes])
 
 
-def check(amx: bool, out: torch.Tensor, want_bf16_q: torch.Tensor, want: torch.Tensor) -> None:
-    """Rows on tiles against the bf16-q reference (P in bf16: each weight off by up to
-    2^-9 relatively, |v| ~ 1); the FMA loop's rows against float32 q, tightly."""
-    tiles = on_tiles(out.shape[0]) if amx else torch.zeros(out.shape[0], dtype=torch.bool)
-    torch.testing.assert_close(out[tiles].double(), want_bf16_q[tiles], atol=4e-3, rtol=1e-2)
-    torch.testing.assert_close(out[~tiles], want[~tiles].float(), atol=2e-5, rtol=1e-4)
+def check(
+    amx: bool, out: torch.Tensor, want_bf16_q: torch.Tensor, want: torch.Tensor,
+    block_size: int = 16,
+) -> None:  # fmt: skip
+    """Rows with bf16 products against the bf16-q reference (P in bf16: each weight off by
+    up to 2^-9 relatively, |v| ~ 1); the FMA loop's rows against float32 q, tightly."""
+    q_len, _, head_dim = out.shape
+    bf16 = on_bf16(q_len, head_dim, block_size) if amx else torch.zeros(q_len, dtype=torch.bool)
+    torch.testing.assert_close(out[bf16].double(), want_bf16_q[bf16], atol=4e-3, rtol=1e-2)
+    torch.testing.assert_close(out[~bf16], want[~bf16].float(), atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -152,7 +162,7 @@ def test_tiles_match_float64_attention(
         heads, kv_heads, head_dim, block_size, SHAPES, seed=heads
     ):
         assert torch.isfinite(out).all()
-        check(amx, out, want_bf16_q, want)
+        check(amx, out, want_bf16_q, want, block_size)
 
 
 @pytest.mark.parametrize(("window", "softcap"), [(24, 0.0), (0, 5.0), (40, 3.0), (7, 0.0)])

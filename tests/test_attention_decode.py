@@ -3,11 +3,18 @@ one-pass path on AVX-512 with 16-key blocks (kernels/paged_decode.h), against de
 attention in float64: sliding windows whose first key falls inside a block, score
 softcaps, 1-8 query heads per kv head, head sizes 32-128 (bf16 pairs and not), caches in
 float32 and bf16, contexts from one key to many blocks (with a partial last block).
+
+Over a bf16 cache, head sizes that are multiples of 32 run on bf16 products where the CPU
+has AVX512-BF16 (kernels/paged_decode_bf16.h, `vdpbf16ps`): q rounded to bf16 once per
+row and P rounded to bf16 per block, so the reference takes the same bf16 q and the
+tolerance is P's rounding (as tests/test_attention_amx.py's tiles); with the switch off
+(`set_attention_amx(False)`) the float32 FMA loop keeps float32 q and the tight tolerance.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -38,15 +45,53 @@ def dense_decode(
     return torch.einsum("hl,hld->hd", s.softmax(-1), v).float()
 
 
+# kv cache dtype, bf16 products switched on (where the CPU has them)
+KV = {
+    "float32": (torch.float32, True),
+    "bf16_products": (torch.bfloat16, True),
+    "bf16_fma": (torch.bfloat16, False),
+}
+
+
+@pytest.fixture(params=sorted(KV))
+def kv(request: pytest.FixtureRequest) -> Iterator[tuple[torch.dtype, bool]]:
+    """(cache dtype, whether bf16 products run for head sizes that are multiples of 32);
+    the switch back to the environment's choice after."""
+    dtype, products = KV[str(request.param)]
+    cpu_kernels.set_attention_amx(products)
+    try:
+        on = dtype == torch.bfloat16 and products and cpu_kernels.attention_tiles() is not None
+        yield dtype, on
+    finally:
+        cpu_kernels.set_attention_amx(None)
+
+
+def assert_matches(
+    out: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    scale: float, window: int, softcap: float, products: bool,
+) -> None:  # fmt: skip
+    """One row against float64 attention: on bf16 products (products and head_dim a
+    multiple of 32) against bf16 q, P's rounding allowed (measured: at most 3.5e-3, mean
+    5e-4 over these tests' rows); else against float32 q, tightly."""
+    if products and q.shape[-1] % 32 == 0:
+        want = dense_decode(q.bfloat16().float(), keys, values, scale, window, softcap)
+        torch.testing.assert_close(out, want, atol=4e-3, rtol=1e-2)
+        assert (out - want).abs().mean() < 1e-3
+    else:
+        want = dense_decode(q, keys, values, scale, window, softcap)
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"),
     [(12, 4, 64), (16, 4, 128), (12, 2, 32), (8, 1, 48), (8, 8, 64), (4, 2, 96)],
 )
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (21, 0.0), (0, 5.0), (37, 3.0)])
 def test_decode_rows_match_dense_attention(
-    heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype, window: int, softcap: float
-) -> None:
+    heads: int, kv_heads: int, head_dim: int, kv: tuple[torch.dtype, bool], window: int,
+    softcap: float,
+) -> None:  # fmt: skip
+    kv_dtype, products = kv
     bs = 16
     g = torch.Generator().manual_seed(heads * 100 + head_dim + window)
     seq_lens = [1, 5, 16, 17, 40, 77, 130, 300]
@@ -69,8 +114,7 @@ def test_decode_rows_match_dense_attention(
     for i, (n, table) in enumerate(zip(seq_lens, tables, strict=True)):
         keys = k_rows[table].float().transpose(1, 2).reshape(-1, kv_heads, head_dim)[:n]
         values = v_cache[table].float().transpose(1, 2).reshape(-1, kv_heads, head_dim)[:n]
-        want = dense_decode(q[i], keys, values, scale, window, softcap)
-        torch.testing.assert_close(out[i], want, atol=2e-5, rtol=1e-4)
+        assert_matches(out[i], q[i], keys, values, scale, window, softcap, products)
 
 
 @pytest.mark.parametrize(
@@ -79,11 +123,11 @@ def test_decode_rows_match_dense_attention(
     # SmolLM2's 3 query heads per kv head, 8 per kv head
     [(12, 4, 64), (16, 4, 128), (8, 1, 48), (9, 3, 64), (8, 1, 64)],
 )
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (21, 3.0), (5, 0.0), (40, 0.0)])
 def test_verification_rows_equal_plain_decodes(
-    heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype, window: int, softcap: float
-) -> None:
+    heads: int, kv_heads: int, head_dim: int, kv: tuple[torch.dtype, bool], window: int,
+    softcap: float,
+) -> None:  # fmt: skip
     """A query of k + 1 rows (speculative verification) gives each row the bits plain
     decoding gets at that position: one call with queries of 2-16 rows after cached
     contexts, against one decode call per row over the same cache (the verification row r
@@ -91,6 +135,7 @@ def test_verification_rows_equal_plain_decodes(
     the blocks together (paged_verify.h): contexts end inside a block and on its edge, the
     rows spill into one to two more blocks, windows shorter than the query start in
     different blocks for different rows."""
+    kv_dtype, products = kv
     bs = 16
     g = torch.Generator().manual_seed(7 + window + head_dim + heads)
     # (query rows, cached context)
@@ -129,6 +174,51 @@ def test_verification_rows_equal_plain_decodes(
         values = values.reshape(-1, kv_heads, head_dim)
         for r in (0, q_len - 1):
             n = ctx + r + 1
-            want = dense_decode(q[int(starts[i]) + r], keys[:n], values[:n], scale, window,
-                                softcap)  # fmt: skip
-            torch.testing.assert_close(verified[int(starts[i]) + r], want, atol=2e-5, rtol=1e-4)
+            row = int(starts[i]) + r
+            assert_matches(verified[row], q[row], keys[:n], values[:n], scale, window, softcap,
+                           products)  # fmt: skip
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (8, 1, 48)])
+def test_cache_slots_past_the_last_key_are_never_read(
+    heads: int, kv_heads: int, head_dim: int, kv: tuple[torch.dtype, bool]
+) -> None:
+    """A last block's slots past the sequence's keys hold whatever was there (a freed
+    block's old rows, never-written memory), NaN included: decode and verification rows
+    give the same bits over a cache with NaN there as over one without (the bf16 products
+    pair an odd last value row with zeros: 0 * NaN would be NaN)."""
+    kv_dtype, _ = kv
+    bs = 16
+    g = torch.Generator().manual_seed(head_dim)
+    # (query rows, cached context): tails of 1, 5, 15 and 16 keys, odd and even
+    shapes = [(1, 0), (1, 4), (1, 30), (1, 47), (3, 14), (4, 33), (1, 15)]
+    num_blocks = sum(-(-(q + c) // bs) for q, c in shapes)
+    k_cache = torch.randn(num_blocks, kv_heads, head_dim, bs, generator=g).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, kv_heads, bs, head_dim, generator=g).to(kv_dtype)
+    tables, b = [], 0
+    for q_len, ctx in shapes:
+        n = -(-(q_len + ctx) // bs)
+        tables.append(list(range(b, b + n)))
+        b += n
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(sum(s[0] for s in shapes), heads, head_dim, generator=g)
+    starts = torch.tensor([0] + [s[0] for s in shapes]).cumsum(0)[:-1]
+    q_lens = torch.tensor([s[0] for s in shapes])
+    seq_lens = torch.tensor([sum(s) for s in shapes])
+
+    def attend() -> torch.Tensor:
+        out = torch.full_like(q, float("nan"))
+        cpu_kernels.paged_attention(
+            q, k_cache, v_cache, out, starts, q_lens, seq_lens, padded, bs, head_dim**-0.5
+        )
+        return out
+
+    clean = attend()
+    for table, n in zip(tables, seq_lens.tolist(), strict=True):
+        if n % bs:
+            k_cache[table[-1], :, :, n % bs :] = float("nan")
+            v_cache[table[-1], :, n % bs :, :] = float("nan")
+    dirty = attend()
+    assert torch.isfinite(clean).all()
+    assert torch.equal(clean, dirty)

@@ -294,6 +294,30 @@ def test_speculative_one_stream_same_tokens(
     assert counted.steps < 59  # drafts were accepted: fewer steps than tokens
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_bf16_cache_products_same_tokens(
+    speculative: bool, tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode and verification rows over a bf16 cache with 16-key blocks and a head size
+    of 32: bf16 products where the CPU has them (kernels/paged_decode_bf16.h), in the C
+    step and the module path alike: the same tokens and logprobs; beside other streams'
+    decodes and a second wave on cached prefixes. With `speculative`, verification rows
+    (2-6 per sequence) ran: drafts were proposed."""
+    path = tiny_model_factory("llama", hidden_size=128, num_attention_heads=4, head_dim=32)
+    spec = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}
+    llm = LLM(
+        path, max_model_len=256, block_size=16, num_kv_blocks=64, kv_cache_dtype="bfloat16",
+        speculative_config=spec if speculative else None,
+    )  # fmt: skip
+    assert {t.dtype for pair in _runner(llm).kv_caches for t in pair} == {torch.bfloat16}
+    first = [p * 4 for p in _prompts(3, 500, seed=9, step=3)]  # repeats to draft from
+    second = [p + q for p, q in zip(first, _prompts(3, 500, seed=10), strict=True)]
+    on, off, counted = _on_and_off(llm, first + second, 40, monkeypatch, waves=2)
+    _assert_same(on, off)
+    assert counted.multi_row_with_context > 0
+    assert (llm.engine.core.scheduler.num_draft_tokens > 0) == speculative
+
+
 # Mistral's window on every layer (one block pool), Qwen2's on the upper layers (local
 # and global layers: the windowed ones keep their own pool, which frees blocks that
 # slide out); both with prompts and generations well past the 16-token window.

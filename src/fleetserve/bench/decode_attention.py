@@ -11,6 +11,8 @@ best of N, thread CPU time at 1 thread (wall past one), and the K/V bytes read p
 `--kv-dtype` replays it over caches of another dtype than the run's.
 `--hot` points every sequence at one sequence's blocks (its keys and values stay in L2):
 the loop's compute rate without the memory system.
+`--ab` (a bf16 cache): the rows with bf16 products (kernels/paged_decode_bf16.h) and with
+the float32 FMA loop (`set_attention_amx(False)`), alternated in one process, best of each.
 """
 
 from __future__ import annotations
@@ -53,9 +55,12 @@ def capture(path: str, workload: str) -> None:
 
 
 def time_step(
-    path: str, threads: int, hot: bool, reps: int, kv_dtype: str | None = None
-) -> dict[str, float]:
-    """Best ms of the step's attention over all layers, and GB/s of K/V read."""
+    path: str, threads: int, hot: bool, reps: int, kv_dtype: str | None = None,
+    products: tuple[bool | None, ...] = (None,),
+) -> dict[bool | None, dict[str, float]]:  # fmt: skip
+    """Best ms of the step's attention over all layers, and GB/s of K/V read, for each
+    setting of the bf16 products switch in `products` (None: the environment's), the
+    settings alternated rep by rep."""
     from fleetserve.kernels import cpu
 
     torch.set_num_threads(threads)
@@ -83,15 +88,23 @@ def time_step(
         for k, v in caches:
             cpu.paged_attention(q, k, v, out, q_starts, q_lens, seq_lens, tables, 16, d["scale"])
 
-    run()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = clock()
-        run()
-        best = min(best, clock() - t0)
+    best = dict.fromkeys(products, float("inf"))
+    try:
+        for rep in range(reps + 1):
+            for mode in products:
+                cpu.set_attention_amx(mode)
+                t0 = clock()
+                run()
+                if rep:  # the first round warms up
+                    best[mode] = min(best[mode], clock() - t0)
+    finally:
+        cpu.set_attention_amx(None)
     kv_heads, elem = d["k_shape"][1], caches[0][0].element_size()
     nbytes = int(seq_lens.sum()) * kv_heads * head_dim * elem * 2 * d["layers"]
-    return {"ms": 1000 * best, "mb": nbytes / 1e6, "gb_s": nbytes / best / 1e9}
+    return {
+        mode: {"ms": 1000 * t, "mb": nbytes / 1e6, "gb_s": nbytes / t / 1e9}
+        for mode, t in best.items()
+    }
 
 
 def main() -> None:
@@ -102,14 +115,19 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--hot", action="store_true")
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--ab", action="store_true")
     args = p.parse_args()
     if not os.path.exists(args.capture):
         capture(args.capture, args.workload)
-    r = time_step(args.capture, args.threads, args.hot, args.reps, args.kv_dtype)
-    print(
-        f"decode attention, {args.threads} thread(s){', hot' if args.hot else ''}: "
-        f"{r['ms']:.2f} ms for {r['mb']:.0f} MB of K/V = {r['gb_s']:.2f} GB/s"
-    )
+    products: tuple[bool | None, ...] = (False, True) if args.ab else (None,)
+    results = time_step(args.capture, args.threads, args.hot, args.reps, args.kv_dtype, products)
+    names = {None: "", False: ", float32 FMA loop", True: ", bf16 products"}
+    for mode, r in results.items():
+        print(
+            f"decode attention, {args.threads} thread(s){', hot' if args.hot else ''}"
+            f"{names[mode]}: {r['ms']:.2f} ms for {r['mb']:.0f} MB of K/V = "
+            f"{r['gb_s']:.2f} GB/s"
+        )
 
 
 if __name__ == "__main__":

@@ -99,8 +99,8 @@ def choose_dtype(checkpoint_dtype: str | None, flags: frozenset[str], device: st
         why = (
             f"{has}: linear layers in bf16 (AMX bf16 tiles where present, else bf16 dot "
             "products, float32 sums; a bf16 KV cache; norms and "
-            "attention float32, prefill attention's products bf16: AMX tiles where present, "
-            "else bf16 dot products), "
+            "attention float32, attention's products bf16: AMX tiles where present for "
+            "prefill, else bf16 dot products), "
             "measured faster than float32; --dtype float32 forces float32"
         )
         return DtypeChoice("float32", f"{stored}: {why}", bf16_weights=True)

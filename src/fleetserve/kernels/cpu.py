@@ -214,11 +214,12 @@ def _check_caches(
 
 
 def set_attention_amx(mode: bool | None) -> None:
-    """Whether query tiles of several rows over a bf16 cache run with bf16 products
-    (kernels/attention_amx.c): AMX-BF16 tile products, or `vdpbf16ps` register blocks on
-    CPUs with AVX512-BF16 but no AMX: True (where the CPU allows), False (the float32 FMA
-    loop), None (back to the environment: FLEETSERVE_ATTENTION_AMX=0 turns both off,
-    FLEETSERVE_AMX=0 only AMX). For tests and A/B runs; process-wide."""
+    """Whether attention over a bf16 cache runs with bf16 products: query tiles of several
+    rows (kernels/attention_amx.c: AMX-BF16 tile products, or `vdpbf16ps` register blocks
+    on CPUs with AVX512-BF16 but no AMX) and decode / verification rows
+    (kernels/paged_decode_bf16.h, `vdpbf16ps`): True (where the CPU allows), False (the
+    float32 FMA loops), None (back to the environment: FLEETSERVE_ATTENTION_AMX=0 turns
+    all off, FLEETSERVE_AMX=0 only AMX). For tests and A/B runs; process-wide."""
     _lib().attention_amx_set(-1 if mode is None else int(mode))
 
 

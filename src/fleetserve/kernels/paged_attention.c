@@ -318,6 +318,10 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
 }
 
+/* attention_amx.c: which kernel multi-row items over a bf16 cache run (0: the float32
+ * loops; its switch also picks decode rows' bf16 products, paged_decode_bf16.h). */
+int attention_tiles_kind(void);
+
 /* attention_amx.c: tiles of several query rows against a bf16 cache as AMX-BF16 tile
  * products; 1 when it did the item, 0 when the loop below must. */
 int attend_tile_amx(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
@@ -328,14 +332,26 @@ int attend_tile_amx(const float *q, int64_t q_stride, const void *k_cache, const
 
 /* Not static: the decode step (decode_step.c) attends its rows through it too; never
  * inlined, so both callers run one machine copy (see fused_rows.h). The caches hold
- * float32, or bf16 when `kv_bf16` (widened to float32 as they are read). Rows of a
- * multi-row query over a bf16 cache go to AMX tiles where attend_tile_amx takes them. */
+ * float32, or bf16 when `kv_bf16` (widened to float32 as they are read, or bf16 pair
+ * products: decode and verification rows in paged_decode_bf16.h, tiles of a longer
+ * query in attention_amx.c, where the CPU has them and their switch is on). */
 __attribute__((noinline)) void attend_tile_dispatch(
     const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, float *out,
     const int64_t *table, int64_t q_start, int64_t q_len, int64_t seq_len, int64_t r0,
     int64_t r1, int h0, int h1, int num_heads, int num_kv_heads, int head_dim, int block_size,
     float scale, int window, float softcap, int kv_bf16, float *scores) {
 #if defined(DECODE_ONE_PASS)
+#if DECODE_DP
+    /* Decode and verification rows over a bf16 cache with bf16 products (paged_decode_bf16.h)
+     * while attention_amx.c's switch is on: out of line, first, so that the code below
+     * compiles as it did before it. */
+    if (kv_bf16 && q_len <= VERIFY_ROWS && head_dim % 32 == 0 &&
+        decode_one_pass(block_size, head_dim) && attention_tiles_kind()) {
+        attend_rows_dp(q, q_stride, k_cache, v_cache, out, table, q_start, q_len, seq_len, r0,
+                       r1, h0, h1, num_heads, num_kv_heads, head_dim, scale, window, softcap);
+        return;
+    }
+#endif
     /* A query of 2..VERIFY_ROWS rows (speculative verification: k + 1 rows): one walk over
      * the blocks for all its rows, each row with a plain decode's arithmetic at its
      * position (paged_verify.h), so verification accepts exactly the tokens plain decoding
@@ -353,7 +369,7 @@ __attribute__((noinline)) void attend_tile_dispatch(
         for (int64_t r = r0; r < r1; r++)                                                   \
             attend_decode(q, q_stride, k_cache, v_cache, out, table, q_start + r,           \
                           seq_len - q_len + r + 1, h0, h1, num_heads, num_kv_heads, HD,     \
-                          scale, window, softcap, BF);                                      \
+                          scale, window, softcap, BF, 0);                                   \
         return;                                                                             \
     }
 #else

@@ -242,12 +242,38 @@ DECODE_GROUP_COPY(decode_group_any_f32, head_dim, 0, 0)
 DECODE_GROUP_COPY(decode_group_any_bf16, head_dim, 1, pair)
 #undef DECODE_GROUP_COPY
 
-/* The copy for this head size and cache dtype (head_dim and bf16 constants where this is
- * inlined, so the choice folds away). */
+/* Rows over a bf16 cache with bf16 products where the build has them. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define DECODE_DP 1
+#include "paged_decode_bf16.h"
+#else
+#define DECODE_DP 0
+#endif
+
+/* The copy for this head size and cache dtype (head_dim, bf16 and dp constants where this
+ * is inlined, so the choice folds away); `dp`: bf16 products (paged_decode_bf16.h), qp
+ * then holding the heads' bf16 query pairs. */
 static inline __attribute__((always_inline)) void decode_group_once(
     const float *q, const float *qp, const void *kt, const void *vb, int nk, __mmask16 valid,
     const int head_dim, float scale, float softcap, float *m, float *l, float *og, int group,
-    const char *pf_k, const char *pf_v, const int bf16, const int pair) {
+    const char *pf_k, const char *pf_v, const int bf16, const int pair, const int dp) {
+#if DECODE_DP
+    if (dp) {
+#define CALL_DP(NAME)                                                                        \
+    NAME((const dp_pair *)qp, (const uint16_t *)kt, (const uint16_t *)vb, nk, valid, head_dim, \
+         scale, softcap, m, l, og, group, pf_k, pf_v)
+        if (head_dim == 64)
+            CALL_DP(decode_group_64_dp);
+        else if (head_dim == 128)
+            CALL_DP(decode_group_128_dp);
+        else
+            CALL_DP(decode_group_any_dp);
+#undef CALL_DP
+        return;
+    }
+#else
+    (void)dp;
+#endif
 #define CALL(NAME) \
     NAME(q, qp, kt, vb, nk, valid, head_dim, scale, softcap, m, l, og, group, pf_k, pf_v, pair)
     if (head_dim == 64)
@@ -298,31 +324,98 @@ static inline int decode_one_pass(int block_size, int head_dim) {
     return block_size == 16 && head_dim % 16 == 0 && head_dim <= 128;
 }
 
+/* Floats of prepared query per query head: pairs of floats (`pair`), bf16 pairs (`dp`,
+ * one float's room each), or none (q read as it is). */
+static inline __attribute__((always_inline)) int64_t decode_qprep(const int head_dim,
+                                                                  const int pair, const int dp) {
+    return dp ? head_dim / 2 : pair ? (int64_t)head_dim * 8 : 0;
+}
+
+/* Whether the walk at block b (keys t0 ..) prefetches block b + DECODE_PF (before the
+ * keys end at n_keys). The float32 loop always does; the bf16 products (dp), which
+ * finish a block in about two thirds of the time, only where the sequence's blocks jump:
+ * along consecutive block ids the hardware prefetcher streams on by itself, and software
+ * prefetches in its way cost more than they hid (the offline run's widest decode step,
+ * 248 MB of bf16 K/V, 1 thread: 12.95 ms prefetching at jumps only, 15.71 ms always,
+ * 14.28 ms never; the float32 loop 18.3 ms; load 5.7). */
+static inline __attribute__((always_inline)) int decode_prefetch(const int64_t *table,
+                                                                 int64_t b, int64_t t0,
+                                                                 int64_t n_keys, const int dp) {
+    if (DECODE_PF <= 0 || t0 + DECODE_PF * 16 >= n_keys) return 0;
+    return !dp || table[b + DECODE_PF] != table[b] + DECODE_PF;
+}
+
+/* One row attended by attend_decode or attend_verify (paged_verify.h): the last of
+ * n_keys positions, keys [k_lo, n_keys) attended. */
+typedef struct {
+    int64_t n_keys, k_lo;
+    const float *q; /* the row's query heads of kv heads [h0, h1) */
+    float *o;       /* their outputs */
+} decode_row;
+
+/* A row's setup, the same for a decode and a verification row: its key range and rows
+ * of q and out, each head's running max and sum reset (m, l: `heads` each), its outputs
+ * zeroed and its query prepared into qp (decode_qprep floats a head). */
+static inline __attribute__((always_inline)) decode_row decode_row_begin(
+    const float *q, int64_t q_stride, float *out, int64_t row, int64_t n_keys, int window,
+    int h0, int num_heads, int group, int heads, const int head_dim, float *m, float *l,
+    float *qp, const int pair, const int dp) {
+    decode_row r;
+    r.n_keys = n_keys;
+    r.k_lo = window > 0 && n_keys > window ? n_keys - window : 0;
+    r.q = q + row * q_stride + (int64_t)h0 * group * head_dim;
+    r.o = out + row * (int64_t)num_heads * head_dim + (int64_t)h0 * group * head_dim;
+    for (int h = 0; h < heads; h++) l[h] = 0.f, m[h] = -1e30f;
+    memset(r.o, 0, sizeof(float) * heads * head_dim);
+#if DECODE_DP
+    if (dp) {
+        decode_query_bf16(r.q, heads * head_dim, (dp_pair *)qp);
+        return r;
+    }
+#else
+    (void)dp;
+#endif
+    if (pair) decode_query_pairs(r.q, heads * head_dim, qp);
+    return r;
+}
+
+/* A row's end: each head divided by its sum, dimensions back in order. */
+static inline __attribute__((always_inline)) void decode_row_finish(const decode_row *r,
+                                                                    const float *l, int heads,
+                                                                    const int head_dim,
+                                                                    const int pair,
+                                                                    const int dp) {
+#if DECODE_DP
+    if (dp) {
+        decode_finish_dp(r->o, l, heads, head_dim);
+        return;
+    }
+#else
+    (void)dp;
+#endif
+    decode_finish(r->o, l, heads, head_dim, pair);
+}
+
 /* One decode row (the last of its sequence's seq_len positions) for the query heads of
- * kv heads [h0, h1): one pass over the blocks. */
+ * kv heads [h0, h1): one pass over the blocks. `dp` (a bf16 cache, head_dim a multiple
+ * of 32, DECODE_DP): bf16 products. */
 static inline __attribute__((always_inline)) void attend_decode(
     const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, float *out,
     const int64_t *table, int64_t q_start, int64_t seq_len, int h0, int h1, int num_heads,
     int num_kv_heads, const int head_dim, float scale, int window, float softcap,
-    const int bf16) {
+    const int bf16, const int dp) {
     const int group = num_heads / num_kv_heads;
     const int heads = (h1 - h0) * group;
     const int64_t span = 16 * (int64_t)head_dim;
-    const int64_t n_keys = seq_len;
-    const int64_t k_lo = window > 0 && n_keys > window ? n_keys - window : 0;
-    const int64_t t_lo = k_lo / 16 * 16;
-    const float *qr = q + q_start * q_stride + (int64_t)h0 * group * head_dim;
-    float *orow = out + q_start * (int64_t)num_heads * head_dim + (int64_t)h0 * group * head_dim;
     const int pair = bf16 && head_dim % 32 == 0;
+    const int64_t qh = decode_qprep(head_dim, pair, dp);
     float m[heads], l[heads];
-    for (int h = 0; h < heads; h++) l[h] = 0.f, m[h] = -1e30f;
-    memset(orow, 0, sizeof(float) * heads * head_dim);
-    /* The query pairs of decode_block (pair): for head h and d = 2i, 16 floats
-     * (q_h[d] x 8, q_h[d + 1] x 8) at qp + (h * head_dim / 2 + i) * 16. */
-    float qbuf[pair ? heads * head_dim * 8 + 16 : 1];
+    float qbuf[heads * qh + 16];
     float *qp = (float *)(((uintptr_t)qbuf + 63) & ~(uintptr_t)63);
-    if (pair) decode_query_pairs(qr, heads * head_dim, qp);
-    for (int64_t t0 = t_lo; t0 < n_keys; t0 += 16) {
+    const decode_row row = decode_row_begin(q, q_stride, out, q_start, seq_len, window, h0,
+                                            num_heads, group, heads, head_dim, m, l, qp, pair, dp);
+    const int64_t n_keys = row.n_keys, k_lo = row.k_lo;
+    for (int64_t t0 = k_lo / 16 * 16; t0 < n_keys; t0 += 16) {
         const int nk = (int)(t0 + 16 < n_keys ? 16 : n_keys - t0);
         __mmask16 valid = (__mmask16)((1u << nk) - 1);
         if (t0 < k_lo) valid &= (__mmask16)(0xffffu << (k_lo - t0));
@@ -330,20 +423,20 @@ static inline __attribute__((always_inline)) void attend_decode(
         const void *kb = kv_at(k_cache, (table[b] * num_kv_heads + h0) * span, bf16);
         const void *vb = kv_at(v_cache, (table[b] * num_kv_heads + h0) * span, bf16);
         const char *kn = NULL, *vn = NULL;
-        if (DECODE_PF > 0 && t0 + DECODE_PF * 16 < n_keys) {
+        if (decode_prefetch(table, b, t0, n_keys, dp)) {
             kn = kv_at(k_cache, (table[b + DECODE_PF] * num_kv_heads + h0) * span, bf16);
             vn = kv_at(v_cache, (table[b + DECODE_PF] * num_kv_heads + h0) * span, bf16);
         }
         const int64_t piece = span * (bf16 ? 2 : 4);
         for (int kv = 0; kv < h1 - h0; kv++) {
-            decode_group_once(qr + kv * group * head_dim, qp + kv * group * head_dim * 8,
-                         kv_at(kb, kv * span, bf16), kv_at(vb, kv * span, bf16), nk, valid,
-                         head_dim, scale, softcap, m + kv * group, l + kv * group,
-                         orow + kv * group * head_dim, group, kn ? kn + kv * piece : NULL,
-                         vn ? vn + kv * piece : NULL, bf16, pair);
+            decode_group_once(row.q + kv * group * head_dim, qp + kv * group * qh,
+                              kv_at(kb, kv * span, bf16), kv_at(vb, kv * span, bf16), nk, valid,
+                              head_dim, scale, softcap, m + kv * group, l + kv * group,
+                              row.o + kv * group * head_dim, group, kn ? kn + kv * piece : NULL,
+                              vn ? vn + kv * piece : NULL, bf16, pair, dp);
         }
     }
-    decode_finish(orow, l, heads, head_dim, pair);
+    decode_row_finish(&row, l, heads, head_dim, pair, dp);
 }
 
 #include "paged_verify.h"
