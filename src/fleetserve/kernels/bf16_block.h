@@ -1,16 +1,103 @@
-/* `vdpbf16ps` over 16 weight rows at a time, for CPUs without AMX (issue 25): shared by
- * gemm_bf16.c (weights as [n, k] rows) and gemm_bf16_tiled.c (AMX B tiles, untiled an
- * n-block at a time). Included where AVX512-BF16 is compiled in (immintrin.h included).
+/* bf16 GEMM pieces shared by gemm_bf16.c (weights as [n, k] rows) and gemm_bf16_tiled.c
+ * (AMX B tiles): x rounded to bf16 once per call by the team, the split of a call's rows
+ * into chunks, and for CPUs without AMX `vdpbf16ps` over 16 weight rows at a time (the
+ * tiled kernel untiles an n-block first). Included by both sources unconditionally; the
+ * vector parts where AVX512-BF16 is compiled in.
  *
  * Each lane of an accumulator is one pair of inputs (2p, 2p + 1) of every 32-input chunk
  * in turn, one chain per lane; the 16 lanes are then summed in _mm512_reduce_add_ps's
  * tree. So an output's sum is the same bits whatever the row count, the rows beside it,
- * the blocking or the team (the rows kernel's dot_row gives the same). */
+ * the blocking, the chunks or the team (the rows kernel's dot_row gives the same). */
 #ifndef FLEETSERVE_BF16_BLOCK_H
 #define FLEETSERVE_BF16_BLOCK_H
 
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
+#include "bf16_bits.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define BF16_BLOCKS 1
+#else
+#define BF16_BLOCKS 0
+#endif
+
+/* A buffer of `values` bf16 values, 64-byte aligned, kept across calls by the calling
+ * thread (the OpenMP team's threads live as long as the process); NULL when it cannot
+ * grow. One per including source. */
+static uint16_t *bf16_team_buffer(size_t values) {
+    static _Thread_local uint16_t *buf = NULL;
+    static _Thread_local size_t cap = 0;
+    if (values > cap) {
+        uint16_t *grown = aligned_alloc(64, (values * sizeof(uint16_t) + 63) / 64 * 64);
+        if (!grown) return NULL;
+        free(buf);
+        buf = grown, cap = values;
+    }
+    return buf;
+}
+
+/* Called by every thread of the team: x's m rows (ldx apart) rounded to bf16
+ * (nearest-even) into one buffer the team shares, `rows` rows (>= m; those past m zero in
+ * their first k values) ldb values apart, then `extra` values left to the caller. Every
+ * thread gets the same pointer, or NULL (then no thread waits at a barrier here; with
+ * abort_on_oom the process aborts instead, naming `who`: the C step has no error path
+ * inside its team). Ends in the team's barrier. */
+static uint16_t *bf16_round_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t rows,
+                                 int64_t ldb, size_t extra, int abort_on_oom, const char *who) {
+    uint16_t *xb = NULL;
+#pragma omp single copyprivate(xb)
+    xb = bf16_team_buffer((size_t)(rows * ldb) + extra);
+    if (!xb) {
+        if (abort_on_oom) {
+            fprintf(stderr, "fleetserve: %s: cannot allocate the bf16 rows of x\n", who);
+            abort();
+        }
+        return NULL;
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *dst = xb + r * ldb;
+        if (r >= m) {
+            memset(dst, 0, (size_t)k * sizeof(uint16_t));
+            continue;
+        }
+        const float *src = x + r * ldx;
+        int64_t i = 0;
+#if BF16_BLOCKS
+        for (; i + 32 <= k; i += 32)
+            _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16),
+                                                                     _mm512_loadu_ps(src + i)));
+#endif
+        for (; i < k; i++) dst[i] = to_bf16(src[i]);
+    }
+    return xb;
+}
+
+/* Rows per chunk of a call's m rows over a team of `threads`: a chunk's bf16 rows (k * 2
+ * + 64 bytes each) fill at most about half of a core's L2 (1 MiB on Zen 4), the rest
+ * left to the n-block's weights, the outputs and the next n-block's; work items (chunk
+ * of rows, n-block) go chunk-major, so a chunk stays in L2 while the n-blocks pass. The
+ * chunks are of one size (a multiple of 4 rows, the last one shorter by the rounding)
+ * and, where there are several, as many as a multiple of the team: a static split then
+ * hands each thread the same number of rows (chunks of the L2 size alone left 1,024 rows
+ * at k = 768 as 324 + 324 | 324 + 52 over two threads). The sums do not depend on it. */
+#ifndef ROWS_CHUNK_BYTES
+#define ROWS_CHUNK_BYTES (512 << 10)
+#endif
+static inline int64_t bf16_rows_chunk(int64_t m, int64_t k, int threads) {
+    int64_t cap = ROWS_CHUNK_BYTES / ((k + 32) * 2);
+    if (cap < 16) cap = 16;
+    int64_t chunks = m > cap ? (m + cap - 1) / cap : 1;
+    if (chunks > 1 && threads > 1) chunks = (chunks + threads - 1) / threads * threads;
+    const int64_t rows = ((m + chunks - 1) / chunks + 3) / 4 * 4;
+    return rows < 16 ? 16 : rows;
+}
+
+#if BF16_BLOCKS
 /* _mm512_reduce_add_ps of 16 vectors at once: lane a of the result is acc[a]'s lanes
  * reduced in that function's tree (lane i + lane i + 8, then + 4, + 2, + 1), two vectors'
  * halves or quarters brought side by side by each shuffle. */
@@ -92,18 +179,6 @@ static __attribute__((noinline)) __m512 block_rows(const uint16_t *x, int64_t ld
     }
 }
 
-/* Rows per chunk: a chunk's bf16 rows (k * 2 + 64 bytes each) fill about half of a
- * core's L2 (1 MiB on Zen 4), the rest left to the n-block's weights, the outputs and the
- * next n-block's; a multiple of 4 rows. Work items (chunk of rows, n-block) go
- * chunk-major, so a chunk stays in L2 while the n-blocks pass. */
-#ifndef ROWS_CHUNK_BYTES
-#define ROWS_CHUNK_BYTES (512 << 10)
-#endif
-static inline int64_t bf16_rows_chunk(int64_t k) {
-    const int64_t rows = ROWS_CHUNK_BYTES / ((k + 32) * 2);
-    return rows < 16 ? 16 : rows - rows % 4;
-}
-
 /* Outputs j0 .. j0 + 15 of rows r0 .. r1 - 1: x rounded to bf16 in xb (rows ldb apart,
  * one more readable row past r1 where (r1 - r0) % 4 == 3: it is multiplied, not stored),
  * weight rows w, w + ldw, ... (k = 32 * kc inputs each), plus bias (NULL: none), into
@@ -147,5 +222,7 @@ static void bf16_nblock(const uint16_t *xb, int64_t ldb, int64_t r0, int64_t r1,
         r += R;
     }
 }
+
+#endif /* BF16_BLOCKS */
 
 #endif

@@ -19,15 +19,9 @@
 #include <omp.h>
 
 #include "amx_perm.h"
-#include "bf16_bits.h"
-
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
 #include "bf16_block.h"
-#define BF16_NATIVE 1
-#else
-#define BF16_NATIVE 0
-#endif
+
+#define BF16_NATIVE BF16_BLOCKS
 
 #if BF16_NATIVE && defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #define BF16_AMX 1
@@ -86,34 +80,7 @@ static void dot_rows4(const uint16_t *xb, int64_t k, const uint16_t *w, float *a
     for (int r = 0; r < 4; r++) acc4[r] = s[r];
 }
 
-/* A scratch row of bf16 activations per thread, kept across calls (the OpenMP team's
- * threads live as long as the process); NULL when it cannot grow. */
-static uint16_t *thread_scratch(size_t need) {
-    static _Thread_local uint16_t *buf = NULL;
-    static _Thread_local size_t cap = 0;
-    if (need > cap) {
-        uint16_t *grown = realloc(buf, need * sizeof(uint16_t));
-        if (!grown) return NULL;
-        buf = grown, cap = need;
-    }
-    return buf;
-}
-
 #if BF16_NATIVE
-/* One copy of x per team (packed for AMX, or rounded rows for the blocks): the thread
- * that takes the `single` grows its own. */
-static uint16_t *team_pack(size_t need) {
-    static _Thread_local uint16_t *buf = NULL;
-    static _Thread_local size_t cap = 0;
-    if (need > cap) {
-        uint16_t *grown = aligned_alloc(64, (need * sizeof(uint16_t) + 63) / 64 * 64);
-        if (!grown) return NULL;
-        free(buf);
-        buf = grown, cap = need;
-    }
-    return buf;
-}
-
 /* This thread's share without AMX where k % 32 == 0 (see bf16_share): x rounded to bf16
  * once by the team (rows ldb apart, padded with zero rows to a multiple of 4), then work
  * items (chunk of rows, 16 weight rows) through bf16_block.h, the n % 16 weight rows
@@ -121,30 +88,12 @@ static uint16_t *team_pack(size_t need) {
 static int blocks_share(const float *x, int64_t ldx, const uint16_t *w, const float *bias,
                         float *out, int64_t ldo, int64_t m, int64_t n, int64_t k,
                         int abort_on_oom) {
-    const int64_t ldb = k + 32, mp = (m + 3) / 4 * 4, kc = k / 32, nb16 = n / 16;
-    uint16_t *xb = NULL;
-#pragma omp single copyprivate(xb)
-    xb = team_pack((size_t)(mp * ldb));
-    if (!xb) {
-        if (abort_on_oom) {
-            fprintf(stderr, "fleetserve: gemm_bf16: cannot allocate the bf16 rows of x\n");
-            abort();
-        }
-        return -1; /* every thread sees the same NULL: none waits at a barrier below */
-    }
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < mp; r++) {
-        uint16_t *dst = xb + r * ldb;
-        if (r >= m) {
-            memset(dst, 0, (size_t)k * sizeof(uint16_t));
-            continue;
-        }
-        for (int64_t i = 0; i < k; i += 32)
-            _mm512_storeu_si512(dst + i,
-                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + r * ldx + i + 16),
-                                                             _mm512_loadu_ps(x + r * ldx + i)));
-    }
-    const int64_t rows = bf16_rows_chunk(k), nchunks = (m + rows - 1) / rows;
+    const int64_t ldb = k + 32, kc = k / 32, nb16 = n / 16;
+    const uint16_t *xb = bf16_round_rows(x, ldx, m, k, (m + 3) / 4 * 4, ldb, 0, abort_on_oom,
+                                         "gemm_bf16");
+    if (!xb) return -1; /* every thread sees the same NULL: none waits at a barrier below */
+    const int64_t rows = bf16_rows_chunk(m, k, omp_get_num_threads());
+    const int64_t nchunks = (m + rows - 1) / rows;
 #pragma omp for schedule(static)
     for (int64_t q = 0; q < nchunks * nb16; q++) {
         const int64_t b = q % nb16, r0 = q / nb16 * rows;
@@ -313,7 +262,7 @@ static int amx_share(const float *x, int64_t ldx, const uint16_t *w, const float
     const int64_t chunk = amx_chunk_blocks(k), cb = chunk < mb ? chunk : mb;
     const int64_t xp_len = (mb + 1) * kc * PACK_BLOCK, acc_len = (cb + 1) / 2 * 2048;
 #pragma omp single copyprivate(xp)
-    xp = team_pack((size_t)(xp_len + omp_get_num_threads() * acc_len));
+    xp = bf16_team_buffer((size_t)(xp_len + omp_get_num_threads() * acc_len));
     if (!xp) {
         if (abort_on_oom) {
             fprintf(stderr, "fleetserve: gemm_bf16: cannot allocate the packed rows of x\n");
@@ -349,12 +298,12 @@ static int amx_share(const float *x, int64_t ldx, const uint16_t *w, const float
 #endif
 
 /* This thread's share of out[m, n] = bf16(x) @ w^T (+ bias), called by every thread of
- * an OpenMP team (the C step's linear dispatch, or gemm_bf16 below): each rounds the m
- * rows of x into its own scratch, then the weight rows are split over the team (ends in
- * the team's barrier). Every output is computed by the same code whatever the team, so
- * the C step and the module path agree bit for bit. Returns 0, or -1 when this thread's
- * scratch could not grow (its share is then left undone; with abort_on_oom the process
- * aborts instead). */
+ * an OpenMP team (the C step's linear dispatch, or gemm_bf16 below): the team rounds the
+ * m rows of x once into a buffer it shares, then the weight rows are split over the team
+ * (ends in the team's barrier). Every output is computed by the same code whatever the
+ * team, so the C step and the module path agree bit for bit. Returns 0, or -1 when the
+ * buffer could not grow (nothing is then computed; with abort_on_oom the process aborts
+ * instead). */
 static int bf16_share(const float *x, int64_t ldx, const uint16_t *w, const float *bias,
                       float *out, int64_t ldo, int64_t m, int64_t n, int64_t k,
                       int abort_on_oom) {
@@ -365,24 +314,13 @@ static int bf16_share(const float *x, int64_t ldx, const uint16_t *w, const floa
 #if BF16_NATIVE
     if (k % 32 == 0) return blocks_share(x, ldx, w, bias, out, ldo, m, n, k, abort_on_oom);
 #endif
-    uint16_t *xb = thread_scratch((size_t)(m * k));
-    int rc = 0;
-    if (xb) {
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t i = 0; i < k; i++) xb[r * k + i] = to_bf16(x[r * ldx + i]);
-    } else if (abort_on_oom) {
-        /* The C step cannot return an error from inside its team: a share left undone
-         * would be a wrong answer served silently, so the process dies loudly instead
-         * (the fleet replaces and migrates a dead engine). */
-        fprintf(stderr, "fleetserve: gemm_bf16: cannot allocate %lld bf16 scratch values\n",
-                (long long)(m * k));
-        abort();
-    } else {
-        rc = -1;
-    }
+    /* The C step cannot return an error from inside its team: a share left undone would
+     * be a wrong answer served silently, so with abort_on_oom the process dies loudly
+     * instead (the fleet replaces and migrates a dead engine). */
+    const uint16_t *xb = bf16_round_rows(x, ldx, m, k, m, k, 0, abort_on_oom, "gemm_bf16");
+    if (!xb) return -1; /* the same NULL for every thread: no barrier below */
 #pragma omp for schedule(static)
     for (int64_t j = 0; j < n; j++) {
-        if (!xb) continue;
         const float b = bias ? bias[j] : 0.0f;
         int64_t r = 0;
         for (; r + 4 <= m; r += 4) {
@@ -392,7 +330,7 @@ static int bf16_share(const float *x, int64_t ldx, const uint16_t *w, const floa
         }
         for (; r < m; r++) out[r * ldo + j] = dot_row(xb + r * k, w + j * k, k) + b;
     }
-    return rc;
+    return 0;
 }
 
 /* The C step's share (it has no error path inside its team: see bf16_share). */

@@ -23,15 +23,9 @@
 #include <omp.h>
 
 #include "amx_perm.h"
-#include "bf16_bits.h"
-
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
 #include "bf16_block.h"
-#define TILED_NATIVE 1
-#else
-#define TILED_NATIVE 0
-#endif
+
+#define TILED_NATIVE BF16_BLOCKS
 
 #if TILED_NATIVE && defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #define TILED_AMX 1
@@ -42,22 +36,6 @@
 #define TILE 512       /* bf16 values in one 16 x 32 weight tile */
 #define AMX_MIN_ROWS 1 /* as gemm_bf16.c: every row count on tiles where AMX is */
 
-
-/* x's rows rounded to bf16, m rounded up to 16 rows (zero past m), shared by the team:
- * the thread that takes the `single` grows its own buffer and hands it round. After the
- * rows, `extra` floats per thread (64-byte aligned). */
-static uint16_t *team_rows(size_t values, size_t extra_floats) {
-    static _Thread_local uint16_t *buf = NULL;
-    static _Thread_local size_t cap = 0;
-    const size_t need = values + extra_floats * 2;
-    if (need > cap) {
-        uint16_t *grown = aligned_alloc(64, (need * sizeof(uint16_t) + 63) / 64 * 64);
-        if (!grown) return NULL;
-        free(buf);
-        buf = grown, cap = need;
-    }
-    return buf;
-}
 
 #if TILED_NATIVE
 /* An n-block's tiles as 16 rows of k bf16 (row j: output j's inputs in order, ld apart):
@@ -255,32 +233,11 @@ static int tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const fl
      * 0.50 TFLOP/s, the rows kernel's packed blocks at 0.58). */
     const int64_t ldb = k + 32;
     const size_t rows_len = (size_t)(mb * 16 * ldb), acc_at = (rows_len + 32 + 31) / 32 * 32;
-    uint16_t *xb = NULL;
-#pragma omp single copyprivate(xb)
-    xb = team_rows(acc_at, acc_floats * (size_t)omp_get_num_threads());
-    if (!xb) {
-        if (abort_on_oom) {
-            fprintf(stderr, "fleetserve: gemm_bf16 (tiled): cannot allocate the bf16 rows\n");
-            abort();
-        }
-        return -1; /* every thread sees the same NULL: none waits at a barrier below */
-    }
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < mb * 16; r++) {
-        uint16_t *dst = xb + r * ldb;
-        if (r >= m) {
-            memset(dst, 0, (size_t)k * sizeof(uint16_t));
-            continue;
-        }
-        const float *src = x + r * ldx;
-        int64_t i = 0;
-#if TILED_NATIVE
-        for (; i + 32 <= k; i += 32)
-            _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16),
-                                                                     _mm512_loadu_ps(src + i)));
-#endif
-        for (; i < k; i++) dst[i] = to_bf16(src[i]);
-    }
+    /* After the rows (16 * mb of them, zero past m), each thread's parked C tiles. */
+    uint16_t *xb = bf16_round_rows(x, ldx, m, k, mb * 16, ldb,
+                                   acc_at - rows_len + 2 * acc_floats * omp_get_num_threads(),
+                                   abort_on_oom, "gemm_bf16 (tiled)");
+    if (!xb) return -1; /* every thread sees the same NULL: none waits at a barrier below */
     if (!use_amx) {
         uint16_t *wr = NULL;
         int rc = 0;
@@ -297,7 +254,7 @@ static int tiled_share(const float *x, int64_t ldx, const uint16_t *wt, const fl
          * L2 while the n-blocks pass (a static split gives both threads each chunk's
          * half of the n-blocks). */
 #if TILED_NATIVE
-        const int64_t rows = bf16_rows_chunk(k);
+        const int64_t rows = bf16_rows_chunk(m, k, omp_get_num_threads());
 #else
         const int64_t rows = m;
 #endif
