@@ -102,7 +102,7 @@ class DecodeBurst:
 # on SmolLM2) and, with its chunked streaming, changed where a resumed (migrated) request
 # picks up: tests/serve/test_resume.py's resume after a stop string then diverged from the
 # uninterrupted text on a CPU without AMX (prefill and decode sums differ in the last bits).
-DEFAULT_BURST_TOKENS = 1
+DEFAULT_BURST_TOKENS = 8
 
 
 def make_decode_burst(model: object, block_size: int, max_model_len: int) -> DecodeBurst | None:
