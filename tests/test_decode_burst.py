@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compile
 
 @pytest.fixture(autouse=True)
 def _bursts_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Bursts are opt-in (FLEETSERVE_DECODE_BURST, default 1: off): these tests turn them on."""
+    """Bursts on whatever the environment says (FLEETSERVE_DECODE_BURST=1 turns them off)."""
     monkeypatch.setenv("FLEETSERVE_DECODE_BURST", "8")
 
 
@@ -147,6 +147,12 @@ def test_no_burst_when_logits_are_read(
 def test_env_switch(
     tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("FLEETSERVE_DECODE_BURST")
+    default = _runner(LLM(tiny_model_factory("llama"), max_model_len=64)).burst
+    assert isinstance(default, DecodeBurst) and default.max_tokens == 8  # on by default
+    monkeypatch.setenv("FLEETSERVE_DEBUG_STEP_DELAY_S", "0.01")
+    assert _runner(LLM(tiny_model_factory("llama"), max_model_len=64)).burst is None
+    monkeypatch.delenv("FLEETSERVE_DEBUG_STEP_DELAY_S")
     monkeypatch.setenv("FLEETSERVE_DECODE_BURST", "1")
     assert _runner(LLM(tiny_model_factory("llama"), max_model_len=64)).burst is None
     monkeypatch.setenv("FLEETSERVE_DECODE_BURST", "four")
