@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compile
 
 @pytest.fixture(autouse=True)
 def _bursts_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Bursts are opt-in (FLEETSERVE_DECODE_BURST, default 1: off): these tests turn them on."""
+    """Bursts on whatever the environment says (FLEETSERVE_DECODE_BURST=1 turns them off)."""
     monkeypatch.setenv("FLEETSERVE_DECODE_BURST", "8")
 
 
@@ -147,6 +147,12 @@ def test_no_burst_when_logits_are_read(
 def test_env_switch(
     tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("FLEETSERVE_DECODE_BURST")
+    default = _runner(LLM(tiny_model_factory("llama"), max_model_len=64)).burst
+    assert isinstance(default, DecodeBurst) and default.max_tokens == 8  # on by default
+    monkeypatch.setenv("FLEETSERVE_DEBUG_STEP_DELAY_S", "0.01")
+    assert _runner(LLM(tiny_model_factory("llama"), max_model_len=64)).burst is None
+    monkeypatch.delenv("FLEETSERVE_DEBUG_STEP_DELAY_S")
     monkeypatch.setenv("FLEETSERVE_DECODE_BURST", "1")
     assert _runner(LLM(tiny_model_factory("llama"), max_model_len=64)).burst is None
     monkeypatch.setenv("FLEETSERVE_DECODE_BURST", "four")
@@ -163,3 +169,69 @@ def test_burst_same_tokens_smollm2_gguf(threads: int, monkeypatch: pytest.Monkey
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     on, off, extra, _ = _on_and_off(llm, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], params, monkeypatch)
     assert on == off and extra > 0
+
+
+def test_burst_stop_strings_text_and_eos(
+    tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stop strings met inside a burst end the output where one step at a time ends it:
+    the same token ids, text, finish and stop reason; EOS (not ignored) likewise."""
+    llm = LLM(tiny_model_factory("llama"), max_model_len=128, num_kv_blocks=32, max_num_seqs=1)
+    runner = _runner(llm)
+    burst = runner.burst
+    assert isinstance(burst, DecodeBurst)
+    prompt = [{"prompt_token_ids": p} for p in _prompts(2, 200)]
+    free = llm.generate(prompt[:1], SamplingParams(max_tokens=40, temperature=0), use_tqdm=False)
+    text = free[0].outputs[0].text
+    assert len(text) > 30
+    cases = [
+        SamplingParams(max_tokens=40, temperature=0, stop=[text[20:24]]),
+        SamplingParams(max_tokens=40, temperature=0, stop=[text[9:12]], include_stop_str_in_output=True),
+        SamplingParams(max_tokens=40, temperature=0),  # EOS ends it, if the model says it
+    ]  # fmt: skip
+    results = []
+    for on in (True, False):
+        monkeypatch.setattr(runner, "burst", burst if on else None)
+        before = burst.num_extra_tokens
+        got = []
+        for params in cases:
+            llm.engine.core.block_manager.reset_prefix_cache()  # type: ignore[attr-defined]
+            outs = llm.generate(prompt, params, use_tqdm=False)
+            got.append([(list(c.token_ids), c.text, c.finish_reason, c.stop_reason)
+                        for o in outs for c in o.outputs])  # fmt: skip
+        results.append(got)
+        assert (burst.num_extra_tokens > before) == on
+    assert results[0] == results[1]
+    assert results[0][0][0][2] == "stop" and results[0][1][0][2] == "stop"
+
+
+def test_burst_streamed_deltas_add_up(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the engine process (AsyncEngine): a burst's tokens leave in one delta; the
+    deltas folded give what one step at a time streams, and bursts took fewer steps."""
+    import asyncio
+
+    from fleetserve.engine.arg_utils import EngineArgs
+    from fleetserve.engine.async_engine import AsyncEngine
+    from fleetserve.outputs import OutputFold
+
+    prompt = {"prompt_token_ids": [5, 17, 29, 41, 53, 65, 77, 89]}
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=["zz"])
+
+    async def stream(tokens: str) -> tuple[int, list[Any]]:
+        monkeypatch.setenv("FLEETSERVE_DECODE_BURST", tokens)
+        engine = AsyncEngine(EngineArgs(model=tiny_llama, num_threads=1), 16)
+        await engine.start()
+        try:
+            acc = OutputFold("s", 1)
+            async for out in engine.generate("s", prompt, params):
+                acc.add(out)
+            c = acc.output().outputs[0]
+            assert engine.stats is not None  # each step's stats come with its outputs
+            return engine.stats.num_steps, [list(c.token_ids), c.text, c.finish_reason]
+        finally:
+            await engine.shutdown()
+
+    steps_on, on = asyncio.run(asyncio.wait_for(stream("8"), 120))
+    steps_off, off = asyncio.run(asyncio.wait_for(stream("1"), 120))
+    assert on == off and len(on[0]) == 40
+    assert steps_off >= 40 > 2 * steps_on  # the bursts ran, in the engine process

@@ -97,6 +97,9 @@ class OutputProcessor:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if resume is not None and len(resume.outputs) != params.n:
             raise ValueError(f"resume has {len(resume.outputs)} outputs for n={params.n}")
+        if resume is not None and all(c.finish_reason is not None for c in resume.outputs):
+            # Nothing would be sent to the core, and the stream would wait for ever.
+            raise ValueError("resume: every output has finished already; nothing to resume")
         children = {}
         for i in range(params.n):
             cid = child_request_id(request_id, i, params.n)

@@ -21,17 +21,36 @@
 #define PREFETCH 4096
 #define PREFETCH_FAR 16384
 
-/* A panel block's prefetches: 4 KB ahead into L1 always and, where the block's compute
- * for `rows` rows is short for its bytes (under ~56 bytes per row and block: Q8_0 1-9
- * rows, Q4 2-5), 16 KB ahead into L2 as well. On the Zen 4 here the one stream into L1
- * left a DRAM-bound weight half idle while the rows' arithmetic ran: the 49152-row Q8_0
- * LM head ran 1.3-1.66x faster at 8 rows, 1.05-1.35x at 2 and 1.05-1.34x at 1 with the
+/* Fewest rows of x for which the kernels prefetch the weights themselves. On AMD Zen 4
+ * (GCC 12's -march=native calls it znver3) a step of 1-2 rows streams its weights
+ * faster on the hardware prefetchers alone: a replayed 1-row SmolLM2 decode step (Q4_1
+ * layers, Q8_0 LM head, ~96 MB from DRAM) took 3.57 ms (p10 of 400, thread CPU time)
+ * against 4.24 with the prefetches below and 4.02 with one stream 16 KB ahead; the LM
+ * head read 28.2 GB/s against 20.6, the Q4_1 projections 23.6-27.6 against 21.8-25.3;
+ * 2 rows 3.71 against 4.43 ms. At 4 rows they pay (5.26 ms with them, 5.52 without), at
+ * 8 more so (8.88 against 11.30); 3 rows, not measured, keep them. On the Xeon of
+ * earlier sessions they paid at one row too (no prefetch read Q4_1 layers at 12.7 GB/s
+ * against 18.5): other targets keep them (docs/benchmarks.md, issue 25, branch roof3). */
+#if defined(__AVX512VNNI__) &&                                                            \
+    (defined(__znver1__) || defined(__znver2__) || defined(__znver3__) ||                 \
+     defined(__znver4__) || defined(__znver5__))
+#define PREFETCH_MIN_ROWS 3
+#else
+#define PREFETCH_MIN_ROWS 1
+#endif
+
+/* A panel block's prefetches (from PREFETCH_MIN_ROWS rows): 4 KB ahead into L1 always
+ * and, where the block's compute for `rows` rows is short for its bytes (under ~56
+ * bytes per row and block: Q8_0 1-9 rows, Q4 2-5), 16 KB ahead into L2 as well. On the
+ * Zen 4 here the one stream into L1 left a DRAM-bound weight half idle while the rows'
+ * arithmetic ran: the 49152-row Q8_0 LM head ran 1.3-1.66x faster at 8 rows with the
  * far stream too. One row of Q4 keeps the one stream: it moved Q4_1 layers streamed from
  * DRAM by -6% to +12% (and cost 9% where the weights sit in L2); at 6-16 Q4 rows the
  * extra instructions cost 3-6% for nothing (docs/benchmarks.md, issue 25, branch
  * qvnni). */
 static inline __attribute__((always_inline)) void prefetch_block(int qtype, const uint8_t *pb,
                                                                  int64_t bb, int rows) {
+    if (rows < PREFETCH_MIN_ROWS) return;
     PREFETCH_WEIGHTS(pb, bb, PREFETCH);
     if ((rows >= 2 || qtype == Q8_0) && rows * 56 <= bb) PREFETCH_WEIGHTS_L2(pb, bb, PREFETCH_FAR);
 }

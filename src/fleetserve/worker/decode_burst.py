@@ -96,19 +96,20 @@ class DecodeBurst:
         return out
 
 
-# The most tokens a burst returns by default: 1, i.e. no bursts unless
-# FLEETSERVE_DECODE_BURST asks for them (8 measured best: -14% CPU a token for one
-# stream). Off by default because a burst holds the engine for that many C steps (~35 ms
-# on SmolLM2) and, with its chunked streaming, changed where a resumed (migrated) request
-# picks up: tests/serve/test_resume.py's resume after a stop string then diverged from the
-# uninterrupted text on a CPU without AMX (prefill and decode sums differ in the last bits).
-DEFAULT_BURST_TOKENS = 1
+# The most tokens a burst returns by default (FLEETSERVE_DECODE_BURST overrides; 1 turns
+# bursts off): 8 measured best, -14% CPU a token for one stream; a burst holds the engine
+# for that many C steps (~35 ms on SmolLM2 at one thread), which a request arriving
+# meanwhile waits out. (Opt-in for a while: tests/serve/test_resume.py's stop-string case
+# failed with them on, because a burst ended the request in its second output and the
+# test resumed from that finished output, which hung: such a resume is now refused.)
+DEFAULT_BURST_TOKENS = 8
 
 
 def make_decode_burst(model: object, block_size: int, max_model_len: int) -> DecodeBurst | None:
     """The runner's burst for `model` (its `LlamaForCausalLM.model`), or None: a model
     outside it (another embedding than Llama's GGUF or float32 table, no C step with the
-    head) or FLEETSERVE_DECODE_BURST <= 1 (tokens per burst; A/B runs)."""
+    head), FLEETSERVE_DECODE_BURST <= 1 (tokens per burst; A/B runs) or a debug step
+    delay."""
     raw = os.environ.get("FLEETSERVE_DECODE_BURST", str(DEFAULT_BURST_TOKENS))
     try:
         tokens = int(raw)
