@@ -58,13 +58,18 @@ class _Plan(ctypes.Structure):
         ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("final_norm", _p),
         ("layers", ctypes.POINTER(_Layer)), ("lora", _p), ("activation", _i32),
         ("head", _Linear), ("reduce", _p), ("profile", _p), ("profile_threads", _i32),
-        ("profile_cpu", _i32), ("dot_chunked", _i32),
+        ("profile_cpu", _i32), ("dot_chunked", _i32), ("split_min_rows", _i32),
     ]  # fmt: skip
 
 
 class _Embedding(ctypes.Structure):
     _fields_ = [("qtype", _i32), ("data", _p), ("row_bytes", _i64), ("vocab", _i64)]
 
+
+# Steps of at least this many rows may split by sequences over the threads (see
+# DecodePlan.split_min_rows): below it a step's GEMMs are bound by reading the weights,
+# which each sub-step would read again.
+SPLIT_MIN_ROWS = 24
 
 # The phases an opt-in profile times (decode_step.c's PH_*, in order).
 PHASES = ("rows", "qkv", "attention", "o", "gate_up", "down", "head", "argmax")
@@ -178,6 +183,8 @@ class DecodePlan:
         # Steps run, and those that ran the LM head (a worker reports them: the proof
         # that the C path ran on a rank).
         self.steps = self.head_steps = 0
+        # Steps that ran split by sequences over the threads (split_min_rows).
+        self.split_steps = 0
         self._keep: list[object] = [cos, sin]
         # Some projection keeps bf16 weights (gemm_bf16.c: AMX tiles at any row count where
         # the CPU has them; every step runs here, as for the other kinds).
@@ -188,6 +195,9 @@ class DecodePlan:
         # sliding-window layer's reads stop at its window).
         self.kv_bytes_per_position = 0
         self._profile: torch.Tensor | None = None
+        # Every weight so far multiplies a row the same whatever the call's other rows
+        # (bf16 rows or tiles: one chain per row at any row count): steps may split.
+        self._rows_independent = True
         self._layers = (_Layer * len(layers))()
         for i, w in enumerate(layers):
             dst = self._layers[i]
@@ -229,6 +239,8 @@ class DecodePlan:
             self.weight_bytes["head"] = _bytes(head)
             self.has_bf16 = layers_bf16  # the layers' weights, not the head's
             self.vocab = sum(self._plan.head.seg[j].n for j in range(self._plan.head.num_segments))
+        if self._rows_independent:
+            self._plan.split_min_rows = SPLIT_MIN_ROWS
         self._reduce = reduce
         self._reduce_error: BaseException | None = None
         if reduce is not None:
@@ -255,6 +267,23 @@ class DecodePlan:
     @dot_chunked.setter
     def dot_chunked(self, on: bool) -> None:
         self._plan.dot_chunked = int(on)
+
+    @property
+    def split_min_rows(self) -> int:
+        """Steps of at least this many rows and of several sequences run as one sub-step
+        per thread over its own sequences (decode_step.c's split_step) where their costs
+        share out evenly; 0: never (every step runs as one team). Non-zero by default
+        only where every weight multiplies a row the same whatever the other rows (bf16),
+        so the outputs are the team's bit for bit."""
+        return int(self._plan.split_min_rows)
+
+    @split_min_rows.setter
+    def split_min_rows(self, rows: int) -> None:
+        if rows < 0:
+            raise ValueError(f"split_min_rows must be >= 0, got {rows}")
+        if rows and not self._rows_independent:
+            raise ValueError("split_min_rows: this plan's weights depend on the call's rows")
+        self._plan.split_min_rows = rows
 
     def stop_profile(self) -> dict[str, list[float]]:
         """Seconds per phase and thread since start_profile; timing off again."""
@@ -320,6 +349,8 @@ class DecodePlan:
         return t.data_ptr()
 
     def _linear(self, dst: _Linear, w: Weights, bias: torch.Tensor | None) -> None:
+        if not isinstance(w, TiledBf16 | torch.Tensor):
+            self._rows_independent = False
         if isinstance(w, PackedWeight):
             dst.seg[0] = _Segment(W_PACKED, 0, w.data.data_ptr(), 0, w.out_features)
             dst.num_segments, dst.k = 1, w.in_features
@@ -416,8 +447,9 @@ class DecodePlan:
             raise RuntimeError("decode_step: the all-reduce failed") from self._reduce_error
         if rc == -1:
             raise MemoryError("decode_step: could not allocate its buffers")
-        if rc != 0:
+        if rc < 0:
             raise ValueError(f"decode_step needs at least one row and one sequence, got {m}")
+        self.split_steps += rc  # 1: it ran as one sub-step per thread
         return out
 
 
