@@ -66,12 +66,27 @@ def bf16_llm(tiny_model_factory: Callable[..., str]) -> LLM:
     )  # fmt: skip
 
 
+def _dot_llm(tiny_model_factory: Callable[..., str]) -> LLM:
+    """Int8 weights in the dot layout (int8 activations)."""
+    return LLM(
+        tiny_model_factory("llama"), quantization="int8", int8_activations=True,
+        max_model_len=128, block_size=4, num_kv_blocks=640, max_num_batched_tokens=48,
+        max_num_seqs=24,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8 dot layout"])
 def test_split_steps_give_the_team_bits(
-    bf16_llm: LLM, monkeypatch: pytest.MonkeyPatch
+    weights: str,
+    bf16_llm: LLM,
+    tiny_model_factory: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    plan = _plan(bf16_llm)
-    assert plan.split_min_rows > 0  # bf16 weights: on by default
-    steps = _captured(bf16_llm, 24, 10)
+    llm = bf16_llm if weights == "bf16" else _dot_llm(tiny_model_factory)
+    plan = _plan(llm)
+    # On by default, from fewer rows where a weight takes fewer bytes.
+    assert plan.split_min_rows == 24 if weights == "bf16" else 2 <= plan.split_min_rows < 24
+    steps = _captured(llm, 24, 10)
     kinds = {bool((a[5] == 1).all()) for a in steps}
     assert kinds == {True, False}  # decode steps and steps with prompt rows
     default = plan.split_min_rows
@@ -127,6 +142,7 @@ def test_split_run_gives_the_module_path_tokens(
 def test_plans_of_row_dependent_weights_do_not_split(
     tiny_model_factory: Callable[..., str],
 ) -> None:
+    # int8 weights with float32 activations: decode and prefill kernels differ by rows.
     llm = LLM(tiny_model_factory("llama"), quantization="int8", max_model_len=64)
     plan = _plan(llm)
     assert plan.split_min_rows == 0

@@ -315,6 +315,14 @@ static void linear_share(const ds_linear *lin, const float *x, int64_t ldx, cons
     }
 }
 
+/* Whether a weight of this kind multiplies each row of x the same whatever the call's
+ * other rows (its row count included): bf16 rows or tiles (one chain per row at every
+ * row count, gemm_bf16*.c) and the dot layout (integer block sums, each row's blocks in
+ * order, quant_dot.c). Such weights may run split steps (split_step). */
+int decode_step_rows_independent(int kind, int qtype) {
+    return kind == W_BF16 || kind == W_BF16_TILED || (kind == W_QUANT && quant_dot_layout(qtype));
+}
+
 static int linear_has_dot(const ds_linear *lin) {
     for (int j = 0; j < lin->num_segments; j++)
         if (lin->seg[j].kind == W_QUANT && quant_dot_layout(lin->seg[j].qtype)) return 1;

@@ -66,10 +66,12 @@ class _Embedding(ctypes.Structure):
     _fields_ = [("qtype", _i32), ("data", _p), ("row_bytes", _i64), ("vocab", _i64)]
 
 
-# Steps of at least this many rows may split by sequences over the threads (see
-# DecodePlan.split_min_rows): below it a step's GEMMs are bound by reading the weights,
-# which each sub-step would read again.
-SPLIT_MIN_ROWS = 24
+# Steps of at least this many rows per byte a weight takes (bf16: 2 x 12 = 24, Q4_1
+# ~8) may split by sequences over the threads (see DecodePlan.split_min_rows): below it
+# a step's GEMMs are bound by reading the weights, which each sub-step reads again.
+# Measured on the bench Llama's bf16 decode steps (Zen 4, 2 threads, best of 8): split
+# against team 14.1 / 12.5 ms at 16 rows, 21.9 / 22.4 at 32, 40.4 / 42.5 at 64.
+SPLIT_ROWS_PER_WEIGHT_BYTE = 12
 
 # The phases an opt-in profile times (decode_step.c's PH_*, in order).
 PHASES = ("rows", "qkv", "attention", "o", "gate_up", "down", "head", "argmax")
@@ -97,6 +99,8 @@ def _lib() -> ctypes.CDLL:
     lib.rows_argmax.restype = None
     lib.decode_step_max_rows.argtypes = []
     lib.decode_step_max_rows.restype = ctypes.c_int
+    lib.decode_step_rows_independent.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.decode_step_rows_independent.restype = ctypes.c_int
     lib.decode_step_phases.argtypes = []
     lib.decode_step_phases.restype = ctypes.c_int
     if lib.decode_step_phases() != len(PHASES):
@@ -198,6 +202,7 @@ class DecodePlan:
         # Every weight so far multiplies a row the same whatever the call's other rows
         # (bf16 rows or tiles: one chain per row at any row count): steps may split.
         self._rows_independent = True
+        self._weight_elems = 0  # of the layers and the head, beside weight_bytes
         self._layers = (_Layer * len(layers))()
         for i, w in enumerate(layers):
             dst = self._layers[i]
@@ -240,7 +245,9 @@ class DecodePlan:
             self.has_bf16 = layers_bf16  # the layers' weights, not the head's
             self.vocab = sum(self._plan.head.seg[j].n for j in range(self._plan.head.num_segments))
         if self._rows_independent:
-            self._plan.split_min_rows = SPLIT_MIN_ROWS
+            # Fewer bytes a weight, fewer rows keep a sub-step's GEMMs compute-bound.
+            per_weight = sum(self.weight_bytes.values()) / max(1, self._weight_elems)
+            self._plan.split_min_rows = max(2, round(SPLIT_ROWS_PER_WEIGHT_BYTE * per_weight))
         self._reduce = reduce
         self._reduce_error: BaseException | None = None
         if reduce is not None:
@@ -349,8 +356,6 @@ class DecodePlan:
         return t.data_ptr()
 
     def _linear(self, dst: _Linear, w: Weights, bias: torch.Tensor | None) -> None:
-        if not isinstance(w, TiledBf16 | torch.Tensor):
-            self._rows_independent = False
         if isinstance(w, PackedWeight):
             dst.seg[0] = _Segment(W_PACKED, 0, w.data.data_ptr(), 0, w.out_features)
             dst.num_segments, dst.k = 1, w.in_features
@@ -375,6 +380,10 @@ class DecodePlan:
                 self._keep.append(q)
             dst.num_segments, dst.k = len(w), w[0].in_features
         dst.bias = None if bias is None else self._ptr(bias)
+        for j in range(dst.num_segments):
+            g = dst.seg[j]
+            self._rows_independent &= bool(self._lib.decode_step_rows_independent(g.kind, g.qtype))
+            self._weight_elems += g.n * dst.k
 
     def run(
         self,
