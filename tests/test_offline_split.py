@@ -48,9 +48,10 @@ def test_split_counts_every_step_and_replays_both_kinds(
 def test_split_at_two_threads_reports_the_team(
     tiny_model_factory: Callable[..., str], tmp_path: Path
 ) -> None:
+    # 30 short prompts: decode steps of 30 rows, enough to split by sequences.
     reqs = [
-        {"prompt_token_ids": [5 + (i * 7 + j) % 90 for j in range(40)], "output_len": 6 + i}
-        for i in range(5)
+        {"prompt_token_ids": [5 + (i * 7 + j) % 90 for j in range(8)], "output_len": 6}
+        for i in range(30)
     ]
     workload = tmp_path / "w.json"
     workload.write_text(json.dumps({"requests": reqs}))
@@ -63,6 +64,9 @@ def test_split_at_two_threads_reports_the_team(
     for k in out["kinds"]:
         assert team[k]["worker_cpu_in_c_s"] > 0, team[k]
         assert len(team["timeline"][k]) == min(3, team[k]["steps"])
+    # bf16 weights at 2 threads: some steps ran split by sequences, none counted twice.
+    kinds = out["kinds"].values()
+    assert 0 < sum(k["split_steps"] for k in kinds) <= sum(k["steps"] for k in kinds)
     # One worker beside the main thread; both ran.
     assert sum(t["main"] for t in out["threads_over_run"]) == 1
     assert len(out["threads_over_run"]) >= 2

@@ -91,9 +91,12 @@ def split(
             if name == "c" and workers:
                 cur["w0"] = worker_sample()
                 cur["t_c0"] = time.perf_counter()
+            split0 = plan.split_steps
             t0 = clock()
             out = f(*args)
             cur[name] = cur.get(name, 0.0) + clock() - t0
+            if name == "c":
+                cur["split"] = cur.get("split", 0) + plan.split_steps - split0
             if name == "c" and workers:
                 cur["t_c1"] = time.perf_counter()
                 cur["w1"] = worker_sample()
@@ -147,6 +150,7 @@ def split(
         c["steps"] += 1
         c["rows"] += s.get("rows", 0)
         c["c_step_s"] += s.get("c", 0.0)
+        c["split_steps"] += s.get("split", 0)  # ran as one sub-step per thread
         c["runner_python_s"] += s.get("runner", 0.0) - s.get("c", 0.0)
         c["engine_python_s"] += s.get("engine", 0.0) - s.get("runner", 0.0)
         if s.get("kind") == "decode":
@@ -171,7 +175,7 @@ def split(
                 "involuntary": d.involuntary,
             }
             for d in by_thread
-            if d.cpu_s > 0.01
+            if d.cpu_s > 0.01 or d.tid in workers or d.tid == main_tid()
         ]
         out["team"] = team_split(steps, t_start, len(workers))
     return out
