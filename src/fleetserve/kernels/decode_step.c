@@ -835,6 +835,146 @@ static int split_cut(const ds_plan *p, int64_t num_seqs, const int64_t *q_lens,
     return g == groups - 1 && dearest <= slack * total / groups;
 }
 
+/* Sequences dealt to `groups` groups dearest first, each to the group that costs least
+ * so far (split_cut's costs): group[i] is sequence i's. Returns 1 when the dearest group
+ * costs at most `slack` times the mean and every group has a sequence. */
+static int split_deal(const ds_plan *p, int64_t num_seqs, const int64_t *q_lens,
+                      const int64_t *seq_lens, int groups, double slack, int *group) {
+    const double a = keys_per_row_cost(p);
+    double *cost = malloc(sizeof(double) * (size_t)num_seqs);
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)num_seqs);
+    if (!cost || !order) {
+        free(cost);
+        free(order);
+        return 0;
+    }
+    double total = 0.0, load[64] = {0.0};
+    int count[64] = {0};
+    for (int64_t i = 0; i < num_seqs; i++) {
+        cost[i] = (double)q_lens[i] * (a + (double)seq_lens[i] - 0.5 * (double)(q_lens[i] - 1));
+        total += cost[i];
+        order[i] = i;
+    }
+    for (int64_t i = 1; i < num_seqs; i++) /* insertion sort, dearest first */
+        for (int64_t j = i; j > 0 && cost[order[j]] > cost[order[j - 1]]; j--) {
+            const int64_t t = order[j];
+            order[j] = order[j - 1], order[j - 1] = t;
+        }
+    for (int64_t k = 0; k < num_seqs; k++) {
+        int best = 0;
+        for (int g = 1; g < groups; g++) best = load[g] < load[best] ? g : best;
+        group[order[k]] = best;
+        load[best] += cost[order[k]];
+        count[best]++;
+    }
+    double dearest = 0.0;
+    int empty = 0;
+    for (int g = 0; g < groups; g++) {
+        dearest = load[g] > dearest ? load[g] : dearest;
+        empty |= count[g] == 0;
+    }
+    free(cost);
+    free(order);
+    return !empty && dearest <= slack * total / groups;
+}
+
+/* split_step for sequences that no cut into consecutive runs shares out evenly (a
+ * prefill chunk of one sequence beside others' decodes): dealt by split_deal, each
+ * group's rows, metadata and sampled rows gathered into the thread's own buffers, run
+ * as a team of one, and its hidden states, logits and argmax put back in place. */
+static int gathered_split(const ds_plan *p, const float *x, float *out, int64_t m,
+                          const int64_t *positions, const int64_t *slot_blocks,
+                          const int64_t *slot_offsets, int64_t num_seqs,
+                          const int64_t *q_starts, const int64_t *q_lens,
+                          const int64_t *seq_lens, const int64_t *tables, int64_t max_blocks,
+                          const int64_t *w_slot_blocks, const int64_t *w_slot_offsets,
+                          const int64_t *w_tables, int64_t w_max_blocks, int64_t nr,
+                          const int64_t *logit_rows, float *logits, int64_t *argmax,
+                          int groups, double slack, int *rc) {
+    int *group = malloc(sizeof(int) * (size_t)num_seqs);
+    int64_t *seq_of_row = malloc(sizeof(int64_t) * (size_t)m);
+    if (!group || !seq_of_row || !split_deal(p, num_seqs, q_lens, seq_lens, groups, slack, group)) {
+        free(group);
+        free(seq_of_row);
+        return 0;
+    }
+    for (int64_t i = 0; i < num_seqs; i++)
+        for (int64_t r = q_starts[i]; r < q_starts[i] + q_lens[i]; r++) seq_of_row[r] = i;
+    const int64_t vocab = linear_out(&p->head), H = p->hidden, wmb = w_tables ? w_max_blocks : 0;
+    int worst = 0;
+#pragma omp parallel num_threads(groups) reduction(min : worst)
+    {
+        const int g = omp_get_thread_num();
+        int64_t ng = 0, mg = 0, nrg = 0;
+        for (int64_t i = 0; i < num_seqs; i++)
+            if (group[i] == g) ng++, mg += q_lens[i];
+        for (int64_t j = 0; j < nr; j++) nrg += group[seq_of_row[logit_rows[j]]] == g;
+        /* floats: x, out, logits; int64s: 5 per row, 3 per sequence, the tables, 3 per
+         * sampled row (its local row, its index j, its argmax) */
+        const size_t nf = (size_t)(2 * mg * H + nrg * vocab);
+        const size_t ni = (size_t)(5 * mg + 3 * ng + ng * (max_blocks + wmb) + 3 * nrg);
+        float *fb = malloc(sizeof(float) * nf + sizeof(int64_t) * ni);
+        if (!fb) {
+            worst = -1;
+        } else {
+            float *xg = fb, *og = xg + mg * H, *lg = og + mg * H;
+            int64_t *ib = (int64_t *)(fb + nf);
+            int64_t *pos = ib, *sb = pos + mg, *so = sb + mg, *wsb = so + mg, *wso = wsb + mg;
+            int64_t *qs = wso + mg, *ql = qs + ng, *sl = ql + ng;
+            int64_t *tb = sl + ng, *wtb = tb + ng * max_blocks, *lr = wtb + ng * wmb;
+            int64_t *jg = lr + nrg, *am = jg + nrg;
+            int64_t k = 0, r = 0;
+            for (int64_t i = 0; i < num_seqs; i++) {
+                if (group[i] != g) continue;
+                const int64_t q0 = q_starts[i], n = q_lens[i];
+                qs[k] = r, ql[k] = n, sl[k] = seq_lens[i];
+                memcpy(tb + k * max_blocks, tables + i * max_blocks,
+                       sizeof(int64_t) * (size_t)max_blocks);
+                if (wmb)
+                    memcpy(wtb + k * wmb, w_tables + i * wmb, sizeof(int64_t) * (size_t)wmb);
+                memcpy(xg + r * H, x + q0 * H, sizeof(float) * (size_t)(n * H));
+                for (int64_t t = 0; t < n; t++) {
+                    pos[r + t] = positions[q0 + t];
+                    sb[r + t] = slot_blocks[q0 + t], so[r + t] = slot_offsets[q0 + t];
+                    if (wmb) wsb[r + t] = w_slot_blocks[q0 + t], wso[r + t] = w_slot_offsets[q0 + t];
+                }
+                k++, r += n;
+            }
+            int64_t c = 0;
+            for (int64_t j = 0; j < nr; j++) {
+                const int64_t i = seq_of_row[logit_rows[j]];
+                if (group[i] != g) continue;
+                int64_t local = 0; /* sequence i's first local row: qs of its slot */
+                for (int64_t s2 = 0, kk = 0; s2 < i; s2++) kk += group[s2] == g, local = kk;
+                lr[c] = qs[local] + logit_rows[j] - q_starts[i];
+                jg[c++] = j;
+            }
+            ds_plan sub = *p;
+            sub.profile = p->profile && g < p->profile_threads ? p->profile + g * DS_PHASES : NULL;
+            sub.profile_threads = sub.profile ? 1 : 0;
+            worst = team_step(&sub, xg, og, mg, pos, sb, so, ng, qs, ql, sl, tb, max_blocks,
+                              wmb ? wsb : NULL, wmb ? wso : NULL, wmb ? wtb : NULL, w_max_blocks,
+                              nrg, lr, logits ? lg : NULL, argmax ? am : NULL, 1);
+            for (int64_t i = 0, kk = 0; i < num_seqs; i++) {
+                if (group[i] != g) continue;
+                memcpy(out + q_starts[i] * H, og + qs[kk] * H,
+                       sizeof(float) * (size_t)(q_lens[i] * H));
+                kk++;
+            }
+            for (int64_t j = 0; j < nrg; j++) {
+                if (logits)
+                    memcpy(logits + jg[j] * vocab, lg + j * vocab, sizeof(float) * (size_t)vocab);
+                if (argmax) argmax[jg[j]] = am[j];
+            }
+            free(fb);
+        }
+    }
+    free(group);
+    free(seq_of_row);
+    *rc = worst;
+    return 1;
+}
+
 /* A step of many sequences as one sub-step per thread, each over its own consecutive
  * sequences on one thread (team_step with a team of one, nested: inactive), with no
  * barrier between them: at 2 threads the team's ~17 barriers a layer cost a futex sleep
@@ -864,7 +1004,11 @@ static int split_step(const ds_plan *p, const float *x, float *out, int64_t m,
     for (int64_t j = 1; j < nr; j++)
         if (logit_rows[j] <= logit_rows[j - 1]) return 0;
     int64_t first[MAX_GROUPS + 1];
-    if (!split_cut(p, num_seqs, q_lens, seq_lens, groups, 1.08, first)) return 0;
+    if (!split_cut(p, num_seqs, q_lens, seq_lens, groups, 1.08, first))
+        return gathered_split(p, x, out, m, positions, slot_blocks, slot_offsets, num_seqs,
+                              q_starts, q_lens, seq_lens, tables, max_blocks, w_slot_blocks,
+                              w_slot_offsets, w_tables, w_max_blocks, nr, logit_rows, logits,
+                              argmax, groups, 1.08, rc);
     /* Each group's q_starts and logit rows rebased to its first row. */
     int64_t *rebased = malloc(sizeof(int64_t) * (size_t)(num_seqs + nr + 1));
     if (!rebased) {
