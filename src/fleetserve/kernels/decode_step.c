@@ -878,6 +878,20 @@ static int split_deal(const ds_plan *p, int64_t num_seqs, const int64_t *q_lens,
     return !empty && dearest <= slack * total / groups;
 }
 
+/* A gathered group's buffers, kept by the thread across steps (as step_buffer, which
+ * the group's own team_step uses beside it); NULL when it cannot grow. */
+static void *gather_buffer(size_t bytes) {
+    static _Thread_local void *buf = NULL;
+    static _Thread_local size_t cap = 0;
+    if (bytes > cap) {
+        void *grown = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (!grown) return NULL;
+        free(buf);
+        buf = grown, cap = bytes;
+    }
+    return buf;
+}
+
 /* split_step for sequences that no cut into consecutive runs shares out evenly (a
  * prefill chunk of one sequence beside others' decodes): dealt by split_deal, each
  * group's rows, metadata and sampled rows gathered into the thread's own buffers, run
@@ -911,9 +925,9 @@ static int gathered_split(const ds_plan *p, const float *x, float *out, int64_t 
         for (int64_t j = 0; j < nr; j++) nrg += group[seq_of_row[logit_rows[j]]] == g;
         /* floats: x, out, logits; int64s: 5 per row, 3 per sequence, the tables, 3 per
          * sampled row (its local row, its index j, its argmax) */
-        const size_t nf = (size_t)(2 * mg * H + nrg * vocab);
+        const size_t nf = (size_t)(2 * mg * H + nrg * vocab + 1) / 2 * 2; /* int64s follow */
         const size_t ni = (size_t)(5 * mg + 3 * ng + ng * (max_blocks + wmb) + 3 * nrg);
-        float *fb = malloc(sizeof(float) * nf + sizeof(int64_t) * ni);
+        float *fb = gather_buffer(sizeof(float) * nf + sizeof(int64_t) * ni);
         if (!fb) {
             worst = -1;
         } else {
@@ -966,7 +980,6 @@ static int gathered_split(const ds_plan *p, const float *x, float *out, int64_t 
                     memcpy(logits + jg[j] * vocab, lg + j * vocab, sizeof(float) * (size_t)vocab);
                 if (argmax) argmax[jg[j]] = am[j];
             }
-            free(fb);
         }
     }
     free(group);
