@@ -150,3 +150,11 @@ def test_plans_of_row_dependent_weights_do_not_split(
         plan.split_min_rows = 16
     with pytest.raises(ValueError, match="split_min_rows"):
         _plan(LLM(tiny_model_factory("llama"), bf16_weights=True)).split_min_rows = -1
+
+
+def test_environment_switch_turns_split_steps_off(
+    tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FLEETSERVE_SPLIT_STEPS", "0")
+    llm = LLM(tiny_model_factory("llama"), bf16_weights=True, max_model_len=64)
+    assert _plan(llm).split_min_rows == 0
