@@ -15,12 +15,18 @@ and reports:
   the rest being row-wise work and barriers.
 
 One thread (`--threads 1`) times with the thread's CPU clock: figures that hold on a busy
-machine. More threads time wall-clock.
+machine. More threads time wall-clock, and add what the kernel's scheduler saw
+(bench/thread_stats.py): each thread's CPU and run-queue time over the run, and per step
+kind the team's worker threads' CPU time inside the C step against the step's wall time
+(the rest: asleep at a barrier, woken late, or pushed off the core), their futex sleeps
+(voluntary switches) inside and between steps, and a timeline of the first steps of each
+kind (ms from the run's start).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +35,7 @@ import torch
 
 from fleetserve.bench.offline import bench_model_path
 from fleetserve.bench.step_split import emit, thread_clock
+from fleetserve.bench.thread_stats import ThreadSample, main_tid, sample_all, sample_thread, since
 from fleetserve.bench.workloads import load_workload
 
 
@@ -73,11 +80,26 @@ def split(
     kept: dict[str, list[Any]] = {}
     run, execute, core_step, engine_step = plan.run, runner.execute_model, core.step, engine.step
 
+    workers: list[int] = []  # the team's other threads (found after the warm-up)
+
+    def worker_sample() -> list[ThreadSample]:
+        """The workers', then (last) this thread's counters."""
+        return [w for w in (sample_thread(t) for t in [*workers, main_tid()]) if w is not None]
+
     def timed(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
         def inner(*args: Any) -> Any:
+            if name == "c" and workers:
+                cur["w0"] = worker_sample()
+                cur["t_c0"] = time.perf_counter()
+            split0 = plan.split_steps
             t0 = clock()
             out = f(*args)
             cur[name] = cur.get(name, 0.0) + clock() - t0
+            if name == "c":
+                cur["split"] = cur.get("split", 0) + plan.split_steps - split0
+            if name == "c" and workers:
+                cur["t_c1"] = time.perf_counter()
+                cur["w1"] = worker_sample()
             if name == "c":
                 kind, m = _kind(args[5]), args[0].shape[0]
                 cur.update(kind=kind, rows=m, ctx=int(args[6].sum()))
@@ -90,7 +112,11 @@ def split(
 
     def timed_engine_step() -> Any:
         cur.clear()
+        cur["t0"] = time.perf_counter()
         out = timed("engine", engine_step)()
+        cur["t1"] = time.perf_counter()
+        if workers:
+            cur["w_end"] = worker_sample()
         steps.append(dict(cur))
         return out
 
@@ -100,13 +126,22 @@ def split(
         SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs
     ]
     warm = SamplingParams(max_tokens=2)
+    before = sample_all()
     llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], warm, use_tqdm=False)
+    if threads > 1:
+        # The team's workers: the threads other than this one that ran during the warm-up
+        # (its steps are the only parallel work so far).
+        me = main_tid()
+        workers.extend(d.tid for d in since(before, sample_all()) if d.tid != me and d.cpu_s)
     core.block_manager.reset_prefix_cache()
     steps.clear()
     kept.clear()
+    before = sample_all()
+    t_start = time.perf_counter()
     t0 = clock()
     llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs], params, use_tqdm=False)
     total = clock() - t0
+    by_thread = since(before, sample_all())
     plan.run, runner.execute_model, core.step, engine.step = run, execute, core_step, engine_step
     kinds: dict[str, Counter[str]] = defaultdict(Counter)
     buckets: dict[int, list[float]] = defaultdict(list)
@@ -115,11 +150,12 @@ def split(
         c["steps"] += 1
         c["rows"] += s.get("rows", 0)
         c["c_step_s"] += s.get("c", 0.0)
+        c["split_steps"] += s.get("split", 0)  # ran as one sub-step per thread
         c["runner_python_s"] += s.get("runner", 0.0) - s.get("c", 0.0)
         c["engine_python_s"] += s.get("engine", 0.0) - s.get("runner", 0.0)
         if s.get("kind") == "decode":
             buckets[s["rows"] // 8 * 8].append(s["c"])
-    return {
+    out: dict[str, Any] = {
         "threads": threads,
         "total_s": total,
         "kinds": {k: dict(v) for k, v in kinds.items()},
@@ -128,6 +164,76 @@ def split(
         },
         "replay": {k: replay(runner.model, run, a, clock) for k, a in kept.items()},
     }
+    if workers:
+        out["threads_over_run"] = [
+            {
+                "tid": d.tid,
+                "main": d.tid == main_tid(),
+                "cpu_s": round(d.cpu_s, 3),
+                "runqueue_s": round(d.runqueue_s, 3),
+                "voluntary": d.voluntary,
+                "involuntary": d.involuntary,
+            }
+            for d in by_thread
+            if d.cpu_s > 0.01 or d.tid in workers or d.tid == main_tid()
+        ]
+        out["team"] = team_split(steps, t_start, len(workers))
+    return out
+
+
+def team_split(
+    steps: list[dict[str, Any]], t_start: float, num_workers: int, timeline: int = 3
+) -> dict[str, Any]:
+    """Per step kind, what the workers did (summed over them; see the module's docstring),
+    and the first `timeline` steps of each kind."""
+    kinds: dict[str, Counter[str]] = defaultdict(Counter)
+    lines: dict[str, list[dict[str, float]]] = defaultdict(list)
+    prev_end: list[ThreadSample] | None = None
+    for s in steps:
+        if "w0" not in s:
+            prev_end = s.get("w_end")
+            continue
+        w0, w1 = s["w0"], s["w1"]
+        both = [b.minus(a) for a, b in zip(w0, w1, strict=True)]
+        inside, me = both[:-1], both[-1]
+        c = kinds[s["kind"]]
+        c["main_cpu_in_c_s"] += me.cpu_s
+        c["main_sleeps_in_c"] += me.voluntary
+        c["steps"] += 1
+        c["c_wall_s"] += s["t_c1"] - s["t_c0"]
+        c["engine_wall_s"] += s["t1"] - s["t0"]
+        c["worker_cpu_in_c_s"] += sum(d.cpu_s for d in inside)
+        c["worker_runqueue_in_c_s"] += sum(d.runqueue_s for d in inside)
+        c["worker_sleeps_in_c"] += sum(d.voluntary for d in inside)
+        c["worker_preempted_in_c"] += sum(d.involuntary for d in inside)
+        if prev_end is not None:
+            # From the previous step's end to this C step's start: the serial Python.
+            between = [b.minus(a) for a, b in zip(prev_end[:-1], w0[:-1], strict=True)]
+            c["worker_cpu_between_s"] += sum(d.cpu_s for d in between)
+            c["worker_sleeps_between"] += sum(d.voluntary for d in between)
+        prev_end = s["w_end"]
+        if len(lines[s["kind"]]) < timeline:
+            lines[s["kind"]].append(
+                {
+                    "rows": s["rows"],
+                    "step_ms_from_start": round(1000 * (s["t0"] - t_start), 2),
+                    "python_before_c_ms": round(1000 * (s["t_c0"] - s["t0"]), 3),
+                    "c_ms": round(1000 * (s["t_c1"] - s["t_c0"]), 3),
+                    "python_after_c_ms": round(1000 * (s["t1"] - s["t_c1"]), 3),
+                    "worker_cpu_in_c_ms": round(1000 * sum(d.cpu_s for d in inside), 3),
+                    "worker_sleeps_in_c": sum(d.voluntary for d in inside),
+                    "main_cpu_in_c_ms": round(1000 * me.cpu_s, 3),
+                }
+            )
+    out: dict[str, Any] = {}
+    for k, c in kinds.items():
+        d = {n: round(v, 4) if isinstance(v, float) else v for n, v in c.items()}
+        idle = num_workers * c["c_wall_s"] - c["worker_cpu_in_c_s"]
+        d["worker_idle_in_c_s"] = round(idle, 4)
+        d["serial_s"] = round(c["engine_wall_s"] - c["c_wall_s"], 4)
+        out[k] = d
+    out["timeline"] = dict(lines)
+    return out
 
 
 def _best(f: Callable[[], Any], clock: Callable[[], float], reps: int = 5) -> float:

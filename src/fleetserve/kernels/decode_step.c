@@ -146,6 +146,10 @@ typedef struct {
     /* 1: narrow steps' dot-layout GEMMs hand out work as quant_dot_share does (one ~16 KB
      * chunk per grab) instead of step_dot_share's guided runs: A/B runs. */
     int32_t dot_chunked;
+    /* Steps of at least this many rows (0: none) may run as one sub-step per thread over
+     * its own sequences (see split_step); the caller sets it only where every weight's
+     * rows are multiplied the same whatever the other rows of the call. */
+    int32_t split_min_rows;
 } ds_plan;
 
 /* The phases timed (kernels/decode_step.py's PHASES, in order): row work (norms, the
@@ -309,6 +313,14 @@ static void linear_share(const ds_linear *lin, const float *x, int64_t ldx, cons
         }
         off += g->n;
     }
+}
+
+/* Whether a weight of this kind multiplies each row of x the same whatever the call's
+ * other rows (its row count included): bf16 rows or tiles (one chain per row at every
+ * row count, gemm_bf16*.c) and the dot layout (integer block sums, each row's blocks in
+ * order, quant_dot.c). Such weights may run split steps (split_step). */
+int decode_step_rows_independent(int kind, int qtype) {
+    return kind == W_BF16 || kind == W_BF16_TILED || (kind == W_QUANT && quant_dot_layout(qtype));
 }
 
 static int linear_has_dot(const ds_linear *lin) {
@@ -571,15 +583,16 @@ static float *step_buffer(size_t floats) {
  * (distinct rows of the step, nr <= m): with the plan's head, logits [nr, vocab] gets the
  * head's output for those rows (nr 0: none), and argmax [nr] int64 (NULL: not wanted)
  * each of those rows' argmax (numpy's: the first maximum, or the first NaN), scanned by
- * the team before the region ends. Returns 0; -1: out of memory; -2: no rows. */
-int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
-                const int64_t *positions, const int64_t *slot_blocks,
-                const int64_t *slot_offsets, int64_t num_seqs, const int64_t *q_starts,
-                const int64_t *q_lens, const int64_t *seq_lens, const int64_t *tables,
-                int64_t max_blocks, const int64_t *w_slot_blocks,
-                const int64_t *w_slot_offsets, const int64_t *w_tables, int64_t w_max_blocks,
-                int64_t nr, const int64_t *logit_rows, float *logits, int64_t *argmax,
-                int threads) {
+ * the team before the region ends. Returns 0; -1: out of memory; -2: no rows
+ * (decode_step: 1 when the step ran split by sequences). */
+static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
+                     const int64_t *positions, const int64_t *slot_blocks,
+                     const int64_t *slot_offsets, int64_t num_seqs, const int64_t *q_starts,
+                     const int64_t *q_lens, const int64_t *seq_lens, const int64_t *tables,
+                     int64_t max_blocks, const int64_t *w_slot_blocks,
+                     const int64_t *w_slot_offsets, const int64_t *w_tables,
+                     int64_t w_max_blocks, int64_t nr, const int64_t *logit_rows,
+                     float *logits, int64_t *argmax, int threads) {
     if (m < 1 || num_seqs < 1) return -2;
     if (p->head.num_segments == 0) nr = 0;
     const ds_rows rw = {m,       num_seqs, max_blocks, positions, slot_blocks, slot_offsets,
@@ -772,6 +785,301 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
     return 0;
 }
 
+/* A step's cost per sequence in units of one row's GEMMs: each row multiplies every
+ * weight once (compute-bound: ~2 FLOP a weight) and reads the keys and values before it
+ * (memory-bound: ~1 byte moved costs what ~8 FLOP do here, the attention kernels reading
+ * ~15 GB/s against the GEMMs' ~200 GFLOP/s on a Zen 4 core). Only the split's balance
+ * depends on it. */
+static double keys_per_row_cost(const ds_plan *p) {
+    int64_t w = 0;
+    const ds_layer *L = &p->layers[0];
+    const ds_linear *lins[4] = {&L->qkv, &L->o, &L->gate_up, &L->down};
+    for (int i = 0; i < 4; i++) w += lins[i]->k * linear_out(lins[i]);
+    w += p->head.num_segments ? p->head.k * linear_out(&p->head) / p->num_layers : 0;
+    const double kv_elems = 2.0 * p->num_kv_heads * p->head_dim;
+    return (double)w / (15.0 * kv_elems);
+}
+
+/* Where a split step cuts its sequences: first[g] .. first[g + 1] are group g's, groups
+ * of consecutive sequences whose costs (rows x (keys_per_row_cost + mean keys a row
+ * reads)) are as even as a greedy cut makes them. Returns 1 when the dearest group costs
+ * at most `slack` times the mean (so one sub-step per thread beats a team whose every
+ * barrier may sleep), else 0. */
+static int split_cut(const ds_plan *p, int64_t num_seqs, const int64_t *q_lens,
+                     const int64_t *seq_lens, int groups, double slack, int64_t *first) {
+    const double a = keys_per_row_cost(p);
+    double total = 0.0;
+    for (int64_t i = 0; i < num_seqs; i++)
+        total += (double)q_lens[i] * (a + (double)seq_lens[i] - 0.5 * (double)(q_lens[i] - 1));
+    double done = 0.0, dearest = 0.0, group = 0.0;
+    int g = 0;
+    first[0] = 0;
+    for (int64_t i = 0; i < num_seqs; i++) {
+        const double c =
+            (double)q_lens[i] * (a + (double)seq_lens[i] - 0.5 * (double)(q_lens[i] - 1));
+        /* Close group g before sequence i when i would carry it past its even share by
+         * more than stopping short does, leaving a sequence for every later group. */
+        const double target = total * (g + 1) / groups;
+        const int64_t left = num_seqs - i, need = groups - 1 - g;
+        if (g < groups - 1 && i > first[g] &&
+            (left <= need || done + c - target > target - done)) {
+            dearest = group > dearest ? group : dearest;
+            first[++g] = i;
+            group = 0.0;
+        }
+        done += c;
+        group += c;
+    }
+    dearest = group > dearest ? group : dearest;
+    first[g + 1] = num_seqs;
+    return g == groups - 1 && dearest <= slack * total / groups;
+}
+
+/* Sequences dealt to `groups` groups dearest first, each to the group that costs least
+ * so far (split_cut's costs): group[i] is sequence i's. Returns 1 when the dearest group
+ * costs at most `slack` times the mean and every group has a sequence. */
+static int split_deal(const ds_plan *p, int64_t num_seqs, const int64_t *q_lens,
+                      const int64_t *seq_lens, int groups, double slack, int *group) {
+    const double a = keys_per_row_cost(p);
+    double *cost = malloc(sizeof(double) * (size_t)num_seqs);
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)num_seqs);
+    if (!cost || !order) {
+        free(cost);
+        free(order);
+        return 0;
+    }
+    double total = 0.0, load[64] = {0.0};
+    int count[64] = {0};
+    for (int64_t i = 0; i < num_seqs; i++) {
+        cost[i] = (double)q_lens[i] * (a + (double)seq_lens[i] - 0.5 * (double)(q_lens[i] - 1));
+        total += cost[i];
+        order[i] = i;
+    }
+    for (int64_t i = 1; i < num_seqs; i++) /* insertion sort, dearest first */
+        for (int64_t j = i; j > 0 && cost[order[j]] > cost[order[j - 1]]; j--) {
+            const int64_t t = order[j];
+            order[j] = order[j - 1], order[j - 1] = t;
+        }
+    for (int64_t k = 0; k < num_seqs; k++) {
+        int best = 0;
+        for (int g = 1; g < groups; g++) best = load[g] < load[best] ? g : best;
+        group[order[k]] = best;
+        load[best] += cost[order[k]];
+        count[best]++;
+    }
+    double dearest = 0.0;
+    int empty = 0;
+    for (int g = 0; g < groups; g++) {
+        dearest = load[g] > dearest ? load[g] : dearest;
+        empty |= count[g] == 0;
+    }
+    free(cost);
+    free(order);
+    return !empty && dearest <= slack * total / groups;
+}
+
+/* A gathered group's buffers, kept by the thread across steps (as step_buffer, which
+ * the group's own team_step uses beside it); NULL when it cannot grow. */
+static void *gather_buffer(size_t bytes) {
+    static _Thread_local void *buf = NULL;
+    static _Thread_local size_t cap = 0;
+    if (bytes > cap) {
+        void *grown = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (!grown) return NULL;
+        free(buf);
+        buf = grown, cap = bytes;
+    }
+    return buf;
+}
+
+/* split_step for sequences that no cut into consecutive runs shares out evenly (a
+ * prefill chunk of one sequence beside others' decodes): dealt by split_deal, each
+ * group's rows, metadata and sampled rows gathered into the thread's own buffers, run
+ * as a team of one, and its hidden states, logits and argmax put back in place. */
+static int gathered_split(const ds_plan *p, const float *x, float *out, int64_t m,
+                          const int64_t *positions, const int64_t *slot_blocks,
+                          const int64_t *slot_offsets, int64_t num_seqs,
+                          const int64_t *q_starts, const int64_t *q_lens,
+                          const int64_t *seq_lens, const int64_t *tables, int64_t max_blocks,
+                          const int64_t *w_slot_blocks, const int64_t *w_slot_offsets,
+                          const int64_t *w_tables, int64_t w_max_blocks, int64_t nr,
+                          const int64_t *logit_rows, float *logits, int64_t *argmax,
+                          int groups, double slack, int *rc) {
+    int *group = malloc(sizeof(int) * (size_t)num_seqs);
+    int64_t *seq_of_row = malloc(sizeof(int64_t) * (size_t)m);
+    if (!group || !seq_of_row || !split_deal(p, num_seqs, q_lens, seq_lens, groups, slack, group)) {
+        free(group);
+        free(seq_of_row);
+        return 0;
+    }
+    for (int64_t i = 0; i < num_seqs; i++)
+        for (int64_t r = q_starts[i]; r < q_starts[i] + q_lens[i]; r++) seq_of_row[r] = i;
+    const int64_t vocab = linear_out(&p->head), H = p->hidden, wmb = w_tables ? w_max_blocks : 0;
+    int worst = 0;
+#pragma omp parallel num_threads(groups) reduction(min : worst)
+    {
+        const int g = omp_get_thread_num();
+        int64_t ng = 0, mg = 0, nrg = 0;
+        for (int64_t i = 0; i < num_seqs; i++)
+            if (group[i] == g) ng++, mg += q_lens[i];
+        for (int64_t j = 0; j < nr; j++) nrg += group[seq_of_row[logit_rows[j]]] == g;
+        /* floats: x, out, logits; int64s: 5 per row, 3 per sequence, the tables, 3 per
+         * sampled row (its local row, its index j, its argmax) */
+        const size_t nf = (size_t)(2 * mg * H + nrg * vocab + 1) / 2 * 2; /* int64s follow */
+        const size_t ni = (size_t)(5 * mg + 3 * ng + ng * (max_blocks + wmb) + 3 * nrg);
+        float *fb = gather_buffer(sizeof(float) * nf + sizeof(int64_t) * ni);
+        if (!fb) {
+            worst = -1;
+        } else {
+            float *xg = fb, *og = xg + mg * H, *lg = og + mg * H;
+            int64_t *ib = (int64_t *)(fb + nf);
+            int64_t *pos = ib, *sb = pos + mg, *so = sb + mg, *wsb = so + mg, *wso = wsb + mg;
+            int64_t *qs = wso + mg, *ql = qs + ng, *sl = ql + ng;
+            int64_t *tb = sl + ng, *wtb = tb + ng * max_blocks, *lr = wtb + ng * wmb;
+            int64_t *jg = lr + nrg, *am = jg + nrg;
+            int64_t k = 0, r = 0;
+            for (int64_t i = 0; i < num_seqs; i++) {
+                if (group[i] != g) continue;
+                const int64_t q0 = q_starts[i], n = q_lens[i];
+                qs[k] = r, ql[k] = n, sl[k] = seq_lens[i];
+                memcpy(tb + k * max_blocks, tables + i * max_blocks,
+                       sizeof(int64_t) * (size_t)max_blocks);
+                if (wmb)
+                    memcpy(wtb + k * wmb, w_tables + i * wmb, sizeof(int64_t) * (size_t)wmb);
+                memcpy(xg + r * H, x + q0 * H, sizeof(float) * (size_t)(n * H));
+                for (int64_t t = 0; t < n; t++) {
+                    pos[r + t] = positions[q0 + t];
+                    sb[r + t] = slot_blocks[q0 + t], so[r + t] = slot_offsets[q0 + t];
+                    if (wmb) wsb[r + t] = w_slot_blocks[q0 + t], wso[r + t] = w_slot_offsets[q0 + t];
+                }
+                k++, r += n;
+            }
+            int64_t c = 0;
+            for (int64_t j = 0; j < nr; j++) {
+                const int64_t i = seq_of_row[logit_rows[j]];
+                if (group[i] != g) continue;
+                int64_t local = 0; /* sequence i's first local row: qs of its slot */
+                for (int64_t s2 = 0, kk = 0; s2 < i; s2++) kk += group[s2] == g, local = kk;
+                lr[c] = qs[local] + logit_rows[j] - q_starts[i];
+                jg[c++] = j;
+            }
+            ds_plan sub = *p;
+            sub.profile = p->profile && g < p->profile_threads ? p->profile + g * DS_PHASES : NULL;
+            sub.profile_threads = sub.profile ? 1 : 0;
+            worst = team_step(&sub, xg, og, mg, pos, sb, so, ng, qs, ql, sl, tb, max_blocks,
+                              wmb ? wsb : NULL, wmb ? wso : NULL, wmb ? wtb : NULL, w_max_blocks,
+                              nrg, lr, logits ? lg : NULL, argmax ? am : NULL, 1);
+            for (int64_t i = 0, kk = 0; i < num_seqs; i++) {
+                if (group[i] != g) continue;
+                memcpy(out + q_starts[i] * H, og + qs[kk] * H,
+                       sizeof(float) * (size_t)(q_lens[i] * H));
+                kk++;
+            }
+            for (int64_t j = 0; j < nrg; j++) {
+                if (logits)
+                    memcpy(logits + jg[j] * vocab, lg + j * vocab, sizeof(float) * (size_t)vocab);
+                if (argmax) argmax[jg[j]] = am[j];
+            }
+        }
+    }
+    free(group);
+    free(seq_of_row);
+    *rc = worst;
+    return 1;
+}
+
+/* A step of many sequences as one sub-step per thread, each over its own consecutive
+ * sequences on one thread (team_step with a team of one, nested: inactive), with no
+ * barrier between them: at 2 threads the team's ~17 barriers a layer cost a futex sleep
+ * and a wake (~60-80 us in this VM) whenever one thread runs ~20 us ahead of the other
+ * (GOMP_SPINCOUNT=1000), and a late wake makes the next barrier late too. A sub-step
+ * reads every weight itself (twice the weight traffic of the team), so only steps whose
+ * rows keep the GEMMs compute-bound split (split_min_rows). Rows' results are the
+ * team's: each weight kind the caller allows multiplies a row the same whatever the
+ * other rows, attention and the row-wise work are per row, the LM head's rows and their
+ * argmax per row. logit_rows must ascend (each group's logits are then a slice). Returns
+ * 1 when it ran the step (rc: the sub-steps' worst result), 0 when the step does not
+ * split. */
+static int split_step(const ds_plan *p, const float *x, float *out, int64_t m,
+                      const int64_t *positions, const int64_t *slot_blocks,
+                      const int64_t *slot_offsets, int64_t num_seqs, const int64_t *q_starts,
+                      const int64_t *q_lens, const int64_t *seq_lens, const int64_t *tables,
+                      int64_t max_blocks, const int64_t *w_slot_blocks,
+                      const int64_t *w_slot_offsets, const int64_t *w_tables,
+                      int64_t w_max_blocks, int64_t nr, const int64_t *logit_rows,
+                      float *logits, int64_t *argmax, int threads, int *rc) {
+    enum { MAX_GROUPS = 64 };
+    const int groups = threads < MAX_GROUPS ? threads : MAX_GROUPS;
+    if (groups < 2 || p->split_min_rows < 1 || m < p->split_min_rows || num_seqs < groups ||
+        p->reduce || p->lora || omp_in_parallel())
+        return 0;
+    if (p->head.num_segments == 0) nr = 0;
+    for (int64_t j = 1; j < nr; j++)
+        if (logit_rows[j] <= logit_rows[j - 1]) return 0;
+    int64_t first[MAX_GROUPS + 1];
+    if (!split_cut(p, num_seqs, q_lens, seq_lens, groups, 1.08, first))
+        return gathered_split(p, x, out, m, positions, slot_blocks, slot_offsets, num_seqs,
+                              q_starts, q_lens, seq_lens, tables, max_blocks, w_slot_blocks,
+                              w_slot_offsets, w_tables, w_max_blocks, nr, logit_rows, logits,
+                              argmax, groups, 1.08, rc);
+    /* Each group's q_starts and logit rows rebased to its first row. */
+    int64_t *rebased = malloc(sizeof(int64_t) * (size_t)(num_seqs + nr + 1));
+    if (!rebased) {
+        *rc = -1;
+        return 1;
+    }
+    const int64_t vocab = linear_out(&p->head), H = p->hidden;
+    int worst = 0;
+#pragma omp parallel num_threads(groups) reduction(min : worst)
+    {
+        const int g = omp_get_thread_num();
+        const int64_t s0 = first[g], s1 = first[g + 1];
+        const int64_t r0 = q_starts[s0], r1 = s1 < num_seqs ? q_starts[s1] : m;
+        int64_t *qs = rebased + s0;
+        for (int64_t i = s0; i < s1; i++) qs[i - s0] = q_starts[i] - r0;
+        int64_t j0 = 0, j1 = 0;
+        while (j0 < nr && logit_rows[j0] < r0) j0++;
+        for (j1 = j0; j1 < nr && logit_rows[j1] < r1;) j1++;
+        int64_t *lr = rebased + num_seqs + 1 + j0;
+        for (int64_t j = j0; j < j1; j++) lr[j - j0] = logit_rows[j] - r0;
+        /* The profile's slot for this thread (a team of one writes slot 0). */
+        ds_plan sub = *p;
+        sub.profile = p->profile && g < p->profile_threads ? p->profile + g * DS_PHASES : NULL;
+        sub.profile_threads = sub.profile ? 1 : 0;
+        worst = team_step(
+            &sub, x + r0 * H, out + r0 * H, r1 - r0, positions + r0, slot_blocks + r0,
+            slot_offsets + r0, s1 - s0, qs, q_lens + s0, seq_lens + s0, tables + s0 * max_blocks,
+            max_blocks, w_tables ? w_slot_blocks + r0 : NULL, w_tables ? w_slot_offsets + r0 : NULL,
+            w_tables ? w_tables + s0 * w_max_blocks : NULL, w_max_blocks, j1 - j0, lr,
+            logits ? logits + j0 * vocab : NULL, argmax ? argmax + j0 : NULL, 1);
+    }
+    free(rebased);
+    *rc = worst;
+    return 1;
+}
+
+/* The step (see team_step for its arguments and results): split over the threads by
+ * sequences where that pays (split_step: returns 1 when it ran so), else by the team
+ * within each kernel. */
+int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
+                const int64_t *positions, const int64_t *slot_blocks,
+                const int64_t *slot_offsets, int64_t num_seqs, const int64_t *q_starts,
+                const int64_t *q_lens, const int64_t *seq_lens, const int64_t *tables,
+                int64_t max_blocks, const int64_t *w_slot_blocks,
+                const int64_t *w_slot_offsets, const int64_t *w_tables, int64_t w_max_blocks,
+                int64_t nr, const int64_t *logit_rows, float *logits, int64_t *argmax,
+                int threads) {
+    if (m < 1 || num_seqs < 1) return -2;
+    int rc = 0;
+    if (split_step(p, x, out, m, positions, slot_blocks, slot_offsets, num_seqs, q_starts,
+                   q_lens, seq_lens, tables, max_blocks, w_slot_blocks, w_slot_offsets,
+                   w_tables, w_max_blocks, nr, logit_rows, logits, argmax, threads, &rc))
+        return rc < 0 ? rc : 1;
+    return team_step(p, x, out, m, positions, slot_blocks, slot_offsets, num_seqs, q_starts,
+                     q_lens, seq_lens, tables, max_blocks, w_slot_blocks, w_slot_offsets,
+                     w_tables, w_max_blocks, nr, logit_rows, logits, argmax, threads);
+}
+
 /* The embedding table a burst reads its tokens' rows from: GGUF blocks (quant.py's
  * QuantWeight, read by quant_dequantize_rows as its quant_embedding does) or, qtype < 0,
  * float32 rows [vocab, hidden] (nn.Embedding's, copied as embed_rows' numpy lookup). */
@@ -811,7 +1119,7 @@ int64_t decode_burst(const ds_plan *p, const ds_embedding *emb, int64_t token, i
         const int rc = decode_step(p, x, out, 1, &pos, &block, &offset, 1, &zero, &one, &len,
                                    table, num_blocks, NULL, NULL, NULL, 0, 1, &zero, logits,
                                    &next, threads);
-        if (rc != 0) return rc;
+        if (rc < 0) return rc;
         tokens[n++] = token = next;
         for (int64_t i = 0; i < num_stops; i++)
             if (stop_ids[i] == token) return n;

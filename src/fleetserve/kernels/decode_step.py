@@ -58,13 +58,20 @@ class _Plan(ctypes.Structure):
         ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("final_norm", _p),
         ("layers", ctypes.POINTER(_Layer)), ("lora", _p), ("activation", _i32),
         ("head", _Linear), ("reduce", _p), ("profile", _p), ("profile_threads", _i32),
-        ("profile_cpu", _i32), ("dot_chunked", _i32),
+        ("profile_cpu", _i32), ("dot_chunked", _i32), ("split_min_rows", _i32),
     ]  # fmt: skip
 
 
 class _Embedding(ctypes.Structure):
     _fields_ = [("qtype", _i32), ("data", _p), ("row_bytes", _i64), ("vocab", _i64)]
 
+
+# Steps of at least this many rows per byte a weight takes (bf16: 2 x 12 = 24, Q4_1
+# ~8) may split by sequences over the threads (see DecodePlan.split_min_rows): below it
+# a step's GEMMs are bound by reading the weights, which each sub-step reads again.
+# Measured on the bench Llama's bf16 decode steps (Zen 4, 2 threads, best of 8): split
+# against team 14.1 / 12.5 ms at 16 rows, 21.9 / 22.4 at 32, 40.4 / 42.5 at 64.
+SPLIT_ROWS_PER_WEIGHT_BYTE = 12
 
 # The phases an opt-in profile times (decode_step.c's PH_*, in order).
 PHASES = ("rows", "qkv", "attention", "o", "gate_up", "down", "head", "argmax")
@@ -92,6 +99,8 @@ def _lib() -> ctypes.CDLL:
     lib.rows_argmax.restype = None
     lib.decode_step_max_rows.argtypes = []
     lib.decode_step_max_rows.restype = ctypes.c_int
+    lib.decode_step_rows_independent.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.decode_step_rows_independent.restype = ctypes.c_int
     lib.decode_step_phases.argtypes = []
     lib.decode_step_phases.restype = ctypes.c_int
     if lib.decode_step_phases() != len(PHASES):
@@ -178,6 +187,8 @@ class DecodePlan:
         # Steps run, and those that ran the LM head (a worker reports them: the proof
         # that the C path ran on a rank).
         self.steps = self.head_steps = 0
+        # Steps that ran split by sequences over the threads (split_min_rows).
+        self.split_steps = 0
         self._keep: list[object] = [cos, sin]
         # Some projection keeps bf16 weights (gemm_bf16.c: AMX tiles at any row count where
         # the CPU has them; every step runs here, as for the other kinds).
@@ -188,6 +199,10 @@ class DecodePlan:
         # sliding-window layer's reads stop at its window).
         self.kv_bytes_per_position = 0
         self._profile: torch.Tensor | None = None
+        # Every weight so far multiplies a row the same whatever the call's other rows
+        # (bf16 rows or tiles: one chain per row at any row count): steps may split.
+        self._rows_independent = True
+        self._weight_elems = 0  # of the layers and the head, beside weight_bytes
         self._layers = (_Layer * len(layers))()
         for i, w in enumerate(layers):
             dst = self._layers[i]
@@ -229,6 +244,10 @@ class DecodePlan:
             self.weight_bytes["head"] = _bytes(head)
             self.has_bf16 = layers_bf16  # the layers' weights, not the head's
             self.vocab = sum(self._plan.head.seg[j].n for j in range(self._plan.head.num_segments))
+        if self._rows_independent:
+            # Fewer bytes a weight, fewer rows keep a sub-step's GEMMs compute-bound.
+            per_weight = sum(self.weight_bytes.values()) / max(1, self._weight_elems)
+            self._plan.split_min_rows = max(2, round(SPLIT_ROWS_PER_WEIGHT_BYTE * per_weight))
         self._reduce = reduce
         self._reduce_error: BaseException | None = None
         if reduce is not None:
@@ -255,6 +274,23 @@ class DecodePlan:
     @dot_chunked.setter
     def dot_chunked(self, on: bool) -> None:
         self._plan.dot_chunked = int(on)
+
+    @property
+    def split_min_rows(self) -> int:
+        """Steps of at least this many rows and of several sequences run as one sub-step
+        per thread over its own sequences (decode_step.c's split_step) where their costs
+        share out evenly; 0: never (every step runs as one team). Non-zero by default
+        only where every weight multiplies a row the same whatever the other rows (bf16),
+        so the outputs are the team's bit for bit."""
+        return int(self._plan.split_min_rows)
+
+    @split_min_rows.setter
+    def split_min_rows(self, rows: int) -> None:
+        if rows < 0:
+            raise ValueError(f"split_min_rows must be >= 0, got {rows}")
+        if rows and not self._rows_independent:
+            raise ValueError("split_min_rows: this plan's weights depend on the call's rows")
+        self._plan.split_min_rows = rows
 
     def stop_profile(self) -> dict[str, list[float]]:
         """Seconds per phase and thread since start_profile; timing off again."""
@@ -344,6 +380,10 @@ class DecodePlan:
                 self._keep.append(q)
             dst.num_segments, dst.k = len(w), w[0].in_features
         dst.bias = None if bias is None else self._ptr(bias)
+        for j in range(dst.num_segments):
+            g = dst.seg[j]
+            self._rows_independent &= bool(self._lib.decode_step_rows_independent(g.kind, g.qtype))
+            self._weight_elems += g.n * dst.k
 
     def run(
         self,
@@ -416,8 +456,9 @@ class DecodePlan:
             raise RuntimeError("decode_step: the all-reduce failed") from self._reduce_error
         if rc == -1:
             raise MemoryError("decode_step: could not allocate its buffers")
-        if rc != 0:
+        if rc < 0:
             raise ValueError(f"decode_step needs at least one row and one sequence, got {m}")
+        self.split_steps += rc  # 1: it ran as one sub-step per thread
         return out
 
 

@@ -132,13 +132,22 @@ def bind_decode_plan(model: LlamaForCausalLM, cpu_kernel: bool, enabled: bool) -
     """Give the model its C decode step (models/llama_decode.py) where it applies; call
     after `bind_kv_caches` and `pack_for_cpu`. Returns whether it did."""
     enabled = enabled and model.decode_step_capable
-    model.model.decode_plan = build_decode_plan(model) if cpu_kernel and enabled else None
-    return model.model.decode_plan is not None
+    plan = build_decode_plan(model) if cpu_kernel and enabled else None
+    if plan is not None and not split_steps_enabled():
+        plan.split_min_rows = 0
+    model.model.decode_plan = plan
+    return plan is not None
 
 
 def fused_decode_enabled() -> bool:
     """FLEETSERVE_FUSED_DECODE=0 keeps every step on the module path (A/B runs, bisects)."""
     return os.environ.get("FLEETSERVE_FUSED_DECODE", "1") != "0"
+
+
+def split_steps_enabled() -> bool:
+    """FLEETSERVE_SPLIT_STEPS=0 runs every C step as one team of threads, never split by
+    sequences (DecodePlan.split_min_rows; A/B runs on a quiet machine)."""
+    return os.environ.get("FLEETSERVE_SPLIT_STEPS", "1") != "0"
 
 
 def pack_for_cpu(model: LlamaForCausalLM, cpu_kernel: bool, bf16: bool = False) -> None:
