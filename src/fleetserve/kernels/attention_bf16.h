@@ -19,6 +19,8 @@
 #ifndef FLEETSERVE_ATTENTION_BF16_H
 #define FLEETSERVE_ATTENTION_BF16_H
 
+#include "exp2_poly.h"
+
 /* This thread's scratch, kept across calls; NULL when it cannot grow. */
 static void *scratch(size_t bytes) {
     static _Thread_local void *buf = NULL;
@@ -72,20 +74,6 @@ static layout plan_scratch(int G, int hd, int64_t lk) {
     return l;
 }
 
-/* 2^t for the t of one row (t <= 0 where it counts): 2^floor(t) * 2^f, f = t - floor(t)
- * in [0, 1) (`vreduceps`), 2^f by a degree-4 polynomial fitted for relative error
- * (2.6e-6 at most, far under P's bf16 rounding), 2^floor(t) by `vscalefps` (underflows
- * to 0 below the float range). */
-static inline __m512 exp2_row(__m512 t) {
-    const __m512 f = _mm512_reduce_ps(t, 0x09); /* round down, no precision exception */
-    __m512 p = _mm512_set1_ps(1.353416724e-2f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.201146191e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.414427561e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.930038346e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000002593f));
-    return _mm512_scalef_ps(p, t);
-}
-
 /* Lanes t .. t + 15 that fall in [a, b). */
 static inline __mmask16 lanes(int64_t t, int64_t a, int64_t b) {
     const int64_t lo = a - t > 0 ? a - t : 0, hi = b - t < 16 ? b - t : 16;
@@ -116,9 +104,9 @@ static float softmax_row(float *s, uint16_t *p, int64_t lk, int64_t a, int64_t b
     __m512 acc = _mm512_setzero_ps();
     for (int64_t t = c_lo; t < c_hi; t += 32) {
         const __m512 e0 = _mm512_maskz_mov_ps(
-            lanes(t, a, b), exp2_row(_mm512_fmsub_ps(_mm512_loadu_ps(s + t), sc, m)));
+            lanes(t, a, b), exp2_poly(_mm512_fmsub_ps(_mm512_loadu_ps(s + t), sc, m)));
         const __m512 e1 = _mm512_maskz_mov_ps(
-            lanes(t + 16, a, b), exp2_row(_mm512_fmsub_ps(_mm512_loadu_ps(s + t + 16), sc, m)));
+            lanes(t + 16, a, b), exp2_poly(_mm512_fmsub_ps(_mm512_loadu_ps(s + t + 16), sc, m)));
         const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
         _mm512_storeu_si512(p + t, swapped ? _mm512_rol_epi32(h, 16) : h);
         /* The rounded values back to float32: low and high halves of each 32-bit pair. */

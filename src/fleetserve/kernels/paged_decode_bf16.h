@@ -15,7 +15,7 @@
  * Numerics (those of the prefill kernels, attention_bf16.h): q rounded to bf16 (nearest
  * even) once per row; scores are float32 sums of exact pair products, in CH chains per
  * head; the online softmax in float32 as paged_decode.h's (its exponentials as powers of
- * 2 by a shorter polynomial, decode_exp2); each block's probabilities
+ * 2 by a shorter polynomial, exp2_poly.h); each block's probabilities
  * rounded to bf16 as P, the running sum l taken over the rounded values, so a row's output
  * is sum_t P_t v_t / sum_t P_t. The decode row, a verification row at the same position
  * and the module path all run the one machine copy per (head size) below: bit-equal.
@@ -40,20 +40,10 @@ static inline __attribute__((always_inline)) __m512i dp_key_pairs(void) {
                             22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
 }
 
-/* 2^t (t <= 0 where it counts): 2^floor(t) by `vscalefps` (0 below the float range) times
- * 2^f for f = t - floor(t) in [0, 1) (`vreduceps`) by the degree-4 polynomial
- * attention_bf16.h's exp2_row uses (relative error 2.6e-6, far under P's bf16 rounding):
- * a shorter chain than decode_exp's (7 dependent operations, not 12) on the path from a
- * block's scores to its value sums. */
-static inline __attribute__((always_inline)) __m512 decode_exp2(__m512 t) {
-    const __m512 f = _mm512_reduce_ps(t, 0x09); /* round down, no precision exception */
-    __m512 p = _mm512_set1_ps(1.353416724e-2f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.201146191e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.414427561e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.930038346e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000002593f));
-    return _mm512_scalef_ps(p, t);
-}
+/* Exponentials by exp2_poly.h, the prefill rows' polynomial: a shorter chain than
+ * decode_exp's (7 dependent operations, not 12) on the path from a block's scores to its
+ * value sums. */
+#include "exp2_poly.h"
 
 /* One 16-key block for G query heads of one kv head (as paged_decode.h's decode_block):
  * qb the G heads' bf16 query pairs (head h's pair p at qb[h * head_dim / 2 + p]), kt the
@@ -92,10 +82,10 @@ static inline __attribute__((always_inline)) void decode_block_dp(
         /* the running max without a branch, as decode_block */
         const __m512 mo = _mm512_set1_ps(m[h]);
         const __m512 mn = _mm512_max_ps(mo, _mm512_set1_ps(_mm512_mask_reduce_max_ps(valid, s)));
-        f[h] = _mm512_cvtss_f32(decode_exp2(_mm512_mul_ps(_mm512_sub_ps(mo, mn), c)));
+        f[h] = _mm512_cvtss_f32(exp2_poly(_mm512_mul_ps(_mm512_sub_ps(mo, mn), c)));
         m[h] = _mm512_cvtss_f32(mn);
         const __m256i pb = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(
-            valid, decode_exp2(_mm512_fmsub_ps(s, c, _mm512_mul_ps(mn, c)))));
+            valid, exp2_poly(_mm512_fmsub_ps(s, c, _mm512_mul_ps(mn, c)))));
         _mm256_store_si256((__m256i *)pw[h], pb);
         const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16));
         l[h] = l[h] * f[h] + _mm512_reduce_add_ps(back);
