@@ -20,18 +20,13 @@
 #define FLEETSERVE_ATTENTION_BF16_H
 
 #include "exp2_poly.h"
+#include "thread_buffer.h"
 
 /* This thread's scratch, kept across calls; NULL when it cannot grow. */
 static void *scratch(size_t bytes) {
     static _Thread_local void *buf = NULL;
     static _Thread_local size_t cap = 0;
-    if (bytes > cap) {
-        void *grown = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        if (!grown) return NULL;
-        free(buf);
-        buf = grown, cap = bytes;
-    }
-    return buf;
+    return thread_buffer(&buf, &cap, bytes);
 }
 
 /* 16 bf16 of row a and 16 of row b, interleaved by idx into 64 bytes. */

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "bf16_bits.h"
+#include "thread_buffer.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -29,15 +30,9 @@
  * thread (the OpenMP team's threads live as long as the process); NULL when it cannot
  * grow. One per including source. */
 static uint16_t *bf16_team_buffer(size_t values) {
-    static _Thread_local uint16_t *buf = NULL;
+    static _Thread_local void *buf = NULL;
     static _Thread_local size_t cap = 0;
-    if (values > cap) {
-        uint16_t *grown = aligned_alloc(64, (values * sizeof(uint16_t) + 63) / 64 * 64);
-        if (!grown) return NULL;
-        free(buf);
-        buf = grown, cap = values;
-    }
-    return buf;
+    return thread_buffer(&buf, &cap, values * sizeof(uint16_t));
 }
 
 /* Called by every thread of the team: x's m rows (ldx apart) rounded to bf16

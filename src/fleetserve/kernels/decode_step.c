@@ -50,6 +50,7 @@
 
 #include "fused_rows.h"
 #include "quant_dot.h"
+#include "thread_buffer.h"
 
 /* quant_gemm.c, gemm.c, paged_attention.c */
 void quant_gemm_share(int qtype, const float *x, int64_t ldx, const float *xsum,
@@ -563,15 +564,9 @@ static size_t up64(size_t floats) { return (floats + 15) / 16 * 16; }
  * mapping each time, ~9,600 page faults (and as many zeroed pages) a step. Per calling
  * thread: two threads may run steps of their own at once (ctypes lets go of the GIL). */
 static float *step_buffer(size_t floats) {
-    static _Thread_local float *buf = NULL;
+    static _Thread_local void *buf = NULL;
     static _Thread_local size_t cap = 0;
-    if (floats > cap) {
-        float *grown = aligned_alloc(64, up64(floats) * sizeof(float));
-        if (!grown) return NULL;
-        free(buf);
-        buf = grown, cap = floats;
-    }
-    return buf;
+    return thread_buffer(&buf, &cap, up64(floats) * sizeof(float));
 }
 
 /* x: [m, hidden] the step's embeddings (read only); out: [m, hidden] the final norm's
@@ -883,13 +878,7 @@ static int split_deal(const ds_plan *p, int64_t num_seqs, const int64_t *q_lens,
 static void *gather_buffer(size_t bytes) {
     static _Thread_local void *buf = NULL;
     static _Thread_local size_t cap = 0;
-    if (bytes > cap) {
-        void *grown = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        if (!grown) return NULL;
-        free(buf);
-        buf = grown, cap = bytes;
-    }
-    return buf;
+    return thread_buffer(&buf, &cap, bytes);
 }
 
 /* split_step for sequences that no cut into consecutive runs shares out evenly (a

@@ -24,6 +24,7 @@
 
 #include "amx_perm.h"
 #include "bf16_block.h"
+#include "thread_buffer.h"
 
 #define TILED_NATIVE BF16_BLOCKS
 
@@ -74,15 +75,9 @@ static void untile_nblock(const uint16_t *tiles, int64_t kc, uint16_t *dst, int6
 
 /* A thread's scratch for an untiled n-block (16 rows of ld values), kept across calls. */
 static uint16_t *nblock_scratch(size_t values) {
-    static _Thread_local uint16_t *buf = NULL;
+    static _Thread_local void *buf = NULL;
     static _Thread_local size_t cap = 0;
-    if (values > cap) {
-        uint16_t *grown = aligned_alloc(64, (values * sizeof(uint16_t) + 63) / 64 * 64);
-        if (!grown) return NULL;
-        free(buf);
-        buf = grown, cap = values;
-    }
-    return buf;
+    return thread_buffer(&buf, &cap, values * sizeof(uint16_t));
 }
 #endif
 

@@ -35,6 +35,7 @@ _HEADERS = [
         "gemm_tile.h", "quant_common.h", "quant_dot.h", "fused_rows.h", "amx_perm.h",
         "paged_decode.h", "paged_decode_bf16.h", "paged_verify.h", "bf16_bits.h", "amx_tiles.h",
         "bf16_block.h", "attention_bf16.h", "exp2_poly.h",
+        "thread_buffer.h",
     )
 ]  # fmt: skip
 # FLEETSERVE_CPU_MARCH picks another target than this CPU's own, e.g. x86-64-v3 (AVX2)
