@@ -160,7 +160,7 @@ def test_a_graph_past_the_request_s_deadline_is_a_504_and_cancels_its_steps(
                    headers={"X-Fleetserve-Deadline-Ms": "300"})  # fmt: skip
     # Well inside the graph's own timeout_s (1 s): the request's deadline ends it.
     assert r.status_code == 504, r.text
-    assert r.json()["error"]["code"] == "deadline_exceeded"
+    assert r.json()["error"]["code"] == "deadline_exceeded", r.text
 
     def step_aborted() -> bool:
         now = metric(scrape(fleet.url), aborted, model_name="tiny", finished_reason="abort")

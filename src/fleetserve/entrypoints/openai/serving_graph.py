@@ -65,6 +65,9 @@ async def _run(
     try:
         return await unless_disconnected(request, asyncio.wait_for(work, graph.plan.timeout_s))
     except TimeoutError:
+        left = remaining_s(request)
+        if left is not None and left <= 0:  # both passed (a stalled loop): the tighter one
+            raise exceeded(request, f"the graph {graph.name!r}") from None
         raise APIError(504, f"the graph {graph.name!r} ran past its timeout_s "
                        f"({graph.plan.timeout_s:g} s)") from None  # fmt: skip
     except FleetCallError as e:
