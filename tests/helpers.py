@@ -158,3 +158,35 @@ async def stream_completion(
         if event.usage is not None:
             usage = (event.usage.prompt_tokens, event.usage.completion_tokens)
     return "".join(chunks), finish, usage, len(chunks)
+
+
+def captured_steps(llm: LLM, prompts: list[Any], params: Any) -> tuple[Any, list[tuple[Any, ...]]]:
+    """The C step's plan and (copies of) the arguments of every step it ran while `llm`
+    generated `prompts` with `params`: replay them with `replay_step`."""
+    import torch
+
+    plan = llm.engine.core.executor.runner.model.model.decode_plan  # type: ignore[attr-defined]
+    assert plan is not None
+    seen: list[tuple[Any, ...]] = []
+    run = plan.run
+
+    def capture(*args: Any) -> torch.Tensor:
+        seen.append(tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+        return run(*args)
+
+    plan.run = capture
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del plan.run
+    return plan, seen
+
+
+def replay_step(plan: Any, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+    """One captured step run again on fresh copies: its logits, then the tensors it
+    writes (hidden states and the K/V it stores)."""
+    import torch
+
+    args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    out = plan.run(*args)
+    return (out, *(a for a in args[10:] if isinstance(a, torch.Tensor)))

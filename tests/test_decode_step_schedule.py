@@ -14,38 +14,15 @@ import torch
 
 from fleetserve import LLM, SamplingParams
 from fleetserve.kernels import cpu as cpu_kernels
-from helpers import smollm2_path
+from helpers import captured_steps, replay_step, smollm2_path
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 
 
 def _captured_steps(llm: LLM, prompt: list[int]) -> tuple[Any, list[tuple[Any, ...]]]:
     """The plan and the arguments of each C step of one greedy request."""
-    plan = llm.engine.core.executor.runner.model.model.decode_plan  # type: ignore[attr-defined]
-    assert plan is not None
-    seen: list[tuple[Any, ...]] = []
-    run = plan.run
-
-    def capture(*args: Any) -> torch.Tensor:
-        seen.append(tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
-        return run(*args)
-
-    plan.run = capture
-    try:
-        llm.generate(
-            [{"prompt_token_ids": prompt}],
-            SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
-            use_tqdm=False,
-        )
-    finally:
-        del plan.run
-    return plan, seen
-
-
-def _replay(plan: Any, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
-    args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
-    out = plan.run(*args)
-    return (out, *(a for a in args[10:] if isinstance(a, torch.Tensor)))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    return captured_steps(llm, [{"prompt_token_ids": prompt}], params)
 
 
 def _check(plan: Any, steps: list[tuple[Any, ...]], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,10 +31,10 @@ def _check(plan: Any, steps: list[tuple[Any, ...]], monkeypatch: pytest.MonkeyPa
     assert not plan.dot_chunked  # the default: guided runs
     for threads in (1, 2, 3):
         monkeypatch.setattr(torch, "get_num_threads", lambda t=threads: t)
-        guided = [_replay(plan, args) for args in steps]
+        guided = [replay_step(plan, args) for args in steps]
         plan.dot_chunked = True
         try:
-            chunked = [_replay(plan, args) for args in steps]
+            chunked = [replay_step(plan, args) for args in steps]
         finally:
             plan.dot_chunked = False
         for g, c in zip(guided, chunked, strict=True):

@@ -15,6 +15,7 @@ import torch
 from fleetserve import LLM, SamplingParams
 from fleetserve.kernels import cpu as cpu_kernels
 from fleetserve.kernels.bf16 import native
+from helpers import captured_steps, replay_step
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.load() is None or not native(), reason="no C compiler or no native bf16 here"
@@ -35,27 +36,8 @@ def _prompts(n: int, seed: int) -> list[dict[str, list[int]]]:
 
 def _captured(llm: LLM, n: int, max_tokens: int) -> list[tuple[Any, ...]]:
     """The arguments of every C step of n greedy requests."""
-    plan = _plan(llm)
-    seen: list[tuple[Any, ...]] = []
-    run = plan.run
-
-    def capture(*args: Any) -> torch.Tensor:
-        seen.append(tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
-        return run(*args)
-
-    plan.run = capture
-    try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        llm.generate(_prompts(n, 1), params, use_tqdm=False)
-    finally:
-        del plan.run
-    return seen
-
-
-def _replay(plan: Any, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
-    args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
-    out = plan.run(*args)
-    return (out, *(a for a in args[10:] if isinstance(a, torch.Tensor)))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return captured_steps(llm, _prompts(n, 1), params)[1]
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +76,12 @@ def test_split_steps_give_the_team_bits(
         for threads in (2, 3):
             monkeypatch.setattr(torch, "get_num_threads", lambda t=threads: t)
             plan.split_min_rows = 0
-            team = [_replay(plan, a) for a in steps]
+            team = [replay_step(plan, a) for a in steps]
             plan.split_min_rows = 1
             split, did = [], set()
             for a in steps:
                 before = plan.split_steps
-                split.append(_replay(plan, a))
+                split.append(replay_step(plan, a))
                 if plan.split_steps > before:
                     did.add(bool((a[5] == 1).all()))
             # Decode steps and steps with prompt rows split (not every one: a step whose
