@@ -88,8 +88,8 @@ def test_split_steps_give_the_team_bits(
             # sequences do not share out evenly runs as a team).
             assert did == {True, False} or threads > 2
             for t, s in zip(team, split, strict=True):
-                for a, b in zip(t, s, strict=True):
-                    assert torch.equal(a, b)
+                for x, y in zip(t, s, strict=True):
+                    assert torch.equal(x, y)
     finally:
         plan.split_min_rows = default
 
