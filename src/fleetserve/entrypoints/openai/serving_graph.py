@@ -72,7 +72,7 @@ async def _run(
                        f"({graph.plan.timeout_s:g} s)") from None  # fmt: skip
     except FleetCallError as e:
         left = remaining_s(request)
-        if e.status == 504 and left is not None and left <= 0:  # a step ran out of it
+        if e.past_deadline or (e.status == 504 and left is not None and left <= 0):
             raise exceeded(request, f"the graph {graph.name!r}") from None
         raise APIError(e.status, f"graph {graph.name!r}: {e}") from None
     except GraphError as e:
