@@ -153,6 +153,7 @@ class EngineArgs:
                 chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
                 num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
+                num_burst_lookahead_tokens=spec.num_burst_lookahead_tokens if spec else 0,
                 max_loras=lora.max_loras if lora else None,
             ),
             parallel=ParallelConfig(
