@@ -197,7 +197,7 @@ class Scheduler:
             return 0  # mid-prompt: nothing is proposed after this step
         room = self.config.max_model_len - num_computed - num_new
         want = self.config.num_lookahead_tokens
-        if len(self.running) == 1:
+        if len(self.running) == 1 and not self.waiting:  # alone in its step: it may burst
             want = max(want, self.config.num_burst_lookahead_tokens)
         return max(0, min(want, room))
 
