@@ -314,7 +314,10 @@ class ModelRunner:
             and so.grammar_bitmask is None
             and meta.head_argmax is not None
         ):
-            self._spec_burst(ordered[0], sampled.get(ordered[0].req_id), bursts)
+            tokens = sampled.get(ordered[0].req_id)
+            tally = self.spec_burst.extend(ordered[0], tokens) if tokens else None
+            if tally is not None:
+                bursts[ordered[0].req_id] = tally
         prompt_lps = self._prompt_logprobs(ordered, qsl, ctx_lens, hidden)
         req_ids = list(sched)
         want_logprobs = any(s.params.logprobs is not None for s in ordered)
@@ -326,39 +329,6 @@ class ModelRunner:
             spec_token_ids=self._propose(req_ids, sampled) if self.proposer is not None else None,
             spec_bursts=bursts,
         )
-
-    def _spec_burst(
-        self, s: RequestState, tokens: list[int] | None, bursts: dict[str, SpecBurstTally]
-    ) -> None:
-        """Appends to `tokens` (the step's, greedy: a verification's or a decode's) the
-        tokens a speculative burst verifies on after them, into `bursts` what it did."""
-        assert self.spec_burst is not None
-        p = s.params
-        # A decode or a verification (its pending token the only one not in the cache),
-        # greedy on the raw logits, unconstrained, that sampled.
-        if (
-            not tokens
-            or s.num_computed_tokens == 0
-            or s.num_computed_tokens != len(s.token_ids) - 1
-            or not s.plain_greedy
-            or p.structured_outputs is not None
-        ):
-            return
-        stops = frozenset(p.stop_token_ids or ()) | frozenset(
-            () if p.ignore_eos else s.eos_token_ids
-        )
-        seq = s.token_ids + tokens
-        if len(seq) >= self.config.scheduler.max_model_len or not stops.isdisjoint(tokens):
-            return
-        max_output = None
-        if p.max_tokens is not None:
-            max_output = p.max_tokens - (len(seq) - s.num_prompt_tokens)
-            if max_output <= 0:
-                return
-        extra, tally = self.spec_burst.run(seq, s.block_ids, max_output, stops)
-        if extra:
-            tokens += extra
-            bursts[s.req_id] = tally
 
     def _burst(self, s: RequestState, tokens: list[int]) -> None:
         """Appends to `tokens` (the step's one, greedy) the tokens a burst decodes after

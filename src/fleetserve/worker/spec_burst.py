@@ -24,8 +24,11 @@ step that computed it), never under FLEETSERVE_DEBUG_STEP_DELAY_S (burst_plan).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
+from fleetserve.core.sampling_params import SamplingParams
 from fleetserve.core.scheduler_output import SpecBurstTally
 from fleetserve.kernels.decode_step import BurstInput, DecodePlan, SpecLimits
 from fleetserve.kernels.quant import QuantWeight
@@ -35,6 +38,20 @@ from fleetserve.worker.decode_burst import burst_plan
 
 # max_tokens unset: no cap on the tokens a burst may emit but its budget.
 _NO_CAP = 1 << 62
+
+
+class BurstRequest(Protocol):
+    """What a burst reads of the runner's view of a request (model_runner.RequestState)."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    block_ids: list[int]
+
+    @property
+    def plain_greedy(self) -> bool: ...
 
 
 class SpecBurst:
@@ -57,6 +74,38 @@ class SpecBurst:
         self._tokens = torch.empty(0, dtype=torch.int64)  # the sequence, grown in C
         # Tokens decoded by bursts (tests, benches).
         self.num_tokens = 0
+
+    def extend(self, s: BurstRequest, tokens: list[int]) -> SpecBurstTally | None:
+        """Appends to `tokens` (the step's for `s`, greedy: a verification's or a
+        decode's) the tokens a burst verifies on after them, and says what it did; None
+        (nothing appended) where no burst may run: `s`'s step was not a decode or a
+        verification (its pending token the only one not in the cache), not greedy on
+        the raw logits, constrained, or it already ends the request."""
+        p = s.params
+        if (
+            not tokens
+            or s.num_computed_tokens == 0
+            or s.num_computed_tokens != len(s.token_ids) - 1
+            or not s.plain_greedy
+            or p.structured_outputs is not None
+        ):
+            return None
+        stops = frozenset(p.stop_token_ids or ()) | frozenset(
+            () if p.ignore_eos else s.eos_token_ids
+        )
+        seq = s.token_ids + tokens
+        if len(seq) >= self.max_model_len or not stops.isdisjoint(tokens):
+            return None
+        max_output = None
+        if p.max_tokens is not None:
+            max_output = p.max_tokens - (len(seq) - s.num_prompt_tokens)
+            if max_output <= 0:
+                return None
+        extra, tally = self.run(seq, s.block_ids, max_output, stops)
+        if not extra:
+            return None
+        tokens += extra
+        return tally
 
     def run(
         self,
