@@ -16,7 +16,10 @@ and reports:
   verification's cost in one-row steps, whole and by phase.
 
 Replaying a step rewrites the same keys and values into the same slots: no token of the
-run changes (the replay happens after it).
+run changes (the replay happens after it). `--burst-tokens B` (default 0: step by step)
+lets a step verify on in C (worker/spec_burst.py): the C ms then include the bursts'
+rounds, and the figures are per scheduler step (a step's first verification and its
+burst), each also per decoded token.
 """
 
 from __future__ import annotations
@@ -59,11 +62,14 @@ def _replay(plan: Any, steps: dict[str, list[Any]], rounds: int, threads: int) -
     return out
 
 
-def split(model: str | None, threads: int, k: int, rounds: int, max_tokens: int) -> dict[str, Any]:
+def split(
+    model: str | None, threads: int, k: int, rounds: int, max_tokens: int, burst_tokens: int = 0
+) -> dict[str, Any]:
     from fleetserve import LLM, SamplingParams
 
     torch.set_num_threads(threads)
-    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+            "burst_tokens": burst_tokens}  # fmt: skip
     llm = LLM(model, num_threads=threads, max_model_len=1024, speculative_config=spec)
     runner = llm.engine.core.executor.runner  # type: ignore[attr-defined]
     plan = runner.model.model.decode_plan
@@ -89,13 +95,25 @@ def split(model: str | None, threads: int, k: int, rounds: int, max_tokens: int)
     engine.step()  # the prefill (and its first token), left out of the figures
     stats0 = engine.stats().spec_decode
     clock = thread_clock(threads)
-    with StepTimer(runner, plan, clock, capture) as timer:
-        n, tokens, t0 = 0, 0, clock()
-        while engine.has_unfinished_requests():
-            for out in engine.step():  # deltas
-                tokens += len(out.outputs[0].token_ids)
-            n += 1
-        total = clock() - t0
+    burst_run = plan.spec_burst
+
+    def timed_burst(*args: Any) -> Any:  # a burst's rounds count as C step time
+        t0 = clock()
+        out = burst_run(*args)
+        timer.spent["c"] += clock() - t0
+        return out
+
+    plan.spec_burst = timed_burst
+    try:
+        with StepTimer(runner, plan, clock, capture) as timer:
+            n, tokens, t0 = 0, 0, clock()
+            while engine.has_unfinished_requests():
+                for out in engine.step():  # deltas
+                    tokens += len(out.outputs[0].token_ids)
+                n += 1
+            total = clock() - t0
+    finally:
+        del plan.spec_burst  # the method again
     stats1 = engine.stats().spec_decode
     assert stats0 is not None and stats1 is not None
     drafts = stats1.num_draft_tokens - stats0.num_draft_tokens
@@ -103,6 +121,7 @@ def split(model: str | None, threads: int, k: int, rounds: int, max_tokens: int)
     result: dict[str, Any] = {
         "threads": threads,
         "k": k,
+        "burst_tokens": burst_tokens,
         "decoded_tokens": tokens,
         "decode_steps": n,
         "tokens_per_step": round(tokens / n, 3),
@@ -111,6 +130,10 @@ def split(model: str | None, threads: int, k: int, rounds: int, max_tokens: int)
         "ms_per_step": {
             ("all" if key == "step_ms" else key.removesuffix("_ms")): round(ms, 4)
             for key, ms in timer.per_step_ms(total, n).items()
+        },
+        "ms_per_token": {
+            ("all" if key == "step_ms" else key.removesuffix("_ms")): round(ms, 4)
+            for key, ms in timer.per_step_ms(total, tokens).items()
         },
     }
     if set(captured) == {"one_row", "verify"}:
@@ -127,11 +150,16 @@ def main() -> None:
     p.add_argument("--k", type=int, default=7, help="drafts per verification")
     p.add_argument("--rounds", type=int, default=200, help="replays of each captured step")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--burst-tokens", type=int, default=0,
+                   help="speculative bursts of this many tokens (0: step by step)")  # fmt: skip
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.k < 1 or args.k > 15:
         raise ValueError(f"--k must be in [1, 15], got {args.k}")
-    emit(split(args.model, args.threads, args.k, args.rounds, args.max_tokens), args.json)
+    if args.burst_tokens < 0:
+        raise ValueError(f"--burst-tokens must be >= 0, got {args.burst_tokens}")
+    out = split(args.model, args.threads, args.k, args.rounds, args.max_tokens, args.burst_tokens)
+    emit(out, args.json)
 
 
 if __name__ == "__main__":

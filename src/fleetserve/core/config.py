@@ -14,6 +14,9 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" | "priority"
     # KV slots reserved past a sampling step's tokens for a draft model's proposals.
     num_lookahead_tokens: int = 0
+    # KV slots a lone running request reserves past its step's tokens, for the runner's
+    # speculative burst to write its next verifications in (worker/spec_burst.py).
+    num_burst_lookahead_tokens: int = 0
     # LoRA: at most this many adapters among the running requests (their rows share a
     # step through the worker's slots); None: no LoRA.
     max_loras: int | None = None
@@ -27,6 +30,10 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.num_lookahead_tokens < 0:
             raise ValueError(f"num_lookahead_tokens must be >= 0, got {self.num_lookahead_tokens}")
+        if self.num_burst_lookahead_tokens < 0:
+            raise ValueError(
+                f"num_burst_lookahead_tokens must be >= 0, got {self.num_burst_lookahead_tokens}"
+            )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -191,11 +191,15 @@ class Scheduler:
         return candidates[0]
 
     def _lookahead(self, req: Request, num_computed: int, num_new: int) -> int:
-        """Slots a draft model writes past this step's tokens, if the step samples."""
+        """Slots a draft model writes past this step's tokens, if the step samples (and a
+        lone running request's speculative burst: worker/spec_burst.py)."""
         if num_computed + num_new < req.num_tokens:
             return 0  # mid-prompt: nothing is proposed after this step
         room = self.config.max_model_len - num_computed - num_new
-        return max(0, min(self.config.num_lookahead_tokens, room))
+        want = self.config.num_lookahead_tokens
+        if len(self.running) == 1 and not self.waiting:  # alone in its step: it may burst
+            want = max(want, self.config.num_burst_lookahead_tokens)
+        return max(0, min(want, room))
 
     def _sibling_prefilling(self, req: Request) -> bool:
         """n>1 siblings wait until one of them has computed the shared prompt."""
@@ -262,7 +266,7 @@ class Scheduler:
         num_spec = max(0, num_new - num_unseen)
         lookahead = (
             self._lookahead(req, req.num_computed_tokens, num_new)
-            if self.config.num_lookahead_tokens
+            if self.config.num_lookahead_tokens or self.config.num_burst_lookahead_tokens
             else 0
         )
         while not bm.allocate_slots(req, num_new + lookahead):
@@ -429,7 +433,11 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         max_len = self.config.max_model_len
         # Without drafts or lookahead slots no request holds blocks past its tokens.
-        may_hold_tail = result.spec_token_ids is not None or self.config.num_lookahead_tokens
+        may_hold_tail = (
+            result.spec_token_ids is not None
+            or self.config.num_lookahead_tokens
+            or self.config.num_burst_lookahead_tokens
+        )
         for idx, req_id in enumerate(result.req_ids):
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -437,19 +445,26 @@ class Scheduler:
             sampled = result.sampled_token_ids[idx]
             num_computed = req.num_computed_tokens + sched.num_scheduled_tokens[req_id]
             drafts = sched.scheduled_spec_decode_tokens.get(req_id)
+            burst = result.spec_bursts.get(req_id)
             if drafts:
-                # sampled = the accepted drafts + one token of the target's own; the
-                # rejected drafts' K/V are garbage, recomputed when their slots are reused.
+                # sampled = the accepted drafts + one token of the target's own (then a
+                # speculative burst's tokens, whose K/V are in the cache but the last's);
+                # the rejected drafts' K/V are garbage, recomputed when their slots are
+                # reused.
                 assert sampled, "a step with drafts reaches the request's end: it samples"
-                num_accepted = len(sampled) - 1
-                num_computed -= len(drafts) - num_accepted
+                num_computed -= len(drafts) - (len(sampled) - 1)
                 self.num_spec_verifications += 1
                 self.num_draft_tokens += len(drafts)
-                self.num_accepted_tokens += num_accepted
+                self.num_accepted_tokens += len(sampled) - 1 - (burst.num_tokens if burst else 0)
             elif len(sampled) > 1:
-                # A burst (worker/decode_burst.py): the runner also decoded each token
-                # after the first, so all but the last have their K/V in the cache.
+                # A burst (worker/decode_burst.py, spec_burst.py): the runner also decoded
+                # each token after the first, so all but the last have their K/V in the
+                # cache.
                 num_computed += len(sampled) - 1
+            if burst is not None:
+                self.num_spec_verifications += burst.num_verifications
+                self.num_draft_tokens += burst.num_draft_tokens
+                self.num_accepted_tokens += burst.num_accepted_tokens
             req.num_computed_tokens = num_computed
             new_tokens: list[int] = []
             new_logprobs = []

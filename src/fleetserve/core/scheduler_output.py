@@ -77,6 +77,21 @@ class ModelRunnerOutput:
     # Speculative decoding: per request, the draft tokens proposed for the next step
     # (None when speculation is off).
     spec_token_ids: list[list[int]] | None = None
+    # Speculative bursts (worker/spec_burst.py): per request whose sampled tokens end with
+    # a burst's, what the burst did.
+    spec_bursts: dict[str, SpecBurstTally] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SpecBurstTally:
+    """A speculative burst's tokens (the last of the request's sampled tokens) and its
+    verifications, the drafts they verified and the drafts accepted (its rounds without
+    a match are plain decodes)."""
+
+    num_tokens: int
+    num_verifications: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
 
 
 @dataclass

@@ -132,6 +132,10 @@ class EngineArgs:
                 choice = choice.with_bf16_kv_cache(BF16_KV_CACHE_WHY)
                 kv_cache_dtype = "bfloat16"
             announce(choice)
+        # Slots for a lone stream's speculative bursts: only where the runner can run them
+        # (one process, no LoRA: worker/spec_burst.py).
+        one_process = self.tensor_parallel_size * self.pipeline_parallel_size == 1
+        burst_slots = spec.num_burst_lookahead_tokens if spec and one_process and not lora else 0
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 1024 if self.enable_chunked_prefill else max_len
@@ -153,6 +157,7 @@ class EngineArgs:
                 chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
                 num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
+                num_burst_lookahead_tokens=burst_slots,
                 max_loras=lora.max_loras if lora else None,
             ),
             parallel=ParallelConfig(

@@ -1115,3 +1115,128 @@ int64_t decode_burst(const ds_plan *p, const ds_embedding *emb, int64_t token, i
     }
     return n;
 }
+
+/* ---- speculative bursts (worker/spec_burst.py; helper sburst's code, not the team's) ---- */
+
+/* spec_decode/ngram.py's find_ngram_match on tokens[0 .. len): the longest suffix n-gram
+ * (max_n down to min_n tokens) that occurred before, its latest earlier occurrence;
+ * returns where the tokens after it start and sets *n_out to n, or returns -1 with
+ * *n_out = 0. A scan: ~1k tokens of int64 compares, a few microseconds. */
+static int64_t spec_ngram_match(const int64_t *tokens, int64_t len, int64_t min_n,
+                                int64_t max_n, int64_t *n_out) {
+    for (int64_t n = max_n < len - 1 ? max_n : len - 1; n >= min_n && n >= 1; n--) {
+        const int64_t *suffix = tokens + len - n;
+        /* candidate starts len - n - 1 down to 0 (the suffix itself excluded) */
+        for (int64_t i = len - n - 1; i >= 0; i--) {
+            if (tokens[i] != suffix[0]) continue;
+            if (memcmp(tokens + i, suffix, (size_t)n * sizeof(int64_t)) == 0) {
+                *n_out = n;
+                return i + n;
+            }
+        }
+    }
+    *n_out = 0;
+    return -1;
+}
+
+static int spec_is_stop(int64_t token, const int64_t *stop_ids, int64_t num_stops) {
+    for (int64_t i = 0; i < num_stops; i++)
+        if (stop_ids[i] == token) return 1;
+    return 0;
+}
+
+/* The limits of one speculative burst (spec_burst's arguments beside the buffers). */
+typedef struct {
+    int64_t budget;          /* no round starts once this many tokens were emitted */
+    int64_t max_output;      /* tokens the request may still emit (max_tokens' room) */
+    int64_t max_position;    /* positions written stay below it (blocks, max_model_len) */
+    int64_t k;               /* drafts after a match of 2+ tokens (or of 1 when max_n = 1) */
+    int64_t unigram_drafts;  /* drafts after a match of one token when max_n > 1 */
+    int64_t min_n, max_n;    /* the n-gram lengths looked up */
+} ds_spec_limits;
+
+/* A lone greedy sequence's speculative decoding, verification after verification in one
+ * call: what the n-gram proposer (spec_decode/ngram.py, fixed draft length) and the
+ * greedy rejection sampler do across scheduler steps, without going back to Python.
+ * tokens[0 .. len): the sequence, its last token pending (not in the cache) at position
+ * len - 1; each round looks up the drafts as NgramProposer.propose would (the match's
+ * k or unigram_drafts tokens, cut after a stop token, capped by max_output - 1), runs
+ * the pending token and the drafts as one step of 1 + d rows (all rows' logits and
+ * argmax: the verification step the runner would build), accepts the drafts while each
+ * equals the argmax of the row before it and emits them and one argmax of its own; a
+ * round without a match is a one-row decode. The emitted tokens are appended to tokens
+ * (capacity len + budget + k). It ends after the round that brings the emitted count
+ * to budget, after a stop token, at max_output, or before a round whose rows
+ * would reach max_position (its drafts are not cut: the next scheduler step verifies
+ * them with the scheduler's slots). table: the sequence's num_blocks block ids; x, out
+ * [k + 1, hidden], logits [k + 1, vocab] scratch, rows (int64 [k + 1]) and argmax (int64
+ * [k + 1]) scratch. counts[0..3]: rounds (C steps), verifications (rounds with drafts),
+ * drafts, accepted drafts. Returns the number of tokens emitted, or a negative error: decode_step's, -3
+ * for a token outside the embedding table. */
+int64_t spec_burst(const ds_plan *p, const ds_embedding *emb, int64_t *tokens, int64_t len,
+                   const int64_t *table, int64_t num_blocks, const ds_spec_limits *lim,
+                   const int64_t *stop_ids, int64_t num_stops, float *x, float *out,
+                   float *logits, int64_t *rows, int64_t *argmax, int64_t *counts,
+                   int threads) {
+    const int64_t H = p->hidden, bs = p->block_size, zero = 0;
+    const int64_t max_position =
+        lim->max_position < num_blocks * bs ? lim->max_position : num_blocks * bs;
+    int64_t positions[64], slot_blocks[64], slot_offsets[64];
+    int64_t emitted = 0;
+    counts[0] = counts[1] = counts[2] = counts[3] = 0;
+    if (lim->k + 1 > 64 || len < 1) return -3;
+    while (emitted < lim->budget && emitted < lim->max_output) {
+        const int64_t pos = len - 1;
+        int64_t n = 0, d = 0;
+        const int64_t start = spec_ngram_match(tokens, len, lim->min_n, lim->max_n, &n);
+        if (n) {
+            d = n == 1 && lim->max_n > 1 ? lim->unigram_drafts : lim->k;
+            if (d > len - start) d = len - start;
+            for (int64_t i = 0; i < d; i++)
+                if (spec_is_stop(tokens[start + i], stop_ids, num_stops)) {
+                    d = i + 1;
+                    break;
+                }
+        }
+        /* the scheduler's caps on drafts: max_tokens' room, max_model_len */
+        if (d > lim->max_output - emitted - 1) d = lim->max_output - emitted - 1;
+        if (d < 0) d = 0;
+        if (pos + d >= max_position) break; /* the scheduler's next step takes it */
+        const int64_t m = d + 1;
+        for (int64_t r = 0; r < m; r++) {
+            const int64_t t = r ? tokens[start + r - 1] : tokens[pos];
+            if (t < 0 || t >= emb->vocab) return -3;
+            if (emb->qtype >= 0)
+                quant_dequantize_rows(emb->qtype, emb->data, emb->row_bytes, &t, 1, H,
+                                      x + r * H, 1);
+            else
+                memcpy(x + r * H, (const float *)emb->data + t * H, (size_t)H * sizeof(float));
+            positions[r] = pos + r;
+            slot_blocks[r] = table[(pos + r) / bs];
+            slot_offsets[r] = (pos + r) % bs;
+            rows[r] = r;
+        }
+        const int64_t seq_len = pos + m;
+        const int rc = decode_step(p, x, out, m, positions, slot_blocks, slot_offsets, 1, &zero,
+                                   &m, &seq_len, table, num_blocks, NULL, NULL, NULL, 0, m,
+                                   rows, logits, argmax, threads);
+        if (rc < 0) return rc;
+        int64_t a = 0;
+        while (a < d && argmax[a] == tokens[start + a]) a++;
+        counts[0] += 1;
+        if (d) {
+            counts[1] += 1;
+            counts[2] += d;
+            counts[3] += a;
+        }
+        /* drafts[0 .. a) then the target's own token; the sequence grows in place (the
+         * accepted drafts are copied before the bonus overwrites nothing they read) */
+        for (int64_t j = 0; j <= a; j++) {
+            const int64_t t = j < a ? tokens[start + j] : argmax[a];
+            tokens[len++] = t;
+            emitted++;
+            if (spec_is_stop(t, stop_ids, num_stops)) return emitted;
+        }
+    }
+    return emitted;
+}

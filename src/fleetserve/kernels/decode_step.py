@@ -66,6 +66,16 @@ class _Embedding(ctypes.Structure):
     _fields_ = [("qtype", _i32), ("data", _p), ("row_bytes", _i64), ("vocab", _i64)]
 
 
+class SpecLimits(ctypes.Structure):
+    """decode_step.c's ds_spec_limits: where a speculative burst stops and how it drafts
+    (see DecodePlan.spec_burst)."""
+
+    _fields_ = [
+        ("budget", _i64), ("max_output", _i64), ("max_position", _i64), ("k", _i64),
+        ("unigram_drafts", _i64), ("min_n", _i64), ("max_n", _i64),
+    ]  # fmt: skip
+
+
 # Steps of at least this many rows per byte a weight takes (bf16: 2 x 12 = 24, Q4_1
 # ~8) may split by sequences over the threads (see DecodePlan.split_min_rows): below it
 # a step's GEMMs are bound by reading the weights, which each sub-step reads again.
@@ -95,6 +105,10 @@ def _lib() -> ctypes.CDLL:
         _p, _p, _i64, _i64, _p, _i64, _i64, _p, _i64, _p, _p, _p, _p, ctypes.c_int,
     ]  # fmt: skip
     lib.decode_burst.restype = _i64
+    lib.spec_burst.argtypes = [
+        _p, _p, _p, _i64, _p, _i64, _p, _p, _i64, _p, _p, _p, _p, _p, _p, ctypes.c_int,
+    ]  # fmt: skip
+    lib.spec_burst.restype = _i64
     lib.rows_argmax.argtypes = [_p, _i64, _i64, ctypes.c_int, _p]
     lib.rows_argmax.restype = None
     lib.decode_step_max_rows.argtypes = []
@@ -338,6 +352,54 @@ class DecodePlan:
         self.steps += n
         self.head_steps += n
         return inp.tokens[:n].tolist()
+
+    def spec_burst(
+        self,
+        inp: BurstInput,
+        tokens: torch.Tensor,
+        length: int,
+        block_table: torch.Tensor,
+        limits: SpecLimits,
+        stop_ids: torch.Tensor,
+    ) -> tuple[int, tuple[int, int, int]]:
+        """A lone greedy sequence's speculative decoding in one C call (decode_step.c's
+        spec_burst): n-gram drafts from `tokens[:length]` (int64, its last token pending
+        at position length - 1), verified by this plan's step of 1 + drafts rows with the
+        LM head and its argmax, accepted greedily, round after round within `limits`.
+        The emitted tokens are appended to `tokens` (capacity: length + budget + k).
+        Returns their number and (verifications, drafts, accepted drafts) (rounds without
+        a match are one-row steps, not verifications)."""
+        if not self.vocab or self._plan.reduce:
+            raise ValueError("a speculative burst needs a plan with the LM head, in one process")
+        for name, t in (("tokens", tokens), ("block_table", block_table), ("stop_ids", stop_ids)):
+            if t.dtype != torch.int64 or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous int64 tensor")
+        if tokens.shape[0] < length + limits.budget + limits.k:
+            raise ValueError("tokens has no room for the burst's tokens")
+        rows = limits.k + 1
+        if inp.x.shape[0] < rows * self.shape.hidden:
+            inp.x = torch.empty(rows * self.shape.hidden)
+            inp.out = torch.empty(rows * self.shape.hidden)
+            inp.logits = torch.empty(rows * self.vocab)
+        if inp.tokens.shape[0] < 2 * rows:
+            inp.tokens = torch.empty(2 * rows, dtype=torch.int64)
+        counts = (ctypes.c_int64 * 4)()
+        self._plan.lora = None
+        n = self._lib.spec_burst(
+            ctypes.byref(self._plan), inp.ref, tokens.data_ptr(), length,
+            block_table.data_ptr(), block_table.shape[0], ctypes.byref(limits),
+            stop_ids.data_ptr(), stop_ids.shape[0], inp.x.data_ptr(), inp.out.data_ptr(),
+            inp.logits.data_ptr(), inp.tokens.data_ptr(), inp.tokens[rows:].data_ptr(),
+            counts, torch.get_num_threads(),
+        )  # fmt: skip
+        if n == -1:
+            raise MemoryError("spec_burst: could not allocate its buffers")
+        if n < 0:
+            raise ValueError(f"spec_burst: a token of the sequence or drafts is outside the "
+                             f"embedding, or k + 1 > 64 rows (k={limits.k})")  # fmt: skip
+        self.steps += counts[0]
+        self.head_steps += counts[0]
+        return n, (counts[1], counts[2], counts[3])
 
     def _call_reduce(self, ptr: ctypes._Pointer[ctypes.c_float], n: int) -> None:
         # An exception cannot cross C: kept, and raised once the step returns.

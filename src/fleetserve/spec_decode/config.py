@@ -5,18 +5,25 @@
 of the sequence's final n-gram (M <= n <= N); ``{"model": PATH, "num_speculative_tokens": K}``
 proposes them with a smaller draft model that shares the target's tokenizer.
 ``"draft_length": "adaptive"`` (n-gram) makes K a ceiling: each step proposes the number
-that the measured acceptance and step times say pays best.
+that the measured acceptance and step times say pays best. ``"burst_tokens": B`` (n-gram,
+fixed draft length): a lone greedy stream's step verifies on in C until it has B tokens
+(worker/spec_burst.py); 0 turns that off; the default is FLEETSERVE_SPEC_BURST's, else
+32.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram", "draft_model")
 DRAFT_LENGTHS = ("fixed", "adaptive")
 MAX_SPECULATIVE_TOKENS = 16
+# Tokens a speculative burst decodes per scheduler step by default (worker/spec_burst.py).
+DEFAULT_BURST_TOKENS = 32
+MAX_BURST_TOKENS = 1024
 _FIELDS = (
     "method",
     "num_speculative_tokens",
@@ -24,6 +31,7 @@ _FIELDS = (
     "prompt_lookup_min",
     "model",
     "draft_length",
+    "burst_tokens",
 )
 _PREFIX = "speculative_config"
 
@@ -45,6 +53,9 @@ class SpeculativeConfig:
     # "adaptive": at most that many, chosen each step from the measured acceptance by
     # position and step time by rows (draft_length.py). n-gram only.
     draft_length: str = "fixed"
+    # A lone greedy stream's speculative steps run on in C up to this many tokens
+    # (worker/spec_burst.py; n-gram with a fixed draft length); 0: off.
+    burst_tokens: int = DEFAULT_BURST_TOKENS
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -52,6 +63,7 @@ class SpeculativeConfig:
         _int_field("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         _int_field("prompt_lookup_min", self.prompt_lookup_min, 1, 64)
         _int_field("prompt_lookup_max", self.prompt_lookup_max, 1, 64)
+        _int_field("burst_tokens", self.burst_tokens, 0, MAX_BURST_TOKENS)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"{_PREFIX}.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
@@ -73,6 +85,17 @@ class SpeculativeConfig:
         """KV slots a draft model writes past the verified tokens while proposing: its
         proposals' own K/V (an n-gram lookup writes none)."""
         return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+    @property
+    def bursts(self) -> bool:
+        """Whether a lone greedy stream's steps may verify on in C (worker/spec_burst.py)."""
+        return self.burst_tokens > 0 and self.method == "ngram" and self.draft_length == "fixed"
+
+    @property
+    def num_burst_lookahead_tokens(self) -> int:
+        """KV slots a lone request holds past its step for a burst's verifications: a
+        burst's last round starts before `burst_tokens` and writes up to k + 1 rows."""
+        return self.burst_tokens + self.num_speculative_tokens if self.bursts else 0
 
     @classmethod
     def parse(
@@ -109,4 +132,17 @@ class SpeculativeConfig:
             prompt_lookup_min=lo,
             model=value.get("model"),
             draft_length=value.get("draft_length", "fixed"),
+            burst_tokens=value.get("burst_tokens", _default_burst_tokens()),
         )
+
+
+def _default_burst_tokens() -> int:
+    """FLEETSERVE_SPEC_BURST (A/B runs of whole trees: 0 turns bursts off), else the
+    default."""
+    raw = os.environ.get("FLEETSERVE_SPEC_BURST")
+    if raw is None:
+        return DEFAULT_BURST_TOKENS
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"FLEETSERVE_SPEC_BURST must be an integer, got {raw!r}") from None

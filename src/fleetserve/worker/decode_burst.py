@@ -115,7 +115,20 @@ def make_decode_burst(model: object, block_size: int, max_model_len: int) -> Dec
         tokens = int(raw)
     except ValueError:
         raise ValueError(f"FLEETSERVE_DECODE_BURST must be an integer, got {raw!r}") from None
-    if tokens <= 1 or type(model) is not LlamaModel:
+    if tokens <= 1:
+        return None
+    found = burst_plan(model)
+    if found is None:
+        return None
+    plan, table = found
+    return DecodeBurst(plan, table, block_size, max_model_len, tokens)
+
+
+def burst_plan(model: object) -> tuple[DecodePlan, QuantWeight | torch.Tensor] | None:
+    """The C step (with its LM head) and the embedding table a burst of `model` (its
+    `LlamaForCausalLM.model`) runs on, or None: another model, another embedding than
+    Llama's GGUF or float32 table, no C step with the head, or a debug step delay."""
+    if type(model) is not LlamaModel:
         return None
     # FLEETSERVE_DEBUG_STEP_DELAY_S (engine/core_proc.py) slows every step to stand for a
     # slow engine (chaos and drain tests keep streams in flight with it): a burst would
@@ -136,4 +149,4 @@ def make_decode_burst(model: object, block_size: int, max_model_len: int) -> Dec
             return None
     else:
         return None
-    return DecodeBurst(plan, table, block_size, max_model_len, tokens)
+    return plan, table

@@ -14,7 +14,7 @@ import torch
 
 from fleetserve.config import EngineConfig
 from fleetserve.core.sampling_params import SamplingParams
-from fleetserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from fleetserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, SpecBurstTally
 from fleetserve.core.structured import GrammarBitmask
 from fleetserve.distributed.parallel_state import ParallelContext
 from fleetserve.forward_context import AttentionMetadata, set_forward_context
@@ -35,6 +35,7 @@ from fleetserve.worker.model_setup import (
     pack_for_cpu,
     use_cpu_kernel,
 )
+from fleetserve.worker.spec_burst import SpecBurst, make_spec_burst
 
 # Decodes attended in one padded SDPA call at most (sorted by length first).
 DECODE_GROUP_SIZE = 16
@@ -138,6 +139,17 @@ class ModelRunner:
         ):
             self.burst = make_decode_burst(
                 self.model.model, self.block_size, config.scheduler.max_model_len
+            )
+        # Its speculative steps verify on in C (worker/spec_burst.py).
+        self.spec_burst: SpecBurst | None = None
+        if (
+            self.head_argmax
+            and parallel is None
+            and config.lora is None
+            and not self.num_sliding_blocks
+        ):
+            self.spec_burst = make_spec_burst(
+                self.model.model, config.speculative, config.scheduler.max_model_len
             )
         self.requests: dict[str, RequestState] = {}
         # The requests' block ids as numpy rows, from which the C kernels' metadata is
@@ -295,6 +307,17 @@ class ModelRunner:
             and decodes[0].params.structured_outputs is None
         ):
             self._burst(decodes[0], sampled[decodes[0].req_id])
+        bursts: dict[str, SpecBurstTally] = {}
+        if (
+            self.spec_burst is not None
+            and len(ordered) == 1
+            and so.grammar_bitmask is None
+            and meta.head_argmax is not None
+        ):
+            tokens = sampled.get(ordered[0].req_id)
+            tally = self.spec_burst.extend(ordered[0], tokens) if tokens else None
+            if tally is not None:
+                bursts[ordered[0].req_id] = tally
         prompt_lps = self._prompt_logprobs(ordered, qsl, ctx_lens, hidden)
         req_ids = list(sched)
         want_logprobs = any(s.params.logprobs is not None for s in ordered)
@@ -304,6 +327,7 @@ class ModelRunner:
             logprobs=[lp_by_req.get(r, []) for r in req_ids] if want_logprobs else None,
             prompt_logprobs=prompt_lps,
             spec_token_ids=self._propose(req_ids, sampled) if self.proposer is not None else None,
+            spec_bursts=bursts,
         )
 
     def _burst(self, s: RequestState, tokens: list[int]) -> None:
