@@ -54,6 +54,9 @@ def _captured(llm: LLM, n: int, max_tokens: int) -> list[tuple[Any, ...]]:
 
 def _replay(plan: Any, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
     args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    # Every row's hidden states (sampled_only off): with it on, rows outside the sampled
+    # ones are left unwritten (tests/test_sampled_rows_only.py checks that case).
+    args = (*args[:13], False)
     out = plan.run(*args)
     return (out, *(a for a in args[10:] if isinstance(a, torch.Tensor)))
 
