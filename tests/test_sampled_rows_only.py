@@ -163,3 +163,38 @@ def test_prompt_logprobs_see_every_row(
         assert x is not None and y is not None and x.keys() == y.keys()
         for tok in x:
             assert abs(x[tok] - y[tok]) < 1e-5
+
+
+def test_a_chunk_with_no_sampled_row_stops_after_its_attention(
+    tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long prompt alone: its first chunk samples nothing (an empty `logit_rows`, every
+    row of the result left unwritten), and the run still gives the module path's tokens
+    and logprobs (the later chunks read the K/V that chunk wrote)."""
+    llm = _llm(tiny_model_factory, "bf16")
+    plan = _plan(llm)
+    prompt = {"prompt_token_ids": [(7 * i) % 397 + 3 for i in range(150)]}
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    seen: list[tuple[Any, ...]] = []
+    run = plan.run
+
+    def capture(*args: Any) -> torch.Tensor:
+        seen.append(tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+        return run(*args)
+
+    monkeypatch.setattr(plan, "run", capture)
+    c_step = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    monkeypatch.undo()
+    first = seen[0]
+    assert first[0].shape[0] == 96 and first[ROWS].shape == (0,) and first[ONLY]
+    out, logits, _ = _replay(plan, first, True, monkeypatch)
+    assert out.isnan().all() and logits.shape == (0, plan.vocab)
+    llm.engine.core.block_manager.reset_prefix_cache()
+    runner = llm.engine.core.executor.runner  # type: ignore[attr-defined]
+    monkeypatch.setattr(runner.model.model, "decode_plan", None)
+    module = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert c_step.token_ids == module.token_ids
+    for x, y in zip(c_step.logprobs or [], module.logprobs or [], strict=True):
+        assert x.keys() == y.keys()
+        for tok in x:
+            assert abs(x[tok] - y[tok]) < 1e-5
