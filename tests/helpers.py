@@ -188,5 +188,8 @@ def replay_step(plan: Any, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
     import torch
 
     args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    # Every row's hidden states (sampled_only off): with it on, rows outside the sampled
+    # ones are left unwritten (tests/test_sampled_rows_only.py checks that case).
+    args = (*args[:13], False)
     out = plan.run(*args)
     return (out, *(a for a in args[10:] if isinstance(a, torch.Tensor)))

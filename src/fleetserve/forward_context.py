@@ -77,6 +77,10 @@ class AttentionMetadata:
     # `head_argmax` (int64 [len(logit_rows)]; None: not found).
     want_head_argmax: bool = False
     head_argmax: torch.Tensor | None = None
+    # Set before the forward: nothing reads the hidden states of rows outside
+    # `logit_rows` (no prompt logprobs): the C step may leave them out of its last
+    # layer's o projection and MLP (kernels/decode_step.py, DecodePlan.run).
+    sampled_rows_only: bool = False
 
 
 _CONTEXT: AttentionMetadata | None = None

@@ -253,6 +253,10 @@ def replay(
     alone; {} when its projections are not plain bf16 / float32 `Linear`s."""
     from fleetserve.kernels import cpu
     from fleetserve.kernels.bf16 import gemm_bf16
+    from fleetserve.kernels.decode_step import _lib
+
+    def cpu_max_rows() -> int:
+        return int(_lib().decode_step_max_rows())
 
     layers = model.decoder_layers()
     projs = [
@@ -262,13 +266,22 @@ def replay(
     if any(getattr(p, "bf16", None) is None for ps in projs for p in ps):
         return {}
     m, nr = args[0].shape[0], 0 if args[10] is None else args[10].shape[0]
+    # A wide step asked for its sampled rows only runs the last layer's o projection and
+    # MLP on those rows (decode_step.c's prune): the GEMMs replayed as it runs them.
+    pruned = len(args) > 13 and bool(args[13]) and m > cpu_max_rows() and nr < m
+    last_rows = nr if pruned else m
     xs = {p.bf16.shape[1]: torch.randn(m, p.bf16.shape[1]) for p in projs[0]}
     head = getattr(model.lm_head, "bf16", None) if model.lm_head is not None else None
 
     def gemms() -> None:
-        for ps in projs:
-            for p in ps:
-                gemm_bf16(xs[p.bf16.shape[1]], p.bf16)
+        for i, ps in enumerate(projs):
+            for j, p in enumerate(ps):
+                x = xs[p.bf16.shape[1]]
+                if i == len(projs) - 1 and j > 0:
+                    if not last_rows:
+                        continue
+                    x = x[:last_rows]
+                gemm_bf16(x, p.bf16)
 
     attn0 = layers[0].self_attn
     q = torch.randn(m, attn0.num_heads, attn0.head_dim)
@@ -294,7 +307,9 @@ def replay(
         out["head_ms"] = _best(lambda: gemm_bf16(xh, head), clock)
     out["rest_ms"] = out["step_ms"] - out["gemm_ms"] - out["attention_ms"] - out.get("head_ms", 0)
     flops = 2 * m * sum(p.bf16.numel() for ps in projs for p in ps)
+    flops -= 2 * (m - last_rows) * sum(p.bf16.numel() for p in projs[-1][1:])
     out["gemm_tflops"] = flops / out["gemm_ms"] / 1e9
+    out["last_layer_rows"] = float(last_rows)
     return out
 
 

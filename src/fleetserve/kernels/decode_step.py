@@ -59,6 +59,7 @@ class _Plan(ctypes.Structure):
         ("layers", ctypes.POINTER(_Layer)), ("lora", _p), ("activation", _i32),
         ("head", _Linear), ("reduce", _p), ("profile", _p), ("profile_threads", _i32),
         ("profile_cpu", _i32), ("dot_chunked", _i32), ("split_min_rows", _i32),
+        ("sampled_only", _i32),
     ]  # fmt: skip
 
 
@@ -462,6 +463,7 @@ class DecodePlan:
         logit_rows: torch.Tensor | None = None,
         logits: torch.Tensor | None = None,
         argmax: torch.Tensor | None = None,
+        sampled_only: bool = False,
     ) -> torch.Tensor:
         """The final-norm hidden states [m, hidden] of the step's m rows: sequences laid
         out back to back, sequence i owning rows q_starts[i] .. q_starts[i] + q_lens[i]
@@ -475,7 +477,11 @@ class DecodePlan:
         vocab]): the head's output for those rows is written to `logits` (the plan must
         have a head). argmax (int64 [r], with logits): each of those rows' argmax, as
         numpy's (the first maximum, or the first NaN), found by the step's threads inside
-        its region: greedy sampling without a scan of the logits in Python."""
+        its region: greedy sampling without a scan of the logits in Python. sampled_only
+        (with logit_rows, possibly empty): the caller reads no hidden state but those of
+        logit_rows, so a wide step may run its last layer's o projection and MLP on those
+        rows alone (where this plan's weights multiply a row the same whatever the other
+        rows); the other rows of the result are then undefined."""
         m = x.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != self.shape.hidden:
             raise ValueError(f"x must be a contiguous float32 [m, {self.shape.hidden}] tensor")
@@ -501,6 +507,7 @@ class DecodePlan:
         self.head_steps += nr > 0
         out = torch.empty(m, self.shape.hidden)
         self._plan.lora = lora
+        self._plan.sampled_only = sampled_only and logit_rows is not None and self._rows_independent
         rc = self._lib.decode_step(
             ctypes.byref(self._plan), x.data_ptr(), out.data_ptr(), m, positions.data_ptr(),
             slot_blocks.data_ptr(), slot_offsets.data_ptr(), q_starts.shape[0],

@@ -196,8 +196,14 @@ def run_decode(
         window = WindowSlots(w.slot_blocks, w.slot_offsets, w.paged.block_tables)
     rows = logits = argmax = None
     wanted = meta.logit_rows
-    if plan.vocab and wanted:
-        if not 0 <= min(wanted) <= max(wanted) < x.shape[0] or len(set(wanted)) < len(wanted):
+    # No row sampled and no hidden state read (a chunk in the middle of its prompts): the
+    # head's rows are the empty list, so the last layer stops after its keys and values.
+    only = meta.sampled_rows_only and wanted is not None
+    if plan.vocab and (wanted or only):
+        assert wanted is not None
+        if wanted and (
+            not 0 <= min(wanted) <= max(wanted) < x.shape[0] or len(set(wanted)) < len(wanted)
+        ):
             raise ValueError(f"logit_rows must be distinct rows of the step, got {wanted}")
         # The head's rows in the step.
         rows = torch.tensor(wanted, dtype=torch.int64)
@@ -206,7 +212,7 @@ def run_decode(
             argmax = torch.empty(len(wanted), dtype=torch.int64)
     out = plan.run(
         x, positions, meta.slot_blocks, meta.slot_offsets, paged.q_starts, paged.q_lens,
-        paged.seq_lens, paged.block_tables, window, lora, rows, logits, argmax,
+        paged.seq_lens, paged.block_tables, window, lora, rows, logits, argmax, only,
     )  # fmt: skip
     meta.head_logits = logits
     meta.head_argmax = argmax

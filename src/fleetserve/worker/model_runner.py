@@ -280,6 +280,8 @@ class ModelRunner:
             meta.logit_rows = picks.rows  # the C step's LM head computes these
             # and their argmax (greedy rows' tokens), unless all go to the verifier
             meta.want_head_argmax = self.head_argmax and bool(picks.plain or picks.verify)
+            # Only a prompt's logprobs read hidden states past the sampled rows.
+            meta.sampled_rows_only = all(s.params.prompt_logprobs is None for s in prefills)
         with set_forward_context(meta), set_lora_rows(lora_groups):
             hidden = self.model(x, pos_t)
         self.forward_steps += 1
