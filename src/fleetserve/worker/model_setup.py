@@ -135,6 +135,10 @@ def bind_decode_plan(model: LlamaForCausalLM, cpu_kernel: bool, enabled: bool) -
     plan = build_decode_plan(model) if cpu_kernel and enabled else None
     if plan is not None and not split_steps_enabled():
         plan.split_min_rows = 0
+    if plan is not None and not lead_steps_enabled():
+        plan.lead_max_rows = 0
+    if plan is not None and os.environ.get("FLEETSERVE_LEAD_STREAM") is not None:
+        plan.lead_stream = os.environ["FLEETSERVE_LEAD_STREAM"] != "0"
     model.model.decode_plan = plan
     return plan is not None
 
@@ -142,6 +146,12 @@ def bind_decode_plan(model: LlamaForCausalLM, cpu_kernel: bool, enabled: bool) -
 def fused_decode_enabled() -> bool:
     """FLEETSERVE_FUSED_DECODE=0 keeps every step on the module path (A/B runs, bisects)."""
     return os.environ.get("FLEETSERVE_FUSED_DECODE", "1") != "0"
+
+
+def lead_steps_enabled() -> bool:
+    """FLEETSERVE_LEAD_STEPS=0 runs one-stream steps as a team too, never as a lead step
+    with a thread streaming the weights ahead (DecodePlan.lead_max_rows; A/B runs)."""
+    return os.environ.get("FLEETSERVE_LEAD_STEPS", "1") != "0"
 
 
 def split_steps_enabled() -> bool:
