@@ -133,3 +133,8 @@ def test_lead_switches(
     monkeypatch.setenv("FLEETSERVE_LEAD_STREAM", "1")
     plan = _plan(LLM(path, max_model_len=64))
     assert plan.lead_max_rows == 0 and plan.lead_stream
+    monkeypatch.setenv("FLEETSERVE_LEAD_STEPS", "8")
+    assert _plan(LLM(path, max_model_len=64)).lead_max_rows == 8
+    monkeypatch.setenv("FLEETSERVE_LEAD_STEPS", "on")
+    with pytest.raises(ValueError, match="FLEETSERVE_LEAD_STEPS"):
+        LLM(path, max_model_len=64)

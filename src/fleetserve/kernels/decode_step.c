@@ -791,7 +791,8 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < m; r++) final_row(p, added + r * H, res + r * H, out + r * H);
             if (head_own) { /* the few sampled rows, narrow, each thread its own copy */
-                ds_scratch hs = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel, NULL, NULL};
+                ds_scratch hs = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel,
+                                 NULL, NULL};
                 float *hb = scores + up64(p->num_heads * max_len);
                 hs.xsum = hb + up64(nr * H);
                 hs.xp = hs.xsum + up64(nr * (H / 32) + 1);

@@ -135,8 +135,8 @@ def bind_decode_plan(model: LlamaForCausalLM, cpu_kernel: bool, enabled: bool) -
     plan = build_decode_plan(model) if cpu_kernel and enabled else None
     if plan is not None and not split_steps_enabled():
         plan.split_min_rows = 0
-    if plan is not None and not lead_steps_enabled():
-        plan.lead_max_rows = 0
+    if plan is not None:
+        plan.lead_max_rows = lead_max_rows(plan.lead_max_rows)
     if plan is not None and os.environ.get("FLEETSERVE_LEAD_STREAM") is not None:
         plan.lead_stream = os.environ["FLEETSERVE_LEAD_STREAM"] != "0"
     model.model.decode_plan = plan
@@ -148,10 +148,15 @@ def fused_decode_enabled() -> bool:
     return os.environ.get("FLEETSERVE_FUSED_DECODE", "1") != "0"
 
 
-def lead_steps_enabled() -> bool:
-    """FLEETSERVE_LEAD_STEPS=0 runs one-stream steps as a team too, never as a lead step
-    with a thread streaming the weights ahead (DecodePlan.lead_max_rows; A/B runs)."""
-    return os.environ.get("FLEETSERVE_LEAD_STEPS", "1") != "0"
+def lead_max_rows(default: int) -> int:
+    """FLEETSERVE_LEAD_STEPS=N: one-sequence steps of up to N rows on 2 threads run as lead
+    steps (DecodePlan.lead_max_rows), 0: none (every step as a team); A/B runs."""
+    raw = os.environ.get("FLEETSERVE_LEAD_STEPS")
+    if raw is None:
+        return default
+    if not raw.isdigit():
+        raise ValueError(f"FLEETSERVE_LEAD_STEPS must be a row count >= 0, got {raw!r}")
+    return int(raw)
 
 
 def split_steps_enabled() -> bool:
