@@ -1105,65 +1105,24 @@ static const ds_linear *linear_at(const ds_plan *p, int64_t order) {
     return in_order[order % 4];
 }
 
-/* The LM head and argmax of a narrow step whose layers ran without them: normed [m,
- * hidden] the final norm's output (team_step's `out`), the head's rows and the argmax
- * spans shared out over the team as team_step shares them (the same bits). Returns 0,
- * or -1: out of memory. */
-static int head_step(const ds_plan *p, const float *normed, int64_t nr,
-                     const int64_t *logit_rows, float *logits, int64_t *argmax, int threads) {
-    const int64_t H = p->hidden, vocab = linear_out(&p->head);
-    const int dot = plan_has_dot(p), panel = plan_has_panel(p);
-    const int64_t spans = argmax ? nr * threads : 0;
-    int64_t *span_idx = malloc(sizeof(int64_t) * (size_t)(2 * spans + 1) +
-                               sizeof(int) * (size_t)(spans + 1));
-    if (!span_idx) return -1;
-    float *span_best = (float *)(span_idx + spans);
-    int *span_nan = (int *)(span_idx + 2 * spans);
-    for (int64_t s = 0; s < spans; s++) span_idx[s] = -1;
-    const size_t xq_floats =
-        dot ? up64((nr * (H / 32) * sizeof(qdot_xblock) + sizeof(float) - 1) / sizeof(float))
-            : 0;
-    const size_t priv = up64(nr * H) + up64(nr * (H / 32) + 1) + up64(gemm_x_floats(nr, H)) +
-                        xq_floats;
-    float *buf = step_buffer((size_t)threads * priv);
-    if (!buf) {
-        free(span_idx);
-        return -1;
-    }
-#pragma omp parallel num_threads(threads)
-    {
-        const int tid = omp_get_thread_num();
-        double *prof = p->profile && tid < p->profile_threads ? p->profile + tid * DS_PHASES
-                                                              : NULL;
-        double t_last = prof ? profile_clock(p->profile_cpu) : 0.0;
-        float *hb = buf + (size_t)tid * priv;
-        ds_scratch sc = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel,
-                         NULL, NULL};
-        sc.xsum = hb + up64(nr * H);
-        sc.xp = sc.xsum + up64(nr * (H / 32) + 1);
-        if (dot) sc.xq = (qdot_xblock *)(sc.xp + up64(gemm_x_floats(nr, H)));
-        head_share(p, normed, nr, logit_rows, hb, &sc, logits, 0);
-        MARK(PH_HEAD);
-        if (spans)
-            head_argmax_span(logits, nr, vocab, threads, span_best, span_idx, span_nan);
-        MARK(PH_ARGMAX);
-    }
-    for (int64_t j = 0; j < (spans ? nr : 0); j++)
-        argmax[j] = argmax_merge(span_best + j * threads, span_idx + j * threads,
-                                 span_nan + j * threads, threads);
-    free(span_idx);
-    return 0;
+static inline void spin_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
 }
 
-/* A step of one sequence and few rows on 2 threads as a lead step: the calling thread
- * runs its layers as a team of one (what split_step's sub-steps run: the team's results
- * bit for bit, with no barrier), optionally while weight_stream.c's thread prefetches the
- * weights ahead of it into the L3, and the LM head as a team (head_step). A one-row step
- * splits ~150 GEMVs and attentions a token over the team, each ending in a barrier whose
- * wait costs more than the second core's bandwidth gives (one core reads ~96% of what
- * two read here); the head is one long GEMV and one barrier, and two cores read it
- * faster. Returns 1 when it ran the step (rc: the worst result), 0 when the step is not
- * one or the streamer is taken. */
+/* A step of one sequence and few rows on 2 threads as a lead step, in one region of 2:
+ * thread 0 runs the layers as a team of one (what split_step's sub-steps run: the team's
+ * results bit for bit, with no barrier), optionally while weight_stream.c's thread
+ * prefetches their weights ahead of it into the L3; thread 1 waits (spinning) for the
+ * final norm's rows, and the two run the LM head and argmax as team_step's narrow steps
+ * do (the same shares, the same bits). A one-row step splits ~150 GEMVs and attentions
+ * a token over the team, each ending in a barrier whose wait costs more than the second
+ * core's bandwidth gives (one core reads ~96% of what two read here); the head is one
+ * long GEMV and one barrier, which two cores read faster (its thread already awake: a
+ * region opened for the head alone found it asleep and got little of it). Returns 1
+ * when it ran the step (rc: the worst result), 0 when the step is not one or the
+ * streamer is taken. */
 static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
                      const int64_t *positions, const int64_t *slot_blocks,
                      const int64_t *slot_offsets, int64_t num_seqs, const int64_t *q_starts,
@@ -1200,13 +1159,67 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
     }
     free(regions);
     const int head = p->head.num_segments > 0 && nr > 0 && p->final_norm;
-    *rc = team_step(p, x, out, m, positions, slot_blocks, slot_offsets, num_seqs, q_starts,
-                    q_lens, seq_lens, tables, max_blocks, w_slot_blocks, w_slot_offsets,
-                    w_tables, w_max_blocks, head ? 0 : nr, logit_rows, logits, argmax, 1,
-                    progress, linear_start);
-    if (progress) ws_end();
-    if (head && *rc == 0) *rc = head_step(p, out, nr, logit_rows, logits, argmax, threads);
+    /* The head's scratch: per thread its input rows, block sums, x tiles and int8
+     * blocks; the argmax spans (gather_buffer: the layers' team_step takes step_buffer). */
+    const int64_t H = p->hidden, vocab = linear_out(&p->head);
+    const int dot = plan_has_dot(p), panel = plan_has_panel(p);
+    const int64_t spans = head && argmax ? nr * threads : 0;
+    const size_t xq_floats =
+        dot ? up64((nr * (H / 32) * sizeof(qdot_xblock) + sizeof(float) - 1) / sizeof(float))
+            : 0;
+    const size_t priv = up64(nr * H) + up64(nr * (H / 32) + 1) + up64(gemm_x_floats(nr, H)) +
+                        xq_floats;
+    float *hbuf = head ? gather_buffer(sizeof(float) * (size_t)threads * priv +
+                                       (sizeof(int64_t) * 2 + sizeof(int)) * (size_t)spans)
+                       : NULL;
+    if (head && !hbuf) {
+        if (progress) ws_end();
+        free(linear_start);
+        *rc = -1;
+        return 1;
+    }
+    int64_t *span_idx = head ? (int64_t *)(hbuf + (size_t)threads * priv) : NULL;
+    float *span_best = head ? (float *)(span_idx + spans) : NULL;
+    int *span_nan = head ? (int *)(span_idx + 2 * spans) : NULL;
+    for (int64_t s = 0; s < spans; s++) span_idx[s] = -1;
+    int layers_rc = 0, ready = 0; /* ready: 1 the layers are done, the head may start */
+#pragma omp parallel num_threads(threads)
+    {
+        const int tid = omp_get_thread_num();
+        if (tid == 0) {
+            layers_rc = team_step(p, x, out, m, positions, slot_blocks, slot_offsets,
+                                  num_seqs, q_starts, q_lens, seq_lens, tables, max_blocks,
+                                  w_slot_blocks, w_slot_offsets, w_tables, w_max_blocks,
+                                  head ? 0 : nr, logit_rows, logits, argmax, 1, progress,
+                                  linear_start);
+            if (progress) ws_end();
+            __atomic_store_n(&ready, 1, __ATOMIC_RELEASE);
+        } else {
+            while (!__atomic_load_n(&ready, __ATOMIC_ACQUIRE)) spin_pause();
+        }
+        if (head && layers_rc == 0) {
+            double *prof = p->profile && tid < p->profile_threads
+                               ? p->profile + tid * DS_PHASES
+                               : NULL;
+            double t_last = prof ? profile_clock(p->profile_cpu) : 0.0;
+            float *hb = hbuf + (size_t)tid * priv;
+            ds_scratch sc = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel,
+                             NULL, NULL};
+            sc.xsum = hb + up64(nr * H);
+            sc.xp = sc.xsum + up64(nr * (H / 32) + 1);
+            if (dot) sc.xq = (qdot_xblock *)(sc.xp + up64(gemm_x_floats(nr, H)));
+            head_share(p, out, nr, logit_rows, hb, &sc, logits, 0);
+            MARK(PH_HEAD);
+            if (spans)
+                head_argmax_span(logits, nr, vocab, threads, span_best, span_idx, span_nan);
+            MARK(PH_ARGMAX);
+        }
+    }
+    for (int64_t j = 0; j < (spans && layers_rc == 0 ? nr : 0); j++)
+        argmax[j] = argmax_merge(span_best + j * threads, span_idx + j * threads,
+                                 span_nan + j * threads, threads);
     free(linear_start);
+    *rc = layers_rc;
     return 1;
 }
 
