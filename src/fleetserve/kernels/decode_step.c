@@ -41,8 +41,9 @@
  * multiplies through the any-rows shares: those are what gemm_packed and quant_gemm run
  * for such row counts, so every row is computed by the module path's code.
  */
-#define _POSIX_C_SOURCE 199309L /* clock_gettime */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, pthread */
 #include <omp.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -180,6 +181,28 @@ static double profile_clock(int cpu) {
     } while (0)
 
 int decode_step_phases(void) { return DS_PHASES; }
+
+/* A lead step's second thread, asleep while the first runs the layers: woken (from
+ * the last layer's start) a little before the LM head they run together, so that it is
+ * awake when the head starts without taking a core the whole step. */
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    int woken;
+} ds_wake;
+
+static void wake_second(ds_wake *w) {
+    pthread_mutex_lock(&w->lock);
+    w->woken = 1;
+    pthread_cond_signal(&w->cond);
+    pthread_mutex_unlock(&w->lock);
+}
+
+static void wait_woken(ds_wake *w) {
+    pthread_mutex_lock(&w->lock);
+    while (!w->woken) pthread_cond_wait(&w->cond, &w->lock);
+    pthread_mutex_unlock(&w->lock);
+}
 
 /* The step's rows: m tokens of num_seqs sequences laid out back to back (the runner's
  * flattened batch), sequence i owning rows q_starts[i] .. q_starts[i] + q_lens[i]. */
@@ -619,7 +642,8 @@ static float *step_buffer(size_t floats) {
  * head's output for those rows (nr 0: none), and argmax [nr] int64 (NULL: not wanted)
  * each of those rows' argmax (numpy's: the first maximum, or the first NaN), scanned by
  * the team before the region ends. progress, linear_start: a lead step's (a team of one
- * publishing its place in the weight stream, see ds_scratch), else NULL. Returns 0; -1:
+ * publishing its place in the weight stream, see ds_scratch), else NULL; wake: a lead
+ * step's second thread, woken at the last layer's start (NULL: none). Returns 0; -1:
  * out of memory; -2: no rows (decode_step: 1 when the step ran split by sequences, 2 as
  * a lead step). */
 static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
@@ -630,7 +654,7 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
                      const int64_t *w_slot_offsets, const int64_t *w_tables,
                      int64_t w_max_blocks, int64_t nr, const int64_t *logit_rows,
                      float *logits, int64_t *argmax, int threads, ws_progress *progress,
-                     const int64_t *linear_start) {
+                     const int64_t *linear_start, ds_wake *wake) {
     if (m < 1 || num_seqs < 1) return -2;
     if (p->head.num_segments == 0) nr = 0;
     const ds_rows rw = {m,       num_seqs, max_blocks, positions, slot_blocks, slot_offsets,
@@ -732,6 +756,7 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
         for (int l = 0; l < p->num_layers; l++) {
             const ds_layer *L = &p->layers[l];
             const ds_rows *lr = L->window > 0 && w_tables ? &rw_window : &rw;
+            if (wake && l == p->num_layers - 1) wake_second(wake);
             FOR_ROWS_TO_X(wide, sc.xq != NULL, r, m,
                           rms_row(l ? added + r * H : res + r * H, l ? res + r * H : NULL,
                                   h + r * H, L->input_norm, H, p->eps));
@@ -1002,7 +1027,7 @@ static int gathered_split(const ds_plan *p, const float *x, float *out, int64_t 
             sub.profile_threads = sub.profile ? 1 : 0;
             worst = team_step(&sub, xg, og, mg, pos, sb, so, ng, qs, ql, sl, tb, max_blocks,
                               wmb ? wsb : NULL, wmb ? wso : NULL, wmb ? wtb : NULL, w_max_blocks,
-                              nrg, lr, logits ? lg : NULL, argmax ? am : NULL, 1, NULL, NULL);
+                              nrg, lr, logits ? lg : NULL, argmax ? am : NULL, 1, NULL, NULL, NULL);
             for (int64_t i = 0, kk = 0; i < num_seqs; i++) {
                 if (group[i] != g) continue;
                 memcpy(out + q_starts[i] * H, og + qs[kk] * H,
@@ -1085,7 +1110,7 @@ static int split_step(const ds_plan *p, const float *x, float *out, int64_t m,
             slot_offsets + r0, s1 - s0, qs, q_lens + s0, seq_lens + s0, tables + s0 * max_blocks,
             max_blocks, w_tables ? w_slot_blocks + r0 : NULL, w_tables ? w_slot_offsets + r0 : NULL,
             w_tables ? w_tables + s0 * w_max_blocks : NULL, w_max_blocks, j1 - j0, lr,
-            logits ? logits + j0 * vocab : NULL, argmax ? argmax + j0 : NULL, 1, NULL, NULL);
+            logits ? logits + j0 * vocab : NULL, argmax ? argmax + j0 : NULL, 1, NULL, NULL, NULL);
     }
     free(rebased);
     *rc = worst;
@@ -1183,6 +1208,7 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
     int *span_nan = head ? (int *)(span_idx + 2 * spans) : NULL;
     for (int64_t s = 0; s < spans; s++) span_idx[s] = -1;
     int layers_rc = 0, ready = 0; /* ready: 1 the layers are done, the head may start */
+    ds_wake wake = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0};
 #pragma omp parallel num_threads(threads)
     {
         const int tid = omp_get_thread_num();
@@ -1191,10 +1217,12 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
                                   num_seqs, q_starts, q_lens, seq_lens, tables, max_blocks,
                                   w_slot_blocks, w_slot_offsets, w_tables, w_max_blocks,
                                   head ? 0 : nr, logit_rows, logits, argmax, 1, progress,
-                                  linear_start);
+                                  linear_start, &wake);
             if (progress) ws_end();
             __atomic_store_n(&ready, 1, __ATOMIC_RELEASE);
+            wake_second(&wake); /* if the layers ended early (out of memory) */
         } else {
+            wait_woken(&wake);
             while (!__atomic_load_n(&ready, __ATOMIC_ACQUIRE)) spin_pause();
         }
         if (head && layers_rc == 0) {
@@ -1218,6 +1246,8 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
     for (int64_t j = 0; j < (spans && layers_rc == 0 ? nr : 0); j++)
         argmax[j] = argmax_merge(span_best + j * threads, span_idx + j * threads,
                                  span_nan + j * threads, threads);
+    pthread_mutex_destroy(&wake.lock);
+    pthread_cond_destroy(&wake.cond);
     free(linear_start);
     *rc = layers_rc;
     return 1;
@@ -1247,7 +1277,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
         return rc < 0 ? rc : 2;
     return team_step(p, x, out, m, positions, slot_blocks, slot_offsets, num_seqs, q_starts,
                      q_lens, seq_lens, tables, max_blocks, w_slot_blocks, w_slot_offsets,
-                     w_tables, w_max_blocks, nr, logit_rows, logits, argmax, threads, NULL, NULL);
+                     w_tables, w_max_blocks, nr, logit_rows, logits, argmax, threads, NULL, NULL, NULL);
 }
 
 /* The embedding table a burst reads its tokens' rows from: GGUF blocks (quant.py's
