@@ -1,9 +1,8 @@
 """Lead steps (kernels/decode_step.c, lead_step): a one-sequence, one-row step on 2
-threads runs on one thread as a team of one, optionally with kernels/weight_stream.c's
-thread prefetching its weights ahead. The results must be the team's bit for bit:
-captured one-row steps of each weight kind replayed as a team and as lead steps (with and
-without the streamer) give equal hidden states, logits and argmax; a whole greedy run
-gives the module path's tokens; the switches do what they say."""
+threads runs its layers on one thread as a team of one and its LM head on both. The
+results must be the team's bit for bit: captured one-row steps of each weight kind
+replayed as a team and as lead steps give equal hidden states, logits and argmax; a whole
+greedy run gives the module path's tokens; the switches do what they say."""
 
 from __future__ import annotations
 
@@ -74,7 +73,7 @@ def test_lead_steps_give_the_team_bits(
         pytest.skip("no native bf16 here")
     llm = _llm(tiny_model_factory("llama"), weights)
     plan = _plan(llm)
-    assert plan.lead_max_rows == 1 and not plan.lead_stream  # the defaults
+    assert plan.lead_max_rows == 1  # the default
     steps = _one_row_steps(llm, 12)
     assert len(steps) >= 10
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
@@ -83,14 +82,12 @@ def test_lead_steps_give_the_team_bits(
     team = [_replay(plan, a) for a in steps]
     assert plan.lead_steps == before
     plan.lead_max_rows = 1
-    for stream in (False, True):
-        plan.lead_stream = stream
-        before = plan.lead_steps
-        lead = [_replay(plan, a) for a in steps]
-        assert plan.lead_steps - before == len(steps)
-        for t, s in zip(team, lead, strict=True):
-            for a, b in zip(t, s, strict=True):
-                assert torch.equal(a, b)
+    before = plan.lead_steps
+    lead = [_replay(plan, a) for a in steps]
+    assert plan.lead_steps - before == len(steps)
+    for t, s in zip(team, lead, strict=True):
+        for a, b in zip(t, s, strict=True):
+            assert torch.equal(a, b)
     # Only on exactly 2 threads: more run as a team.
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     before = plan.lead_steps
@@ -98,13 +95,11 @@ def test_lead_steps_give_the_team_bits(
     assert plan.lead_steps == before
 
 
-@pytest.mark.parametrize("stream", [False, True])
 def test_lead_run_gives_the_module_path_tokens(
-    stream: bool, tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+    tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     llm = _llm(tiny_model_factory("llama"), "int8 dot layout")
     plan = _plan(llm)
-    plan.lead_stream = stream
     runner = llm.engine.core.executor.runner  # type: ignore[attr-defined]
     monkeypatch.setattr(runner, "burst", None)  # every token through DecodePlan.run
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
@@ -130,9 +125,7 @@ def test_lead_switches(
     with pytest.raises(ValueError, match="lead_max_rows"):
         _plan(LLM(path, max_model_len=64)).lead_max_rows = -1
     monkeypatch.setenv("FLEETSERVE_LEAD_STEPS", "0")
-    monkeypatch.setenv("FLEETSERVE_LEAD_STREAM", "1")
-    plan = _plan(LLM(path, max_model_len=64))
-    assert plan.lead_max_rows == 0 and plan.lead_stream
+    assert _plan(LLM(path, max_model_len=64)).lead_max_rows == 0
     monkeypatch.setenv("FLEETSERVE_LEAD_STEPS", "8")
     assert _plan(LLM(path, max_model_len=64)).lead_max_rows == 8
     monkeypatch.setenv("FLEETSERVE_LEAD_STEPS", "on")

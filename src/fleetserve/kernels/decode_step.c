@@ -52,7 +52,6 @@
 #include "fused_rows.h"
 #include "quant_dot.h"
 #include "thread_buffer.h"
-#include "weight_stream.h"
 
 /* quant_gemm.c, gemm.c, paged_attention.c */
 void quant_gemm_share(int qtype, const float *x, int64_t ldx, const float *xsum,
@@ -154,11 +153,8 @@ typedef struct {
      * rows are multiplied the same whatever the other rows of the call. */
     int32_t split_min_rows;
     /* Steps of one sequence and at most this many rows (0: none), on exactly 2 threads,
-     * run as a lead step: one thread computes it alone while the other streams its
-     * weights ahead into the L3 (see lead_step). */
+     * run as a lead step: the layers on one thread, the LM head on both (lead_step). */
     int32_t lead_max_rows;
-    /* 1: a lead step's weights are streamed ahead of it (else it runs alone). */
-    int32_t lead_stream;
 } ds_plan;
 
 /* The phases timed (kernels/decode_step.py's PHASES, in order): row work (norms, the
@@ -222,11 +218,6 @@ typedef struct {
     qdot_xblock *xq;
     int dot_chunked;  /* the plan's dot_chunked */
     int xsum_wanted;  /* some weight of the plan is in the panel layout (reads xsum) */
-    /* A lead step's (a team of one): where the GEMMs publish their place in the weight
-     * stream, and each linear's start in it (by order: layer * 4 + projection, the head
-     * last); NULL otherwise. */
-    ws_progress *progress;
-    const int64_t *linear_start;
 } ds_scratch;
 
 /* Row-wise work over the step's m rows: split over the team (`wide`, ending in its
@@ -282,21 +273,7 @@ int decode_step_max_rows(void) {
  * Ends in the team's barrier. */
 static void step_dot_share(int fmt, const qdot_xblock *xb, const uint8_t *w, int64_t row_bytes,
                            float *out, int64_t ldo, int64_t m, int64_t n, int64_t k,
-                           int chunked, ws_progress *pr, int64_t at) {
-    if (pr) {
-        /* A team of one, telling the streamer where it is every ~256 KB of weight (each
-         * store moves the line the streamer polls back to this core). */
-        const int64_t nb = k / 32, panels = (n + DOT_PANEL_ROWS - 1) / DOT_PANEL_ROWS;
-        const int64_t panel_bytes = DOT_PANEL_ROWS * row_bytes;
-        int64_t piece = 262144 / panel_bytes;
-        if (piece < 1) piece = 1;
-        for (int64_t c = 0; c < panels; c += piece) {
-            ws_publish(pr, at + c * panel_bytes);
-            quant_dot_panels(fmt, xb, m, nb, w, row_bytes, out, ldo, n, c,
-                             c + piece < panels ? c + piece : panels);
-        }
-        return;
-    }
+                           int chunked) {
     if (chunked) {
         quant_dot_share(fmt, xb, w, row_bytes, out, ldo, m, n, k);
         return;
@@ -322,29 +299,17 @@ static void step_dot_share(int fmt, const qdot_xblock *xb, const uint8_t *w, int
 #pragma omp barrier
 }
 
-/* The bytes a segment's weight holds (at least: a layout may pad it), its length in a
- * lead step's weight stream. */
-static int64_t segment_bytes(const ds_segment *g, int64_t k) {
-    switch (g->kind) {
-    case W_QUANT: return g->n * g->row_bytes;
-    case W_PACKED: return g->n * k * (int64_t)sizeof(float);
-    default: return g->n * k * 2; /* bf16 */
-    }
-}
-
 /* This thread's share of out[m, n] = x @ W^T (+ bias for packed weights): the one place
  * that dispatches on the weight kind. `wide` (m > decode_step_max_rows()): the kernels'
  * any-rows shares, which the module path's kernels run for such m too; else the
  * decode-sized ones, reading what prepare_x left in the scratch. Ends in the team's
  * barrier. */
-static void linear_share(const ds_linear *lin, int64_t order, const float *x, int64_t ldx,
-                         const ds_scratch *s, float *out, int64_t ldo, int64_t m, int wide) {
+static void linear_share(const ds_linear *lin, const float *x, int64_t ldx, const ds_scratch *s,
+                         float *out, int64_t ldo, int64_t m, int wide) {
     int64_t off = 0;
-    int64_t at = s->progress ? s->linear_start[order] : 0; /* this segment's stream place */
     for (int i = 0; i < lin->num_segments; i++) {
         const ds_segment *g = &lin->seg[i];
         const float *bias = lin->bias ? lin->bias + off : NULL;
-        ws_publish(s->progress, at);
         switch (g->kind) {
         case W_PACKED:
             if (wide)
@@ -367,14 +332,13 @@ static void linear_share(const ds_linear *lin, int64_t order, const float *x, in
                                     s->panel, s->row, out + off, ldo, m, g->n, lin->k);
             else if (!wide && quant_dot_layout(g->qtype))
                 step_dot_share(g->qtype, s->xq, g->data, g->row_bytes, out + off, ldo, m,
-                               g->n, lin->k, s->dot_chunked, s->progress, at);
+                               g->n, lin->k, s->dot_chunked);
             else
                 quant_gemm_share(g->qtype, x, ldx, s->xsum, s->xq, g->data, g->row_bytes,
                                  out + off, ldo, m, g->n, lin->k);
             break;
         }
         off += g->n;
-        at += segment_bytes(g, lin->k);
     }
 }
 
@@ -454,7 +418,7 @@ static void projection_share(const ds_plan *p, int l, int proj, const ds_linear 
                              const float *x, int64_t ldx, const ds_scratch *s, float *out,
                              int64_t ldo, int64_t m, int wide) {
     if (p->lora) lora_step_shrink(p->lora, l, proj, x, ldx, lin->k);
-    linear_share(lin, (int64_t)l * 4 + proj, x, ldx, s, out, ldo, m, wide);
+    linear_share(lin, x, ldx, s, out, ldo, m, wide);
     if (p->lora) lora_step_expand(p->lora, l, proj, out, ldo, linear_out(lin));
 }
 
@@ -487,8 +451,7 @@ static void head_share(const ds_plan *p, const float *normed, int64_t nr, const 
     const int64_t H = p->hidden;
     FOR_ROWS(wide, j, nr, memcpy(hb + j * H, normed + rows[j] * H, (size_t)H * sizeof(float)));
     prepare_x(hb, nr, H, s, wide);
-    linear_share(&p->head, (int64_t)p->num_layers * 4, hb, H, s, logits, linear_out(&p->head),
-                 nr, wide);
+    linear_share(&p->head, hb, H, s, logits, linear_out(&p->head), nr, wide);
 }
 
 /* Greedy sampling fused at the end of the step: this thread's span of each head row's
@@ -641,9 +604,8 @@ static float *step_buffer(size_t floats) {
  * (distinct rows of the step, nr <= m): with the plan's head, logits [nr, vocab] gets the
  * head's output for those rows (nr 0: none), and argmax [nr] int64 (NULL: not wanted)
  * each of those rows' argmax (numpy's: the first maximum, or the first NaN), scanned by
- * the team before the region ends. progress, linear_start: a lead step's (a team of one
- * publishing its place in the weight stream, see ds_scratch), else NULL; wake: a lead
- * step's second thread, woken at the last layer's start (NULL: none). Returns 0; -1:
+ * the team before the region ends. wake: a lead step's second thread, woken at the last
+ * layer's start (NULL: none). Returns 0; -1:
  * out of memory; -2: no rows (decode_step: 1 when the step ran split by sequences, 2 as
  * a lead step). */
 static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
@@ -653,8 +615,7 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
                      int64_t max_blocks, const int64_t *w_slot_blocks,
                      const int64_t *w_slot_offsets, const int64_t *w_tables,
                      int64_t w_max_blocks, int64_t nr, const int64_t *logit_rows,
-                     float *logits, int64_t *argmax, int threads, ws_progress *progress,
-                     const int64_t *linear_start, ds_wake *wake) {
+                     float *logits, int64_t *argmax, int threads, ds_wake *wake) {
     if (m < 1 || num_seqs < 1) return -2;
     if (p->head.num_segments == 0) nr = 0;
     const ds_rows rw = {m,       num_seqs, max_blocks, positions, slot_blocks, slot_offsets,
@@ -724,8 +685,7 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
     {
         float *mine = buf + shared + (size_t)omp_get_thread_num() * priv;
         float *res, *h, *scores;
-        ds_scratch sc = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel, NULL, NULL};
-        if (!wide) sc.progress = progress, sc.linear_start = linear_start;
+        ds_scratch sc = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel};
         if (wide) {
             res = wide_res;
             h = res + up64(m * H);
@@ -816,8 +776,7 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < m; r++) final_row(p, added + r * H, res + r * H, out + r * H);
             if (head_own) { /* the few sampled rows, narrow, each thread its own copy */
-                ds_scratch hs = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel,
-                                 NULL, NULL};
+                ds_scratch hs = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel};
                 float *hb = scores + up64(p->num_heads * max_len);
                 hs.xsum = hb + up64(nr * H);
                 hs.xp = hs.xsum + up64(nr * (H / 32) + 1);
@@ -1027,7 +986,7 @@ static int gathered_split(const ds_plan *p, const float *x, float *out, int64_t 
             sub.profile_threads = sub.profile ? 1 : 0;
             worst = team_step(&sub, xg, og, mg, pos, sb, so, ng, qs, ql, sl, tb, max_blocks,
                               wmb ? wsb : NULL, wmb ? wso : NULL, wmb ? wtb : NULL, w_max_blocks,
-                              nrg, lr, logits ? lg : NULL, argmax ? am : NULL, 1, NULL, NULL, NULL);
+                              nrg, lr, logits ? lg : NULL, argmax ? am : NULL, 1, NULL);
             for (int64_t i = 0, kk = 0; i < num_seqs; i++) {
                 if (group[i] != g) continue;
                 memcpy(out + q_starts[i] * H, og + qs[kk] * H,
@@ -1110,24 +1069,11 @@ static int split_step(const ds_plan *p, const float *x, float *out, int64_t m,
             slot_offsets + r0, s1 - s0, qs, q_lens + s0, seq_lens + s0, tables + s0 * max_blocks,
             max_blocks, w_tables ? w_slot_blocks + r0 : NULL, w_tables ? w_slot_offsets + r0 : NULL,
             w_tables ? w_tables + s0 * w_max_blocks : NULL, w_max_blocks, j1 - j0, lr,
-            logits ? logits + j0 * vocab : NULL, argmax ? argmax + j0 : NULL, 1, NULL, NULL, NULL);
+            logits ? logits + j0 * vocab : NULL, argmax ? argmax + j0 : NULL, 1, NULL);
     }
     free(rebased);
     *rc = worst;
     return 1;
-}
-
-/* How far (bytes of weight) a lead step's streamer reads ahead of the lead: past the
- * streamer's own L2 (1-2 MiB, whose lines then age into the L3), well inside the L3. */
-#define LEAD_AHEAD_BYTES (6 << 20)
-
-/* The linears in the order a step reads them: layer l's qkv, o, gate_up, down at
- * l * 4 + 0 .. 3, then the head (num_segments 0 when the step has none). */
-static const ds_linear *linear_at(const ds_plan *p, int64_t order) {
-    if (order == (int64_t)p->num_layers * 4) return &p->head;
-    const ds_layer *L = &p->layers[order / 4];
-    const ds_linear *in_order[4] = {&L->qkv, &L->o, &L->gate_up, &L->down};
-    return in_order[order % 4];
 }
 
 static inline void spin_pause(void) {
@@ -1138,16 +1084,13 @@ static inline void spin_pause(void) {
 
 /* A step of one sequence and few rows on 2 threads as a lead step, in one region of 2:
  * thread 0 runs the layers as a team of one (what split_step's sub-steps run: the team's
- * results bit for bit, with no barrier), optionally while weight_stream.c's thread
- * prefetches their weights ahead of it into the L3; thread 1 waits (spinning) for the
- * final norm's rows, and the two run the LM head and argmax as team_step's narrow steps
+ * results bit for bit, with no barrier) while thread 1 sleeps until the last layer
+ * starts (ds_wake), and the two run the LM head and argmax as team_step's narrow steps
  * do (the same shares, the same bits). A one-row step splits ~150 GEMVs and attentions
  * a token over the team, each ending in a barrier whose wait costs more than the second
  * core's bandwidth gives (one core reads ~96% of what two read here); the head is one
- * long GEMV and one barrier, which two cores read faster (its thread already awake: a
- * region opened for the head alone found it asleep and got little of it). Returns 1
- * when it ran the step (rc: the worst result), 0 when the step is not one or the
- * streamer is taken. */
+ * long GEMV and one barrier, which two cores read faster. Returns 1 when it ran the step
+ * (rc: the worst result), 0 when the step is not one. */
 static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
                      const int64_t *positions, const int64_t *slot_blocks,
                      const int64_t *slot_offsets, int64_t num_seqs, const int64_t *q_starts,
@@ -1159,30 +1102,6 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
     if (threads != 2 || num_seqs != 1 || m > p->lead_max_rows || m > decode_step_max_rows() ||
         p->reduce || p->lora || omp_in_parallel())
         return 0;
-    const int64_t linears = (int64_t)p->num_layers * 4 + 1;
-    int64_t *linear_start = malloc(sizeof(int64_t) * (size_t)linears);
-    ws_region *regions = malloc(sizeof(ws_region) * (size_t)(linears * MAX_SEGMENTS));
-    int64_t total = 0;
-    int n = 0;
-    for (int64_t j = 0; linear_start && regions && j < linears; j++) {
-        const ds_linear *lin = linear_at(p, j);
-        linear_start[j] = total;
-        for (int i = 0; i < lin->num_segments; i++) {
-            const int64_t bytes = segment_bytes(&lin->seg[i], lin->k);
-            regions[n++] = (ws_region){lin->seg[i].data, bytes, total};
-            total += bytes;
-        }
-    }
-    ws_progress *progress = NULL;
-    if (p->lead_stream && linear_start && regions) {
-        progress = ws_begin(regions, n, total, LEAD_AHEAD_BYTES);
-        if (!progress) { /* another step holds the streamer */
-            free(regions);
-            free(linear_start);
-            return 0;
-        }
-    }
-    free(regions);
     const int head = p->head.num_segments > 0 && nr > 0 && p->final_norm;
     /* The head's scratch: per thread its input rows, block sums, x tiles and int8
      * blocks; the argmax spans (gather_buffer: the layers' team_step takes step_buffer). */
@@ -1198,8 +1117,6 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
                                        (sizeof(int64_t) * 2 + sizeof(int)) * (size_t)spans)
                        : NULL;
     if (head && !hbuf) {
-        if (progress) ws_end();
-        free(linear_start);
         *rc = -1;
         return 1;
     }
@@ -1216,9 +1133,7 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
             layers_rc = team_step(p, x, out, m, positions, slot_blocks, slot_offsets,
                                   num_seqs, q_starts, q_lens, seq_lens, tables, max_blocks,
                                   w_slot_blocks, w_slot_offsets, w_tables, w_max_blocks,
-                                  head ? 0 : nr, logit_rows, logits, argmax, 1, progress,
-                                  linear_start, &wake);
-            if (progress) ws_end();
+                                  head ? 0 : nr, logit_rows, logits, argmax, 1, &wake);
             __atomic_store_n(&ready, 1, __ATOMIC_RELEASE);
             wake_second(&wake); /* if the layers ended early (out of memory) */
         } else {
@@ -1231,8 +1146,7 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
                                : NULL;
             double t_last = prof ? profile_clock(p->profile_cpu) : 0.0;
             float *hb = hbuf + (size_t)tid * priv;
-            ds_scratch sc = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel,
-                             NULL, NULL};
+            ds_scratch sc = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel};
             sc.xsum = hb + up64(nr * H);
             sc.xp = sc.xsum + up64(nr * (H / 32) + 1);
             if (dot) sc.xq = (qdot_xblock *)(sc.xp + up64(gemm_x_floats(nr, H)));
@@ -1248,13 +1162,12 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
                                  span_nan + j * threads, threads);
     pthread_mutex_destroy(&wake.lock);
     pthread_cond_destroy(&wake.cond);
-    free(linear_start);
     *rc = layers_rc;
     return 1;
 }
 
-/* The step (see team_step for its arguments and results): one thread with another
- * streaming ahead where the step is one sequence's few rows (lead_step: returns 2 when
+/* The step (see team_step for its arguments and results): the layers on one thread and
+ * the head on two where the step is one sequence's few rows (lead_step: returns 2 when
  * it ran so), split over the threads by sequences where that pays (split_step: 1), else
  * by the team within each kernel. */
 int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
@@ -1277,7 +1190,7 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
         return rc < 0 ? rc : 2;
     return team_step(p, x, out, m, positions, slot_blocks, slot_offsets, num_seqs, q_starts,
                      q_lens, seq_lens, tables, max_blocks, w_slot_blocks, w_slot_offsets,
-                     w_tables, w_max_blocks, nr, logit_rows, logits, argmax, threads, NULL, NULL, NULL);
+                     w_tables, w_max_blocks, nr, logit_rows, logits, argmax, threads, NULL);
 }
 
 /* The embedding table a burst reads its tokens' rows from: GGUF blocks (quant.py's

@@ -59,7 +59,7 @@ class _Plan(ctypes.Structure):
         ("layers", ctypes.POINTER(_Layer)), ("lora", _p), ("activation", _i32),
         ("head", _Linear), ("reduce", _p), ("profile", _p), ("profile_threads", _i32),
         ("profile_cpu", _i32), ("dot_chunked", _i32), ("split_min_rows", _i32),
-        ("lead_max_rows", _i32), ("lead_stream", _i32),
+        ("lead_max_rows", _i32),
     ]  # fmt: skip
 
 
@@ -78,11 +78,6 @@ SPLIT_ROWS_PER_WEIGHT_BYTE = 12
 # DecodePlan.lead_max_rows): one-stream decoding, where one core reads ~96% of what two
 # read and the team's barriers cost more than the second core's share of the GEMVs.
 LEAD_MAX_ROWS = 1
-# Whether a thread streams a lead step's weights ahead of it (weight_stream.c): off by
-# default, as on the busy 2-core Zen 4 it was slower than the lead step alone (its
-# prefetches and spinning take the core and memory the lead uses); FLEETSERVE_LEAD_STREAM=1
-# for A/B runs on a quiet machine.
-LEAD_STREAM = False
 
 # The phases an opt-in profile times (decode_step.c's PH_*, in order).
 PHASES = ("rows", "qkv", "attention", "o", "gate_up", "down", "head", "argmax")
@@ -260,9 +255,8 @@ class DecodePlan:
             # Fewer bytes a weight, fewer rows keep a sub-step's GEMMs compute-bound.
             per_weight = sum(self.weight_bytes.values()) / max(1, self._weight_elems)
             self._plan.split_min_rows = max(2, round(SPLIT_ROWS_PER_WEIGHT_BYTE * per_weight))
-        # One-row steps on 2 threads: one computes, the other streams the weights ahead.
+        # One-row steps on 2 threads: the layers on one thread, the LM head on both.
         self._plan.lead_max_rows = LEAD_MAX_ROWS
-        self._plan.lead_stream = int(LEAD_STREAM)
         self._reduce = reduce
         self._reduce_error: BaseException | None = None
         if reduce is not None:
@@ -310,8 +304,8 @@ class DecodePlan:
     @property
     def lead_max_rows(self) -> int:
         """Steps of one sequence and at most this many rows, on exactly 2 threads, run as
-        a lead step (decode_step.c's lead_step): one thread computes the whole step as a
-        team of one while the other streams its weights ahead of it into the L3; 0:
+        a lead step (decode_step.c's lead_step): one thread runs the layers as a team of
+        one (no barrier) while the other sleeps, then both run the LM head; 0:
         never. The outputs are the team's bit for bit (each output is computed by the
         same code whichever thread runs it)."""
         return int(self._plan.lead_max_rows)
@@ -321,16 +315,6 @@ class DecodePlan:
         if rows < 0:
             raise ValueError(f"lead_max_rows must be >= 0, got {rows}")
         self._plan.lead_max_rows = rows
-
-    @property
-    def lead_stream(self) -> bool:
-        """Whether a lead step's weights are streamed into the L3 ahead of it by a second
-        thread (kernels/weight_stream.c), else the lead step runs alone."""
-        return bool(self._plan.lead_stream)
-
-    @lead_stream.setter
-    def lead_stream(self, on: bool) -> None:
-        self._plan.lead_stream = int(on)
 
     def stop_profile(self) -> dict[str, list[float]]:
         """Seconds per phase and thread since start_profile; timing off again."""

@@ -137,8 +137,6 @@ def bind_decode_plan(model: LlamaForCausalLM, cpu_kernel: bool, enabled: bool) -
         plan.split_min_rows = 0
     if plan is not None:
         plan.lead_max_rows = lead_max_rows(plan.lead_max_rows)
-    if plan is not None and os.environ.get("FLEETSERVE_LEAD_STREAM") is not None:
-        plan.lead_stream = os.environ["FLEETSERVE_LEAD_STREAM"] != "0"
     model.model.decode_plan = plan
     return plan is not None
 
