@@ -128,6 +128,7 @@ def split(
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     steps = []
     clock = thread_clock(threads)
+    lead0 = plan.lead_steps
     for i in range(2):  # the first run warms up
         saved.clear()
         with StepTimer(runner, plan, clock, capture) as timer:
@@ -139,7 +140,9 @@ def split(
             total = clock() - t0
         steps.append({"steps": n, **timer.per_step_ms(total, n)})
     replay = _replay_head(runner.model, plan.run, saved[-1], clock)
-    out = {"threads": threads, "split": steps[-1], "head_replay": replay}
+    # Steps run on one thread, the others idle or streaming (decode_step.c's lead steps).
+    lead = plan.lead_steps - lead0
+    out = {"threads": threads, "lead_steps": lead, "split": steps[-1], "head_replay": replay}
     # Bytes a decode step reads: every projection's and the head's weights, and the KV
     # cache at the run's mean context.
     mean_ctx = len(prompt["prompt_token_ids"]) + tokens / 2

@@ -41,8 +41,9 @@
  * multiplies through the any-rows shares: those are what gemm_packed and quant_gemm run
  * for such row counts, so every row is computed by the module path's code.
  */
-#define _POSIX_C_SOURCE 199309L /* clock_gettime */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, pthread */
 #include <omp.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -157,6 +158,9 @@ typedef struct {
      * left unwritten. Set per call, only where rows are multiplied the same whatever the
      * other rows (as split_min_rows). */
     int32_t sampled_only;
+    /* Steps of one sequence and at most this many rows (0: none), on exactly 2 threads,
+     * run as a lead step: the layers on one thread, the LM head on both (lead_step). */
+    int32_t lead_max_rows;
 } ds_plan;
 
 /* The phases timed (kernels/decode_step.py's PHASES, in order): row work (norms, the
@@ -179,6 +183,28 @@ static double profile_clock(int cpu) {
     } while (0)
 
 int decode_step_phases(void) { return DS_PHASES; }
+
+/* A lead step's second thread, asleep while the first runs the layers: woken (from
+ * the last layer's start) a little before the LM head they run together, so that it is
+ * awake when the head starts without taking a core the whole step. */
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    int woken;
+} ds_wake;
+
+static void wake_second(ds_wake *w) {
+    pthread_mutex_lock(&w->lock);
+    w->woken = 1;
+    pthread_cond_signal(&w->cond);
+    pthread_mutex_unlock(&w->lock);
+}
+
+static void wait_woken(ds_wake *w) {
+    pthread_mutex_lock(&w->lock);
+    while (!w->woken) pthread_cond_wait(&w->cond, &w->lock);
+    pthread_mutex_unlock(&w->lock);
+}
 
 /* The step's rows: m tokens of num_seqs sequences laid out back to back (the runner's
  * flattened batch), sequence i owning rows q_starts[i] .. q_starts[i] + q_lens[i]. */
@@ -584,8 +610,10 @@ static float *step_buffer(size_t floats) {
  * (distinct rows of the step, nr <= m): with the plan's head, logits [nr, vocab] gets the
  * head's output for those rows (nr 0: none), and argmax [nr] int64 (NULL: not wanted)
  * each of those rows' argmax (numpy's: the first maximum, or the first NaN), scanned by
- * the team before the region ends. Returns 0; -1: out of memory; -2: no rows
- * (decode_step: 1 when the step ran split by sequences). */
+ * the team before the region ends. wake: a lead step's second thread, woken at the last
+ * layer's start (NULL: none). Returns 0; -1:
+ * out of memory; -2: no rows (decode_step: 1 when the step ran split by sequences, 2 as
+ * a lead step). */
 static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
                      const int64_t *positions, const int64_t *slot_blocks,
                      const int64_t *slot_offsets, int64_t num_seqs, const int64_t *q_starts,
@@ -593,7 +621,7 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
                      int64_t max_blocks, const int64_t *w_slot_blocks,
                      const int64_t *w_slot_offsets, const int64_t *w_tables,
                      int64_t w_max_blocks, int64_t nr, const int64_t *logit_rows,
-                     float *logits, int64_t *argmax, int threads) {
+                     float *logits, int64_t *argmax, int threads, ds_wake *wake) {
     if (m < 1 || num_seqs < 1) return -2;
     if (p->head.num_segments == 0) nr = 0;
     const ds_rows rw = {m,       num_seqs, max_blocks, positions, slot_blocks, slot_offsets,
@@ -705,6 +733,7 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
         for (int l = 0; l < p->num_layers; l++) {
             const ds_layer *L = &p->layers[l];
             const ds_rows *lr = L->window > 0 && w_tables ? &rw_window : &rw;
+            if (wake && l == p->num_layers - 1) wake_second(wake);
             FOR_ROWS_TO_X(wide, sc.xq != NULL, r, mr,
                           rms_row(l ? added + r * H : res + r * H, l ? res + r * H : NULL,
                                   h + r * H, L->input_norm, H, p->eps));
@@ -987,7 +1016,7 @@ static int gathered_split(const ds_plan *p, const float *x, float *out, int64_t 
             sub.profile_threads = sub.profile ? 1 : 0;
             worst = team_step(&sub, xg, og, mg, pos, sb, so, ng, qs, ql, sl, tb, max_blocks,
                               wmb ? wsb : NULL, wmb ? wso : NULL, wmb ? wtb : NULL, w_max_blocks,
-                              nrg, lr, logits ? lg : NULL, argmax ? am : NULL, 1);
+                              nrg, lr, logits ? lg : NULL, argmax ? am : NULL, 1, NULL);
             for (int64_t i = 0, kk = 0; i < num_seqs; i++) {
                 if (group[i] != g) continue;
                 memcpy(out + q_starts[i] * H, og + qs[kk] * H,
@@ -1070,16 +1099,107 @@ static int split_step(const ds_plan *p, const float *x, float *out, int64_t m,
             slot_offsets + r0, s1 - s0, qs, q_lens + s0, seq_lens + s0, tables + s0 * max_blocks,
             max_blocks, w_tables ? w_slot_blocks + r0 : NULL, w_tables ? w_slot_offsets + r0 : NULL,
             w_tables ? w_tables + s0 * w_max_blocks : NULL, w_max_blocks, j1 - j0, lr,
-            logits ? logits + j0 * vocab : NULL, argmax ? argmax + j0 : NULL, 1);
+            logits ? logits + j0 * vocab : NULL, argmax ? argmax + j0 : NULL, 1, NULL);
     }
     free(rebased);
     *rc = worst;
     return 1;
 }
 
-/* The step (see team_step for its arguments and results): split over the threads by
- * sequences where that pays (split_step: returns 1 when it ran so), else by the team
- * within each kernel. */
+static inline void spin_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* A step of one sequence and few rows on 2 threads as a lead step, in one region of 2:
+ * thread 0 runs the layers as a team of one (what split_step's sub-steps run: the team's
+ * results bit for bit, with no barrier) while thread 1 sleeps until the last layer
+ * starts (ds_wake), and the two run the LM head and argmax as team_step's narrow steps
+ * do (the same shares, the same bits). A one-row step splits ~150 GEMVs and attentions
+ * a token over the team, each ending in a barrier whose wait costs more than the second
+ * core's bandwidth gives (one core reads ~96% of what two read here); the head is one
+ * long GEMV and one barrier, which two cores read faster. Returns 1 when it ran the step
+ * (rc: the worst result), 0 when the step is not one. */
+static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
+                     const int64_t *positions, const int64_t *slot_blocks,
+                     const int64_t *slot_offsets, int64_t num_seqs, const int64_t *q_starts,
+                     const int64_t *q_lens, const int64_t *seq_lens, const int64_t *tables,
+                     int64_t max_blocks, const int64_t *w_slot_blocks,
+                     const int64_t *w_slot_offsets, const int64_t *w_tables,
+                     int64_t w_max_blocks, int64_t nr, const int64_t *logit_rows,
+                     float *logits, int64_t *argmax, int threads, int *rc) {
+    if (threads != 2 || num_seqs != 1 || m > p->lead_max_rows || m > decode_step_max_rows() ||
+        p->reduce || p->lora || omp_in_parallel())
+        return 0;
+    const int head = p->head.num_segments > 0 && nr > 0 && p->final_norm;
+    /* The head's scratch: per thread its input rows, block sums, x tiles and int8
+     * blocks; the argmax spans (gather_buffer: the layers' team_step takes step_buffer). */
+    const int64_t H = p->hidden, vocab = linear_out(&p->head);
+    const int dot = plan_has_dot(p), panel = plan_has_panel(p);
+    const int64_t spans = head && argmax ? nr * threads : 0;
+    const size_t xq_floats =
+        dot ? up64((nr * (H / 32) * sizeof(qdot_xblock) + sizeof(float) - 1) / sizeof(float))
+            : 0;
+    const size_t priv = up64(nr * H) + up64(nr * (H / 32) + 1) + up64(gemm_x_floats(nr, H)) +
+                        xq_floats;
+    float *hbuf = head ? gather_buffer(sizeof(float) * (size_t)threads * priv +
+                                       (sizeof(int64_t) * 2 + sizeof(int)) * (size_t)spans)
+                       : NULL;
+    if (head && !hbuf) {
+        *rc = -1;
+        return 1;
+    }
+    int64_t *span_idx = head ? (int64_t *)(hbuf + (size_t)threads * priv) : NULL;
+    float *span_best = head ? (float *)(span_idx + spans) : NULL;
+    int *span_nan = head ? (int *)(span_idx + 2 * spans) : NULL;
+    for (int64_t s = 0; s < spans; s++) span_idx[s] = -1;
+    int layers_rc = 0, ready = 0; /* ready: 1 the layers are done, the head may start */
+    ds_wake wake = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0};
+#pragma omp parallel num_threads(threads)
+    {
+        const int tid = omp_get_thread_num();
+        if (tid == 0) {
+            layers_rc = team_step(p, x, out, m, positions, slot_blocks, slot_offsets,
+                                  num_seqs, q_starts, q_lens, seq_lens, tables, max_blocks,
+                                  w_slot_blocks, w_slot_offsets, w_tables, w_max_blocks,
+                                  head ? 0 : nr, logit_rows, logits, argmax, 1, &wake);
+            __atomic_store_n(&ready, 1, __ATOMIC_RELEASE);
+            wake_second(&wake); /* if the layers ended early (out of memory) */
+        } else {
+            wait_woken(&wake);
+            while (!__atomic_load_n(&ready, __ATOMIC_ACQUIRE)) spin_pause();
+        }
+        if (head && layers_rc == 0) {
+            double *prof = p->profile && tid < p->profile_threads
+                               ? p->profile + tid * DS_PHASES
+                               : NULL;
+            double t_last = prof ? profile_clock(p->profile_cpu) : 0.0;
+            float *hb = hbuf + (size_t)tid * priv;
+            ds_scratch sc = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel};
+            sc.xsum = hb + up64(nr * H);
+            sc.xp = sc.xsum + up64(nr * (H / 32) + 1);
+            if (dot) sc.xq = (qdot_xblock *)(sc.xp + up64(gemm_x_floats(nr, H)));
+            head_share(p, out, nr, logit_rows, hb, &sc, logits, 0);
+            MARK(PH_HEAD);
+            if (spans)
+                head_argmax_span(logits, nr, vocab, threads, span_best, span_idx, span_nan);
+            MARK(PH_ARGMAX);
+        }
+    }
+    for (int64_t j = 0; j < (spans && layers_rc == 0 ? nr : 0); j++)
+        argmax[j] = argmax_merge(span_best + j * threads, span_idx + j * threads,
+                                 span_nan + j * threads, threads);
+    pthread_mutex_destroy(&wake.lock);
+    pthread_cond_destroy(&wake.cond);
+    *rc = layers_rc;
+    return 1;
+}
+
+/* The step (see team_step for its arguments and results): the layers on one thread and
+ * the head on two where the step is one sequence's few rows (lead_step: returns 2 when
+ * it ran so), split over the threads by sequences where that pays (split_step: 1), else
+ * by the team within each kernel. */
 int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                 const int64_t *positions, const int64_t *slot_blocks,
                 const int64_t *slot_offsets, int64_t num_seqs, const int64_t *q_starts,
@@ -1094,9 +1214,13 @@ int decode_step(const ds_plan *p, const float *x, float *out, int64_t m,
                    q_lens, seq_lens, tables, max_blocks, w_slot_blocks, w_slot_offsets,
                    w_tables, w_max_blocks, nr, logit_rows, logits, argmax, threads, &rc))
         return rc < 0 ? rc : 1;
+    if (lead_step(p, x, out, m, positions, slot_blocks, slot_offsets, num_seqs, q_starts,
+                  q_lens, seq_lens, tables, max_blocks, w_slot_blocks, w_slot_offsets, w_tables,
+                  w_max_blocks, nr, logit_rows, logits, argmax, threads, &rc))
+        return rc < 0 ? rc : 2;
     return team_step(p, x, out, m, positions, slot_blocks, slot_offsets, num_seqs, q_starts,
                      q_lens, seq_lens, tables, max_blocks, w_slot_blocks, w_slot_offsets,
-                     w_tables, w_max_blocks, nr, logit_rows, logits, argmax, threads);
+                     w_tables, w_max_blocks, nr, logit_rows, logits, argmax, threads, NULL);
 }
 
 /* The embedding table a burst reads its tokens' rows from: GGUF blocks (quant.py's

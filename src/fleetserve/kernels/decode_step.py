@@ -59,7 +59,7 @@ class _Plan(ctypes.Structure):
         ("layers", ctypes.POINTER(_Layer)), ("lora", _p), ("activation", _i32),
         ("head", _Linear), ("reduce", _p), ("profile", _p), ("profile_threads", _i32),
         ("profile_cpu", _i32), ("dot_chunked", _i32), ("split_min_rows", _i32),
-        ("sampled_only", _i32),
+        ("sampled_only", _i32), ("lead_max_rows", _i32),
     ]  # fmt: skip
 
 
@@ -83,6 +83,11 @@ class SpecLimits(ctypes.Structure):
 # Measured on the bench Llama's bf16 decode steps (Zen 4, 2 threads, best of 8): split
 # against team 14.1 / 12.5 ms at 16 rows, 21.9 / 22.4 at 32, 40.4 / 42.5 at 64.
 SPLIT_ROWS_PER_WEIGHT_BYTE = 12
+
+# Steps of one sequence and up to this many rows run as lead steps on 2 threads (see
+# DecodePlan.lead_max_rows): one-stream decoding, where one core reads ~96% of what two
+# read and the team's barriers cost more than the second core's share of the GEMVs.
+LEAD_MAX_ROWS = 1
 
 # The phases an opt-in profile times (decode_step.c's PH_*, in order).
 PHASES = ("rows", "qkv", "attention", "o", "gate_up", "down", "head", "argmax")
@@ -202,8 +207,9 @@ class DecodePlan:
         # Steps run, and those that ran the LM head (a worker reports them: the proof
         # that the C path ran on a rank).
         self.steps = self.head_steps = 0
-        # Steps that ran split by sequences over the threads (split_min_rows).
-        self.split_steps = 0
+        # Steps that ran split by sequences over the threads (split_min_rows), and those
+        # that ran as lead steps (lead_max_rows).
+        self.split_steps = self.lead_steps = 0
         self._keep: list[object] = [cos, sin]
         # Some projection keeps bf16 weights (gemm_bf16.c: AMX tiles at any row count where
         # the CPU has them; every step runs here, as for the other kinds).
@@ -263,6 +269,8 @@ class DecodePlan:
             # Fewer bytes a weight, fewer rows keep a sub-step's GEMMs compute-bound.
             per_weight = sum(self.weight_bytes.values()) / max(1, self._weight_elems)
             self._plan.split_min_rows = max(2, round(SPLIT_ROWS_PER_WEIGHT_BYTE * per_weight))
+        # One-row steps on 2 threads: the layers on one thread, the LM head on both.
+        self._plan.lead_max_rows = LEAD_MAX_ROWS
         self._reduce = reduce
         self._reduce_error: BaseException | None = None
         if reduce is not None:
@@ -306,6 +314,21 @@ class DecodePlan:
         if rows and not self._rows_independent:
             raise ValueError("split_min_rows: this plan's weights depend on the call's rows")
         self._plan.split_min_rows = rows
+
+    @property
+    def lead_max_rows(self) -> int:
+        """Steps of one sequence and at most this many rows, on exactly 2 threads, run as
+        a lead step (decode_step.c's lead_step): one thread runs the layers as a team of
+        one (no barrier) while the other sleeps, then both run the LM head; 0:
+        never. The outputs are the team's bit for bit (each output is computed by the
+        same code whichever thread runs it)."""
+        return int(self._plan.lead_max_rows)
+
+    @lead_max_rows.setter
+    def lead_max_rows(self, rows: int) -> None:
+        if rows < 0:
+            raise ValueError(f"lead_max_rows must be >= 0, got {rows}")
+        self._plan.lead_max_rows = rows
 
     def stop_profile(self) -> dict[str, list[float]]:
         """Seconds per phase and thread since start_profile; timing off again."""
@@ -527,7 +550,9 @@ class DecodePlan:
             raise MemoryError("decode_step: could not allocate its buffers")
         if rc < 0:
             raise ValueError(f"decode_step needs at least one row and one sequence, got {m}")
-        self.split_steps += rc  # 1: it ran as one sub-step per thread
+        # 1: it ran as one sub-step per thread; 2: as a lead step
+        self.split_steps += rc == 1
+        self.lead_steps += rc == 2
         return out
 
 

@@ -135,6 +135,8 @@ def bind_decode_plan(model: LlamaForCausalLM, cpu_kernel: bool, enabled: bool) -
     plan = build_decode_plan(model) if cpu_kernel and enabled else None
     if plan is not None and not split_steps_enabled():
         plan.split_min_rows = 0
+    if plan is not None:
+        plan.lead_max_rows = lead_max_rows(plan.lead_max_rows)
     model.model.decode_plan = plan
     return plan is not None
 
@@ -142,6 +144,17 @@ def bind_decode_plan(model: LlamaForCausalLM, cpu_kernel: bool, enabled: bool) -
 def fused_decode_enabled() -> bool:
     """FLEETSERVE_FUSED_DECODE=0 keeps every step on the module path (A/B runs, bisects)."""
     return os.environ.get("FLEETSERVE_FUSED_DECODE", "1") != "0"
+
+
+def lead_max_rows(default: int) -> int:
+    """FLEETSERVE_LEAD_STEPS=N: one-sequence steps of up to N rows on 2 threads run as lead
+    steps (DecodePlan.lead_max_rows), 0: none (every step as a team); A/B runs."""
+    raw = os.environ.get("FLEETSERVE_LEAD_STEPS")
+    if raw is None:
+        return default
+    if not raw.isdigit():
+        raise ValueError(f"FLEETSERVE_LEAD_STEPS must be a row count >= 0, got {raw!r}")
+    return int(raw)
 
 
 def split_steps_enabled() -> bool:

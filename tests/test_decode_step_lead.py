@@ -1,0 +1,133 @@
+"""Lead steps (kernels/decode_step.c, lead_step): a one-sequence, one-row step on 2
+threads runs its layers on one thread as a team of one and its LM head on both. The
+results must be the team's bit for bit: captured one-row steps of each weight kind
+replayed as a team and as lead steps give equal hidden states, logits and argmax; a whole
+greedy run gives the module path's tokens; the switches do what they say."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from fleetserve import LLM, SamplingParams
+from fleetserve.kernels import cpu as cpu_kernels
+from fleetserve.kernels.bf16 import native
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
+
+
+def _plan(llm: LLM) -> Any:
+    return llm.engine.core.executor.runner.model.model.decode_plan  # type: ignore[attr-defined]
+
+
+def _llm(path: str, weights: str) -> LLM:
+    kinds: dict[str, dict[str, Any]] = {
+        "float32": {},
+        "bf16": {"bf16_weights": True},
+        "int8 dot layout": {"quantization": "int8", "int8_activations": True},
+        "int8 float activations": {"quantization": "int8"},
+    }
+    return LLM(path, max_model_len=128, block_size=4, num_kv_blocks=256, **kinds[weights])
+
+
+def _one_row_steps(llm: LLM, max_tokens: int) -> list[tuple[Any, ...]]:
+    """The arguments of every one-row C step of one greedy request (bursts off: each
+    token through DecodePlan.run)."""
+    plan = _plan(llm)
+    runner = llm.engine.core.executor.runner  # type: ignore[attr-defined]
+    burst, runner.burst = runner.burst, None
+    seen: list[tuple[Any, ...]] = []
+    run = plan.run
+
+    def capture(*args: Any) -> torch.Tensor:
+        if args[0].shape[0] == 1:
+            seen.append(tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+        return run(*args)
+
+    plan.run = capture
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": list(range(5, 18))}], params, use_tqdm=False)
+    finally:
+        del plan.run
+        runner.burst = burst
+    return seen
+
+
+def _replay(plan: Any, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+    args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    out = plan.run(*args)
+    return (out, *(a for a in args[10:] if isinstance(a, torch.Tensor)))
+
+
+@pytest.mark.parametrize(
+    "weights", ["float32", "bf16", "int8 dot layout", "int8 float activations"]
+)
+def test_lead_steps_give_the_team_bits(
+    weights: str, tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if weights == "bf16" and not native():
+        pytest.skip("no native bf16 here")
+    llm = _llm(tiny_model_factory("llama"), weights)
+    plan = _plan(llm)
+    assert plan.lead_max_rows == 1  # the default
+    steps = _one_row_steps(llm, 12)
+    assert len(steps) >= 10
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    plan.lead_max_rows = 0
+    before = plan.lead_steps
+    team = [_replay(plan, a) for a in steps]
+    assert plan.lead_steps == before
+    plan.lead_max_rows = 1
+    before = plan.lead_steps
+    lead = [_replay(plan, a) for a in steps]
+    assert plan.lead_steps - before == len(steps)
+    for t, s in zip(team, lead, strict=True):
+        for a, b in zip(t, s, strict=True):
+            assert torch.equal(a, b)
+    # Only on exactly 2 threads: more run as a team.
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    before = plan.lead_steps
+    _replay(plan, steps[0])
+    assert plan.lead_steps == before
+
+
+def test_lead_run_gives_the_module_path_tokens(
+    tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = _llm(tiny_model_factory("llama"), "int8 dot layout")
+    plan = _plan(llm)
+    runner = llm.engine.core.executor.runner  # type: ignore[attr-defined]
+    monkeypatch.setattr(runner, "burst", None)  # every token through DecodePlan.run
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": list(range(7, 7 + n))} for n in (5, 11)]
+    lead = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    assert plan.lead_steps >= 2 * 15
+    llm.engine.core.block_manager.reset_prefix_cache()  # type: ignore[attr-defined]
+    monkeypatch.setattr(runner.model.model, "decode_plan", None)
+    module = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    for a, b in zip(lead, module, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True):
+            assert x.keys() == y.keys()
+            for tok in x:
+                assert abs(x[tok] - y[tok]) < 1e-5
+
+
+def test_lead_switches(
+    tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tiny_model_factory("llama")
+    with pytest.raises(ValueError, match="lead_max_rows"):
+        _plan(LLM(path, max_model_len=64)).lead_max_rows = -1
+    monkeypatch.setenv("FLEETSERVE_LEAD_STEPS", "0")
+    assert _plan(LLM(path, max_model_len=64)).lead_max_rows == 0
+    monkeypatch.setenv("FLEETSERVE_LEAD_STEPS", "8")
+    assert _plan(LLM(path, max_model_len=64)).lead_max_rows == 8
+    monkeypatch.setenv("FLEETSERVE_LEAD_STEPS", "on")
+    with pytest.raises(ValueError, match="FLEETSERVE_LEAD_STEPS"):
+        LLM(path, max_model_len=64)
