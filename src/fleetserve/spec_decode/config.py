@@ -20,7 +20,12 @@ from typing import Any
 
 METHODS = ("ngram", "draft_model")
 DRAFT_LENGTHS = ("fixed", "adaptive")
-MAX_SPECULATIVE_TOKENS = 16
+# A verification is k + 1 rows, and only a query of at most 16 rows (paged_attention.c's
+# VERIFY_ROWS) takes each row through plain decoding's attention arithmetic; 17 rows take
+# the prefill tiles, whose sums differ in the last bits, and greedy tokens then part from
+# plain decoding's at near-ties (k=16 did at token 59 of the spec bench's second paragraph
+# on SmolLM2): k stays at most 15, so accepted tokens are exactly plain decoding's.
+MAX_SPECULATIVE_TOKENS = 15
 # Tokens a speculative burst decodes per scheduler step by default (worker/spec_burst.py).
 DEFAULT_BURST_TOKENS = 32
 MAX_BURST_TOKENS = 1024
