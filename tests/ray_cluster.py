@@ -4,7 +4,6 @@ this machine (ray.cluster_utils.Cluster), with Serve's HTTP proxy on a free port
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -13,16 +12,12 @@ from typing import Any
 
 import httpx
 
+from fleetserve.bench.local_server import free_port
+
 TESTS_DIR = str(Path(__file__).resolve().parent)
 SRC_DIR = str(Path(__file__).resolve().parent.parent / "src")
 # Small object stores: the tests move tokens and vectors, not tensors.
 OBJECT_STORE_BYTES = 80 * 2**20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

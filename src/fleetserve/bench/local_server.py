@@ -9,6 +9,7 @@ one of this server's descendants, so a chaos run never touches anything else.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,9 +22,26 @@ from pathlib import Path
 import httpx
 import psutil
 
+# Ports handed out below both the kernel's ephemeral range (32768-60999 by default: where
+# port 0 binds land, and every outgoing connection's local port) and Ray's worker ports
+# (10002-19999): a port the kernel picked for us was free when we asked, but a Ray
+# process or a client socket could take it before the server bound it (the slow stage
+# once failed with Ray Serve's proxy "Failed to bind to address '127.0.0.1:36575'").
+_PORTS = range(20000, 32000)
+
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A 127.0.0.1 TCP port free now, outside the ranges other processes draw from."""
+    rng = random.Random()  # its own seed: parallel test workers draw apart
+    for _ in range(64):
+        port = rng.choice(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that range is crowded: any port the kernel gives
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
