@@ -137,6 +137,7 @@ def bind_decode_plan(model: LlamaForCausalLM, cpu_kernel: bool, enabled: bool) -
         plan.split_min_rows = 0
     if plan is not None:
         plan.lead_max_rows = lead_max_rows(plan.lead_max_rows)
+        plan.lead_share = lead_share(plan.lead_share)
     model.model.decode_plan = plan
     return plan is not None
 
@@ -155,6 +156,16 @@ def lead_max_rows(default: int) -> int:
     if not raw.isdigit():
         raise ValueError(f"FLEETSERVE_LEAD_STEPS must be a row count >= 0, got {raw!r}")
     return int(raw)
+
+
+def lead_share(default: tuple[str, ...]) -> tuple[str, ...]:
+    """FLEETSERVE_LEAD_SHARE=gate_up,down: the projections a lead step's second thread takes
+    a share of (DecodePlan.lead_share; "none": the layers on one thread); A/B runs."""
+    raw = os.environ.get("FLEETSERVE_LEAD_SHARE")
+    if raw is None:
+        return default
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    return () if names == ("none",) else names
 
 
 def split_steps_enabled() -> bool:
