@@ -170,6 +170,10 @@ def test_lead_switches(
     with pytest.raises(ValueError, match="lead_share"):
         LLM(path, max_model_len=64)
     monkeypatch.delenv("FLEETSERVE_LEAD_SHARE")
+    monkeypatch.setenv("FLEETSERVE_LEAD_SPIN_US", "-5")
+    with pytest.raises(ValueError, match="FLEETSERVE_LEAD_SPIN_US"):
+        LLM(path, max_model_len=64)
+    monkeypatch.delenv("FLEETSERVE_LEAD_SPIN_US")
     plan = _plan(LLM(path, max_model_len=64))
     with pytest.raises(ValueError, match="chunk_bytes"):
         plan.tune_lead_share(spin_us=50, chunk_bytes=0)
