@@ -466,17 +466,12 @@ static void head_argmax_span(const float *logits, int64_t nr, int64_t vocab, int
 /* projection_share, or on a lead step's thread 0 (lead) a GEMV whose weight rows thread
  * 1 may take a share of (lead_gemv): where the plan shares projection `proj`, the step is
  * narrow and every segment is in the dot layout (no packed weight's bias). */
-static void step_projection(const ds_plan *p, ds_lead *lead, int l, int proj,
-                            const ds_linear *lin, const float *x, int64_t ldx,
-                            const ds_scratch *s, float *out, int64_t ldo, int64_t m, int wide) {
-    int shared = lead && !wide && s->xq && (p->lead_share >> proj & 1) &&
-                 lin->num_segments <= LEAD_MAX_SEGMENTS;
+static int lead_linear(ds_lead *lead, const ds_linear *lin, const ds_scratch *s, float *out,
+                       int64_t ldo, int64_t m) {
+    int shared = s->xq && lin->num_segments <= LEAD_MAX_SEGMENTS;
     for (int j = 0; shared && j < lin->num_segments; j++)
         shared = lin->seg[j].kind == W_QUANT && quant_dot_layout(lin->seg[j].qtype);
-    if (!shared) {
-        projection_share(p, l, proj, lin, x, ldx, s, out, ldo, m, wide);
-        return;
-    }
+    if (!shared) return 0;
     int fmts[LEAD_MAX_SEGMENTS];
     const uint8_t *ws[LEAD_MAX_SEGMENTS];
     int64_t row_bytes[LEAD_MAX_SEGMENTS], ns[LEAD_MAX_SEGMENTS];
@@ -487,6 +482,15 @@ static void step_projection(const ds_plan *p, ds_lead *lead, int l, int proj,
         ns[j] = lin->seg[j].n;
     }
     lead_gemv(lead, s->xq, m, lin->k, lin->num_segments, fmts, ws, row_bytes, ns, out, ldo);
+    return 1;
+}
+
+static void step_projection(const ds_plan *p, ds_lead *lead, int l, int proj,
+                            const ds_linear *lin, const float *x, int64_t ldx,
+                            const ds_scratch *s, float *out, int64_t ldo, int64_t m, int wide) {
+    if (lead && !wide && (p->lead_share >> proj & 1) && lead_linear(lead, lin, s, out, ldo, m))
+        return;
+    projection_share(p, l, proj, lin, x, ldx, s, out, ldo, m, wide);
 }
 
 static int quant_bias(const ds_linear *lin) {
@@ -1164,7 +1168,8 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
     float *span_best = head ? (float *)(span_idx + spans) : NULL;
     int *span_nan = head ? (int *)(span_idx + 2 * spans) : NULL;
     for (int64_t s = 0; s < spans; s++) span_idx[s] = -1;
-    int layers_rc = 0;
+    int layers_rc = 0, head_done = 0; /* head_done: thread 0 ran the head with thread 1 */
+    double t_head = 0.0;              /* when it started (profiles) */
     ds_lead lead;
     lead_init(&lead, 1e-6 * p->lead_spin_us, p->lead_chunk_bytes, p->lead_counts);
 #pragma omp parallel num_threads(threads)
@@ -1175,6 +1180,20 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
                                   num_seqs, q_starts, q_lens, seq_lens, tables, max_blocks,
                                   w_slot_blocks, w_slot_offsets, w_tables, w_max_blocks,
                                   head ? 0 : nr, logit_rows, logits, argmax, 1, &lead);
+            /* The head as a shared GEMV too (thread 1 spinning since the last layer):
+             * whole weight rows a grab, as the projections. */
+            if (head && layers_rc == 0 && p->lead_share) {
+                t_head = p->profile ? profile_clock(p->profile_cpu) : 0.0;
+                float *hb = hbuf;
+                ds_scratch sc = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel};
+                sc.xsum = hb + up64(nr * H);
+                sc.xp = sc.xsum + up64(nr * (H / 32) + 1);
+                if (dot) sc.xq = (qdot_xblock *)(sc.xp + up64(gemm_x_floats(nr, H)));
+                for (int64_t j = 0; j < nr; j++)
+                    memcpy(hb + j * H, out + logit_rows[j] * H, (size_t)H * sizeof(float));
+                prepare_x(hb, nr, H, &sc, 0);
+                head_done = lead_linear(&lead, &p->head, &sc, logits, vocab, nr);
+            }
             lead_layers_done(&lead);
         } else {
             lead_help(&lead);
@@ -1184,12 +1203,13 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
                                ? p->profile + tid * DS_PHASES
                                : NULL;
             double t_last = prof ? profile_clock(p->profile_cpu) : 0.0;
+            if (tid == 0 && head_done) t_last = t_head;
             float *hb = hbuf + (size_t)tid * priv;
             ds_scratch sc = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel};
             sc.xsum = hb + up64(nr * H);
             sc.xp = sc.xsum + up64(nr * (H / 32) + 1);
             if (dot) sc.xq = (qdot_xblock *)(sc.xp + up64(gemm_x_floats(nr, H)));
-            head_share(p, out, nr, logit_rows, hb, &sc, logits, 0);
+            if (!head_done) head_share(p, out, nr, logit_rows, hb, &sc, logits, 0);
             MARK(PH_HEAD);
             if (spans)
                 head_argmax_span(logits, nr, vocab, threads, span_best, span_idx, span_nan);
