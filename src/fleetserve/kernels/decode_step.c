@@ -1129,11 +1129,12 @@ static int split_step(const ds_plan *p, const float *x, float *out, int64_t m,
  * results bit for bit, with no barrier) while thread 1 sleeps, helping with the plan's
  * lead_share projections (lead_share.h: chunks of weight rows grabbed from one counter,
  * thread 0 never waiting for thread 1 to start), until the last layer starts; the two
- * then run the LM head and argmax as team_step's narrow steps do (the same shares, the
- * same bits). A one-row step splits ~150 GEMVs and attentions
- * a token over the team, each ending in a barrier whose wait costs more than the second
- * core's bandwidth gives (one core reads ~96% of what two read here); the head is one
- * long GEMV and one barrier, which two cores read faster. Returns 1 when it ran the step
+ * then run the LM head (a shared GEMV too where lead_share is not empty, else as
+ * team_step's narrow steps do) and argmax: the same rows' dot products, the same bits.
+ * A one-row step as a team splits ~150 GEMVs and attentions a token over the team, each
+ * ending in a barrier whose wait (a preempted partner) costs more than the second core
+ * gives; a shared GEMV has no barrier, and only the long ones (gate_up, down, the head)
+ * are worth its two sync points. Returns 1 when it ran the step
  * (rc: the worst result), 0 when the step is not one. */
 static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
                      const int64_t *positions, const int64_t *slot_blocks,

@@ -1,7 +1,7 @@
 /* A lead step's second thread (kernels/decode_step.c, lead_step): asleep while the first
  * runs the layers, it takes chunks of the shared projections' weight rows (the plan's
- * lead_share) from a counter both threads grab from, and wakes for good at the last
- * layer to run the LM head with it.
+ * lead_share, then the LM head's) from a counter both threads grab from, and stays awake
+ * from the last layer's start until the layers end.
  *
  * Why work stealing and not a split: thread 0 never waits for thread 1 to start a GEMV,
  * only for the chunks thread 1 took, so a preempted thread 1 costs at most the chunk it
