@@ -95,6 +95,40 @@ def test_lead_steps_give_the_team_bits(
     assert plan.lead_steps == before
 
 
+def test_shared_gemvs_give_the_team_bits(
+    tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second thread taking chunks of every projection's weight rows (one panel of 16
+    rows a chunk; wide MLP weights, so that the first thread does not finish a GEMV
+    before the second arrives): the team's bits."""
+    llm = _llm(tiny_model_factory("llama", intermediate_size=4096), "int8 dot layout")
+    plan = _plan(llm)
+    assert plan.lead_share == ("gate_up", "down")  # the default
+    steps = _one_row_steps(llm, 12)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    plan.lead_max_rows = 0
+    team = [_replay(plan, a) for a in steps]
+    plan.lead_max_rows = 1
+    plan.lead_share = ("qkv", "o", "gate_up", "down")
+    # No spin: the second thread sleeps after each GEMV and is woken by the next (a
+    # spinning one may share a core with the first on a busy machine and never come).
+    plan.tune_lead_share(spin_us=0, chunk_bytes=1)
+    first, second = plan.lead_chunks
+    for _ in range(50):  # until the second thread has taken some (it may be preempted)
+        lead = [_replay(plan, a) for a in steps]
+        for t, s in zip(team, lead, strict=True):
+            for a, b in zip(t, s, strict=True):
+                assert torch.equal(a, b)
+        if plan.lead_chunks[1] > second:
+            break
+    assert plan.lead_chunks[0] > first
+    assert plan.lead_chunks[1] > second
+    plan.lead_share = ()
+    before = plan.lead_chunks
+    _replay(plan, steps[0])
+    assert plan.lead_chunks == before
+
+
 def test_lead_run_gives_the_module_path_tokens(
     tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -128,6 +162,23 @@ def test_lead_switches(
     assert _plan(LLM(path, max_model_len=64)).lead_max_rows == 0
     monkeypatch.setenv("FLEETSERVE_LEAD_STEPS", "8")
     assert _plan(LLM(path, max_model_len=64)).lead_max_rows == 8
+    monkeypatch.setenv("FLEETSERVE_LEAD_SHARE", "none")
+    assert _plan(LLM(path, max_model_len=64)).lead_share == ()
+    monkeypatch.setenv("FLEETSERVE_LEAD_SHARE", "down, qkv")
+    assert _plan(LLM(path, max_model_len=64)).lead_share == ("qkv", "down")
+    monkeypatch.setenv("FLEETSERVE_LEAD_SHARE", "mlp")
+    with pytest.raises(ValueError, match="lead_share"):
+        LLM(path, max_model_len=64)
+    monkeypatch.delenv("FLEETSERVE_LEAD_SHARE")
+    monkeypatch.setenv("FLEETSERVE_LEAD_SPIN_US", "-5")
+    with pytest.raises(ValueError, match="FLEETSERVE_LEAD_SPIN_US"):
+        LLM(path, max_model_len=64)
+    monkeypatch.delenv("FLEETSERVE_LEAD_SPIN_US")
+    plan = _plan(LLM(path, max_model_len=64))
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        plan.tune_lead_share(spin_us=50, chunk_bytes=0)
+    with pytest.raises(ValueError, match="spin_us"):
+        plan.tune_lead_share(spin_us=-1, chunk_bytes=16384)
     monkeypatch.setenv("FLEETSERVE_LEAD_STEPS", "on")
     with pytest.raises(ValueError, match="FLEETSERVE_LEAD_STEPS"):
         LLM(path, max_model_len=64)

@@ -128,7 +128,7 @@ def split(
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     steps = []
     clock = thread_clock(threads)
-    lead0 = plan.lead_steps
+    lead0, chunks0 = plan.lead_steps, plan.lead_chunks
     for i in range(2):  # the first run warms up
         saved.clear()
         with StepTimer(runner, plan, clock, capture) as timer:
@@ -143,6 +143,8 @@ def split(
     # Steps run on one thread, the others idle or streaming (decode_step.c's lead steps).
     lead = plan.lead_steps - lead0
     out = {"threads": threads, "lead_steps": lead, "split": steps[-1], "head_replay": replay}
+    # Chunks of the shared projections' weight rows each thread of the lead steps took.
+    out["lead_chunks"] = [b - a for a, b in zip(chunks0, plan.lead_chunks, strict=True)]
     # Bytes a decode step reads: every projection's and the head's weights, and the KV
     # cache at the run's mean context.
     mean_ctx = len(prompt["prompt_token_ids"]) + tokens / 2

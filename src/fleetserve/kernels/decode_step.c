@@ -50,6 +50,7 @@
 #include <time.h>
 
 #include "fused_rows.h"
+#include "lead_share.h"
 #include "quant_dot.h"
 #include "thread_buffer.h"
 
@@ -161,6 +162,14 @@ typedef struct {
     /* Steps of one sequence and at most this many rows (0: none), on exactly 2 threads,
      * run as a lead step: the layers on one thread, the LM head on both (lead_step). */
     int32_t lead_max_rows;
+    /* A lead step's projections whose weight rows thread 1 takes a share of (bits: 1 qkv,
+     * 2 o, 4 gate_up, 8 down; dot-layout weights only; 0: the layers on thread 0 alone),
+     * thread 1's spin after a shared GEMV before it sleeps (microseconds), and where the
+     * chunks each thread took are added up ([2] int64; NULL: not counted). */
+    int32_t lead_share;
+    int32_t lead_spin_us;
+    int32_t lead_chunk_bytes; /* weight bytes per chunk grabbed (lead_share.h) */
+    int64_t *lead_counts;
 } ds_plan;
 
 /* The phases timed (kernels/decode_step.py's PHASES, in order): row work (norms, the
@@ -183,28 +192,6 @@ static double profile_clock(int cpu) {
     } while (0)
 
 int decode_step_phases(void) { return DS_PHASES; }
-
-/* A lead step's second thread, asleep while the first runs the layers: woken (from
- * the last layer's start) a little before the LM head they run together, so that it is
- * awake when the head starts without taking a core the whole step. */
-typedef struct {
-    pthread_mutex_t lock;
-    pthread_cond_t cond;
-    int woken;
-} ds_wake;
-
-static void wake_second(ds_wake *w) {
-    pthread_mutex_lock(&w->lock);
-    w->woken = 1;
-    pthread_cond_signal(&w->cond);
-    pthread_mutex_unlock(&w->lock);
-}
-
-static void wait_woken(ds_wake *w) {
-    pthread_mutex_lock(&w->lock);
-    while (!w->woken) pthread_cond_wait(&w->cond, &w->lock);
-    pthread_mutex_unlock(&w->lock);
-}
 
 /* The step's rows: m tokens of num_seqs sequences laid out back to back (the runner's
  * flattened batch), sequence i owning rows q_starts[i] .. q_starts[i] + q_lens[i]. */
@@ -476,6 +463,36 @@ static void head_argmax_span(const float *logits, int64_t nr, int64_t vocab, int
     }
 }
 
+/* projection_share, or on a lead step's thread 0 (lead) a GEMV whose weight rows thread
+ * 1 may take a share of (lead_gemv): where the plan shares projection `proj`, the step is
+ * narrow and every segment is in the dot layout (no packed weight's bias). */
+static int lead_linear(ds_lead *lead, const ds_linear *lin, const ds_scratch *s, float *out,
+                       int64_t ldo, int64_t m) {
+    int shared = s->xq && lin->num_segments <= LEAD_MAX_SEGMENTS;
+    for (int j = 0; shared && j < lin->num_segments; j++)
+        shared = lin->seg[j].kind == W_QUANT && quant_dot_layout(lin->seg[j].qtype);
+    if (!shared) return 0;
+    int fmts[LEAD_MAX_SEGMENTS];
+    const uint8_t *ws[LEAD_MAX_SEGMENTS];
+    int64_t row_bytes[LEAD_MAX_SEGMENTS], ns[LEAD_MAX_SEGMENTS];
+    for (int j = 0; j < lin->num_segments; j++) {
+        fmts[j] = lin->seg[j].qtype;
+        ws[j] = lin->seg[j].data;
+        row_bytes[j] = lin->seg[j].row_bytes;
+        ns[j] = lin->seg[j].n;
+    }
+    lead_gemv(lead, s->xq, m, lin->k, lin->num_segments, fmts, ws, row_bytes, ns, out, ldo);
+    return 1;
+}
+
+static void step_projection(const ds_plan *p, ds_lead *lead, int l, int proj,
+                            const ds_linear *lin, const float *x, int64_t ldx,
+                            const ds_scratch *s, float *out, int64_t ldo, int64_t m, int wide) {
+    if (lead && !wide && (p->lead_share >> proj & 1) && lead_linear(lead, lin, s, out, ldo, m))
+        return;
+    projection_share(p, l, proj, lin, x, ldx, s, out, ldo, m, wide);
+}
+
 static int quant_bias(const ds_linear *lin) {
     return lin->bias && lin->num_segments > 0 && lin->seg[0].kind == W_QUANT;
 }
@@ -610,8 +627,9 @@ static float *step_buffer(size_t floats) {
  * (distinct rows of the step, nr <= m): with the plan's head, logits [nr, vocab] gets the
  * head's output for those rows (nr 0: none), and argmax [nr] int64 (NULL: not wanted)
  * each of those rows' argmax (numpy's: the first maximum, or the first NaN), scanned by
- * the team before the region ends. wake: a lead step's second thread, woken at the last
- * layer's start (NULL: none). Returns 0; -1:
+ * the team before the region ends. lead: a lead step's thread 0 (team of one) shares the
+ * plan's lead_share projections with thread 1 through it and wakes that thread at the
+ * last layer's start (NULL: not a lead step). Returns 0; -1:
  * out of memory; -2: no rows (decode_step: 1 when the step ran split by sequences, 2 as
  * a lead step). */
 static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
@@ -621,7 +639,7 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
                      int64_t max_blocks, const int64_t *w_slot_blocks,
                      const int64_t *w_slot_offsets, const int64_t *w_tables,
                      int64_t w_max_blocks, int64_t nr, const int64_t *logit_rows,
-                     float *logits, int64_t *argmax, int threads, ds_wake *wake) {
+                     float *logits, int64_t *argmax, int threads, ds_lead *lead) {
     if (m < 1 || num_seqs < 1) return -2;
     if (p->head.num_segments == 0) nr = 0;
     const ds_rows rw = {m,       num_seqs, max_blocks, positions, slot_blocks, slot_offsets,
@@ -733,13 +751,13 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
         for (int l = 0; l < p->num_layers; l++) {
             const ds_layer *L = &p->layers[l];
             const ds_rows *lr = L->window > 0 && w_tables ? &rw_window : &rw;
-            if (wake && l == p->num_layers - 1) wake_second(wake);
+            if (lead && l == p->num_layers - 1) lead_head_soon(lead);
             FOR_ROWS_TO_X(wide, sc.xq != NULL, r, mr,
                           rms_row(l ? added + r * H : res + r * H, l ? res + r * H : NULL,
                                   h + r * H, L->input_norm, H, p->eps));
             prepare_x(h, mr, H, &sc, wide);
             MARK(PH_ROWS);
-            projection_share(p, l, 0, &L->qkv, h, H, &sc, qkv, ldq, m, wide);
+            step_projection(p, lead, l, 0, &L->qkv, h, H, &sc, qkv, ldq, m, wide);
             MARK(PH_QKV);
             if (!all_decode) {
                 /* A sequence's rows read each other's keys: all are written first. */
@@ -767,7 +785,7 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
             if (mr == 0) break; /* every thread alike: no row left to carry */
             prepare_x(attn, mr, q_size, &sc, wide);
             MARK(PH_ROWS);
-            projection_share(p, l, 1, &L->o, attn, q_size, &sc, xs, H, mr, wide);
+            step_projection(p, lead, l, 1, &L->o, attn, q_size, &sc, xs, H, mr, wide);
             reduce_shared(p, xs, mr * H);
             MARK(PH_O);
             if (L->attn_out_norm)
@@ -781,7 +799,7 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
                     rms_row(xs + r * H, res + r * H, h + r * H, L->post_norm, H, p->eps));
             prepare_x(h, mr, H, &sc, wide);
             MARK(PH_ROWS);
-            projection_share(p, l, 2, &L->gate_up, h, H, &sc, gu, 2 * I, mr, wide);
+            step_projection(p, lead, l, 2, &L->gate_up, h, H, &sc, gu, 2 * I, mr, wide);
             MARK(PH_GATE_UP);
             if (p->activation == ACT_GELU_TANH)
                 FOR_ROWS_TO_X(wide, sc.xq != NULL, r, mr,
@@ -791,7 +809,7 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
                               silu_row(gu + r * 2 * I, gu + r * 2 * I + I, h + r * I, I));
             prepare_x(h, mr, I, &sc, wide);
             MARK(PH_ROWS);
-            projection_share(p, l, 3, &L->down, h, I, &sc, xs, H, mr, wide);
+            step_projection(p, lead, l, 3, &L->down, h, I, &sc, xs, H, mr, wide);
             reduce_shared(p, xs, mr * H);
             MARK(PH_DOWN);
             added = xs;
@@ -1106,20 +1124,17 @@ static int split_step(const ds_plan *p, const float *x, float *out, int64_t m,
     return 1;
 }
 
-static inline void spin_pause(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
-
 /* A step of one sequence and few rows on 2 threads as a lead step, in one region of 2:
  * thread 0 runs the layers as a team of one (what split_step's sub-steps run: the team's
- * results bit for bit, with no barrier) while thread 1 sleeps until the last layer
- * starts (ds_wake), and the two run the LM head and argmax as team_step's narrow steps
- * do (the same shares, the same bits). A one-row step splits ~150 GEMVs and attentions
- * a token over the team, each ending in a barrier whose wait costs more than the second
- * core's bandwidth gives (one core reads ~96% of what two read here); the head is one
- * long GEMV and one barrier, which two cores read faster. Returns 1 when it ran the step
+ * results bit for bit, with no barrier) while thread 1 sleeps, helping with the plan's
+ * lead_share projections (lead_share.h: chunks of weight rows grabbed from one counter,
+ * thread 0 never waiting for thread 1 to start), until the last layer starts; the two
+ * then run the LM head (a shared GEMV too where lead_share is not empty, else as
+ * team_step's narrow steps do) and argmax: the same rows' dot products, the same bits.
+ * A one-row step as a team splits ~150 GEMVs and attentions a token over the team, each
+ * ending in a barrier whose wait (a preempted partner) costs more than the second core
+ * gives; a shared GEMV has no barrier, and only the long ones (gate_up, down, the head)
+ * are worth its two sync points. Returns 1 when it ran the step
  * (rc: the worst result), 0 when the step is not one. */
 static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
                      const int64_t *positions, const int64_t *slot_blocks,
@@ -1154,8 +1169,10 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
     float *span_best = head ? (float *)(span_idx + spans) : NULL;
     int *span_nan = head ? (int *)(span_idx + 2 * spans) : NULL;
     for (int64_t s = 0; s < spans; s++) span_idx[s] = -1;
-    int layers_rc = 0, ready = 0; /* ready: 1 the layers are done, the head may start */
-    ds_wake wake = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0};
+    int layers_rc = 0, head_done = 0; /* head_done: thread 0 ran the head with thread 1 */
+    double t_head = 0.0;              /* when it started (profiles) */
+    ds_lead lead;
+    lead_init(&lead, 1e-6 * p->lead_spin_us, p->lead_chunk_bytes, p->lead_counts);
 #pragma omp parallel num_threads(threads)
     {
         const int tid = omp_get_thread_num();
@@ -1163,24 +1180,37 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
             layers_rc = team_step(p, x, out, m, positions, slot_blocks, slot_offsets,
                                   num_seqs, q_starts, q_lens, seq_lens, tables, max_blocks,
                                   w_slot_blocks, w_slot_offsets, w_tables, w_max_blocks,
-                                  head ? 0 : nr, logit_rows, logits, argmax, 1, &wake);
-            __atomic_store_n(&ready, 1, __ATOMIC_RELEASE);
-            wake_second(&wake); /* if the layers ended early (out of memory) */
+                                  head ? 0 : nr, logit_rows, logits, argmax, 1, &lead);
+            /* The head as a shared GEMV too (thread 1 spinning since the last layer):
+             * whole weight rows a grab, as the projections. */
+            if (head && layers_rc == 0 && p->lead_share) {
+                t_head = p->profile ? profile_clock(p->profile_cpu) : 0.0;
+                float *hb = hbuf;
+                ds_scratch sc = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel};
+                sc.xsum = hb + up64(nr * H);
+                sc.xp = sc.xsum + up64(nr * (H / 32) + 1);
+                if (dot) sc.xq = (qdot_xblock *)(sc.xp + up64(gemm_x_floats(nr, H)));
+                for (int64_t j = 0; j < nr; j++)
+                    memcpy(hb + j * H, out + logit_rows[j] * H, (size_t)H * sizeof(float));
+                prepare_x(hb, nr, H, &sc, 0);
+                head_done = lead_linear(&lead, &p->head, &sc, logits, vocab, nr);
+            }
+            lead_layers_done(&lead);
         } else {
-            wait_woken(&wake);
-            while (!__atomic_load_n(&ready, __ATOMIC_ACQUIRE)) spin_pause();
+            lead_help(&lead);
         }
         if (head && layers_rc == 0) {
             double *prof = p->profile && tid < p->profile_threads
                                ? p->profile + tid * DS_PHASES
                                : NULL;
             double t_last = prof ? profile_clock(p->profile_cpu) : 0.0;
+            if (tid == 0 && head_done) t_last = t_head;
             float *hb = hbuf + (size_t)tid * priv;
             ds_scratch sc = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel};
             sc.xsum = hb + up64(nr * H);
             sc.xp = sc.xsum + up64(nr * (H / 32) + 1);
             if (dot) sc.xq = (qdot_xblock *)(sc.xp + up64(gemm_x_floats(nr, H)));
-            head_share(p, out, nr, logit_rows, hb, &sc, logits, 0);
+            if (!head_done) head_share(p, out, nr, logit_rows, hb, &sc, logits, 0);
             MARK(PH_HEAD);
             if (spans)
                 head_argmax_span(logits, nr, vocab, threads, span_best, span_idx, span_nan);
@@ -1190,8 +1220,7 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
     for (int64_t j = 0; j < (spans && layers_rc == 0 ? nr : 0); j++)
         argmax[j] = argmax_merge(span_best + j * threads, span_idx + j * threads,
                                  span_nan + j * threads, threads);
-    pthread_mutex_destroy(&wake.lock);
-    pthread_cond_destroy(&wake.cond);
+    lead_destroy(&lead);
     *rc = layers_rc;
     return 1;
 }

@@ -11,7 +11,7 @@ are kept alive by the plan (``_keep``).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,7 +59,8 @@ class _Plan(ctypes.Structure):
         ("layers", ctypes.POINTER(_Layer)), ("lora", _p), ("activation", _i32),
         ("head", _Linear), ("reduce", _p), ("profile", _p), ("profile_threads", _i32),
         ("profile_cpu", _i32), ("dot_chunked", _i32), ("split_min_rows", _i32),
-        ("sampled_only", _i32), ("lead_max_rows", _i32),
+        ("sampled_only", _i32), ("lead_max_rows", _i32), ("lead_share", _i32),
+        ("lead_spin_us", _i32), ("lead_chunk_bytes", _i32), ("lead_counts", _p),
     ]  # fmt: skip
 
 
@@ -88,6 +89,14 @@ SPLIT_ROWS_PER_WEIGHT_BYTE = 12
 # DecodePlan.lead_max_rows): one-stream decoding, where one core reads ~96% of what two
 # read and the team's barriers cost more than the second core's share of the GEMVs.
 LEAD_MAX_ROWS = 1
+
+# The projections whose weight rows a lead step's second thread takes a share of (see
+# DecodePlan.lead_share; decode_step.c's bits in this order), the default set, and how
+# long that thread spins after a shared GEMV before it sleeps (microseconds).
+LEAD_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+LEAD_SHARE = ("gate_up", "down")
+LEAD_SPIN_US = 50
+LEAD_CHUNK_BYTES = 16384
 
 # The phases an opt-in profile times (decode_step.c's PH_*, in order).
 PHASES = ("rows", "qkv", "attention", "o", "gate_up", "down", "head", "argmax")
@@ -271,6 +280,11 @@ class DecodePlan:
             self._plan.split_min_rows = max(2, round(SPLIT_ROWS_PER_WEIGHT_BYTE * per_weight))
         # One-row steps on 2 threads: the layers on one thread, the LM head on both.
         self._plan.lead_max_rows = LEAD_MAX_ROWS
+        self.lead_share = LEAD_SHARE
+        self._plan.lead_spin_us = LEAD_SPIN_US
+        self._plan.lead_chunk_bytes = LEAD_CHUNK_BYTES
+        self._lead_counts = torch.zeros(2, dtype=torch.int64)
+        self._plan.lead_counts = self._lead_counts.data_ptr()
         self._reduce = reduce
         self._reduce_error: BaseException | None = None
         if reduce is not None:
@@ -329,6 +343,38 @@ class DecodePlan:
         if rows < 0:
             raise ValueError(f"lead_max_rows must be >= 0, got {rows}")
         self._plan.lead_max_rows = rows
+
+    @property
+    def lead_share(self) -> tuple[str, ...]:
+        """The projections (LEAD_PROJECTIONS) whose weight rows a lead step's second thread
+        takes a share of while the first runs the layers (kernels/lead_share.c: chunks
+        grabbed from one counter, the first thread never waiting for the second to
+        start); dot-layout weights only, others stay on the first thread. (): the layers
+        on one thread. The same bits either way (each weight row is one dot product)."""
+        return tuple(n for i, n in enumerate(LEAD_PROJECTIONS) if self._plan.lead_share >> i & 1)
+
+    @lead_share.setter
+    def lead_share(self, names: Sequence[str]) -> None:
+        unknown = [n for n in names if n not in LEAD_PROJECTIONS]
+        if unknown:
+            raise ValueError(f"lead_share: {unknown} not among {list(LEAD_PROJECTIONS)}")
+        self._plan.lead_share = sum(1 << LEAD_PROJECTIONS.index(n) for n in set(names))
+
+    def tune_lead_share(self, spin_us: int, chunk_bytes: int) -> None:
+        """How long the second thread spins after a shared GEMV before it sleeps, and the
+        weight bytes of a chunk it grabs (LEAD_SPIN_US, LEAD_CHUNK_BYTES): tests, tuning."""
+        if not 0 <= spin_us < 2**31:
+            raise ValueError(f"spin_us must be in [0, 2**31), got {spin_us}")
+        if not 1 <= chunk_bytes < 2**31:
+            raise ValueError(f"chunk_bytes must be in [1, 2**31), got {chunk_bytes}")
+        self._plan.lead_spin_us = spin_us
+        self._plan.lead_chunk_bytes = chunk_bytes
+
+    @property
+    def lead_chunks(self) -> tuple[int, int]:
+        """Chunks of shared projections' weight rows the first and the second thread of
+        lead steps took since the plan was built (the second's share: how much it helped)."""
+        return int(self._lead_counts[0]), int(self._lead_counts[1])
 
     def stop_profile(self) -> dict[str, list[float]]:
         """Seconds per phase and thread since start_profile; timing off again."""

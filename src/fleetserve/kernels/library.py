@@ -26,6 +26,7 @@ _SOURCES = [
         "paged_attention.c", "fused_ops.c", "gemm.c", "quant_gemm.c", "quant_panel.c",
         "quant_dot.c", "quant_dot_simd.c", "quant_dot_amx.c", "quant_avx2.c", "decode_step.c",
         "moe.c", "lora.c", "gemm_bf16.c", "attention_amx.c", "gemm_bf16_tiled.c",
+        "lead_share.c",
     )
 ]  # fmt: skip
 # Included by the sources: part of the cache key, not compiled on their own.
@@ -35,7 +36,7 @@ _HEADERS = [
         "gemm_tile.h", "quant_common.h", "quant_dot.h", "fused_rows.h", "amx_perm.h",
         "paged_decode.h", "paged_decode_bf16.h", "paged_verify.h", "bf16_bits.h", "amx_tiles.h",
         "bf16_block.h", "attention_bf16.h", "exp2_poly.h",
-        "thread_buffer.h",
+        "thread_buffer.h", "lead_share.h",
     )
 ]  # fmt: skip
 # FLEETSERVE_CPU_MARCH picks another target than this CPU's own, e.g. x86-64-v3 (AVX2)

@@ -11,6 +11,7 @@ from torch.overrides import TorchFunctionMode
 from fleetserve.config import ModelConfig
 from fleetserve.distributed.parallel_state import ParallelContext
 from fleetserve.kernels import cpu as cpu_kernels
+from fleetserve.kernels.decode_step import LEAD_CHUNK_BYTES, LEAD_SPIN_US
 from fleetserve.layers.linear import linears_to_bf16
 from fleetserve.models.llama import LlamaForCausalLM
 from fleetserve.models.llama_decode import build_decode_plan
@@ -137,6 +138,8 @@ def bind_decode_plan(model: LlamaForCausalLM, cpu_kernel: bool, enabled: bool) -
         plan.split_min_rows = 0
     if plan is not None:
         plan.lead_max_rows = lead_max_rows(plan.lead_max_rows)
+        plan.lead_share = lead_share(plan.lead_share)
+        plan.tune_lead_share(lead_spin_us(LEAD_SPIN_US), LEAD_CHUNK_BYTES)
     model.model.decode_plan = plan
     return plan is not None
 
@@ -154,6 +157,27 @@ def lead_max_rows(default: int) -> int:
         return default
     if not raw.isdigit():
         raise ValueError(f"FLEETSERVE_LEAD_STEPS must be a row count >= 0, got {raw!r}")
+    return int(raw)
+
+
+def lead_share(default: tuple[str, ...]) -> tuple[str, ...]:
+    """FLEETSERVE_LEAD_SHARE=gate_up,down: the projections a lead step's second thread takes
+    a share of (DecodePlan.lead_share; "none": the layers on one thread); A/B runs."""
+    raw = os.environ.get("FLEETSERVE_LEAD_SHARE")
+    if raw is None:
+        return default
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    return () if names == ("none",) else names
+
+
+def lead_spin_us(default: int) -> int:
+    """FLEETSERVE_LEAD_SPIN_US=N: how long a lead step's second thread spins after a shared
+    GEMV before it sleeps (DecodePlan.tune_lead_share); A/B runs."""
+    raw = os.environ.get("FLEETSERVE_LEAD_SPIN_US")
+    if raw is None:
+        return default
+    if not raw.isdigit():
+        raise ValueError(f"FLEETSERVE_LEAD_SPIN_US must be microseconds >= 0, got {raw!r}")
     return int(raw)
 
 

@@ -1,0 +1,69 @@
+/* A lead step's second thread (kernels/decode_step.c, lead_step): asleep while the first
+ * runs the layers, it takes chunks of the shared projections' weight rows (the plan's
+ * lead_share, then the LM head's) from a counter both threads grab from, and stays awake
+ * from the last layer's start until the layers end.
+ *
+ * Why work stealing and not a split: thread 0 never waits for thread 1 to start a GEMV,
+ * only for the chunks thread 1 took, so a preempted thread 1 costs at most the chunk it
+ * holds (a guided grab: at most a quarter of what was left) and a GEMV runs at one
+ * core's speed when thread 1 is off the CPU. Every weight row is a whole dot product by
+ * quant_dot_panels, whichever thread takes it: the bits are the team's.
+ *
+ * Sync per shared GEMV: thread 0 publishes the job (one store of `word`, a futex wake
+ * only when thread 1 sleeps) and waits for `done` to reach the job's chunks; thread 1
+ * spins ~lead_spin_us after a job (the next shared GEMV often follows within
+ * microseconds), then sleeps on the condition variable. */
+#ifndef FLEETSERVE_LEAD_SHARE_H
+#define FLEETSERVE_LEAD_SHARE_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "quant_dot.h"
+
+#define LEAD_MAX_SEGMENTS 3
+
+/* One segment of a shared projection: n weight rows in the dot layout `fmt` into out. */
+typedef struct {
+    int fmt;
+    const uint8_t *w;
+    int64_t row_bytes, n;
+    float *out;
+    int64_t chunk_panels, chunk0; /* panels per chunk; the segment's first chunk */
+} lead_segment;
+
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    int sleeping;  /* thread 1 is (about to be) in cond_wait */
+    int head_soon; /* the last layer started: thread 1 spins until `ready` */
+    int ready;     /* the layers are done (the head may start) */
+    /* The job: (job id << 32) | next chunk. Thread 0 writes the fields below, then
+     * publishes a new id; chunks are grabbed by compare-and-swap. */
+    uint64_t word;
+    int64_t done, chunks; /* chunks multiplied in this job; the job's chunks */
+    const qdot_xblock *xb;
+    int64_t m, nb, ldo;
+    int num_segments;
+    lead_segment seg[LEAD_MAX_SEGMENTS];
+    double spin_s;       /* thread 1's spin after a job before it sleeps */
+    /* Weight bytes per chunk: a grab takes whole chunks (a run of consecutive panels,
+     * one weight stream), a quarter of those left, so a late thread still finds work
+     * and a preempted one holds at most that quarter. */
+    int64_t chunk_bytes;
+    int64_t *counts;     /* [2] chunks taken by thread 0 and 1 (NULL: not counted) */
+} ds_lead;
+
+void lead_init(ds_lead *ld, double spin_s, int64_t chunk_bytes, int64_t *counts);
+void lead_destroy(ds_lead *ld);
+/* Thread 0: out = x @ W^T over the segments, thread 1 helping if it comes. */
+void lead_gemv(ds_lead *ld, const qdot_xblock *xb, int64_t m, int64_t k, int num_segments,
+               const int *fmts, const uint8_t *const *ws, const int64_t *row_bytes,
+               const int64_t *ns, float *out, int64_t ldo);
+/* Thread 0: the last layer starts (thread 1 stays awake for the head); the layers end. */
+void lead_head_soon(ds_lead *ld);
+void lead_layers_done(ds_lead *ld);
+/* Thread 1: help with every job until the layers are done. */
+void lead_help(ds_lead *ld);
+
+#endif
