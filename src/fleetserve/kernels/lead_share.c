@@ -85,6 +85,11 @@ static void lead_grab(ds_lead *ld, uint32_t job, int tid) {
 void lead_gemv(ds_lead *ld, const qdot_xblock *xb, int64_t m, int64_t k, int num_segments,
                const int *fmts, const uint8_t *const *ws, const int64_t *row_bytes,
                const int64_t *ns, float *out, int64_t ldo) {
+    /* Close the last job before its fields are rewritten: a thread 1 that loaded its word
+     * and then (after a preemption) reads the new `chunks` must not win a swap on that
+     * word and run chunks over fields still being written. */
+    const uint64_t last = __atomic_load_n(&ld->word, __ATOMIC_RELAXED);
+    __atomic_store_n(&ld->word, (last & ~(uint64_t)0xffffffffu) | 0xffffffffu, __ATOMIC_SEQ_CST);
     int64_t chunks = 0, off = 0;
     for (int s = 0; s < num_segments; s++) {
         lead_segment *g = &ld->seg[s];
