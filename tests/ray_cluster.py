@@ -3,6 +3,7 @@ this machine (ray.cluster_utils.Cluster), with Serve's HTTP proxy on a free port
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -18,6 +19,27 @@ TESTS_DIR = str(Path(__file__).resolve().parent)
 SRC_DIR = str(Path(__file__).resolve().parent.parent / "src")
 # Small object stores: the tests move tokens and vectors, not tensors.
 OBJECT_STORE_BYTES = 80 * 2**20
+
+
+def _start_head(cluster_type: Any, head_node_args: dict[str, Any]) -> Any:
+    """The simulated cluster with its head started; one more try when the head's GCS
+    never wrote its port file (the slow stage once timed out so, in a test process that
+    had run another module's cluster before: the GCS child left no log at all). What the
+    failed try started is killed: only this process's own new children."""
+    import psutil
+
+    for attempt in (1, 2):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            return cluster_type(initialize_head=True, head_node_args=head_node_args)
+        except RuntimeError as e:
+            if attempt == 2 or "Timed out waiting for file" not in str(e):
+                raise
+            for p in psutil.Process().children(recursive=True):
+                if p.pid not in before:
+                    with contextlib.suppress(psutil.Error):
+                        p.kill()
+    raise AssertionError("unreachable")
 
 
 @contextmanager
@@ -46,11 +68,11 @@ def ray_cluster(
     saved = dict(os.environ)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     os.environ.update(env or {})
-    cluster = Cluster(
-        initialize_head=True,
+    cluster = _start_head(
+        Cluster,
         # The head runs Serve's controller and proxy and the ingress (0 CPUs each); the
         # model replicas need the workers' CPUs, as on a real cluster.
-        head_node_args={
+        {
             "num_cpus": 0,
             "object_store_memory": OBJECT_STORE_BYTES,
             "include_dashboard": False,
