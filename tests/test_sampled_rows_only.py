@@ -18,6 +18,7 @@ from fleetserve import LLM, SamplingParams
 from fleetserve.kernels import cpu as cpu_kernels
 from fleetserve.kernels.bf16 import native
 from fleetserve.kernels.decode_step import _lib
+from helpers import captured_steps
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.load() is None or not native(), reason="no C compiler or no native bf16 here"
@@ -41,21 +42,8 @@ def _prompts(n: int, seed: int) -> list[dict[str, list[int]]]:
 
 def _captured(llm: LLM, n: int, max_tokens: int) -> list[tuple[Any, ...]]:
     """The arguments of every C step of n greedy requests."""
-    plan = _plan(llm)
-    seen: list[tuple[Any, ...]] = []
-    run = plan.run
-
-    def capture(*args: Any) -> torch.Tensor:
-        seen.append(tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
-        return run(*args)
-
-    plan.run = capture
-    try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        llm.generate(_prompts(n, 3), params, use_tqdm=False)
-    finally:
-        del plan.run
-    return seen
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return captured_steps(llm, _prompts(n, 3), params)[1]
 
 
 def _replay(

@@ -149,15 +149,21 @@ def fused_decode_enabled() -> bool:
     return os.environ.get("FLEETSERVE_FUSED_DECODE", "1") != "0"
 
 
-def lead_max_rows(default: int) -> int:
-    """FLEETSERVE_LEAD_STEPS=N: one-sequence steps of up to N rows on 2 threads run as lead
-    steps (DecodePlan.lead_max_rows), 0: none (every step as a team); A/B runs."""
-    raw = os.environ.get("FLEETSERVE_LEAD_STEPS")
+def _env_count(name: str, default: int, unit: str) -> int:
+    """The integer >= 0 in environment variable `name`, or `default` when unset; a
+    ValueError naming it (and its `unit`) for anything else."""
+    raw = os.environ.get(name)
     if raw is None:
         return default
     if not raw.isdigit():
-        raise ValueError(f"FLEETSERVE_LEAD_STEPS must be a row count >= 0, got {raw!r}")
+        raise ValueError(f"{name} must be {unit} >= 0, got {raw!r}")
     return int(raw)
+
+
+def lead_max_rows(default: int) -> int:
+    """FLEETSERVE_LEAD_STEPS=N: one-sequence steps of up to N rows on 2 threads run as lead
+    steps (DecodePlan.lead_max_rows), 0: none (every step as a team); A/B runs."""
+    return _env_count("FLEETSERVE_LEAD_STEPS", default, "a row count")
 
 
 def lead_share(default: tuple[str, ...]) -> tuple[str, ...]:
@@ -173,12 +179,7 @@ def lead_share(default: tuple[str, ...]) -> tuple[str, ...]:
 def lead_spin_us(default: int) -> int:
     """FLEETSERVE_LEAD_SPIN_US=N: how long a lead step's second thread spins after a shared
     GEMV before it sleeps (DecodePlan.tune_lead_share); A/B runs."""
-    raw = os.environ.get("FLEETSERVE_LEAD_SPIN_US")
-    if raw is None:
-        return default
-    if not raw.isdigit():
-        raise ValueError(f"FLEETSERVE_LEAD_SPIN_US must be microseconds >= 0, got {raw!r}")
-    return int(raw)
+    return _env_count("FLEETSERVE_LEAD_SPIN_US", default, "microseconds")
 
 
 def split_steps_enabled() -> bool:
