@@ -68,6 +68,15 @@ class RequestState:
         num_out = len(self.token_ids) - self.num_prompt_tokens
         return self._plain_greedy and num_out >= self.params.min_tokens
 
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """The token ids that end the request: its stop_token_ids, and its EOS ids unless
+        ignore_eos (what the drafters and bursts stop at)."""
+        p = self.params
+        return frozenset(p.stop_token_ids or ()) | frozenset(
+            () if p.ignore_eos else self.eos_token_ids
+        )
+
     def sampling_row(self) -> SamplingRow:
         n = self.num_prompt_tokens
         return SamplingRow(self.params, self.token_ids[:n], self.token_ids[n:], self.eos_token_ids)
@@ -342,10 +351,9 @@ class ModelRunner:
             s.num_computed_tokens, len(s.block_ids), num_output, p.max_tokens
         )
         if extra:
-            stops = frozenset(p.stop_token_ids or ()) | frozenset(
-                () if p.ignore_eos else s.eos_token_ids
+            tokens += self.burst.run(
+                tokens[-1], s.num_computed_tokens, s.block_ids, extra, s.stop_ids
             )
-            tokens += self.burst.run(tokens[-1], s.num_computed_tokens, s.block_ids, extra, stops)
 
     def _cpu_metadata(
         self,
@@ -443,13 +451,8 @@ class ModelRunner:
             s = self.requests[req_id]
             s.draft_probs = None
             if new:
-                stops = set(s.params.stop_token_ids or ())
-                if not s.params.ignore_eos:
-                    stops.update(s.eos_token_ids)
                 asks.append(
-                    ProposalRequest(
-                        req_id, s.token_ids + new, s.block_ids, s.params, frozenset(stops)
-                    )
+                    ProposalRequest(req_id, s.token_ids + new, s.block_ids, s.params, s.stop_ids)
                 )
         proposals: dict[str, Proposal] = {}
         if asks:

@@ -47,11 +47,13 @@ class BurstRequest(Protocol):
     num_prompt_tokens: int
     num_computed_tokens: int
     params: SamplingParams
-    eos_token_ids: tuple[int, ...]
     block_ids: list[int]
 
     @property
     def plain_greedy(self) -> bool: ...
+
+    @property
+    def stop_ids(self) -> frozenset[int]: ...
 
 
 class SpecBurst:
@@ -90,9 +92,7 @@ class SpecBurst:
             or p.structured_outputs is not None
         ):
             return None
-        stops = frozenset(p.stop_token_ids or ()) | frozenset(
-            () if p.ignore_eos else s.eos_token_ids
-        )
+        stops = s.stop_ids
         seq = s.token_ids + tokens
         if len(seq) >= self.max_model_len or not stops.isdisjoint(tokens):
             return None
