@@ -488,3 +488,16 @@ def test_fcfs_waiting_request_waits_for_budget() -> None:
     h.step()
     h.add("high", 5, max_tokens=2, priority=0)
     assert h.step() == {"low": 8}
+
+
+@pytest.mark.parametrize(
+    ("num_lookahead", "num_burst_lookahead", "reserves"),
+    [(0, 0, False), (3, 0, True), (0, 5, True), (2, 4, True)],
+)
+def test_config_reserves_lookahead_when_drafts_or_bursts_want_slots(
+    num_lookahead: int, num_burst_lookahead: int, reserves: bool
+) -> None:
+    config = SchedulerConfig(
+        num_lookahead_tokens=num_lookahead, num_burst_lookahead_tokens=num_burst_lookahead
+    )
+    assert config.reserves_lookahead is reserves

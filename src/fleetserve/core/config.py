@@ -21,6 +21,13 @@ class SchedulerConfig:
     # step through the worker's slots); None: no LoRA.
     max_loras: int | None = None
 
+    @property
+    def reserves_lookahead(self) -> bool:
+        """True when a step may reserve KV slots past its tokens (a draft model's proposals
+        or a speculative burst's verifications): only then can a running request hold
+        blocks past its last token, and only then does the scheduler size lookahead."""
+        return bool(self.num_lookahead_tokens or self.num_burst_lookahead_tokens)
+
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError(

@@ -266,7 +266,7 @@ class Scheduler:
         num_spec = max(0, num_new - num_unseen)
         lookahead = (
             self._lookahead(req, req.num_computed_tokens, num_new)
-            if self.config.num_lookahead_tokens or self.config.num_burst_lookahead_tokens
+            if self.config.reserves_lookahead
             else 0
         )
         while not bm.allocate_slots(req, num_new + lookahead):
@@ -433,11 +433,7 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         max_len = self.config.max_model_len
         # Without drafts or lookahead slots no request holds blocks past its tokens.
-        may_hold_tail = (
-            result.spec_token_ids is not None
-            or self.config.num_lookahead_tokens
-            or self.config.num_burst_lookahead_tokens
-        )
+        may_hold_tail = result.spec_token_ids is not None or self.config.reserves_lookahead
         for idx, req_id in enumerate(result.req_ids):
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
