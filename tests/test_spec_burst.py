@@ -26,6 +26,7 @@ from fleetserve.core.request import Request
 from fleetserve.core.scheduler import Scheduler
 from fleetserve.core.scheduler_output import ModelRunnerOutput
 from fleetserve.kernels import cpu as cpu_kernels
+from fleetserve.kernels.decode_step import SpecLimits
 from fleetserve.spec_decode.config import SpeculativeConfig
 from fleetserve.worker.spec_burst import SpecBurst
 from helpers import smollm2_path
@@ -214,6 +215,38 @@ def test_config_switches(
     assert _runner(LLM(path, max_model_len=64, speculative_config=adaptive)).spec_burst is None
     monkeypatch.setenv("FLEETSERVE_DEBUG_STEP_DELAY_S", "0.01")
     assert _runner(LLM(path, max_model_len=64, speculative_config=_spec())).spec_burst is None
+
+
+def test_bad_calls_reach_the_caller_as_clear_errors(
+    tiny_model_factory: Callable[..., str],
+) -> None:
+    """decode_step.c's spec_burst tells a token outside the embedding (-3) from more rows
+    than a round may run (-4); DecodePlan.spec_burst names each, and refuses length < 1
+    itself. Nothing is written before the refusals: the same plan runs a burst after."""
+    llm = LLM(tiny_model_factory("llama"), max_model_len=256, num_kv_blocks=64,
+              max_num_seqs=1, speculative_config=_spec(4, 16))  # fmt: skip
+    burst = _runner(llm).spec_burst
+    assert isinstance(burst, SpecBurst)
+    plan, inp = burst.plan, burst._input
+    num_rows = inp.num_rows
+    tokens = torch.zeros(3 + 16 + 64, dtype=torch.int64)
+    table = torch.arange(8, dtype=torch.int64)
+    stops = torch.zeros(0, dtype=torch.int64)
+
+    def limits(k: int) -> SpecLimits:
+        return SpecLimits(16, 1 << 62, 256, k, min(k, 2), 1, 3)
+
+    for bad in (num_rows, -1):
+        tokens[:3] = torch.tensor([5, 6, bad])
+        with pytest.raises(ValueError, match=f"outside the embedding's {num_rows} rows"):
+            plan.spec_burst(inp, tokens, 3, table, limits(4), stops)
+    tokens[:3] = torch.tensor([5, 6, 5])
+    with pytest.raises(ValueError, match="limits.k must be <= 63 .*got 64"):
+        plan.spec_burst(inp, tokens, 3, table, limits(64), stops)
+    with pytest.raises(ValueError, match="length must be >= 1"):
+        plan.spec_burst(inp, tokens, 0, table, limits(4), stops)
+    n, _ = plan.spec_burst(inp, tokens, 3, table, limits(63), stops)  # 64 rows: allowed
+    assert n >= 16
 
 
 def test_scheduler_reserves_burst_slots_for_a_lone_request() -> None:

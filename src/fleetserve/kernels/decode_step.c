@@ -1355,7 +1355,7 @@ typedef struct {
  * [k + 1, hidden], logits [k + 1, vocab] scratch, rows (int64 [k + 1]) and argmax (int64
  * [k + 1]) scratch. counts[0..3]: rounds (C steps), verifications (rounds with drafts),
  * drafts, accepted drafts. Returns the number of tokens emitted, or a negative error: decode_step's, -3
- * for a token outside the embedding table. */
+ * for a token outside the embedding table, -4 for k + 1 > 64 rows or len < 1. */
 int64_t spec_burst(const ds_plan *p, const ds_embedding *emb, int64_t *tokens, int64_t len,
                    const int64_t *table, int64_t num_blocks, const ds_spec_limits *lim,
                    const int64_t *stop_ids, int64_t num_stops, float *x, float *out,
@@ -1367,7 +1367,7 @@ int64_t spec_burst(const ds_plan *p, const ds_embedding *emb, int64_t *tokens, i
     int64_t positions[64], slot_blocks[64], slot_offsets[64];
     int64_t emitted = 0;
     counts[0] = counts[1] = counts[2] = counts[3] = 0;
-    if (lim->k + 1 > 64 || len < 1) return -3;
+    if (lim->k + 1 > 64 || len < 1) return -4;
     while (emitted < lim->budget && emitted < lim->max_output) {
         const int64_t pos = len - 1;
         int64_t n = 0, d = 0;

@@ -444,6 +444,8 @@ class DecodePlan:
         for name, t in (("tokens", tokens), ("block_table", block_table), ("stop_ids", stop_ids)):
             if t.dtype != torch.int64 or not t.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous int64 tensor")
+        if length < 1:
+            raise ValueError(f"length must be >= 1 (the pending token's), got {length}")
         if tokens.shape[0] < length + limits.budget + limits.k:
             raise ValueError("tokens has no room for the burst's tokens")
         rows = limits.k + 1
@@ -464,9 +466,14 @@ class DecodePlan:
         )  # fmt: skip
         if n == -1:
             raise MemoryError("spec_burst: could not allocate its buffers")
-        if n < 0:
-            raise ValueError(f"spec_burst: a token of the sequence or drafts is outside the "
-                             f"embedding, or k + 1 > 64 rows (k={limits.k})")  # fmt: skip
+        if n == -3:
+            raise ValueError(f"spec_burst: a token of the sequence or its drafts is outside "
+                             f"the embedding's {inp.num_rows} rows")  # fmt: skip
+        if n == -4:  # length < 1 is refused above: k is what C refused
+            raise ValueError(f"spec_burst: limits.k must be <= 63 (k + 1 rows, at most 64 "
+                             f"a round), got {limits.k}")  # fmt: skip
+        if n < 0:  # decode_step's -2 (no rows): an internal error, not the caller's
+            raise RuntimeError(f"spec_burst: the decode step failed ({n})")
         self.steps += counts[0]
         self.head_steps += counts[0]
         return n, (counts[1], counts[2], counts[3])
@@ -629,6 +636,11 @@ class BurstInput:
     @property
     def ref(self) -> ctypes._CArgObject:
         return ctypes.byref(self._emb)
+
+    @property
+    def num_rows(self) -> int:
+        """The embedding's rows: token ids at or past it (or below 0) embed nothing."""
+        return int(self._emb.vocab)
 
 
 def rows_argmax(x: torch.Tensor, spans: int = 1) -> torch.Tensor:
