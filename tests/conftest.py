@@ -21,6 +21,14 @@ os.environ.setdefault("FLEETSERVE_AUTO_BF16", "0")
 # The engines here serve a few short requests from KV caches sized for a server: their
 # pages are left to the first writes (the cache is zero either way; kernels/cpu.py).
 os.environ.setdefault("FLEETSERVE_KV_PREFAULT", "0")
+# Ray turns token authentication on for a process at its first local `ray.init()` (the
+# `ray_local` unit) and keeps it in that process's cached config after the fixture restores
+# os.environ; a simulated cluster started later by the same worker (tests/ray_cluster.py)
+# then runs without tokens, and its workers' calls into this process are refused: actors it
+# owns die at creation, a driver-side deployment handle never hears from the replica
+# ("Timed out resolving to ObjectRef"). One mode for the session keeps every driver and
+# cluster in agreement (test_ray_auth_mode.py); its clusters are this machine's own.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 # Under pytest-xdist (`make test` runs `-n 2 --dist loadfile`) a test module is one unit of
 # work: its module-scoped servers start once, in one worker, and its tests keep their order.
@@ -45,6 +53,7 @@ SHARED_UNITS = {
     "tests/server/test_server_ray.py": "ray_local",
     "tests/test_bench_chaos.py": "ray_local",
     "tests/test_ray_batch.py": "ray_local",
+    "tests/test_ray_auth_mode.py": "ray_local",
 }
 
 
