@@ -235,23 +235,12 @@ def test_a_handler_streams_a_sub_call_through_the_ingress(base_url: str) -> None
     assert pred["status"] == 404 and "'nope' does not exist" in pred["error"], pred
 
 
-def _idle(handle: Any, url: str) -> bool:
+def _idle(handle: Any) -> bool:
     """No request in `small`'s engine, asked of its replica through a driver-side handle.
-    Each ask is bounded: under the slow stage's load that handle's router has failed to
-    reach the replica for minutes ("Timed out resolving to ObjectRef") while the ingress's
-    calls to it went through; then the ingress's figures for the replica answer (requests
-    routed to it and unfinished, and its engine's running and waiting ones)."""
-    try:
-        return bool(handle.info.remote().result(timeout_s=2)["num_requests"] == 0)
-    except TimeoutError:
-        return all(
-            metric(url, name, model_name="small") == 0
-            for name in (
-                "fleetserve:replica_outstanding_requests",
-                "fleetserve:replica_num_requests_running",
-                "fleetserve:replica_num_requests_waiting",
-            )
-        )
+    Bounded, so that a handle that cannot hear from the replica fails the test instead of
+    hanging it: that was once a cluster whose workers' calls into this process were refused
+    (Ray's authentication mode differed between them; conftest.py pins it)."""
+    return bool(handle.info.remote().result(timeout_s=10)["num_requests"] == 0)
 
 
 def test_a_handler_that_stops_reading_ends_its_streamed_sub_call(base_url: str) -> None:
@@ -262,7 +251,7 @@ def test_a_handler_that_stops_reading_ends_its_streamed_sub_call(base_url: str) 
     r = predict(base_url, [{"prompt": "The sea", "max_tokens": 300, "read": 2}], model="streamer")
     assert r.status_code == 200, r.text
     assert r.json()["predictions"][0]["chunks"] == 2
-    wait_until(lambda: _idle(small, base_url), 6, "the abort")
+    wait_until(lambda: _idle(small), 6, "the abort")
 
 
 def test_a_client_that_leaves_ends_the_handlers_sub_calls(base_url: str) -> None:
@@ -274,7 +263,7 @@ def test_a_client_that_leaves_ends_the_handlers_sub_calls(base_url: str) -> None
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{base_url}/v1/models/streamer:predict", timeout=1.0,
                    json={"instances": [{"prompt": "The sea", "max_tokens": 300}]})  # fmt: skip
-    wait_until(lambda: _idle(small, base_url), 6, "the abort")
+    wait_until(lambda: _idle(small), 6, "the abort")
     assert predict(base_url, [{"prompt": "The sea"}], model="streamer").status_code == 200
 
 
@@ -311,7 +300,7 @@ def test_a_sub_call_past_its_parents_deadline_is_504_and_cancelled(base_url: str
     else:  # the parent's timeout did
         assert r.status_code == 504, r.text
     # Left running, it would take ~15 s; cancelled, the small replica is idle at once.
-    wait_until(lambda: _idle(small, base_url), 6, "the abort")
+    wait_until(lambda: _idle(small), 6, "the abort")
     assert predict(base_url, [{"prompt": "The sea"}]).status_code == 200
 
 
