@@ -129,6 +129,75 @@ def test_shared_gemvs_give_the_team_bits(
     assert plan.lead_chunks == before
 
 
+def _verification(steps: list[tuple[Any, ...]], first: int, rows: int) -> tuple[Any, ...]:
+    """The verification step of `rows` rows that one-row steps first .. first + rows - 1
+    of one sequence make together (the drafts all accepted): their rows, positions and
+    slots in one query, the last step's cache length and table, every row's logits and
+    argmax."""
+    group = steps[first : first + rows]
+    last = group[-1]
+    vocab = last[11].shape[1]
+    return (
+        torch.cat([s[0] for s in group]),
+        *(torch.cat([s[i] for s in group]) for i in (1, 2, 3)),
+        torch.zeros(1, dtype=torch.int64),
+        torch.tensor([rows], dtype=torch.int64),
+        last[6].clone(),
+        last[7].clone(),
+        None,
+        None,
+        torch.arange(rows, dtype=torch.int64),
+        torch.zeros(rows, vocab),
+        torch.zeros(rows, dtype=torch.int64),
+    )
+
+
+@pytest.mark.parametrize("weights", ["int8 dot layout", "bf16", "int8 float activations"])
+def test_verification_lead_steps_give_the_team_bits(
+    weights: str, tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Verification steps (one sequence, 2 to 16 rows) as lead steps whose second thread
+    takes items of each row's heads and attention and chunks of every projection (one
+    panel a chunk, no spin: it comes late or not at all on a busy machine), and as lead
+    steps sharing what a one-row step shares: the team's hidden states, logits and argmax.
+    Past the decode-sized shares' 8 rows only plans whose weights multiply a row the same
+    whatever the other rows (the dot layout, bf16) run as lead steps. Each case runs as
+    the team and then as lead steps before the next: a replay rewrites its rows' keys and
+    values, which a later case with other rows may read (bits that differ from the one-row
+    steps' where the weights depend on the call's rows)."""
+    if weights == "bf16" and not native():
+        pytest.skip("no native bf16 here")
+    llm = _llm(tiny_model_factory("llama", intermediate_size=4096), weights)
+    plan = _plan(llm)
+    steps = _one_row_steps(llm, 40)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    plan.tune_lead_share(spin_us=0, chunk_bytes=1)
+    independent = weights != "int8 float activations"
+    every = ("qkv", "o", "gate_up", "down", "heads", "attention")
+    items = plan.lead_items
+    for first, rows in ((3, 2), (10, 7), (0, 8), (5, 9), (20, 13), (22, 16)):
+        case = _verification(steps, first, rows)
+        plan.lead_max_rows = 0
+        team = _replay(plan, case)
+        plan.lead_max_rows = 16
+        for multi in ((), every):
+            plan.lead_multi = multi
+            before = plan.lead_steps
+            for _ in range(20):  # until the second thread takes items (it may be preempted)
+                lead = _replay(plan, case)
+                for a, b in zip(team, lead, strict=True):
+                    assert torch.equal(a, b)
+                if not multi or not independent or plan.lead_items[1] > items[1]:
+                    break
+            ran = plan.lead_steps - before
+            assert ran > 0 if independent or rows <= 8 else ran == 0
+            if not multi:
+                assert plan.lead_items[1] == items[1]  # nothing but GEMVs shared
+            items = plan.lead_items
+    if independent:
+        assert plan.lead_items[1] > 0
+
+
 def test_lead_run_gives_the_module_path_tokens(
     tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -170,6 +239,16 @@ def test_lead_switches(
     with pytest.raises(ValueError, match="lead_share"):
         LLM(path, max_model_len=64)
     monkeypatch.delenv("FLEETSERVE_LEAD_SHARE")
+    monkeypatch.setenv("FLEETSERVE_LEAD_MULTI", "none")
+    assert _plan(LLM(path, max_model_len=64)).lead_multi == ()
+    monkeypatch.setenv("FLEETSERVE_LEAD_MULTI", "attention,qkv")
+    assert _plan(LLM(path, max_model_len=64)).lead_multi == ("qkv", "attention")
+    monkeypatch.setenv("FLEETSERVE_LEAD_MULTI", "rope")
+    with pytest.raises(ValueError, match="lead_multi"):
+        LLM(path, max_model_len=64)
+    monkeypatch.delenv("FLEETSERVE_LEAD_MULTI")
+    every = ("qkv", "o", "gate_up", "down", "heads", "attention")
+    assert _plan(LLM(path, max_model_len=64)).lead_multi == every  # the default
     monkeypatch.setenv("FLEETSERVE_LEAD_SPIN_US", "-5")
     with pytest.raises(ValueError, match="FLEETSERVE_LEAD_SPIN_US"):
         LLM(path, max_model_len=64)

@@ -61,6 +61,7 @@ class _Plan(ctypes.Structure):
         ("profile_cpu", _i32), ("dot_chunked", _i32), ("split_min_rows", _i32),
         ("sampled_only", _i32), ("lead_max_rows", _i32), ("lead_share", _i32),
         ("lead_spin_us", _i32), ("lead_chunk_bytes", _i32), ("lead_counts", _p),
+        ("lead_multi", _i32),
     ]  # fmt: skip
 
 
@@ -95,6 +96,12 @@ LEAD_MAX_ROWS = 1
 # long that thread spins after a shared GEMV before it sleeps (microseconds).
 LEAD_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 LEAD_SHARE = ("gate_up", "down")
+# What a lead step of several rows (a verification) shares (DecodePlan.lead_multi): the
+# projections as LEAD_PROJECTIONS, each row's heads (rotary, cache writes) and the
+# attention items (decode_step.c's bits in this order). Several rows make qkv and o
+# compute-bound, so they pay for a job's sync where one row's do not.
+LEAD_MULTI_PARTS = (*LEAD_PROJECTIONS, "heads", "attention")
+LEAD_MULTI = LEAD_MULTI_PARTS
 LEAD_SPIN_US = 50
 LEAD_CHUNK_BYTES = 16384
 
@@ -283,7 +290,8 @@ class DecodePlan:
         self.lead_share = LEAD_SHARE
         self._plan.lead_spin_us = LEAD_SPIN_US
         self._plan.lead_chunk_bytes = LEAD_CHUNK_BYTES
-        self._lead_counts = torch.zeros(2, dtype=torch.int64)
+        self.lead_multi = LEAD_MULTI
+        self._lead_counts = torch.zeros(4, dtype=torch.int64)
         self._plan.lead_counts = self._lead_counts.data_ptr()
         self._reduce = reduce
         self._reduce_error: BaseException | None = None
@@ -360,6 +368,22 @@ class DecodePlan:
             raise ValueError(f"lead_share: {unknown} not among {list(LEAD_PROJECTIONS)}")
         self._plan.lead_share = sum(1 << LEAD_PROJECTIONS.index(n) for n in set(names))
 
+    @property
+    def lead_multi(self) -> tuple[str, ...]:
+        """What a lead step of several rows (lead_max_rows > 1: a verification) shares with
+        its second thread (LEAD_MULTI_PARTS): the projections' weight rows as lead_share,
+        "heads" each row's rotary and cache writes, "attention" the (row range, kv head)
+        attention items, each an item grabbed from one counter (kernels/lead_share.c).
+        (): as a one-row lead step (lead_share). The same bits either way."""
+        return tuple(n for i, n in enumerate(LEAD_MULTI_PARTS) if self._plan.lead_multi >> i & 1)
+
+    @lead_multi.setter
+    def lead_multi(self, names: Sequence[str]) -> None:
+        unknown = [n for n in names if n not in LEAD_MULTI_PARTS]
+        if unknown:
+            raise ValueError(f"lead_multi: {unknown} not among {list(LEAD_MULTI_PARTS)}")
+        self._plan.lead_multi = sum(1 << LEAD_MULTI_PARTS.index(n) for n in set(names))
+
     def tune_lead_share(self, spin_us: int, chunk_bytes: int) -> None:
         """How long the second thread spins after a shared GEMV before it sleeps, and the
         weight bytes of a chunk it grabs (LEAD_SPIN_US, LEAD_CHUNK_BYTES): tests, tuning."""
@@ -375,6 +399,12 @@ class DecodePlan:
         """Chunks of shared projections' weight rows the first and the second thread of
         lead steps took since the plan was built (the second's share: how much it helped)."""
         return int(self._lead_counts[0]), int(self._lead_counts[1])
+
+    @property
+    def lead_items(self) -> tuple[int, int]:
+        """Items (a row's heads, an attention item) of lead steps of several rows the
+        first and the second thread took since the plan was built."""
+        return int(self._lead_counts[2]), int(self._lead_counts[3])
 
     def stop_profile(self) -> dict[str, list[float]]:
         """Seconds per phase and thread since start_profile; timing off again."""
