@@ -73,7 +73,8 @@ def test_lead_steps_give_the_team_bits(
         pytest.skip("no native bf16 here")
     llm = _llm(tiny_model_factory("llama"), weights)
     plan = _plan(llm)
-    assert plan.lead_max_rows == 1  # the default
+    # the default: verifications too where every layer weight is in the dot layout
+    assert plan.lead_max_rows == (16 if weights == "int8 dot layout" else 1)
     steps = _one_row_steps(llm, 12)
     assert len(steps) >= 10
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
@@ -247,8 +248,8 @@ def test_lead_switches(
     with pytest.raises(ValueError, match="lead_multi"):
         LLM(path, max_model_len=64)
     monkeypatch.delenv("FLEETSERVE_LEAD_MULTI")
-    every = ("qkv", "o", "gate_up", "down", "heads", "attention")
-    assert _plan(LLM(path, max_model_len=64)).lead_multi == every  # the default
+    default = ("qkv", "o", "gate_up", "down", "attention")
+    assert _plan(LLM(path, max_model_len=64)).lead_multi == default
     monkeypatch.setenv("FLEETSERVE_LEAD_SPIN_US", "-5")
     with pytest.raises(ValueError, match="FLEETSERVE_LEAD_SPIN_US"):
         LLM(path, max_model_len=64)
