@@ -15,6 +15,7 @@ import torch
 from fleetserve import LLM, SamplingParams
 from fleetserve.kernels import cpu as cpu_kernels
 from fleetserve.kernels.bf16 import native
+from helpers import captured_steps, replay_step
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 
@@ -197,6 +198,37 @@ def test_verification_lead_steps_give_the_team_bits(
             items = plan.lead_items
     if independent:
         assert plan.lead_items[1] > 0
+
+
+def test_lead_steps_of_a_few_sequences_give_the_team_bits(
+    tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps of 2-4 sequences and at most 16 rows (decodes beside prefill chunks of 12
+    rows a step) as lead steps sharing everything lead_multi names: the team's bits;
+    steps of 5 sequences run as a team."""
+    llm = LLM(
+        tiny_model_factory("llama", intermediate_size=4096), max_model_len=128, block_size=4,
+        num_kv_blocks=256, quantization="int8", int8_activations=True,
+        max_num_batched_tokens=12, max_num_seqs=5,
+    )  # fmt: skip
+    prompts = [{"prompt_token_ids": list(range(5 + i, 12 + 3 * i))} for i in range(5)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    plan, steps = captured_steps(llm, prompts, params)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    plan.tune_lead_share(spin_us=0, chunk_bytes=1)
+    seqs = [int(a[4].shape[0]) for a in steps]
+    few = [a for a, n in zip(steps, seqs, strict=True) if 2 <= n <= 4 and a[0].shape[0] <= 16]
+    assert len(few) >= 5 and 5 in seqs
+    for args in steps:
+        plan.lead_max_rows = 0
+        team = replay_step(plan, args)
+        plan.lead_max_rows = 16
+        before = plan.lead_steps
+        lead = replay_step(plan, args)
+        for a, b in zip(team, lead, strict=True):
+            assert torch.equal(a, b)
+        expected = args[4].shape[0] <= 4 and args[0].shape[0] <= 16
+        assert plan.lead_steps - before == int(expected)
 
 
 def test_lead_run_gives_the_module_path_tokens(

@@ -86,7 +86,7 @@ class SpecLimits(ctypes.Structure):
 # against team 14.1 / 12.5 ms at 16 rows, 21.9 / 22.4 at 32, 40.4 / 42.5 at 64.
 SPLIT_ROWS_PER_WEIGHT_BYTE = 12
 
-# Steps of one sequence and up to this many rows run as lead steps on 2 threads (see
+# Steps of one sequence (or a few) and up to this many rows run as lead steps on 2 threads (see
 # DecodePlan.lead_max_rows): one-stream decoding, where one core reads ~96% of what two
 # read and the team's barriers cost more than the second core's share of the GEMVs.
 LEAD_MAX_ROWS = 1
@@ -350,7 +350,7 @@ class DecodePlan:
 
     @property
     def lead_max_rows(self) -> int:
-        """Steps of one sequence and at most this many rows, on exactly 2 threads, run as
+        """Steps of at most 4 sequences and this many rows, on exactly 2 threads, run as
         a lead step (decode_step.c's lead_step): one thread runs the layers as a team of
         one (no barrier), the other taking the shares lead_share (one row) or lead_multi
         (several rows) name, then both run the LM head; 0: never. Default LEAD_MAX_ROWS_DOT

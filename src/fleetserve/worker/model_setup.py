@@ -162,7 +162,7 @@ def _env_count(name: str, default: int, unit: str) -> int:
 
 
 def lead_max_rows(default: int) -> int:
-    """FLEETSERVE_LEAD_STEPS=N: one-sequence steps of up to N rows on 2 threads run as lead
+    """FLEETSERVE_LEAD_STEPS=N: steps of up to N rows (and 4 sequences) on 2 threads run as lead
     steps (DecodePlan.lead_max_rows), 0: none (every step as a team); A/B runs."""
     return _env_count("FLEETSERVE_LEAD_STEPS", default, "a row count")
 
