@@ -10,9 +10,9 @@
  * quant_dot_panels, whichever thread takes it: the bits are the team's.
  *
  * A job is either a GEMV (lead_gemv: chunks of weight rows) or a list of items
- * (lead_items: a function called on item indices, one a grab; the attention items and
- * row preparations of a lead step of several rows, each a few microseconds, so a
- * preempted thread 1 holds at most one).
+ * (lead_items: a function called on item indices, one a grab: a lead step of several
+ * rows' attention items and, opt-in, each row's heads; each a few to ~20 microseconds,
+ * so a preempted thread 1 holds at most one).
  *
  * Sync per shared GEMV: thread 0 publishes the job (one store of `word`, a futex wake
  * only when thread 1 sleeps) and waits for `done` to reach the job's chunks; thread 1
