@@ -24,6 +24,8 @@ def test_spec_split_reports_steps_and_replays(tiny_llama: str) -> None:
     assert set(replay["verify"]) == {*PHASES, "total"} == set(replay["one_row"])
     assert replay["verify"]["attention"] > 0 and replay["one_row"]["attention"] > 0
     assert replay["verify_in_one_row_steps"]["total"] > 0
+    # one thread: no lead step, so no second thread's items or chunks
+    assert out["lead_items"] == [0, 0] and out["lead_chunks"] == [0, 0]
     # each captured step's context (keys, its own rows included) past the prompt
     assert min(out["context"].values()) > 10
 

@@ -15,6 +15,7 @@ import torch
 from fleetserve import LLM, SamplingParams
 from fleetserve.kernels import cpu as cpu_kernels
 from fleetserve.kernels.bf16 import native
+from helpers import captured_steps, replay_step
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 
@@ -73,7 +74,8 @@ def test_lead_steps_give_the_team_bits(
         pytest.skip("no native bf16 here")
     llm = _llm(tiny_model_factory("llama"), weights)
     plan = _plan(llm)
-    assert plan.lead_max_rows == 1  # the default
+    # the default: verifications too where every layer weight is in the dot layout
+    assert plan.lead_max_rows == (16 if weights == "int8 dot layout" else 1)
     steps = _one_row_steps(llm, 12)
     assert len(steps) >= 10
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
@@ -129,6 +131,106 @@ def test_shared_gemvs_give_the_team_bits(
     assert plan.lead_chunks == before
 
 
+def _verification(steps: list[tuple[Any, ...]], first: int, rows: int) -> tuple[Any, ...]:
+    """The verification step of `rows` rows that one-row steps first .. first + rows - 1
+    of one sequence make together (the drafts all accepted): their rows, positions and
+    slots in one query, the last step's cache length and table, every row's logits and
+    argmax."""
+    group = steps[first : first + rows]
+    last = group[-1]
+    vocab = last[11].shape[1]
+    return (
+        torch.cat([s[0] for s in group]),
+        *(torch.cat([s[i] for s in group]) for i in (1, 2, 3)),
+        torch.zeros(1, dtype=torch.int64),
+        torch.tensor([rows], dtype=torch.int64),
+        last[6].clone(),
+        last[7].clone(),
+        None,
+        None,
+        torch.arange(rows, dtype=torch.int64),
+        torch.zeros(rows, vocab),
+        torch.zeros(rows, dtype=torch.int64),
+    )
+
+
+@pytest.mark.parametrize("weights", ["int8 dot layout", "bf16", "int8 float activations"])
+def test_verification_lead_steps_give_the_team_bits(
+    weights: str, tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Verification steps (one sequence, 2 to 16 rows) as lead steps whose second thread
+    takes items of each row's heads and attention and chunks of every projection (one
+    panel a chunk, no spin: it comes late or not at all on a busy machine), and as lead
+    steps sharing what a one-row step shares: the team's hidden states, logits and argmax.
+    Past the decode-sized shares' 8 rows only plans whose weights multiply a row the same
+    whatever the other rows (the dot layout, bf16) run as lead steps. Each case runs as
+    the team and then as lead steps before the next: a replay rewrites its rows' keys and
+    values, which a later case with other rows may read (bits that differ from the one-row
+    steps' where the weights depend on the call's rows)."""
+    if weights == "bf16" and not native():
+        pytest.skip("no native bf16 here")
+    llm = _llm(tiny_model_factory("llama", intermediate_size=4096), weights)
+    plan = _plan(llm)
+    steps = _one_row_steps(llm, 40)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    plan.tune_lead_share(spin_us=0, chunk_bytes=1)
+    independent = weights != "int8 float activations"
+    every = ("qkv", "o", "gate_up", "down", "heads", "attention")
+    items = plan.lead_items
+    for first, rows in ((3, 2), (10, 7), (0, 8), (5, 9), (20, 13), (22, 16)):
+        case = _verification(steps, first, rows)
+        plan.lead_max_rows = 0
+        team = _replay(plan, case)
+        plan.lead_max_rows = 16
+        for multi in ((), every):
+            plan.lead_multi = multi
+            before = plan.lead_steps
+            for _ in range(20):  # until the second thread takes items (it may be preempted)
+                lead = _replay(plan, case)
+                for a, b in zip(team, lead, strict=True):
+                    assert torch.equal(a, b)
+                if not multi or not independent or plan.lead_items[1] > items[1]:
+                    break
+            ran = plan.lead_steps - before
+            assert ran > 0 if independent or rows <= 8 else ran == 0
+            if not multi:
+                assert plan.lead_items[1] == items[1]  # nothing but GEMVs shared
+            items = plan.lead_items
+    if independent:
+        assert plan.lead_items[1] > 0
+
+
+def test_lead_steps_of_a_few_sequences_give_the_team_bits(
+    tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps of 2-4 sequences and at most 16 rows (decodes beside prefill chunks of 12
+    rows a step) as lead steps sharing everything lead_multi names: the team's bits;
+    steps of 5 sequences run as a team."""
+    llm = LLM(
+        tiny_model_factory("llama", intermediate_size=4096), max_model_len=128, block_size=4,
+        num_kv_blocks=256, quantization="int8", int8_activations=True,
+        max_num_batched_tokens=12, max_num_seqs=5,
+    )  # fmt: skip
+    prompts = [{"prompt_token_ids": list(range(5 + i, 12 + 3 * i))} for i in range(5)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    plan, steps = captured_steps(llm, prompts, params)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    plan.tune_lead_share(spin_us=0, chunk_bytes=1)
+    seqs = [int(a[4].shape[0]) for a in steps]
+    few = [a for a, n in zip(steps, seqs, strict=True) if 2 <= n <= 4 and a[0].shape[0] <= 16]
+    assert len(few) >= 5 and 5 in seqs
+    for args in steps:
+        plan.lead_max_rows = 0
+        team = replay_step(plan, args)
+        plan.lead_max_rows = 16
+        before = plan.lead_steps
+        lead = replay_step(plan, args)
+        for a, b in zip(team, lead, strict=True):
+            assert torch.equal(a, b)
+        expected = args[4].shape[0] <= 4 and args[0].shape[0] <= 16
+        assert plan.lead_steps - before == int(expected)
+
+
 def test_lead_run_gives_the_module_path_tokens(
     tiny_model_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -170,6 +272,16 @@ def test_lead_switches(
     with pytest.raises(ValueError, match="lead_share"):
         LLM(path, max_model_len=64)
     monkeypatch.delenv("FLEETSERVE_LEAD_SHARE")
+    monkeypatch.setenv("FLEETSERVE_LEAD_MULTI", "none")
+    assert _plan(LLM(path, max_model_len=64)).lead_multi == ()
+    monkeypatch.setenv("FLEETSERVE_LEAD_MULTI", "attention,qkv")
+    assert _plan(LLM(path, max_model_len=64)).lead_multi == ("qkv", "attention")
+    monkeypatch.setenv("FLEETSERVE_LEAD_MULTI", "rope")
+    with pytest.raises(ValueError, match="lead_multi"):
+        LLM(path, max_model_len=64)
+    monkeypatch.delenv("FLEETSERVE_LEAD_MULTI")
+    default = ("qkv", "o", "gate_up", "down", "attention")
+    assert _plan(LLM(path, max_model_len=64)).lead_multi == default
     monkeypatch.setenv("FLEETSERVE_LEAD_SPIN_US", "-5")
     with pytest.raises(ValueError, match="FLEETSERVE_LEAD_SPIN_US"):
         LLM(path, max_model_len=64)

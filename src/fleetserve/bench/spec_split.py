@@ -10,6 +10,8 @@ and reports:
   (thread time at one thread, wall past it) in the C step (`DecodePlan.run`), in the rest
   of `ModelRunner.execute_model` (metadata, sampling, verification, drafting: the
   worker's Python) and in the rest of `LLMEngine.step` (scheduler, detokenizer);
+- the attention items and weight-row chunks each thread of the run's lead steps took
+  (`lead_items`, `lead_chunks`: the second thread's share);
 - one captured verification step (K + 1 rows) and one captured one-row step of the same
   run, each replayed `--rounds` times in alternation with the C step timing its phases
   (DecodePlan.start_profile, each thread's CPU clock): ms per step of each phase and the
@@ -104,6 +106,7 @@ def split(
         return out
 
     plan.spec_burst = timed_burst
+    items0, chunks0 = plan.lead_items, plan.lead_chunks
     try:
         with StepTimer(runner, plan, clock, capture) as timer:
             n, tokens, t0 = 0, 0, clock()
@@ -136,6 +139,9 @@ def split(
             for key, ms in timer.per_step_ms(total, tokens).items()
         },
     }
+    # What each thread of the run's lead steps took: attention items, weight-row chunks.
+    result["lead_items"] = [b - a for a, b in zip(items0, plan.lead_items, strict=True)]
+    result["lead_chunks"] = [b - a for a, b in zip(chunks0, plan.lead_chunks, strict=True)]
     if set(captured) == {"one_row", "verify"}:
         result["context"] = {name: int(a[6][0]) for name, a in captured.items()}
         result["replay"] = _replay(plan, captured, rounds, threads)

@@ -159,8 +159,9 @@ typedef struct {
      * left unwritten. Set per call, only where rows are multiplied the same whatever the
      * other rows (as split_min_rows). */
     int32_t sampled_only;
-    /* Steps of one sequence and at most this many rows (0: none), on exactly 2 threads,
-     * run as a lead step: the layers on one thread, the LM head on both (lead_step). */
+    /* Steps of at most LEAD_MAX_SEQS sequences and this many rows (0: none), on exactly
+     * 2 threads, run as a lead step: the layers on one thread, helped by the other, the
+     * LM head on both (lead_step). */
     int32_t lead_max_rows;
     /* A lead step's projections whose weight rows thread 1 takes a share of (bits: 1 qkv,
      * 2 o, 4 gate_up, 8 down; dot-layout weights only; 0: the layers on thread 0 alone),
@@ -169,8 +170,15 @@ typedef struct {
     int32_t lead_share;
     int32_t lead_spin_us;
     int32_t lead_chunk_bytes; /* weight bytes per chunk grabbed (lead_share.h) */
-    int64_t *lead_counts;
+    int64_t *lead_counts;      /* [4]: lead_share.h's counts */
+    /* What thread 1 takes a share of in a lead step of several rows (a verification):
+     * bits 0-3 the projections as lead_share's, LEAD_HEADS each row's heads (rotary,
+     * cache writes), LEAD_ATTENTION the attention items; 0: lead_share's, as a one-row
+     * step. */
+    int32_t lead_multi;
 } ds_plan;
+
+enum { LEAD_HEADS = 16, LEAD_ATTENTION = 32 };
 
 /* The phases timed (kernels/decode_step.py's PHASES, in order): row work (norms, the
  * activation, GEMM inputs' block sums / int8 blocks), each projection, attention (with
@@ -343,6 +351,25 @@ int decode_step_rows_independent(int kind, int qtype) {
     return kind == W_BF16 || kind == W_BF16_TILED || (kind == W_QUANT && quant_dot_layout(qtype));
 }
 
+static int linear_rows_independent(const ds_linear *lin) {
+    for (int j = 0; j < lin->num_segments; j++)
+        if (!decode_step_rows_independent(lin->seg[j].kind, lin->seg[j].qtype)) return 0;
+    return 1;
+}
+
+/* Whether every weight of the plan (the head's too) multiplies a row the same whatever
+ * the call's other rows: then a step of more rows than the decode-sized shares take may
+ * still run narrow (a lead step's team of one) with the wide step's bits. */
+static int plan_rows_independent(const ds_plan *p) {
+    for (int l = 0; l < p->num_layers; l++) {
+        const ds_layer *L = &p->layers[l];
+        if (!linear_rows_independent(&L->qkv) || !linear_rows_independent(&L->o) ||
+            !linear_rows_independent(&L->gate_up) || !linear_rows_independent(&L->down))
+            return 0;
+    }
+    return linear_rows_independent(&p->head);
+}
+
 static int linear_has_dot(const ds_linear *lin) {
     for (int j = 0; j < lin->num_segments; j++)
         if (lin->seg[j].kind == W_QUANT && quant_dot_layout(lin->seg[j].qtype)) return 1;
@@ -485,10 +512,16 @@ static int lead_linear(ds_lead *lead, const ds_linear *lin, const ds_scratch *s,
     return 1;
 }
 
+/* What a lead step of m rows shares with thread 1: ds_plan's lead_multi bits when m > 1
+ * and it is not empty, else lead_share's. */
+static int lead_bits(const ds_plan *p, int64_t m) {
+    return m > 1 && p->lead_multi ? p->lead_multi : p->lead_share;
+}
+
 static void step_projection(const ds_plan *p, ds_lead *lead, int l, int proj,
                             const ds_linear *lin, const float *x, int64_t ldx,
                             const ds_scratch *s, float *out, int64_t ldo, int64_t m, int wide) {
-    if (lead && !wide && (p->lead_share >> proj & 1) && lead_linear(lead, lin, s, out, ldo, m))
+    if (lead && !wide && (lead_bits(p, m) >> proj & 1) && lead_linear(lead, lin, s, out, ldo, m))
         return;
     projection_share(p, l, proj, lin, x, ldx, s, out, ldo, m, wide);
 }
@@ -600,6 +633,32 @@ static void attention_item(const ds_plan *p, const ds_layer *L, float *qkv, int6
     attend_rows(p, L, qkv, ldq, attn, rw, i, r0, r1, h0, h1, scores);
 }
 
+/* A lead step's items jobs over one layer's rows (lead_items): each row's heads, or the
+ * attention items; scores: each thread's own. */
+typedef struct {
+    const ds_plan *p;
+    const ds_layer *L;
+    float *qkv, *attn;
+    int64_t ldq;
+    const ds_rows *rw;
+    const int64_t *item_start;
+    int split, parts, prepare;
+    float *scores[2];
+} lead_attention;
+
+static void lead_heads_item(void *ctx, int64_t t, int tid) {
+    const lead_attention *a = ctx;
+    (void)tid;
+    prepare_heads(a->p, a->L, a->qkv, a->ldq, a->rw, t, 0, a->p->num_kv_heads);
+}
+
+static void lead_attention_item(void *ctx, int64_t item, int tid) {
+    const lead_attention *a = ctx;
+    int64_t seq = 0;
+    attention_item(a->p, a->L, a->qkv, a->ldq, a->attn, a->rw, a->item_start, item, &seq,
+                   a->split, a->parts, a->prepare, a->scores[tid]);
+}
+
 static int64_t max3(int64_t a, int64_t b, int64_t c) {
     const int64_t ab = a > b ? a : b;
     return ab > c ? ab : c;
@@ -649,7 +708,8 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
     const int64_t H = p->hidden, I = p->intermediate, hd = p->head_dim;
     const int64_t q_size = p->num_heads * hd, ldq = q_size + 2 * p->num_kv_heads * hd;
     const int64_t kmax = max3(H, I, q_size);
-    const int wide = m > decode_step_max_rows();
+    /* A lead step's layers run narrow at any row count it takes (lead_step). */
+    const int wide = m > decode_step_max_rows() && !lead;
     const int dot = plan_has_dot(p), panel = plan_has_panel(p);
     /* The head's rows multiplied as the module path would multiply them: a wide step's
      * few sampled rows through the decode-sized shares, from a private narrow scratch. */
@@ -673,9 +733,14 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
     if (threads < 1) threads = 1;
     /* Few one-row sequences: an item per (sequence, kv head) keeps every thread busy. */
     const int split = all_decode && num_seqs < threads ? p->num_kv_heads : 1;
-    /* Few sequences with several rows (speculative verification): row ranges too. */
-    const int parts =
-        !all_decode && num_seqs < threads ? verify_parts(threads, p->num_kv_heads) : 1;
+    /* Few sequences with several rows (speculative verification): row ranges too. A lead
+     * step sharing its attention items with thread 1 cuts them as a team of 2 would. */
+    const int lead_attn = lead && !wide && m > 1 && (lead_bits(p, m) & LEAD_ATTENTION);
+    const int lead_heads = lead && !wide && !all_decode && (lead_bits(p, m) & LEAD_HEADS);
+    const int item_threads = lead_attn ? 2 : threads;
+    const int parts = !all_decode && num_seqs < item_threads
+                          ? verify_parts(item_threads, p->num_kv_heads)
+                          : 1;
     /* item_start, then (argmax) each head row's per-thread span results */
     const int64_t spans = argmax && nr > 0 ? nr * threads : 0;
     int64_t *item_start = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1 + 2 * spans) +
@@ -708,11 +773,14 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
                               : rows_hx + up64(m * (kmax / 32) + 1) +
                                     up64(gemm_x_floats(m, kmax)) + xq_floats) +
                         up64(p->num_heads * max_len) + head_priv;
-    float *buf = step_buffer(shared + (size_t)threads * priv);
+    /* thread 1's attention scores in a lead step sharing its attention items */
+    const size_t helper = lead_attn ? up64(p->num_heads * max_len) : 0;
+    float *buf = step_buffer(shared + (size_t)threads * priv + helper);
     if (!buf) {
         free(item_start);
         return -1;
     }
+    float *helper_scores = buf + shared + (size_t)threads * priv;
     float *qkv = buf, *attn = qkv + up64(m * ldq), *xs = attn + up64(m * q_size);
     float *gu = xs + up64(m * H), *wide_res = gu + up64(m * 2 * I);
 #pragma omp parallel num_threads(threads)
@@ -759,17 +827,27 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
             MARK(PH_ROWS);
             step_projection(p, lead, l, 0, &L->qkv, h, H, &sc, qkv, ldq, m, wide);
             MARK(PH_QKV);
+            lead_attention la = {p,     L,         qkv,        attn, ldq, lr, item_start,
+                                 split, parts, all_decode, {scores, helper_scores}};
             if (!all_decode) {
                 /* A sequence's rows read each other's keys: all are written first. */
+                if (lead_heads) {
+                    lead_items(lead, m, lead_heads_item, &la);
+                } else {
 #pragma omp for schedule(static)
-                for (int64_t t = 0; t < m; t++)
-                    prepare_heads(p, L, qkv, ldq, lr, t, 0, p->num_kv_heads);
+                    for (int64_t t = 0; t < m; t++)
+                        prepare_heads(p, L, qkv, ldq, lr, t, 0, p->num_kv_heads);
+                }
             }
-            int64_t seq = 0;
+            if (lead_attn) {
+                lead_items(lead, items, lead_attention_item, &la);
+            } else {
+                int64_t seq = 0;
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < items; it++)
-                attention_item(p, L, qkv, ldq, attn, lr, item_start, it, &seq, split, parts,
-                               all_decode, scores);
+                for (int64_t it = 0; it < items; it++)
+                    attention_item(p, L, qkv, ldq, attn, lr, item_start, it, &seq, split, parts,
+                                   all_decode, scores);
+            }
             if (prune && l == p->num_layers - 1) {
                 /* rows logit_rows[j] -> j (ascending: a row is read before it is written) */
 #pragma omp single
@@ -1124,7 +1202,12 @@ static int split_step(const ds_plan *p, const float *x, float *out, int64_t m,
     return 1;
 }
 
-/* A step of one sequence and few rows on 2 threads as a lead step, in one region of 2:
+/* Sequences a lead step takes at most: replayed SmolLM2 steps of 2-4 one-row decodes
+ * and of 2 x 4 rows ran 8-26% faster as lead steps than as a team; split_step, tried
+ * first, takes steps of split_min_rows and more that share out evenly. */
+#define LEAD_MAX_SEQS 4
+
+/* A step of few sequences and rows on 2 threads as a lead step, in one region of 2:
  * thread 0 runs the layers as a team of one (what split_step's sub-steps run: the team's
  * results bit for bit, with no barrier) while thread 1 sleeps, helping with the plan's
  * lead_share projections (lead_share.h: chunks of weight rows grabbed from one counter,
@@ -1144,8 +1227,12 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
                      const int64_t *w_slot_offsets, const int64_t *w_tables,
                      int64_t w_max_blocks, int64_t nr, const int64_t *logit_rows,
                      float *logits, int64_t *argmax, int threads, int *rc) {
-    if (threads != 2 || num_seqs != 1 || m > p->lead_max_rows || m > decode_step_max_rows() ||
-        p->reduce || p->lora || omp_in_parallel())
+    /* Past the decode-sized shares' rows (a verification of 9-16 rows) the team of one
+     * still runs narrow: only where every weight multiplies a row as the wide step's
+     * shares do, and within a verification's attention (Q_TILE rows). */
+    if (threads != 2 || num_seqs > LEAD_MAX_SEQS || m > p->lead_max_rows || m > Q_TILE ||
+        (m > decode_step_max_rows() && !plan_rows_independent(p)) || p->reduce || p->lora ||
+        omp_in_parallel())
         return 0;
     const int head = p->head.num_segments > 0 && nr > 0 && p->final_norm;
     /* The head's scratch: per thread its input rows, block sums, x tiles and int8
@@ -1183,7 +1270,7 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
                                   head ? 0 : nr, logit_rows, logits, argmax, 1, &lead);
             /* The head as a shared GEMV too (thread 1 spinning since the last layer):
              * whole weight rows a grab, as the projections. */
-            if (head && layers_rc == 0 && p->lead_share) {
+            if (head && layers_rc == 0 && lead_bits(p, m)) {
                 t_head = p->profile ? profile_clock(p->profile_cpu) : 0.0;
                 float *hb = hbuf;
                 ds_scratch sc = {NULL, NULL, NULL, NULL, NULL, NULL, p->dot_chunked, panel};

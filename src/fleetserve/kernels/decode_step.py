@@ -61,6 +61,7 @@ class _Plan(ctypes.Structure):
         ("profile_cpu", _i32), ("dot_chunked", _i32), ("split_min_rows", _i32),
         ("sampled_only", _i32), ("lead_max_rows", _i32), ("lead_share", _i32),
         ("lead_spin_us", _i32), ("lead_chunk_bytes", _i32), ("lead_counts", _p),
+        ("lead_multi", _i32),
     ]  # fmt: skip
 
 
@@ -85,16 +86,30 @@ class SpecLimits(ctypes.Structure):
 # against team 14.1 / 12.5 ms at 16 rows, 21.9 / 22.4 at 32, 40.4 / 42.5 at 64.
 SPLIT_ROWS_PER_WEIGHT_BYTE = 12
 
-# Steps of one sequence and up to this many rows run as lead steps on 2 threads (see
+# Steps of one sequence (or a few) and up to this many rows run as lead steps on 2 threads (see
 # DecodePlan.lead_max_rows): one-stream decoding, where one core reads ~96% of what two
 # read and the team's barriers cost more than the second core's share of the GEMVs.
 LEAD_MAX_ROWS = 1
+# The same where every layer's weights are in the dot layout (GGUF Q4/Q5/Q8, int8 with
+# int8 activations): verifications of up to 16 rows too, their projections' weight rows
+# and attention items shared with the second thread (lead_multi). Replayed SmolLM2 Q4_1
+# verifications at 2 threads, ms a step, team / lead: 2 rows 4.03 / 4.06, 5 rows 6.39 /
+# 4.78, 7 rows 7.39 / 5.42, 9 rows 8.28 / 6.95, 13 rows 10.29 / 9.07 (load ~1-2). Other
+# weights leave the layers' GEMMs on one thread, compute-bound past one row.
+LEAD_MAX_ROWS_DOT = 16
 
 # The projections whose weight rows a lead step's second thread takes a share of (see
 # DecodePlan.lead_share; decode_step.c's bits in this order), the default set, and how
 # long that thread spins after a shared GEMV before it sleeps (microseconds).
 LEAD_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 LEAD_SHARE = ("gate_up", "down")
+# What a lead step of several rows (a verification) shares (DecodePlan.lead_multi): the
+# projections as LEAD_PROJECTIONS, each row's heads (rotary, cache writes) and the
+# attention items (decode_step.c's bits in this order). Several rows make qkv and o
+# compute-bound, so they pay for a job's sync where one row's do not; the heads (~1 us a
+# row) measured level either way (replayed SmolLM2 verifications, 7 and 13 rows).
+LEAD_MULTI_PARTS = (*LEAD_PROJECTIONS, "heads", "attention")
+LEAD_MULTI = (*LEAD_PROJECTIONS, "attention")
 LEAD_SPIN_US = 50
 LEAD_CHUNK_BYTES = 16384
 
@@ -232,6 +247,7 @@ class DecodePlan:
         # Every weight so far multiplies a row the same whatever the call's other rows
         # (bf16 rows or tiles: one chain per row at any row count): steps may split.
         self._rows_independent = True
+        self._layers_dot = True  # every layer weight in the dot layout (lead_max_rows)
         self._weight_elems = 0  # of the layers and the head, beside weight_bytes
         self._layers = (_Layer * len(layers))()
         for i, w in enumerate(layers):
@@ -269,8 +285,9 @@ class DecodePlan:
         self.vocab = 0
         self.head_bf16 = isinstance(head, torch.Tensor | TiledBf16)
         if head is not None:
-            layers_bf16 = self.has_bf16
+            layers_bf16, layers_dot = self.has_bf16, self._layers_dot
             self._linear(self._plan.head, head, None)
+            self._layers_dot = layers_dot  # the layers' weights, not the head's
             self.weight_bytes["head"] = _bytes(head)
             self.has_bf16 = layers_bf16  # the layers' weights, not the head's
             self.vocab = sum(self._plan.head.seg[j].n for j in range(self._plan.head.num_segments))
@@ -278,12 +295,14 @@ class DecodePlan:
             # Fewer bytes a weight, fewer rows keep a sub-step's GEMMs compute-bound.
             per_weight = sum(self.weight_bytes.values()) / max(1, self._weight_elems)
             self._plan.split_min_rows = max(2, round(SPLIT_ROWS_PER_WEIGHT_BYTE * per_weight))
-        # One-row steps on 2 threads: the layers on one thread, the LM head on both.
-        self._plan.lead_max_rows = LEAD_MAX_ROWS
+        # One-row steps on 2 threads: the layers on one thread, the LM head on both;
+        # verifications too where the second thread can take shares of every projection.
+        self._plan.lead_max_rows = LEAD_MAX_ROWS_DOT if self._layers_dot else LEAD_MAX_ROWS
         self.lead_share = LEAD_SHARE
         self._plan.lead_spin_us = LEAD_SPIN_US
         self._plan.lead_chunk_bytes = LEAD_CHUNK_BYTES
-        self._lead_counts = torch.zeros(2, dtype=torch.int64)
+        self.lead_multi = LEAD_MULTI
+        self._lead_counts = torch.zeros(4, dtype=torch.int64)
         self._plan.lead_counts = self._lead_counts.data_ptr()
         self._reduce = reduce
         self._reduce_error: BaseException | None = None
@@ -331,11 +350,14 @@ class DecodePlan:
 
     @property
     def lead_max_rows(self) -> int:
-        """Steps of one sequence and at most this many rows, on exactly 2 threads, run as
+        """Steps of at most 4 sequences and this many rows, on exactly 2 threads, run as
         a lead step (decode_step.c's lead_step): one thread runs the layers as a team of
-        one (no barrier) while the other sleeps, then both run the LM head; 0:
-        never. The outputs are the team's bit for bit (each output is computed by the
-        same code whichever thread runs it)."""
+        one (no barrier), the other taking the shares lead_share (one row) or lead_multi
+        (several rows) name, then both run the LM head; 0: never. Default LEAD_MAX_ROWS_DOT
+        where every layer weight is in the dot layout, else LEAD_MAX_ROWS. Steps of more
+        than 16 rows, and of more than the decode-sized shares' rows where some weight
+        depends on the call's rows, still run as a team. The outputs are the team's bit
+        for bit (each output is computed by the same code whichever thread runs it)."""
         return int(self._plan.lead_max_rows)
 
     @lead_max_rows.setter
@@ -360,6 +382,22 @@ class DecodePlan:
             raise ValueError(f"lead_share: {unknown} not among {list(LEAD_PROJECTIONS)}")
         self._plan.lead_share = sum(1 << LEAD_PROJECTIONS.index(n) for n in set(names))
 
+    @property
+    def lead_multi(self) -> tuple[str, ...]:
+        """What a lead step of several rows (lead_max_rows > 1: a verification) shares with
+        its second thread (LEAD_MULTI_PARTS): the projections' weight rows as lead_share,
+        "heads" each row's rotary and cache writes, "attention" the (row range, kv head)
+        attention items, each an item grabbed from one counter (kernels/lead_share.c).
+        (): as a one-row lead step (lead_share). The same bits either way."""
+        return tuple(n for i, n in enumerate(LEAD_MULTI_PARTS) if self._plan.lead_multi >> i & 1)
+
+    @lead_multi.setter
+    def lead_multi(self, names: Sequence[str]) -> None:
+        unknown = [n for n in names if n not in LEAD_MULTI_PARTS]
+        if unknown:
+            raise ValueError(f"lead_multi: {unknown} not among {list(LEAD_MULTI_PARTS)}")
+        self._plan.lead_multi = sum(1 << LEAD_MULTI_PARTS.index(n) for n in set(names))
+
     def tune_lead_share(self, spin_us: int, chunk_bytes: int) -> None:
         """How long the second thread spins after a shared GEMV before it sleeps, and the
         weight bytes of a chunk it grabs (LEAD_SPIN_US, LEAD_CHUNK_BYTES): tests, tuning."""
@@ -375,6 +413,12 @@ class DecodePlan:
         """Chunks of shared projections' weight rows the first and the second thread of
         lead steps took since the plan was built (the second's share: how much it helped)."""
         return int(self._lead_counts[0]), int(self._lead_counts[1])
+
+    @property
+    def lead_items(self) -> tuple[int, int]:
+        """Items (a row's heads, an attention item) of lead steps of several rows the
+        first and the second thread took since the plan was built."""
+        return int(self._lead_counts[2]), int(self._lead_counts[3])
 
     def stop_profile(self) -> dict[str, list[float]]:
         """Seconds per phase and thread since start_profile; timing off again."""
@@ -521,7 +565,9 @@ class DecodePlan:
         dst.bias = None if bias is None else self._ptr(bias)
         for j in range(dst.num_segments):
             g = dst.seg[j]
-            self._rows_independent &= bool(self._lib.decode_step_rows_independent(g.kind, g.qtype))
+            independent = bool(self._lib.decode_step_rows_independent(g.kind, g.qtype))
+            self._rows_independent &= independent
+            self._layers_dot &= independent and g.kind == W_QUANT  # the dot layout
             self._weight_elems += g.n * dst.k
 
     def run(

@@ -26,6 +26,8 @@ void lead_init(ds_lead *ld, double spin_s, int64_t chunk_bytes, int64_t *counts)
     ld->word = 0;
     ld->done = ld->chunks = 0;
     ld->num_segments = 0;
+    ld->fn = NULL;
+    ld->ctx = NULL;
     ld->spin_s = spin_s;
     ld->chunk_bytes = chunk_bytes > 0 ? chunk_bytes : 1;
     ld->counts = counts;
@@ -45,8 +47,12 @@ static void lead_wake(ds_lead *ld) {
     pthread_mutex_unlock(&ld->lock);
 }
 
-/* Chunks [c0, c1) of the job: each segment's panels in them. */
-static void lead_run(const ds_lead *ld, int64_t c0, int64_t c1) {
+/* Chunks [c0, c1) of the job: each segment's panels in them (an items job: its items). */
+static void lead_run(const ds_lead *ld, int64_t c0, int64_t c1, int tid) {
+    if (ld->fn) {
+        for (int64_t i = c0; i < c1; i++) ld->fn(ld->ctx, i, tid);
+        return;
+    }
     for (int s = 0; s < ld->num_segments; s++) {
         const lead_segment *g = &ld->seg[s];
         const int64_t panels = (g->n + LEAD_PANEL_ROWS - 1) / LEAD_PANEL_ROWS;
@@ -71,25 +77,51 @@ static void lead_grab(ds_lead *ld, uint32_t job, int tid) {
         const int64_t next = (int64_t)(uint32_t)w;
         const int64_t chunks = __atomic_load_n(&ld->chunks, __ATOMIC_RELAXED);
         if (next >= chunks) return;
-        int64_t take = (chunks - next) / 4;
+        const lead_item_fn fn = __atomic_load_n(&ld->fn, __ATOMIC_RELAXED);
+        int64_t take = fn ? 1 : (chunks - next) / 4;
         if (take < 1) take = 1;
         if (!__atomic_compare_exchange_n(&ld->word, &w, w + (uint64_t)take, 0, __ATOMIC_ACQ_REL,
                                          __ATOMIC_ACQUIRE))
             continue;
-        lead_run(ld, next, next + take);
-        if (ld->counts) __atomic_add_fetch(&ld->counts[tid], take, __ATOMIC_RELAXED);
+        lead_run(ld, next, next + take, tid);
+        if (ld->counts)
+            __atomic_add_fetch(&ld->counts[(ld->fn ? 2 : 0) + tid], take, __ATOMIC_RELAXED);
         __atomic_add_fetch(&ld->done, take, __ATOMIC_RELEASE);
     }
+}
+
+/* Close the last job before its fields are rewritten: a thread 1 that loaded its word
+ * and then (after a preemption) reads the new `chunks` must not win a swap on that word
+ * and run chunks over fields still being written. */
+static void lead_close(ds_lead *ld) {
+    const uint64_t last = __atomic_load_n(&ld->word, __ATOMIC_RELAXED);
+    __atomic_store_n(&ld->word, (last & ~(uint64_t)0xffffffffu) | 0xffffffffu, __ATOMIC_SEQ_CST);
+}
+
+/* Publish the job whose fields were just written (`chunks` of them), take chunks of it,
+ * and wait for those thread 1 took: never for thread 1 to start. */
+static void lead_publish_and_run(ds_lead *ld, int64_t chunks) {
+    __atomic_store_n(&ld->chunks, chunks, __ATOMIC_RELAXED);
+    __atomic_store_n(&ld->done, 0, __ATOMIC_RELAXED);
+    const uint32_t job = (uint32_t)(__atomic_load_n(&ld->word, __ATOMIC_RELAXED) >> 32) + 1;
+    __atomic_store_n(&ld->word, (uint64_t)job << 32, __ATOMIC_SEQ_CST);
+    lead_wake(ld);
+    lead_grab(ld, job, 0);
+    while (__atomic_load_n(&ld->done, __ATOMIC_ACQUIRE) < chunks) lead_pause();
+}
+
+void lead_items(ds_lead *ld, int64_t items, lead_item_fn fn, void *ctx) {
+    lead_close(ld);
+    __atomic_store_n(&ld->fn, fn, __ATOMIC_RELAXED);
+    ld->ctx = ctx;
+    lead_publish_and_run(ld, items);
 }
 
 void lead_gemv(ds_lead *ld, const qdot_xblock *xb, int64_t m, int64_t k, int num_segments,
                const int *fmts, const uint8_t *const *ws, const int64_t *row_bytes,
                const int64_t *ns, float *out, int64_t ldo) {
-    /* Close the last job before its fields are rewritten: a thread 1 that loaded its word
-     * and then (after a preemption) reads the new `chunks` must not win a swap on that
-     * word and run chunks over fields still being written. */
-    const uint64_t last = __atomic_load_n(&ld->word, __ATOMIC_RELAXED);
-    __atomic_store_n(&ld->word, (last & ~(uint64_t)0xffffffffu) | 0xffffffffu, __ATOMIC_SEQ_CST);
+    lead_close(ld);
+    __atomic_store_n(&ld->fn, (lead_item_fn)NULL, __ATOMIC_RELAXED);
     int64_t chunks = 0, off = 0;
     for (int s = 0; s < num_segments; s++) {
         lead_segment *g = &ld->seg[s];
@@ -110,14 +142,7 @@ void lead_gemv(ds_lead *ld, const qdot_xblock *xb, int64_t m, int64_t k, int num
     ld->m = m;
     ld->nb = k / 32;
     ld->ldo = ldo;
-    __atomic_store_n(&ld->chunks, chunks, __ATOMIC_RELAXED);
-    __atomic_store_n(&ld->done, 0, __ATOMIC_RELAXED);
-    const uint32_t job = (uint32_t)(__atomic_load_n(&ld->word, __ATOMIC_RELAXED) >> 32) + 1;
-    __atomic_store_n(&ld->word, (uint64_t)job << 32, __ATOMIC_SEQ_CST);
-    lead_wake(ld);
-    lead_grab(ld, job, 0);
-    /* Only the chunks thread 1 took are left: wait for them, never for it to start. */
-    while (__atomic_load_n(&ld->done, __ATOMIC_ACQUIRE) < chunks) lead_pause();
+    lead_publish_and_run(ld, chunks);
 }
 
 void lead_head_soon(ds_lead *ld) {

@@ -9,6 +9,11 @@
  * core's speed when thread 1 is off the CPU. Every weight row is a whole dot product by
  * quant_dot_panels, whichever thread takes it: the bits are the team's.
  *
+ * A job is either a GEMV (lead_gemv: chunks of weight rows) or a list of items
+ * (lead_items: a function called on item indices, one a grab: a lead step of several
+ * rows' attention items and, opt-in, each row's heads; each a few to ~20 microseconds,
+ * so a preempted thread 1 holds at most one).
+ *
  * Sync per shared GEMV: thread 0 publishes the job (one store of `word`, a futex wake
  * only when thread 1 sleeps) and waits for `done` to reach the job's chunks; thread 1
  * spins ~lead_spin_us after a job (the next shared GEMV often follows within
@@ -32,6 +37,9 @@ typedef struct {
     int64_t chunk_panels, chunk0; /* panels per chunk; the segment's first chunk */
 } lead_segment;
 
+/* An items job's work: item `item` by thread `tid` (0 or 1; its own scratch). */
+typedef void (*lead_item_fn)(void *ctx, int64_t item, int tid);
+
 typedef struct {
     pthread_mutex_t lock;
     pthread_cond_t cond;
@@ -46,12 +54,16 @@ typedef struct {
     int64_t m, nb, ldo;
     int num_segments;
     lead_segment seg[LEAD_MAX_SEGMENTS];
+    lead_item_fn fn; /* an items job's (NULL: a GEMV) */
+    void *ctx;
     double spin_s;       /* thread 1's spin after a job before it sleeps */
     /* Weight bytes per chunk: a grab takes whole chunks (a run of consecutive panels,
      * one weight stream), a quarter of those left, so a late thread still finds work
      * and a preempted one holds at most that quarter. */
     int64_t chunk_bytes;
-    int64_t *counts;     /* [2] chunks taken by thread 0 and 1 (NULL: not counted) */
+    /* [4] chunks taken by thread 0 and 1, then items taken by thread 0 and 1 (NULL: not
+     * counted) */
+    int64_t *counts;
 } ds_lead;
 
 void lead_init(ds_lead *ld, double spin_s, int64_t chunk_bytes, int64_t *counts);
@@ -60,6 +72,9 @@ void lead_destroy(ds_lead *ld);
 void lead_gemv(ds_lead *ld, const qdot_xblock *xb, int64_t m, int64_t k, int num_segments,
                const int *fmts, const uint8_t *const *ws, const int64_t *row_bytes,
                const int64_t *ns, float *out, int64_t ldo);
+/* Thread 0: fn(ctx, i, tid) for i in [0, items), thread 1 taking items if it comes;
+ * returns when every item is done. */
+void lead_items(ds_lead *ld, int64_t items, lead_item_fn fn, void *ctx);
 /* Thread 0: the last layer starts (thread 1 stays awake for the head); the layers end. */
 void lead_head_soon(ds_lead *ld);
 void lead_layers_done(ds_lead *ld);

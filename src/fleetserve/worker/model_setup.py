@@ -139,6 +139,7 @@ def bind_decode_plan(model: LlamaForCausalLM, cpu_kernel: bool, enabled: bool) -
     if plan is not None:
         plan.lead_max_rows = lead_max_rows(plan.lead_max_rows)
         plan.lead_share = lead_share(plan.lead_share)
+        plan.lead_multi = lead_multi(plan.lead_multi)
         plan.tune_lead_share(lead_spin_us(LEAD_SPIN_US), LEAD_CHUNK_BYTES)
     model.model.decode_plan = plan
     return plan is not None
@@ -161,7 +162,7 @@ def _env_count(name: str, default: int, unit: str) -> int:
 
 
 def lead_max_rows(default: int) -> int:
-    """FLEETSERVE_LEAD_STEPS=N: one-sequence steps of up to N rows on 2 threads run as lead
+    """FLEETSERVE_LEAD_STEPS=N: steps of up to N rows (and 4 sequences) on 2 threads run as lead
     steps (DecodePlan.lead_max_rows), 0: none (every step as a team); A/B runs."""
     return _env_count("FLEETSERVE_LEAD_STEPS", default, "a row count")
 
@@ -170,6 +171,17 @@ def lead_share(default: tuple[str, ...]) -> tuple[str, ...]:
     """FLEETSERVE_LEAD_SHARE=gate_up,down: the projections a lead step's second thread takes
     a share of (DecodePlan.lead_share; "none": the layers on one thread); A/B runs."""
     raw = os.environ.get("FLEETSERVE_LEAD_SHARE")
+    if raw is None:
+        return default
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    return () if names == ("none",) else names
+
+
+def lead_multi(default: tuple[str, ...]) -> tuple[str, ...]:
+    """FLEETSERVE_LEAD_MULTI=qkv,o,gate_up,down,heads,attention: what a lead step of several
+    rows shares with its second thread (DecodePlan.lead_multi; "none": as a one-row lead
+    step); A/B runs."""
+    raw = os.environ.get("FLEETSERVE_LEAD_MULTI")
     if raw is None:
         return default
     names = tuple(n.strip() for n in raw.split(",") if n.strip())
