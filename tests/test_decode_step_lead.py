@@ -111,20 +111,24 @@ def test_shared_gemvs_give_the_team_bits(
     plan.lead_max_rows = 0
     team = [_replay(plan, a) for a in steps]
     plan.lead_max_rows = 1
-    plan.lead_share = ("qkv", "o", "gate_up", "down")
+    plan.lead_share = ("qkv", "o", "gate_up", "down", "attention")
+    assert plan.lead_prefetch_bytes > 0  # the default: tails read ahead (reads only)
     # No spin: the second thread sleeps after each GEMV and is woken by the next (a
     # spinning one may share a core with the first on a busy machine and never come).
     plan.tune_lead_share(spin_us=0, chunk_bytes=1)
     first, second = plan.lead_chunks
+    items = plan.lead_items
     for _ in range(50):  # until the second thread has taken some (it may be preempted)
         lead = [_replay(plan, a) for a in steps]
         for t, s in zip(team, lead, strict=True):
             for a, b in zip(t, s, strict=True):
                 assert torch.equal(a, b)
-        if plan.lead_chunks[1] > second:
+        if plan.lead_chunks[1] > second and plan.lead_items[1] > items[1]:
             break
     assert plan.lead_chunks[0] > first
     assert plan.lead_chunks[1] > second
+    # the one-row attention as an item per kv head, thread 1 taking some
+    assert plan.lead_items[1] > items[1]
     plan.lead_share = ()
     before = plan.lead_chunks
     _replay(plan, steps[0])
@@ -268,9 +272,12 @@ def test_lead_switches(
     assert _plan(LLM(path, max_model_len=64)).lead_share == ()
     monkeypatch.setenv("FLEETSERVE_LEAD_SHARE", "down, qkv")
     assert _plan(LLM(path, max_model_len=64)).lead_share == ("qkv", "down")
-    monkeypatch.setenv("FLEETSERVE_LEAD_SHARE", "mlp")
-    with pytest.raises(ValueError, match="lead_share"):
-        LLM(path, max_model_len=64)
+    monkeypatch.setenv("FLEETSERVE_LEAD_SHARE", "attention,down")
+    assert _plan(LLM(path, max_model_len=64)).lead_share == ("down", "attention")
+    for bad in ("mlp", "heads"):  # a one-row step's heads are not items
+        monkeypatch.setenv("FLEETSERVE_LEAD_SHARE", bad)
+        with pytest.raises(ValueError, match="lead_share"):
+            LLM(path, max_model_len=64)
     monkeypatch.delenv("FLEETSERVE_LEAD_SHARE")
     monkeypatch.setenv("FLEETSERVE_LEAD_MULTI", "none")
     assert _plan(LLM(path, max_model_len=64)).lead_multi == ()
@@ -291,6 +298,17 @@ def test_lead_switches(
         plan.tune_lead_share(spin_us=50, chunk_bytes=0)
     with pytest.raises(ValueError, match="spin_us"):
         plan.tune_lead_share(spin_us=-1, chunk_bytes=16384)
+    assert plan.lead_prefetch_bytes == 768 * 1024
+    with pytest.raises(ValueError, match="lead_prefetch_bytes"):
+        plan.lead_prefetch_bytes = -1
+    monkeypatch.setenv("FLEETSERVE_LEAD_PREFETCH_KB", "0")
+    assert _plan(LLM(path, max_model_len=64)).lead_prefetch_bytes == 0
+    monkeypatch.setenv("FLEETSERVE_LEAD_PREFETCH_KB", "64")
+    assert _plan(LLM(path, max_model_len=64)).lead_prefetch_bytes == 64 * 1024
+    monkeypatch.setenv("FLEETSERVE_LEAD_PREFETCH_KB", "-1")
+    with pytest.raises(ValueError, match="FLEETSERVE_LEAD_PREFETCH_KB"):
+        LLM(path, max_model_len=64)
+    monkeypatch.delenv("FLEETSERVE_LEAD_PREFETCH_KB")
     monkeypatch.setenv("FLEETSERVE_LEAD_STEPS", "on")
     with pytest.raises(ValueError, match="FLEETSERVE_LEAD_STEPS"):
         LLM(path, max_model_len=64)

@@ -164,7 +164,8 @@ typedef struct {
      * LM head on both (lead_step). */
     int32_t lead_max_rows;
     /* A lead step's projections whose weight rows thread 1 takes a share of (bits: 1 qkv,
-     * 2 o, 4 gate_up, 8 down; dot-layout weights only; 0: the layers on thread 0 alone),
+     * 2 o, 4 gate_up, 8 down; dot-layout weights only; 0: the layers on thread 0 alone)
+     * and LEAD_ATTENTION its attention items (one a kv head at one row),
      * thread 1's spin after a shared GEMV before it sleeps (microseconds), and where the
      * chunks each thread took are added up ([2] int64; NULL: not counted). */
     int32_t lead_share;
@@ -176,6 +177,10 @@ typedef struct {
      * cache writes), LEAD_ATTENTION the attention items; 0: lead_share's, as a one-row
      * step. */
     int32_t lead_multi;
+    /* Weight bytes of each coming shared GEMV's tail (at most half of it) that a one-row
+     * lead step's thread 1 reads into its cache while thread 0 runs the layer's unshared
+     * work (lead_prefetch; 0: none). */
+    int32_t lead_prefetch_bytes;
 } ds_plan;
 
 enum { LEAD_HEADS = 16, LEAD_ATTENTION = 32 };
@@ -512,6 +517,39 @@ static int lead_linear(ds_lead *lead, const ds_linear *lin, const ds_scratch *s,
     return 1;
 }
 
+/* The last `budget` weight bytes of lin (at most half of them; its panels of 16 rows in
+ * the dot layout, segments in order) as regions in order, appended to r[*n]: the chunks
+ * thread 1 grabs first from the back of lin's shared GEMV. */
+static void lead_tail(const ds_linear *lin, int64_t budget, lead_region *r, int *n) {
+    if (lin->num_segments > LEAD_MAX_SEGMENTS) return;
+    int64_t bytes[LEAD_MAX_SEGMENTS], total = 0;
+    for (int j = 0; j < lin->num_segments; j++) {
+        if (lin->seg[j].kind != W_QUANT || !quant_dot_layout(lin->seg[j].qtype)) return;
+        bytes[j] = (lin->seg[j].n + 15) / 16 * 16 * lin->seg[j].row_bytes;
+        total += bytes[j];
+    }
+    int64_t left = budget < total / 2 ? budget : total / 2, first = lin->num_segments;
+    while (first > 0 && left > 0) left -= bytes[--first]; /* the first segment reached */
+    for (int j = first; j < lin->num_segments && *n < LEAD_MAX_REGIONS; j++) {
+        const int64_t skip = j == first && left < 0 ? -left : 0;
+        r[(*n)++] = (lead_region){(const uint8_t *)lin->seg[j].data + skip, bytes[j] - skip};
+    }
+}
+
+/* Layer l's start on a one-row lead step's thread 0: thread 1 reads the tails of the
+ * layer's shared GEMVs after qkv (and, at the last layer, the LM head's) into its cache
+ * while thread 0 runs the norms, qkv, attention and (unshared) o. */
+static void lead_hint_layer(const ds_plan *p, ds_lead *lead, const ds_layer *L, int last) {
+    lead_region r[LEAD_MAX_REGIONS];
+    int n = 0;
+    const int64_t budget = p->lead_prefetch_bytes;
+    const ds_linear *lins[3] = {&L->o, &L->gate_up, &L->down};
+    for (int j = 0; j < 3; j++)
+        if (p->lead_share >> (j + 1) & 1) lead_tail(lins[j], budget, r, &n);
+    if (last && p->lead_share) lead_tail(&p->head, budget, r, &n);
+    if (n) lead_prefetch(lead, n, r);
+}
+
 /* What a lead step of m rows shares with thread 1: ds_plan's lead_multi bits when m > 1
  * and it is not empty, else lead_share's. */
 static int lead_bits(const ds_plan *p, int64_t m) {
@@ -731,13 +769,14 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
         all_decode &= q_lens[i] == 1;
     }
     if (threads < 1) threads = 1;
-    /* Few one-row sequences: an item per (sequence, kv head) keeps every thread busy. */
-    const int split = all_decode && num_seqs < threads ? p->num_kv_heads : 1;
-    /* Few sequences with several rows (speculative verification): row ranges too. A lead
-     * step sharing its attention items with thread 1 cuts them as a team of 2 would. */
-    const int lead_attn = lead && !wide && m > 1 && (lead_bits(p, m) & LEAD_ATTENTION);
+    /* A lead step sharing its attention items with thread 1 cuts them as a team of 2
+     * would (one row: an item per kv head). */
+    const int lead_attn = lead && !wide && (lead_bits(p, m) & LEAD_ATTENTION);
     const int lead_heads = lead && !wide && !all_decode && (lead_bits(p, m) & LEAD_HEADS);
     const int item_threads = lead_attn ? 2 : threads;
+    /* Few one-row sequences: an item per (sequence, kv head) keeps every thread busy. */
+    const int split = all_decode && num_seqs < item_threads ? p->num_kv_heads : 1;
+    /* Few sequences with several rows (speculative verification): row ranges too. */
     const int parts = !all_decode && num_seqs < item_threads
                           ? verify_parts(item_threads, p->num_kv_heads)
                           : 1;
@@ -820,6 +859,8 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
             const ds_layer *L = &p->layers[l];
             const ds_rows *lr = L->window > 0 && w_tables ? &rw_window : &rw;
             if (lead && l == p->num_layers - 1) lead_head_soon(lead);
+            if (lead && m == 1 && p->lead_prefetch_bytes > 0)
+                lead_hint_layer(p, lead, L, l == p->num_layers - 1);
             FOR_ROWS_TO_X(wide, sc.xq != NULL, r, mr,
                           rms_row(l ? added + r * H : res + r * H, l ? res + r * H : NULL,
                                   h + r * H, L->input_norm, H, p->eps));

@@ -61,7 +61,7 @@ class _Plan(ctypes.Structure):
         ("profile_cpu", _i32), ("dot_chunked", _i32), ("split_min_rows", _i32),
         ("sampled_only", _i32), ("lead_max_rows", _i32), ("lead_share", _i32),
         ("lead_spin_us", _i32), ("lead_chunk_bytes", _i32), ("lead_counts", _p),
-        ("lead_multi", _i32),
+        ("lead_multi", _i32), ("lead_prefetch_bytes", _i32),
     ]  # fmt: skip
 
 
@@ -110,8 +110,15 @@ LEAD_SHARE = ("gate_up", "down")
 # row) measured level either way (replayed SmolLM2 verifications, 7 and 13 rows).
 LEAD_MULTI_PARTS = (*LEAD_PROJECTIONS, "heads", "attention")
 LEAD_MULTI = (*LEAD_PROJECTIONS, "attention")
+# What a one-row lead step may share (DecodePlan.lead_share): a row's heads are not items.
+LEAD_SHARE_PARTS = (*LEAD_PROJECTIONS, "attention")
 LEAD_SPIN_US = 50
 LEAD_CHUNK_BYTES = 16384
+# Weight bytes of each coming shared GEMV's tail (at most half of it) that a one-row lead
+# step's second thread reads into its cache while the first runs the norms, qkv, attention
+# and o (DecodePlan.lead_prefetch_bytes; kernels/lead_share.h: it then grabs chunks from
+# the back, those bytes first).
+LEAD_PREFETCH_BYTES = 768 * 1024
 
 # The phases an opt-in profile times (decode_step.c's PH_*, in order).
 PHASES = ("rows", "qkv", "attention", "o", "gate_up", "down", "head", "argmax")
@@ -302,6 +309,7 @@ class DecodePlan:
         self._plan.lead_spin_us = LEAD_SPIN_US
         self._plan.lead_chunk_bytes = LEAD_CHUNK_BYTES
         self.lead_multi = LEAD_MULTI
+        self._plan.lead_prefetch_bytes = LEAD_PREFETCH_BYTES
         self._lead_counts = torch.zeros(4, dtype=torch.int64)
         self._plan.lead_counts = self._lead_counts.data_ptr()
         self._reduce = reduce
@@ -371,16 +379,17 @@ class DecodePlan:
         """The projections (LEAD_PROJECTIONS) whose weight rows a lead step's second thread
         takes a share of while the first runs the layers (kernels/lead_share.c: chunks
         grabbed from one counter, the first thread never waiting for the second to
-        start); dot-layout weights only, others stay on the first thread. (): the layers
-        on one thread. The same bits either way (each weight row is one dot product)."""
-        return tuple(n for i, n in enumerate(LEAD_PROJECTIONS) if self._plan.lead_share >> i & 1)
+        start); dot-layout weights only, others stay on the first thread; "attention": the
+        attention's items (one a kv head) too. (): the layers on one thread. The same bits
+        either way (each weight row is one dot product, each head's attention the team's)."""
+        return tuple(n for i, n in enumerate(LEAD_MULTI_PARTS) if self._plan.lead_share >> i & 1)
 
     @lead_share.setter
     def lead_share(self, names: Sequence[str]) -> None:
-        unknown = [n for n in names if n not in LEAD_PROJECTIONS]
+        unknown = [n for n in names if n not in LEAD_SHARE_PARTS]
         if unknown:
-            raise ValueError(f"lead_share: {unknown} not among {list(LEAD_PROJECTIONS)}")
-        self._plan.lead_share = sum(1 << LEAD_PROJECTIONS.index(n) for n in set(names))
+            raise ValueError(f"lead_share: {unknown} not among {list(LEAD_SHARE_PARTS)}")
+        self._plan.lead_share = sum(1 << LEAD_MULTI_PARTS.index(n) for n in set(names))
 
     @property
     def lead_multi(self) -> tuple[str, ...]:
@@ -409,6 +418,20 @@ class DecodePlan:
         self._plan.lead_chunk_bytes = chunk_bytes
 
     @property
+    def lead_prefetch_bytes(self) -> int:
+        """Weight bytes of each coming shared GEMV's tail (at most half of it) that a
+        one-row lead step's second thread reads into its cache while the first runs the
+        layer's unshared work, then multiplies first (it grabs chunks from the back); 0:
+        none. Reads only: the same bits either way."""
+        return int(self._plan.lead_prefetch_bytes)
+
+    @lead_prefetch_bytes.setter
+    def lead_prefetch_bytes(self, nbytes: int) -> None:
+        if not 0 <= nbytes < 2**31:
+            raise ValueError(f"lead_prefetch_bytes must be in [0, 2**31), got {nbytes}")
+        self._plan.lead_prefetch_bytes = nbytes
+
+    @property
     def lead_chunks(self) -> tuple[int, int]:
         """Chunks of shared projections' weight rows the first and the second thread of
         lead steps took since the plan was built (the second's share: how much it helped)."""
@@ -416,8 +439,9 @@ class DecodePlan:
 
     @property
     def lead_items(self) -> tuple[int, int]:
-        """Items (a row's heads, an attention item) of lead steps of several rows the
-        first and the second thread took since the plan was built."""
+        """Items (a row's heads, an attention item) of lead steps of several rows, and of
+        one-row ones sharing "attention", the first and the second thread took since the
+        plan was built."""
         return int(self._lead_counts[2]), int(self._lead_counts[3])
 
     def stop_profile(self) -> dict[str, list[float]]:

@@ -141,6 +141,7 @@ def bind_decode_plan(model: LlamaForCausalLM, cpu_kernel: bool, enabled: bool) -
         plan.lead_share = lead_share(plan.lead_share)
         plan.lead_multi = lead_multi(plan.lead_multi)
         plan.tune_lead_share(lead_spin_us(LEAD_SPIN_US), LEAD_CHUNK_BYTES)
+        plan.lead_prefetch_bytes = lead_prefetch_bytes(plan.lead_prefetch_bytes)
     model.model.decode_plan = plan
     return plan is not None
 
@@ -192,6 +193,12 @@ def lead_spin_us(default: int) -> int:
     """FLEETSERVE_LEAD_SPIN_US=N: how long a lead step's second thread spins after a shared
     GEMV before it sleeps (DecodePlan.tune_lead_share); A/B runs."""
     return _env_count("FLEETSERVE_LEAD_SPIN_US", default, "microseconds")
+
+
+def lead_prefetch_bytes(default: int) -> int:
+    """FLEETSERVE_LEAD_PREFETCH_KB=N: KiB of each coming shared GEMV's tail a one-row lead
+    step's second thread reads ahead (DecodePlan.lead_prefetch_bytes; 0: none); A/B runs."""
+    return _env_count("FLEETSERVE_LEAD_PREFETCH_KB", default // 1024, "KiB") * 1024
 
 
 def split_steps_enabled() -> bool:
