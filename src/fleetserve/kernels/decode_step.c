@@ -1260,6 +1260,14 @@ static int split_step(const ds_plan *p, const float *x, float *out, int64_t m,
  * gives; a shared GEMV has no barrier, and only the long ones (gate_up, down, the head)
  * are worth its two sync points. Returns 1 when it ran the step
  * (rc: the worst result), 0 when the step is not one. */
+/* A lead step whose thread 0 waited more than LEAD_WAIT_S for thread 1 (its chunks, its
+ * items, the region's end: thread 1 preempted by another process on its core) runs the
+ * next LEAD_BACKOFF_STEPS one-row steps on one thread (a team of one: the same bits),
+ * then tries two again. Without it such a host ran a one-row step in ~6 ms at 2
+ * threads against ~3.7 on one (thread 0 spinning through thread 1's time slices). */
+#define LEAD_WAIT_S 1e-3
+#define LEAD_BACKOFF_STEPS 32
+
 static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
                      const int64_t *positions, const int64_t *slot_blocks,
                      const int64_t *slot_offsets, int64_t num_seqs, const int64_t *q_starts,
@@ -1275,6 +1283,14 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
         (m > decode_step_max_rows() && !plan_rows_independent(p)) || p->reduce || p->lora ||
         omp_in_parallel())
         return 0;
+    static _Thread_local int backoff = 0; /* one-row steps left to run on one thread */
+    if (m == 1 && backoff > 0) {
+        backoff--;
+        *rc = team_step(p, x, out, m, positions, slot_blocks, slot_offsets, num_seqs, q_starts,
+                        q_lens, seq_lens, tables, max_blocks, w_slot_blocks, w_slot_offsets,
+                        w_tables, w_max_blocks, nr, logit_rows, logits, argmax, 1, NULL);
+        return 1;
+    }
     const int head = p->head.num_segments > 0 && nr > 0 && p->final_norm;
     /* The head's scratch: per thread its input rows, block sums, x tiles and int8
      * blocks; the argmax spans (gather_buffer: the layers' team_step takes step_buffer). */
@@ -1299,6 +1315,7 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
     for (int64_t s = 0; s < spans; s++) span_idx[s] = -1;
     int layers_rc = 0, head_done = 0; /* head_done: thread 0 ran the head with thread 1 */
     double t_head = 0.0;              /* when it started (profiles) */
+    double t_end0 = 0.0;              /* when thread 0 reached the region's end */
     ds_lead lead;
     lead_init(&lead, 1e-6 * p->lead_spin_us, p->lead_chunk_bytes, p->lead_counts);
 #pragma omp parallel num_threads(threads)
@@ -1344,7 +1361,10 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
                 head_argmax_span(logits, nr, vocab, threads, span_best, span_idx, span_nan);
             MARK(PH_ARGMAX);
         }
+        if (tid == 0) t_end0 = omp_get_wtime();
     }
+    /* thread 0's waits for thread 1: its chunks and items, then the region's end */
+    if (lead.waited + (omp_get_wtime() - t_end0) > LEAD_WAIT_S) backoff = LEAD_BACKOFF_STEPS;
     for (int64_t j = 0; j < (spans && layers_rc == 0 ? nr : 0); j++)
         argmax[j] = argmax_merge(span_best + j * threads, span_idx + j * threads,
                                  span_nan + j * threads, threads);

@@ -33,6 +33,7 @@ void lead_init(ds_lead *ld, double spin_s, int64_t chunk_bytes, int64_t *counts)
     ld->counts = counts;
     ld->hint_seq = 0;
     ld->num_hints = 0;
+    ld->waited = 0.0;
 }
 
 void lead_destroy(ds_lead *ld) {
@@ -123,7 +124,11 @@ static void lead_publish_and_run(ds_lead *ld, int64_t chunks) {
                      __ATOMIC_SEQ_CST);
     lead_wake(ld);
     lead_grab(ld, job, 0);
-    while (__atomic_load_n(&ld->done, __ATOMIC_ACQUIRE) < chunks) lead_pause();
+    if (__atomic_load_n(&ld->done, __ATOMIC_ACQUIRE) < chunks) {
+        const double t0 = lead_now();
+        while (__atomic_load_n(&ld->done, __ATOMIC_ACQUIRE) < chunks) lead_pause();
+        ld->waited += lead_now() - t0;
+    }
 }
 
 void lead_items(ds_lead *ld, int64_t items, lead_item_fn fn, void *ctx) {

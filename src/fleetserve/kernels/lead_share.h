@@ -80,6 +80,9 @@ typedef struct {
     /* [4] chunks taken by thread 0 and 1, then items taken by thread 0 and 1 (NULL: not
      * counted) */
     int64_t *counts;
+    /* Seconds thread 0 waited for chunks or items thread 1 held (a preempted thread 1
+     * shows here: lead_step then runs the next one-row steps on one thread). */
+    double waited;
     /* lead_prefetch's regions, under a sequence lock (odd: being written) so that
      * thread 1 never reads a torn pointer. */
     uint32_t hint_seq;
