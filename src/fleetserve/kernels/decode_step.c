@@ -1261,10 +1261,13 @@ static int split_step(const ds_plan *p, const float *x, float *out, int64_t m,
  * are worth its two sync points. Returns 1 when it ran the step
  * (rc: the worst result), 0 when the step is not one. */
 /* A lead step whose thread 0 waited more than LEAD_WAIT_S for thread 1 (its chunks, its
- * items, the region's end: thread 1 preempted by another process on its core) runs the
- * next LEAD_BACKOFF_STEPS one-row steps on one thread (a team of one: the same bits),
- * then tries two again. Without it such a host ran a one-row step in ~6 ms at 2
- * threads against ~3.7 on one (thread 0 spinning through thread 1's time slices). */
+ * items, the region's end: thread 1 preempted by another process on its core) or was
+ * itself off the CPU that long (wall time past its CPU time: a third runnable thread
+ * shares the two cores, thread 1 spinning on one of them) runs the next
+ * LEAD_BACKOFF_STEPS one-row steps on one thread (a team of one: the same bits), then
+ * tries two again. Beside another session's one-thread benchmark a lead step took
+ * 4.5-8 ms (its thread 0 waiting at the region's end) or ~6 ms a token (bench latency),
+ * where one thread takes ~3.5. */
 #define LEAD_WAIT_S 1e-3
 #define LEAD_BACKOFF_STEPS 32
 
@@ -1315,7 +1318,8 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
     for (int64_t s = 0; s < spans; s++) span_idx[s] = -1;
     int layers_rc = 0, head_done = 0; /* head_done: thread 0 ran the head with thread 1 */
     double t_head = 0.0;              /* when it started (profiles) */
-    double t_end0 = 0.0;              /* when thread 0 reached the region's end */
+    double t_end0 = 0.0, cpu_end0 = 0.0; /* when thread 0 reached the region's end */
+    const double t_start = omp_get_wtime(), cpu_start = profile_clock(1);
     ds_lead lead;
     lead_init(&lead, 1e-6 * p->lead_spin_us, p->lead_chunk_bytes, p->lead_counts);
 #pragma omp parallel num_threads(threads)
@@ -1361,10 +1365,15 @@ static int lead_step(const ds_plan *p, const float *x, float *out, int64_t m,
                 head_argmax_span(logits, nr, vocab, threads, span_best, span_idx, span_nan);
             MARK(PH_ARGMAX);
         }
-        if (tid == 0) t_end0 = omp_get_wtime();
+        if (tid == 0) {
+            t_end0 = omp_get_wtime();
+            cpu_end0 = profile_clock(1);
+        }
     }
     /* thread 0's waits for thread 1: its chunks and items, then the region's end */
-    if (lead.waited + (omp_get_wtime() - t_end0) > LEAD_WAIT_S) backoff = LEAD_BACKOFF_STEPS;
+    const double off_cpu = (t_end0 - t_start) - (cpu_end0 - cpu_start);
+    if (lead.waited + (omp_get_wtime() - t_end0) > LEAD_WAIT_S || off_cpu > LEAD_WAIT_S)
+        backoff = LEAD_BACKOFF_STEPS;
     for (int64_t j = 0; j < (spans && layers_rc == 0 ? nr : 0); j++)
         argmax[j] = argmax_merge(span_best + j * threads, span_idx + j * threads,
                                  span_nan + j * threads, threads);
