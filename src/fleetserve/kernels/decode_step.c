@@ -571,6 +571,35 @@ static void attend_rows(const ds_plan *p, const ds_layer *L, const float *qkv, i
                          L->window, 0.f, L->kv_bf16, scores);
 }
 
+/* A team of one (one thread, a lead step's thread 0, a split step's sub-step): the cache
+ * blocks this layer's rows write (each kv head's keys and values, all kv heads of the
+ * block: one key's d-major write touches every line of its head's key block) prefetched
+ * for writing before the qkv GEMV. By the time the rows' keys are written the ~3 MB of
+ * weights streamed since the last token have pushed those lines out of the caches: the
+ * write's read-for-ownership then waits on DRAM, line after line, and attention reads
+ * the same block next. Prefetched, the lines arrive while the GEMV streams (SmolLM2 Q4_1,
+ * 1 thread: attention -0.03 ms a token, row work +0.01). Prefetching every block
+ * attention reads (~70 KB a layer) did not pay: those prefetches came out even (docs/
+ * benchmarks.md, issue 25 roofa). Changes no arithmetic. */
+#define WRITE_PF_MAX_BLOCKS 4
+
+static void prefetch_write_blocks(const ds_plan *p, const ds_layer *L, const ds_rows *rw) {
+    const int64_t bytes =
+        (int64_t)p->num_kv_heads * p->block_size * p->head_dim * (L->kv_bf16 ? 2 : 4);
+    int64_t last = -1;
+    for (int64_t t = 0, n = 0; t < rw->m && n < WRITE_PF_MAX_BLOCKS; t++) {
+        const int64_t b = rw->slot_blocks[t];
+        if (b == last) continue; /* a sequence's rows share blocks */
+        last = b, n++;
+        const char *k = (const char *)L->k_cache + b * bytes;
+        const char *v = (const char *)L->v_cache + b * bytes;
+        for (int64_t o = 0; o < bytes; o += 64) {
+            __builtin_prefetch(k + o, 1, 3); /* prefetchw */
+            __builtin_prefetch(v + o, 1, 3);
+        }
+    }
+}
+
 /* Query rows per attention item of a multi-row sequence (as paged_attention.c). */
 #define Q_TILE 16
 
@@ -820,6 +849,7 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
             const ds_layer *L = &p->layers[l];
             const ds_rows *lr = L->window > 0 && w_tables ? &rw_window : &rw;
             if (lead && l == p->num_layers - 1) lead_head_soon(lead);
+            if (threads == 1 && !wide) prefetch_write_blocks(p, L, lr);
             FOR_ROWS_TO_X(wide, sc.xq != NULL, r, mr,
                           rms_row(l ? added + r * H : res + r * H, l ? res + r * H : NULL,
                                   h + r * H, L->input_norm, H, p->eps));
