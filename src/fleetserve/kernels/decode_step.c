@@ -571,50 +571,6 @@ static void attend_rows(const ds_plan *p, const ds_layer *L, const float *qkv, i
                          L->window, 0.f, L->kv_bf16, scores);
 }
 
-/* A team of one (one thread, a lead step's thread 0, a split step's sub-step): before a
- * layer's row work and qkv GEMV, prefetches of the cache lines its attention touches
- * first. By then the ~3 MB of weights streamed since the last token have pushed them out
- * of the caches, and the walk waited on DRAM. Two sets (issue 25, docs/benchmarks.md
- * "roofa"): the blocks this step's rows write, for writing (one key's d-major write
- * touches every line of its head's key block: read-for-ownership misses, then attention
- * reads the block), and the first KV_READ_PF_BYTES of the keys and values attention
- * walks. All of a layer's ~70 KB (SmolLM2, ~90 keys) made the burst stall the core
- * longer than attention saved; 48 KB paid. Changes no arithmetic. */
-enum { KV_WRITE_PF_BLOCKS = 4, KV_READ_PF_BYTES = 48 << 10 };
-
-/* always_inline: gcc's IPA took a static helper whose only effects are prefetches for a
- * function without side effects and dropped its calls (it compiled to nothing). */
-static inline __attribute__((always_inline)) void prefetch_layer_kv(const ds_plan *p,
-                                                                   const ds_layer *L,
-                                                                   const ds_rows *rw) {
-    const int64_t bs = p->block_size;
-    const int64_t bytes = (int64_t)p->num_kv_heads * bs * p->head_dim * (L->kv_bf16 ? 2 : 4);
-    const char *kc = L->k_cache, *vc = L->v_cache;
-    int64_t last = -1;
-    for (int64_t t = 0, n = 0; t < rw->m && n < KV_WRITE_PF_BLOCKS; t++) {
-        const int64_t b = rw->slot_blocks[t];
-        if (b == last) continue; /* a sequence's rows share blocks */
-        last = b, n++;
-        for (int64_t o = 0; o < bytes; o += 64) {
-            __builtin_prefetch(kc + b * bytes + o, 1, 3); /* prefetchw */
-            __builtin_prefetch(vc + b * bytes + o, 1, 3);
-        }
-    }
-    int64_t left = KV_READ_PF_BYTES;
-    for (int64_t i = 0; i < rw->num_seqs; i++) {
-        const int64_t n = rw->seq_lens[i], first = n - rw->q_lens[i] + 1; /* row 0's keys */
-        const int64_t lo = L->window > 0 && first > L->window ? first - L->window : 0;
-        const int64_t *table = rw->tables + i * rw->max_blocks;
-        for (int64_t b = lo / bs; b * bs < n; b++, left -= 2 * bytes) {
-            if (left < 2 * bytes) return;
-            for (int64_t o = 0; o < bytes; o += 64) {
-                __builtin_prefetch(kc + table[b] * bytes + o, 0, 2); /* prefetcht1 */
-                __builtin_prefetch(vc + table[b] * bytes + o, 0, 2);
-            }
-        }
-    }
-}
-
 /* Query rows per attention item of a multi-row sequence (as paged_attention.c). */
 #define Q_TILE 16
 
@@ -864,7 +820,6 @@ static int team_step(const ds_plan *p, const float *x, float *out, int64_t m,
             const ds_layer *L = &p->layers[l];
             const ds_rows *lr = L->window > 0 && w_tables ? &rw_window : &rw;
             if (lead && l == p->num_layers - 1) lead_head_soon(lead);
-            if (threads == 1 && !wide) prefetch_layer_kv(p, L, lr);
             FOR_ROWS_TO_X(wide, sc.xq != NULL, r, mr,
                           rms_row(l ? added + r * H : res + r * H, l ? res + r * H : NULL,
                                   h + r * H, L->input_norm, H, p->eps));
