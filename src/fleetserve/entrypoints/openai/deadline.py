@@ -112,7 +112,10 @@ async def bounded_sse(request: Any, chunks: AsyncIterator[str]) -> AsyncIterator
                 elif left <= 0:
                     raise TimeoutError
                 else:
-                    chunk = await asyncio.wait_for(chunks.__anext__(), left)
+                    # not wait_for: in Python 3.11 it can swallow a cancel that arrives
+                    # as the chunk does (fleet_client._bounded)
+                    async with asyncio.timeout(left):
+                        chunk = await chunks.__anext__()
             except StopAsyncIteration:
                 return
             except TimeoutError:

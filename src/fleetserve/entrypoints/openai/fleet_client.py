@@ -115,7 +115,12 @@ class GatewayFleetClient:
                     if asyncio.iscoroutine(work):
                         work.close()
                     raise TimeoutError
-                result = await asyncio.wait_for(work, remaining)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the inner
+                # result when a cancel arrives just as it completes, swallowing the cancel
+                # (a parent's abandoned stream then ran its sub-call to the end: each chunk
+                # of a stream is one such wait).
+                async with asyncio.timeout(remaining):
+                    result = await work
             status = 200
             return result
         except TimeoutError:
