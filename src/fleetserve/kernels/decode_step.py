@@ -120,6 +120,21 @@ LEAD_CHUNK_BYTES = 16384
 # the back, those bytes first).
 LEAD_PREFETCH_BYTES = 768 * 1024
 
+
+def _lead_names(bits: int) -> tuple[str, ...]:
+    """The LEAD_MULTI_PARTS whose bits (decode_step.c's order) are set."""
+    return tuple(n for i, n in enumerate(LEAD_MULTI_PARTS) if bits >> i & 1)
+
+
+def _lead_bits(field: str, names: Sequence[str], allowed: tuple[str, ...]) -> int:
+    """`names` (each one of `allowed`, else a ValueError naming `field`) as decode_step.c's
+    bits."""
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise ValueError(f"{field}: {unknown} not among {list(allowed)}")
+    return sum(1 << LEAD_MULTI_PARTS.index(n) for n in set(names))
+
+
 # The phases an opt-in profile times (decode_step.c's PH_*, in order).
 PHASES = ("rows", "qkv", "attention", "o", "gate_up", "down", "head", "argmax")
 _LINEAR_PHASE = {"qkv": "qkv", "o": "o", "gate_up": "gate_up", "down": "down"}
@@ -382,14 +397,11 @@ class DecodePlan:
         start); dot-layout weights only, others stay on the first thread; "attention": the
         attention's items (one a kv head) too. (): the layers on one thread. The same bits
         either way (each weight row is one dot product, each head's attention the team's)."""
-        return tuple(n for i, n in enumerate(LEAD_MULTI_PARTS) if self._plan.lead_share >> i & 1)
+        return _lead_names(self._plan.lead_share)
 
     @lead_share.setter
     def lead_share(self, names: Sequence[str]) -> None:
-        unknown = [n for n in names if n not in LEAD_SHARE_PARTS]
-        if unknown:
-            raise ValueError(f"lead_share: {unknown} not among {list(LEAD_SHARE_PARTS)}")
-        self._plan.lead_share = sum(1 << LEAD_MULTI_PARTS.index(n) for n in set(names))
+        self._plan.lead_share = _lead_bits("lead_share", names, LEAD_SHARE_PARTS)
 
     @property
     def lead_multi(self) -> tuple[str, ...]:
@@ -398,14 +410,11 @@ class DecodePlan:
         "heads" each row's rotary and cache writes, "attention" the (row range, kv head)
         attention items, each an item grabbed from one counter (kernels/lead_share.c).
         (): as a one-row lead step (lead_share). The same bits either way."""
-        return tuple(n for i, n in enumerate(LEAD_MULTI_PARTS) if self._plan.lead_multi >> i & 1)
+        return _lead_names(self._plan.lead_multi)
 
     @lead_multi.setter
     def lead_multi(self, names: Sequence[str]) -> None:
-        unknown = [n for n in names if n not in LEAD_MULTI_PARTS]
-        if unknown:
-            raise ValueError(f"lead_multi: {unknown} not among {list(LEAD_MULTI_PARTS)}")
-        self._plan.lead_multi = sum(1 << LEAD_MULTI_PARTS.index(n) for n in set(names))
+        self._plan.lead_multi = _lead_bits("lead_multi", names, LEAD_MULTI_PARTS)
 
     def tune_lead_share(self, spin_us: int, chunk_bytes: int) -> None:
         """How long the second thread spins after a shared GEMV before it sleeps, and the

@@ -162,6 +162,16 @@ def _env_count(name: str, default: int, unit: str) -> int:
     return int(raw)
 
 
+def _env_names(name: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    """The comma-separated names in environment variable `name` ("none": no name), or
+    `default` when unset (the plan's setter checks each name)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    return () if names == ("none",) else names
+
+
 def lead_max_rows(default: int) -> int:
     """FLEETSERVE_LEAD_STEPS=N: steps of up to N rows (and 4 sequences) on 2 threads run as lead
     steps (DecodePlan.lead_max_rows), 0: none (every step as a team); A/B runs."""
@@ -171,22 +181,14 @@ def lead_max_rows(default: int) -> int:
 def lead_share(default: tuple[str, ...]) -> tuple[str, ...]:
     """FLEETSERVE_LEAD_SHARE=gate_up,down: the projections a lead step's second thread takes
     a share of (DecodePlan.lead_share; "none": the layers on one thread); A/B runs."""
-    raw = os.environ.get("FLEETSERVE_LEAD_SHARE")
-    if raw is None:
-        return default
-    names = tuple(n.strip() for n in raw.split(",") if n.strip())
-    return () if names == ("none",) else names
+    return _env_names("FLEETSERVE_LEAD_SHARE", default)
 
 
 def lead_multi(default: tuple[str, ...]) -> tuple[str, ...]:
     """FLEETSERVE_LEAD_MULTI=qkv,o,gate_up,down,heads,attention: what a lead step of several
     rows shares with its second thread (DecodePlan.lead_multi; "none": as a one-row lead
     step); A/B runs."""
-    raw = os.environ.get("FLEETSERVE_LEAD_MULTI")
-    if raw is None:
-        return default
-    names = tuple(n.strip() for n in raw.split(",") if n.strip())
-    return () if names == ("none",) else names
+    return _env_names("FLEETSERVE_LEAD_MULTI", default)
 
 
 def lead_spin_us(default: int) -> int:
