@@ -65,7 +65,10 @@ def test_past_the_deadline_504_and_the_engine_request_is_aborted(server: ServerP
                     return [line async for line in resp.aiter_lines() if line.startswith("data:")]
 
             # A request beside them, without a deadline, is answered whole.
-            beside = ac.post("/v1/completions", json={"prompt": "b", "max_tokens": 30})
+            # (ignore_eos: sampled, it could otherwise stop at EOS before 30 tokens)
+            beside = ac.post(
+                "/v1/completions", json={"prompt": "b", "max_tokens": 30, "ignore_eos": True}
+            )
             return await asyncio.gather(late, stream(), beside)
 
     late, lines, beside = asyncio.run(run())
